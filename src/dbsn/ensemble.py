@@ -1,0 +1,62 @@
+"""The predictive distribution of a stochastic model from S stochastic forward passes.
+
+Every stochastic method (DBSN's sampled structures, MC dropout's masks, BBB's weight samples)
+predicts with the Bayes ensemble
+
+    p(y | x) ≈ 1/S Σ_s p(y | x, ω_s),        ω_s ~ q(ω),
+
+i.e. it averages *probabilities*, not logits. This module is the one place that computes it:
+a method supplies `stochastic_forward(x, n) -> logits (n, b, C)`, which evaluates n independent
+draws in one batched call (for DBSN: one grouped forward over n structures), and the ensemble
+runs it in chunks of `samples_per_forward` so that S × batch never has to fit in memory at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+StochasticForward = Callable[[Tensor, int], Tensor]
+
+
+class BayesEnsemble:
+    """Average the class probabilities of `n_samples` stochastic forward passes.
+
+    Args:
+        n_samples: S, the number of Monte Carlo draws (the paper uses 100).
+        samples_per_forward: how many draws share one batched forward; bounds peak memory at
+            `samples_per_forward × batch` inputs.
+    """
+
+    def __init__(self, n_samples: int = 100, samples_per_forward: int = 10) -> None:
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        if samples_per_forward < 1:
+            raise ValueError(f"samples_per_forward must be >= 1, got {samples_per_forward}")
+        self.n_samples = n_samples
+        self.samples_per_forward = samples_per_forward
+
+    def _chunks(self):
+        done = 0
+        while done < self.n_samples:
+            n = min(self.samples_per_forward, self.n_samples - done)
+            yield n
+            done += n
+
+    def member_log_probs(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
+        """Log-probabilities of every member, shaped (S, b, C)."""
+        return torch.cat([stochastic_forward(x, n).log_softmax(-1) for n in self._chunks()])
+
+    def __call__(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
+        """log of the averaged probabilities, log(1/S Σ_s softmax(f_s(x))), shaped (b, C).
+
+        Computed as logsumexp over members minus log S, one chunk at a time, so only
+        `samples_per_forward` members are alive at once.
+        """
+        partial = [
+            torch.logsumexp(stochastic_forward(x, n).log_softmax(-1), dim=0) for n in self._chunks()
+        ]
+        return torch.logsumexp(torch.stack(partial), dim=0) - math.log(self.n_samples)

@@ -1,0 +1,244 @@
+"""What every classification method shares, so that a method differs only where it differs.
+
+A method is a LightningModule that joins a network (which takes the structure α as an input)
+with whatever distribution the method puts on structure or weights, and owns the loss and the
+optimisers. `ClassificationMethod` provides the common parts:
+
+- SGD with momentum and weight decay on the network weights, lr ÷ `gamma` at fractions of
+  training, gradient-norm clipping on the weights only (the paper's CIFAR recipe);
+- an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
+- a NaN/inf guard that stops the run at the first bad loss and names the step;
+- Bayes-ensemble prediction (`dbsn.ensemble.BayesEnsemble`) from `stochastic_forward`, with the
+  test metrics under stable names `test/{error,nll,brier,ece}`;
+- different random streams per DDP rank, so each rank draws its own structures/masks.
+
+Subclasses implement `training_loss(x, y)` and `stochastic_forward(x, n)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from dbsn.ensemble import BayesEnsemble
+from dbsn.metrics import ClassificationMetrics
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised at the first NaN/inf training loss, before it can reach the weights."""
+
+
+@dataclass
+class WeightOptimizer:
+    """SGD on the network weights: the paper's CIFAR settings by default.
+
+    `milestones` are fractions of `max_epochs` at which the lr is multiplied by `gamma`
+    (paper: 50% / 75%; the research code used 60% / 80%).
+    """
+
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = False
+    grad_clip_norm: float | None = 5.0
+    milestones: Sequence[float] = (0.5, 0.75)
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.milestones = tuple(float(m) for m in self.milestones)
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if any(not 0 < m < 1 for m in self.milestones):
+            raise ValueError(f"milestones are fractions of training in (0, 1), got {self.milestones}")
+
+    def build(self, params, max_epochs: int):
+        opt = torch.optim.SGD(
+            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
+        )
+        epochs = sorted({max(1, round(m * max_epochs)) for m in self.milestones})
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=epochs, gamma=self.gamma)
+
+
+@dataclass
+class StructureOptimizer:
+    """Adam on the structure logits θ (paper: lr 3e-4, betas (0.5, 0.999), no weight decay)."""
+
+    lr: float = 3e-4
+    betas: Sequence[float] = field(default=(0.5, 0.999))
+    weight_decay: float = 0.0
+
+    def build(self, params):
+        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay)
+
+
+class ClassificationMethod(pl.LightningModule):
+    """Base LightningModule; see the module docstring.
+
+    Args:
+        net: the network; `net.num_classes` gives the number of classes.
+        optim: settings of the weights' optimiser.
+        n_samples: S, members of the Bayes ensemble at test time.
+        val_samples: members used for validation during training (cheaper than S).
+        samples_per_forward: members evaluated in one batched forward (bounds memory).
+        dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
+            data module at the start of training.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optim: WeightOptimizer | None = None,
+        n_samples: int = 1,
+        val_samples: int = 1,
+        samples_per_forward: int = 10,
+        dataset_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = net
+        self.optim = optim if optim is not None else WeightOptimizer()
+        self.n_samples = n_samples
+        self.val_samples = val_samples
+        self.samples_per_forward = samples_per_forward
+        self.dataset_size = dataset_size
+        num_classes = net.num_classes
+        self.val_metrics = ClassificationMetrics(num_classes)
+        self.test_metrics = ClassificationMetrics(num_classes)
+        self.test_predictions: tuple[Tensor, Tensor] | None = None
+        self._test_outputs: list[tuple[Tensor, Tensor]] = []
+
+    # ------------------------------------------------------------------ for subclasses
+    def structure_parameters(self) -> list[nn.Parameter]:
+        """Parameters optimised by the structure optimiser instead of SGD (θ for DBSN)."""
+        return []
+
+    def structure_optimizer(self):
+        return None
+
+    def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Return at least {'loss', 'logits', 'targets'}; other scalars are logged as train/<key>."""
+        raise NotImplementedError
+
+    def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
+        """Logits of n independent draws of the model on x, shaped (n, b, C)."""
+        raise NotImplementedError
+
+    def on_before_training_step(self) -> None:
+        """Hook for per-step schedules."""
+
+    def on_after_optimizer_step(self) -> None:
+        """Hook for step counters."""
+
+    # ------------------------------------------------------------------ optimisation
+    def weight_parameters(self) -> list[nn.Parameter]:
+        structure = {id(p) for p in self.structure_parameters()}
+        return [p for p in self.parameters() if id(p) not in structure and p.requires_grad]
+
+    def configure_optimizers(self):
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs < 1:
+            raise ValueError(
+                "The lr schedule is defined in epochs: set trainer.max_epochs (got "
+                f"{max_epochs})."
+            )
+        sgd, schedule = self.optim.build(self.weight_parameters(), max_epochs)
+        optimizers = [sgd]
+        if self.structure_parameters():
+            optimizers.append(self.structure_optimizer().build(self.structure_parameters()))
+        return optimizers, [schedule]
+
+    def on_fit_start(self) -> None:
+        if self.dataset_size is None:
+            datamodule = getattr(self.trainer, "datamodule", None)
+            if datamodule is None or not hasattr(datamodule, "num_train"):
+                raise ValueError("dataset_size is unset and the data module does not report num_train")
+            self.dataset_size = int(datamodule.num_train)
+        if self.trainer.world_size > 1:
+            # Ranks start from the same seed (same initial weights); from here on each rank
+            # draws its own structures / masks / weight noise, like one replica per GPU.
+            torch.manual_seed((torch.initial_seed() + 104729 * self.global_rank) % 2**63)
+
+    def _optimizers(self) -> list:
+        opts = self.optimizers()
+        return list(opts) if isinstance(opts, (list, tuple)) else [opts]
+
+    def _check_finite(self, loss: Tensor, batch_idx: int) -> None:
+        if torch.isfinite(loss.detach()).item():
+            return
+        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
+        raise NonFiniteLossError(
+            f"Training loss is {loss.item()} at global step {self.trainer.global_step} "
+            f"(epoch {self.current_epoch}, batch {batch_idx}); the weights were not updated with it. "
+            f"Last good checkpoint: {last}. Common fixes: lower the learning rate "
+            "(model.optim.lr), keep gradient clipping on (model.optim.grad_clip_norm), or use "
+            "32-bit precision (trainer.precision=32-true)."
+        )
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        self.on_before_training_step()
+        out = self.training_loss(x, y)
+        loss = out["loss"]
+        self._check_finite(loss, batch_idx)
+        opts = self._optimizers()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        if self.optim.grad_clip_norm:
+            self.clip_gradients(opts[0], gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
+        for opt in opts:
+            opt.step()
+        self.on_after_optimizer_step()
+
+        error = (out["logits"].detach().argmax(-1) != out["targets"]).float().mean()
+        logs = {f"train/{k}": v.detach() for k, v in out.items() if k not in ("logits", "targets")}
+        logs["train/error"] = error
+        self.log_dict(logs, on_step=True, on_epoch=True, batch_size=y.shape[0])
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False, batch_size=y.shape[0])
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        schedule = self.lr_schedulers()
+        if schedule is not None:
+            schedule.step()
+
+    # ------------------------------------------------------------------ prediction
+    def predict_log_probs(self, x: Tensor, n_samples: int | None = None) -> Tensor:
+        """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S)."""
+        ensemble = BayesEnsemble(n_samples or self.n_samples, self.samples_per_forward)
+        return ensemble(self.stochastic_forward, x)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        self.val_metrics.update(self.predict_log_probs(x, self.val_samples), y)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict({f"val/{k}": v for k, v in self.val_metrics.compute().items()}, prog_bar=True)
+        self.val_metrics.reset()
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        log_probs = self.predict_log_probs(x)
+        self.test_metrics.update(log_probs, y)
+        self._test_outputs.append((log_probs.detach().float(), y.detach()))
+
+    def on_test_epoch_start(self) -> None:
+        self._test_outputs = []
+        self.test_predictions = None
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict({f"test/{k}": v for k, v in self.test_metrics.compute().items()})
+        self.test_metrics.reset()
+        if self._test_outputs:
+            log_probs = torch.cat([lp for lp, _ in self._test_outputs])
+            targets = torch.cat([t for _, t in self._test_outputs])
+            if self.trainer.world_size > 1:
+                log_probs = self.all_gather(log_probs).flatten(0, 1)
+                targets = self.all_gather(targets).flatten(0, 1)
+            self.test_predictions = (log_probs.cpu(), targets.cpu())
+        self._test_outputs = []

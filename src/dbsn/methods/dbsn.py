@@ -1,0 +1,117 @@
+"""Deep Bayesian Structure Networks (Deng, Luo & Zhu, ICLR 2021).
+
+Point-estimate weights w, a posterior q(α | θ) on the structure: per edge a sharpened concrete
+distribution (Eq. 4-5) with logits θ shared by all cells. The loss (Eq. 3, per example) is
+
+    L(θ, w) = E_q[ -1/N log p(D | α, w) ] + KL(q(α|θ) || p(α)) / N + γ ||w||²,
+
+estimated with T structure samples per step (Eq. 6-7), evaluated in *one* forward over T
+groups of the replicated batch (group t uses α_t). The KL is estimated from the same samples
+against the uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
+
+Prediction is the Bayes ensemble over S structures drawn at τ = `test_tau` (1 in the paper)
+with the final β, network in eval mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
+from dbsn.schedules import BetaSchedule, TauSchedule
+from dbsn.structure import StructureLogits
+
+
+class DBSN(ClassificationMethod):
+    """DBSN training (T grouped structure samples per step) and Bayes-ensemble prediction.
+
+    Args:
+        net: a structure-learnable network with `forward(x, alpha)`, `num_edges`, `num_ops`.
+        train_samples: T, structure samples per training step (paper: 4).
+        n_samples: S, structures in the test-time Bayes ensemble (paper: 100).
+        tau, beta: the temperature (per optimiser step) and sharpening (per epoch) schedules.
+        test_tau: temperature of the structures drawn for prediction.
+        structure_optim: Adam settings for θ.
+        theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optim: WeightOptimizer | None = None,
+        structure_optim: StructureOptimizer | None = None,
+        tau: TauSchedule | None = None,
+        beta: BetaSchedule | None = None,
+        train_samples: int = 4,
+        n_samples: int = 100,
+        val_samples: int = 10,
+        samples_per_forward: int = 10,
+        test_tau: float = 1.0,
+        theta_init_std: float = 1e-3,
+        dataset_size: int | None = None,
+    ) -> None:
+        super().__init__(net, optim, n_samples, val_samples, samples_per_forward, dataset_size)
+        if train_samples < 1:
+            raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
+        self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
+        self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
+        self.tau_schedule = tau if tau is not None else TauSchedule()
+        self.beta_schedule = beta if beta is not None else BetaSchedule()
+        self.train_samples = train_samples
+        self.test_tau = test_tau
+        # Schedule state lives in buffers so that checkpoints carry it: the optimiser-step
+        # count t drives τ, and β is the value of the current (after training: final) epoch.
+        self.register_buffer("structure_step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("beta", torch.tensor(self.beta_schedule(0)))
+        self._step = 0
+
+    # ------------------------------------------------------------------ schedules
+    @property
+    def tau(self) -> float:
+        return self.tau_schedule(self._step)
+
+    def on_train_start(self) -> None:
+        self._step = int(self.structure_step)
+
+    def on_train_epoch_start(self) -> None:
+        self.beta.fill_(self.beta_schedule(self.current_epoch))
+        self.log_structure_state()
+
+    def on_after_optimizer_step(self) -> None:
+        self._step += 1
+        self.structure_step.fill_(self._step)
+
+    def log_structure_state(self) -> None:
+        probs = self.structure.probs().detach()
+        entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
+        self.log_dict(
+            {"structure/tau": self.tau, "structure/beta": float(self.beta), "structure/entropy": entropy},
+            on_step=False, on_epoch=True,
+        )
+
+    # ------------------------------------------------------------------ method
+    def structure_parameters(self) -> list[nn.Parameter]:
+        return [self.structure.theta]
+
+    def structure_optimizer(self) -> StructureOptimizer:
+        return self.structure_optim
+
+    def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        T, tau, beta = self.train_samples, self.tau, self.beta
+        alpha = self.structure.sample(T, beta, tau)  # (T, E, K), reparameterised
+        logits = self.net(x.repeat(T, 1, 1, 1), alpha)  # group t sees alpha[t]
+        targets = y.repeat(T)
+        nll = F.cross_entropy(logits, targets)  # = mean over t of each group's mean NLL
+        kl = self.structure.kl(alpha, beta, tau).mean()
+        return {"loss": nll + kl / self.dataset_size, "nll": nll, "kl": kl, "logits": logits, "targets": targets}
+
+    @torch.no_grad()
+    def sample_structures(self, n: int, tau: float | None = None) -> Tensor:
+        """n structures α ~ q(α | θ, β) at temperature `tau` (default: test_tau), (n, E, K)."""
+        return self.structure.sample(n, self.beta, self.test_tau if tau is None else tau)
+
+    def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
+        alpha = self.sample_structures(n)
+        return self.net(x.repeat(n, 1, 1, 1), alpha).view(n, x.shape[0], -1)

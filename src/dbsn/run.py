@@ -1,0 +1,173 @@
+"""The two entry points' bodies: `train(cfg, output_dir)` and `evaluate(cfg, output_dir)`.
+
+`train.py` and `evaluate.py` at the repository root only parse the command line with Hydra
+and call these, so tests (and DDP child processes, see `dbsn.ddp`) can run the exact same code
+on a composed config without Hydra's runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from dbsn.checkpoint import CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RunConfigCallback, load_checkpoint
+from dbsn.config import to_plain, validate_config
+from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
+from dbsn.methods import ClassificationMethod
+from dbsn.plots import reliability_diagram, save_figure
+
+METRIC_NAMES = ("error", "nll", "brier", "ece")
+
+
+# ---------------------------------------------------------------------- builders
+def build_model(model_cfg: DictConfig | dict, num_classes: int) -> ClassificationMethod:
+    """Instantiate the network (given the data's class count), then the method around it."""
+    spec = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    net = instantiate(spec.pop("net"), num_classes=num_classes)
+    return instantiate(spec, net=net)
+
+
+def _num_devices(devices: Any, accelerator: str) -> int:
+    cuda = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str):
+        if devices == "auto":
+            return torch.cuda.device_count() if cuda else 1
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()])
+        devices = int(devices)
+    if devices == -1:
+        return torch.cuda.device_count() if cuda else 1
+    return int(devices)
+
+
+def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), loggers=()) -> pl.Trainer:
+    """A Lightning Trainer from `trainer.*`, with atomic checkpoints and Hydra-safe DDP."""
+    kwargs = OmegaConf.to_container(trainer_cfg, resolve=True)
+    kwargs.pop("_target_", None)
+    strategy = kwargs.get("strategy", "auto")
+    if strategy == "ddp" or (strategy == "auto" and _num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1):
+        kwargs["strategy"] = RunDirDDPStrategy(run_dir=output_dir)
+    return pl.Trainer(**kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()])
+
+
+def _instantiate_group(group: DictConfig | None) -> list:
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+
+
+# ---------------------------------------------------------------------- reporting
+@rank_zero_only
+def write_test_report(model: ClassificationMethod, metrics: dict[str, float], output_dir: Path,
+                      title: str, loggers=(), extra: dict | None = None) -> None:
+    """metrics.json, reliability_diagram.png, W&B image, and a printed table."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"metrics": metrics, **(extra or {})}
+    (output_dir / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+    if model.test_predictions is not None:
+        log_probs, targets = model.test_predictions
+        figure = reliability_diagram(log_probs.exp(), targets, n_bins=10, title=title)
+        path = save_figure(figure, output_dir / "reliability_diagram.png")
+        for logger in loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(key="test/reliability_diagram", images=[str(path)])
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name in METRIC_NAMES:
+        key = f"test/{name}"
+        if key in metrics:
+            table.add_row(key, f"{metrics[key]:.4f}")
+    Console().print(table)
+    Console().print(f"Outputs: {output_dir}")
+
+
+def _test_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+
+
+def _title(model_cfg, data_cfg, n_samples: int) -> str:
+    method = str(model_cfg["_target_"]).rsplit(".", 1)[-1]
+    data = str(data_cfg["_target_"]).rsplit(".", 1)[-1].replace("DataModule", "")
+    return f"{method} on {data} (S = {n_samples})"
+
+
+# ---------------------------------------------------------------------- entry points
+def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+    """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
+    validate_config(cfg)
+    output_dir = Path(output_dir)
+    plain = to_plain(cfg)
+    if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        output_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+
+    datamodule = instantiate(cfg.data)
+    model = build_model(cfg.model, datamodule.num_classes)
+    callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain)]
+    loggers = _instantiate_group(cfg.get("logger"))
+    trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
+    for logger in loggers:
+        logger.log_hyperparams(plain)
+
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if not cfg.get("test", True):
+        return {}
+    trainer.test(model, datamodule=datamodule)
+    metrics = _test_metrics(trainer)
+    write_test_report(
+        model, metrics, output_dir, _title(plain["model"], plain["data"], model.n_samples), loggers,
+        extra={"n_samples": model.n_samples, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
+               "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
+    )
+    for logger in loggers:
+        logger.finalize("success")
+    return metrics
+
+
+def evaluate(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+    """Rebuild data and model from a checkpoint's stored config, test, write metrics and plots."""
+    checkpoint = load_checkpoint(cfg.ckpt_path)
+    run_cfg = OmegaConf.create(checkpoint[CONFIG_KEY])
+    if cfg.get("data_root") is not None:
+        run_cfg.data.root = cfg.data_root
+    if cfg.get("batch_size") is not None:
+        run_cfg.data.eval_batch_size = cfg.batch_size
+
+    datamodule = instantiate(run_cfg.data)
+    model = build_model(run_cfg.model, datamodule.num_classes)
+    try:
+        model.load_state_dict(checkpoint["state_dict"], strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{cfg.ckpt_path}: its weights do not fit the model described by its own config "
+            f"(was the file edited or written by another version?): {err}"
+        ) from err
+    if cfg.get("n_samples") is not None:
+        model.n_samples = int(cfg.n_samples)
+    if cfg.get("samples_per_forward") is not None:
+        model.samples_per_forward = int(cfg.samples_per_forward)
+
+    trainer = build_trainer(cfg.trainer, Path(output_dir), callbacks=_instantiate_group(cfg.get("callbacks")))
+    trainer.test(model, datamodule=datamodule)
+    metrics = _test_metrics(trainer)
+    write_test_report(
+        model, metrics, Path(output_dir), _title(run_cfg.model, run_cfg.data, model.n_samples),
+        extra={"n_samples": model.n_samples, "checkpoint": str(cfg.ckpt_path), "epoch": checkpoint.get("epoch")},
+    )
+    return metrics
