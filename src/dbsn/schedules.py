@@ -1,0 +1,70 @@
+"""Schedules of the structure distribution's temperature tau and sharpening factor beta.
+
+Small dataclasses so Hydra can build them from a config (``_target_``); the method calls
+them with the optimiser step (tau) or the epoch (beta).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["BetaSchedule", "TauSchedule"]
+
+
+@dataclass
+class TauSchedule:
+    """Temperature of Eq. 4: tau(t) = max(initial * exp(-decay * t), minimum).
+
+    t is the optimiser step count. The paper's setting (Sec. 4, Appendix B.1) is
+    max(3 exp(-1.5e-5 t), 1), which reaches 1 at t = ln(3) / 1.5e-5 = 73,240.8.
+    """
+
+    initial: float = 3.0
+    decay: float = 1.5e-5
+    minimum: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.minimum <= 0:
+            raise ValueError(f"TauSchedule.minimum must be > 0, got {self.minimum}")
+        if self.initial < self.minimum:
+            raise ValueError(
+                f"TauSchedule.initial ({self.initial}) must be >= minimum ({self.minimum})"
+            )
+        if self.decay < 0:
+            raise ValueError(f"TauSchedule.decay must be >= 0, got {self.decay}")
+
+    def __call__(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return max(self.initial * math.exp(-self.decay * step), self.minimum)
+
+
+@dataclass
+class BetaSchedule:
+    """Sharpening factor of Eq. 4: beta(e) = max(start - decay_per_epoch * e, end).
+
+    e is the 0-based epoch. The defaults are the research code's
+    max(1.01 - 0.01 * epoch, 0.5) with 1-based epochs: beta goes linearly from 1 to 0.5
+    over the first 50 epochs (the paper, Appendix A.1, says only "from 1 to 0.5").
+    decay_per_epoch = 0 keeps beta = start ("DBSN*" uses beta = 1).
+    """
+
+    start: float = 1.0
+    end: float = 0.5
+    decay_per_epoch: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.end <= 0:
+            raise ValueError(f"BetaSchedule.end must be > 0, got {self.end}")
+        if self.end > self.start:
+            raise ValueError(f"BetaSchedule.end ({self.end}) must be <= start ({self.start})")
+        if self.decay_per_epoch < 0:
+            raise ValueError(
+                f"BetaSchedule.decay_per_epoch must be >= 0, got {self.decay_per_epoch}"
+            )
+
+    def __call__(self, epoch: int) -> float:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        return max(self.start - self.decay_per_epoch * epoch, self.end)
