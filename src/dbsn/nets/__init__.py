@@ -1,0 +1,12 @@
+"""Networks that take the structure alpha as an input (no distributions here).
+
+``OPS`` is the search space (op name -> constructor), ``Cell`` mixes ops along
+its edges with alpha (paper Eq. 1), and ``StructureNet`` stacks cells into the
+classification network.
+"""
+
+from dbsn.nets.cell import Cell
+from dbsn.nets.classifier import StructureNet
+from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential
+
+__all__ = ["OPS", "Cell", "GroupBatchNorm2d", "GroupedSequential", "StructureNet"]

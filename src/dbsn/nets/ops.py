@@ -1,0 +1,122 @@
+"""Candidate operations of the DBSN search space and group-aware BatchNorm.
+
+Every operation maps a node of ``C`` channels to ``C`` channels and ends in the
+same non-affine BatchNorm, so the structure weight alpha_k is the only scale on
+its output (paper, Appendix B: "BN-ReLU-Conv-BN, first BN affine, second not").
+
+Batches here hold G groups of examples, one per structure sample, stacked
+contiguously along dim 0. In training mode every BatchNorm normalises each
+group with its own statistics, so one grouped forward equals G separate
+forwards -- what the research code got from one DataParallel replica per
+structure. Modules therefore take ``forward(x, groups)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class GroupBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose training statistics are computed per group.
+
+    ``forward(x, groups)`` with ``x`` of shape (G*b, C, H, W): in training mode
+    (or without running statistics) group g = rows [g*b, (g+1)*b) is normalised
+    with its own mean and biased variance over (b, H, W). The running statistics
+    move towards the average over groups of each group's mean and unbiased
+    variance, which is the average of what G separate ``nn.BatchNorm2d`` copies
+    would hold after one step each. With ``groups == 1`` or in eval mode it is
+    exactly ``nn.BatchNorm2d``.
+    """
+
+    def forward(self, x: Tensor, groups: int = 1) -> Tensor:  # type: ignore[override]
+        uses_batch_stats = self.training or self.running_mean is None
+        if groups == 1 or not uses_batch_stats:
+            return super().forward(x)
+
+        # Lay the groups out as channels, (b, G*C, H, W), so one fused batch_norm
+        # call computes per-group statistics (about 2x faster than var_mean on CPU).
+        n, c, h, w = x.shape
+        xt = x.view(groups, n // groups, c, h, w).transpose(0, 1).reshape(n // groups, groups * c, h, w)
+        update = self.training and self.track_running_stats
+        running_mean = self.running_mean.repeat(groups) if update else None
+        running_var = self.running_var.repeat(groups) if update else None
+        factor = 0.0
+        if update:
+            self.num_batches_tracked.add_(1)
+            # momentum=None: cumulative moving average, as in nn.BatchNorm2d.
+            factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        y = F.batch_norm(
+            xt, running_mean, running_var,
+            self.weight.repeat(groups) if self.affine else None,
+            self.bias.repeat(groups) if self.affine else None,
+            True, factor, self.eps,
+        )
+        if update:  # each copy moved by factor towards its group's stats; keep their mean
+            with torch.no_grad():
+                self.running_mean.copy_(running_mean.view(groups, c).mean(0))
+                self.running_var.copy_(running_var.view(groups, c).mean(0))
+        return y.view(n // groups, groups, c, h, w).transpose(0, 1).reshape(n, c, h, w)
+
+
+class GroupedSequential(nn.Sequential):
+    """``nn.Sequential`` that passes ``groups`` on to the children that take it."""
+
+    def forward(self, x: Tensor, groups: int = 1) -> Tensor:  # type: ignore[override]
+        for module in self:
+            x = module(x, groups) if isinstance(module, _GROUP_AWARE) else module(x)
+        return x
+
+
+class Zero(nn.Module):
+    """The ``zero`` operation: no connection. Cells skip it instead of adding zeros."""
+
+    def forward(self, x: Tensor, groups: int = 1) -> Tensor:
+        return torch.zeros_like(x)
+
+
+_GROUP_AWARE = (GroupBatchNorm2d, GroupedSequential, Zero)
+
+
+def _dw_pw(channels: int, dilation: int = 1) -> list[nn.Module]:
+    """Depthwise 3x3 (optionally dilated, same padding) then pointwise 1x1, no bias."""
+    return [
+        nn.Conv2d(channels, channels, 3, padding=dilation, dilation=dilation,
+                  groups=channels, bias=False),
+        nn.Conv2d(channels, channels, 1, bias=False),
+    ]
+
+
+def identity(channels: int) -> nn.Module:
+    """Identity as in the research code: a non-affine BatchNorm of the input."""
+    return GroupBatchNorm2d(channels, affine=False)
+
+
+def sep_conv_3x3(channels: int) -> nn.Module:
+    """BN-ReLU-SepConv3x3 twice, ending in a non-affine BN."""
+    return GroupedSequential(
+        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels),
+        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels),
+        GroupBatchNorm2d(channels, affine=False),
+    )
+
+
+def dil_conv_3x3(channels: int) -> nn.Module:
+    """BN-ReLU-dilated (2) SepConv3x3, ending in a non-affine BN."""
+    return GroupedSequential(
+        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels, dilation=2),
+        GroupBatchNorm2d(channels, affine=False),
+    )
+
+
+# The search space: op name -> constructor (channels) -> module. A config's op
+# list picks from these; its order defines the index k in alpha[..., k].
+OPS: dict[str, Callable[[int], nn.Module]] = {
+    "zero": lambda channels: Zero(),
+    "identity": identity,
+    "sep_conv_3x3": sep_conv_3x3,
+    "dil_conv_3x3": dil_conv_3x3,
+}
