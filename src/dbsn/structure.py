@@ -143,14 +143,16 @@ class StructureLogits(nn.Module):
         self.theta = nn.Parameter(init_std * torch.randn(num_edges, num_ops))
 
     def posterior(self, beta: float | Tensor, tau: float | Tensor) -> SharpenedConcrete:
-        """q(alpha | theta, beta) at temperature tau."""
-        return SharpenedConcrete(self.theta, beta=beta, tau=tau)
+        """q(alpha | theta, beta) at temperature tau.
+
+        Argument validation is off: it runs every training step and would force a device sync.
+        """
+        return SharpenedConcrete(self.theta, beta=beta, tau=tau, validate_args=False)
 
     def prior(self, tau: float | Tensor) -> SharpenedConcrete:
         """p(alpha): uniform logits, beta = 1, the same temperature tau."""
-        return uniform_prior(
-            self.num_edges, self.num_ops, tau, device=self.theta.device, dtype=self.theta.dtype
-        )
+        zeros = torch.zeros_like(self.theta)
+        return SharpenedConcrete(zeros, beta=1.0, tau=tau, validate_args=False)
 
     def sample(self, n: int, beta: float | Tensor, tau: float | Tensor) -> Tensor:
         """n reparameterised structure samples, shape (n, E, K)."""
