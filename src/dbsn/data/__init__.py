@@ -1,0 +1,26 @@
+"""Datasets as Lightning DataModules: CIFAR-10/100, SVHN and the embedded digits.
+
+Loaders yield uint8 images and int64 labels; each DataModule turns them into normalised
+float batches (augmented in training) on the device, in `on_after_batch_transfer`.
+"""
+
+from dbsn.data.base import (
+    CorruptDatasetError,
+    DatasetNotFoundError,
+    ImageClassificationDataModule,
+    TensorImageDataset,
+)
+from dbsn.data.cifar import CIFAR10DataModule, CIFAR100DataModule
+from dbsn.data.digits import DigitsDataModule
+from dbsn.data.svhn import SVHNDataModule
+
+__all__ = [
+    "CIFAR10DataModule",
+    "CIFAR100DataModule",
+    "CorruptDatasetError",
+    "DatasetNotFoundError",
+    "DigitsDataModule",
+    "ImageClassificationDataModule",
+    "SVHNDataModule",
+    "TensorImageDataset",
+]

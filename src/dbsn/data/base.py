@@ -1,0 +1,270 @@
+"""The image-classification DataModule that every dataset here shares.
+
+Images stay in memory as uint8 tensors (N, 3, 32, 32) with int64 labels. A loader does one
+gather per batch and yields ``(uint8 images, labels)``; all float work (scaling to [0, 1],
+random crop and flip in training, per-channel normalisation) runs in
+`on_after_batch_transfer`, on the device, batched. Subclasses only say where their files are
+and how to read them.
+"""
+
+import warnings
+from pathlib import Path
+from typing import ClassVar
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from dbsn.data.augment import normalize, random_crop, random_hflip, to_unit_range
+
+# `val_dataloader` returns [] when there is no validation split: that is how Lightning is told
+# to skip validation, so its warning about a zero-length `list` is expected. (A zero-length
+# DataLoader still warns.)
+warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero", category=UserWarning)
+
+#: Zero padding of the training-time random crop (the paper's "random crop 32, padding 4").
+CROP_PADDING = 4
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset's files are not where the DataModule expects them."""
+
+
+class CorruptDatasetError(ValueError):
+    """A dataset file exists but cannot be read or holds the wrong arrays."""
+
+
+class TensorImageDataset(Dataset):
+    """uint8 images (N, C, H, W) and int64 labels (N,) held in memory.
+
+    `__getitems__` lets a DataLoader fetch a whole batch with one index operation; use it with
+    `collate_batch`, which passes that batch through unchanged.
+    """
+
+    def __init__(self, images: Tensor, labels: Tensor) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"images must be uint8 (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if labels.shape != (images.shape[0],):
+            raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}")
+        self.images = images
+        self.labels = labels.long()
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.images[index], self.labels[index]
+
+    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return self.images[index], self.labels[index]
+
+
+def collate_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Identity collate: `TensorImageDataset.__getitems__` already returns the stacked batch."""
+    return batch
+
+
+def check_arrays(path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int) -> None:
+    """Raise `CorruptDatasetError` naming `path` unless it held uint8 (N, 3, 32, 32) images with
+    N labels in 0..num_classes-1."""
+    problem = None
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (3, 32, 32):
+        problem = f"images should be uint8 (N, 3, 32, 32), got {images.dtype} {images.shape}"
+    elif labels.shape != (images.shape[0],):
+        problem = f"{images.shape[0]} images but labels of shape {labels.shape}"
+    elif labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        problem = f"labels outside 0..{num_classes - 1} (min {labels.min()}, max {labels.max()})"
+    if problem:
+        raise CorruptDatasetError(
+            f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again"
+        )
+
+
+class ImageClassificationDataModule(L.LightningDataModule):
+    """Train / optional validation / test loaders for a 32x32 RGB classification dataset.
+
+    Args:
+        root: folder holding the dataset files (layout as torchvision's dataset classes).
+        batch_size: training batch size (the paper: 64).
+        eval_batch_size: validation and test batch size; None = `batch_size`.
+        num_workers: DataLoader worker processes (kept alive between epochs).
+        val_size: images carved out of the training set for validation: 0 = none (the
+            validation loader is empty and Lightning skips validation), an int = a count, a
+            float in (0, 1) = a fraction. The test set is never used for anything but testing.
+        split_seed: seed of the permutation that picks the validation images.
+        download: let `prepare_data` fetch the dataset with torchvision (needs internet).
+        augment: random crop (padding 4) and, if `flip`, horizontal flip in training.
+        flip: horizontal flips in training; None = the dataset's default (`default_flip`).
+        drop_last: drop the last incomplete training batch (the research code does).
+        pin_memory: pinned host memory for faster copies (only used when CUDA is present).
+    """
+
+    name: ClassVar[str]
+    num_classes: ClassVar[int]
+    mean: ClassVar[tuple[float, float, float]]
+    std: ClassVar[tuple[float, float, float]]
+    default_flip: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 2,
+        val_size: int | float = 0,
+        split_seed: int = 0,
+        download: bool = False,
+        augment: bool = True,
+        flip: bool | None = None,
+        drop_last: bool = True,
+        pin_memory: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.root = Path(root).expanduser().absolute()
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.val_size = val_size
+        self.split_seed = split_seed
+        self.download = download
+        self.augment = augment
+        self.flip = self.default_flip if flip is None else flip
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.train_set: TensorImageDataset | None = None
+        self.val_set: TensorImageDataset | None = None
+        self.test_set: TensorImageDataset | None = None
+        self._device_stats: tuple[Tensor, Tensor] | None = None
+
+    # ----- what a dataset supplies ------------------------------------------------------
+    def required_files(self) -> list[Path]:
+        """Absolute paths of every file `setup` reads (checked before reading anything)."""
+        return []
+
+    def download_hint(self) -> str:
+        """How to get the files by hand (URL and where to put them)."""
+        return ""
+
+    def download_files(self) -> None:
+        """Fetch the files (torchvision does the download and the md5 checks)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot download its data")
+
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
+        """uint8 images (N, 3, 32, 32) and int64 labels (N,) of the training or test set."""
+        raise NotImplementedError
+
+    # ----- Lightning hooks --------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Download when asked to; the only place that touches the network."""
+        if self.download:
+            self.download_files()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check that all files exist, then read the splits this stage needs (once)."""
+        self.check_files()
+        if stage in (None, "fit", "validate") and self.train_set is None:
+            images, labels = self.read_split(train=True)
+            train_idx, val_idx = self.split_indices(len(labels))
+            self.train_set = TensorImageDataset(images[train_idx], labels[train_idx])
+            if len(val_idx):
+                self.val_set = TensorImageDataset(images[val_idx], labels[val_idx])
+        if stage in (None, "test", "predict") and self.test_set is None:
+            self.test_set = TensorImageDataset(*self.read_split(train=False))
+
+    def check_files(self) -> None:
+        """Raise `DatasetNotFoundError` listing every expected file that is missing."""
+        missing = [path for path in self.required_files() if not path.is_file()]
+        if not missing:
+            return
+        listing = "\n".join(f"  {path}" for path in missing)
+        raise DatasetNotFoundError(
+            f"{self.name}: {len(missing)} file(s) missing under {self.root}:\n{listing}\n"
+            "Get them in one of these ways:\n"
+            "  - data.download=true (torchvision downloads and checks them; needs internet)\n"
+            f"  - by hand: {self.download_hint()}\n"
+            "  - point data.root at the folder that already holds them"
+        )
+
+    def split_indices(self, n: int) -> tuple[Tensor, Tensor]:
+        """Sorted training and validation indices from a permutation seeded by `split_seed`."""
+        n_val = self.num_val_for(n)
+        generator = torch.Generator().manual_seed(self.split_seed)
+        perm = torch.randperm(n, generator=generator)
+        return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+    def num_val_for(self, n: int) -> int:
+        """Number of validation images `val_size` asks for out of `n` training images."""
+        size = self.val_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+            raise ValueError(f"val_size must be a count >= 0 or a fraction in (0, 1), got {size!r}")
+        if isinstance(size, float):
+            if size >= 1:
+                raise ValueError(f"a fractional val_size must be below 1, got {size}")
+            size = round(size * n)
+        if size >= n:
+            raise ValueError(f"val_size {self.val_size} leaves no training images out of {n}")
+        return int(size)
+
+    @property
+    def has_val(self) -> bool:
+        """Whether a validation split is carved from the training set."""
+        return self.val_size != 0
+
+    @property
+    def num_train(self) -> int:
+        """Images in the training split after the validation carve-out (N in KL / N)."""
+        if self.train_set is None:
+            raise RuntimeError("num_train is known after setup('fit')")
+        return len(self.train_set)
+
+    def _loader(self, dataset: TensorImageDataset, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            shuffle=train,
+            drop_last=train and self.drop_last,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            collate_fn=collate_batch,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """The validation loader, or [] without a validation split (Lightning then skips it)."""
+        return self._loader(self.val_set, train=False) if self.val_set is not None else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def on_after_batch_transfer(
+        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
+    ) -> tuple[Tensor, Tensor]:
+        """uint8 -> normalised float on the device; augmented only while the trainer trains."""
+        images, labels = batch
+        training = self.trainer is not None and self.trainer.training
+        return self.preprocess(images, train=training), labels
+
+    def preprocess(self, images: Tensor, train: bool = False) -> Tensor:
+        """uint8 (N, 3, H, W) -> [0, 1] -> (train: crop + flip) -> normalised with this
+        dataset's statistics. Also usable on other data, e.g. OOD images normalised with the
+        in-distribution statistics."""
+        x = to_unit_range(images)
+        if train and self.augment:
+            x = random_crop(x, CROP_PADDING)
+            if self.flip:
+                x = random_hflip(x)
+        return normalize(x, *self.statistics_on(x.device))
+
+    def statistics_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """`mean` and `std` as tensors on `device`, built once: copying them from host memory
+        for every batch would make the host wait for the device at each step."""
+        if self._device_stats is None or self._device_stats[0].device != device:
+            self._device_stats = tuple(torch.tensor(stat, device=device) for stat in (self.mean, self.std))
+        return self._device_stats
