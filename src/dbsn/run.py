@@ -133,6 +133,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     write_test_report(
         model, metrics, output_dir, _title(plain["model"], plain["data"], model.n_samples), loggers,
         extra={"n_samples": model.n_samples, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
+               "world_size": trainer.world_size,
                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
     )
     for logger in loggers:

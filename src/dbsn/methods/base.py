@@ -196,10 +196,10 @@ class ClassificationMethod(pl.LightningModule):
         self.on_after_optimizer_step()
 
         error = (out["logits"].detach().argmax(-1) != out["targets"]).float().mean()
-        logs = {f"train/{k}": v.detach() for k, v in out.items() if k not in ("logits", "targets")}
+        logs = {f"train/{k}": v.detach() for k, v in out.items() if k not in ("loss", "logits", "targets")}
         logs["train/error"] = error
         self.log_dict(logs, on_step=True, on_epoch=True, batch_size=y.shape[0])
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False, batch_size=y.shape[0])
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
 
     def on_train_epoch_end(self) -> None:

@@ -44,6 +44,7 @@ class StructureNet(nn.Module):
         unknown = [name for name in ops if name not in OPS]
         if unknown:
             raise ValueError(f"unknown op name(s) {unknown}; valid names are {list(OPS)}")
+        self.num_classes = num_classes
         self.op_names = list(ops)
         self.num_ops = len(self.op_names)
         self.num_edges = num_nodes * (num_nodes - 1) // 2

@@ -1,0 +1,32 @@
+"""Compose the real Hydra configs for tests, as train.py would, minus Hydra's runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A tiny DBSN that trains in seconds on CPU.
+TINY = [
+    "model.net.num_nodes=3",
+    "model.net.cells_per_stage=1",
+    "model.net.growth=4",
+    "model.net.stem_channels=8",
+    "model.train_samples=2",
+    "model.n_samples=4",
+    "model.samples_per_forward=2",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1",
+    "~callbacks.progress_bar",
+]
+
+
+def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=name, overrides=[*overrides, f"paths.output_dir={output_dir}"])

@@ -1,0 +1,65 @@
+"""The command lines a user types: multirun, multi-process DDP, W&B offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from configs import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+QUICK = ["experiment=quick", *TINY, "trainer.max_epochs=1", "data.batch_size=128"]
+
+
+def _run(args, cwd, env=None, timeout=600):
+    result = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def test_multirun_writes_one_folder_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    _run([str(ROOT / "train.py"), "-m", *QUICK, "seed=1,2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    records = [json.loads((job / "metrics.json").read_text()) for job in jobs]
+    assert [r["seed"] for r in records] == [1, 2]
+    assert all("test/ece" in r["metrics"] for r in records)
+
+
+def test_ddp_two_cpu_processes_one_run_folder(tmp_path):
+    run_dir = tmp_path / "outputs" / "ddp"
+    _run(
+        [str(ROOT / "train.py"), *QUICK, "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+    )
+    record = json.loads((run_dir / "metrics.json").read_text())
+    assert record["world_size"] == 2
+    assert set(record["metrics"]) >= {"test/error", "test/nll", "test/brier", "test/ece"}
+    # one run folder, one metrics file, no stray Hydra folders from the child process
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["ddp"]
+    assert len(list(tmp_path.rglob("metrics.json"))) == 1
+    assert len(list(run_dir.glob("csv/version_*"))) == 1
+
+
+def test_wandb_offline_records_test_ece(tmp_path):
+    run_dir = tmp_path / "run"
+    _run(
+        [str(ROOT / "train.py"), *QUICK, "logger=wandb", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    expected = json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/ece"]
+    summaries = list(run_dir.glob("wandb/offline-run-*/files/wandb-summary.json"))
+    assert len(summaries) == 1, list(run_dir.rglob("*"))[:50]
+    summary = json.loads(summaries[0].read_text())
+    assert summary["test/ece"] == pytest.approx(expected, rel=1e-6)
+    assert "test/reliability_diagram" in summary
+    config = list(run_dir.glob("wandb/offline-run-*/files/config.yaml"))
+    assert config and "train_samples" in config[0].read_text()

@@ -1,0 +1,74 @@
+"""Bad configuration fails before training starts, naming what would be valid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from configs import CONF, ROOT, TINY, compose_config
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from dbsn.config import ConfigError, validate_config
+from dbsn.run import build_model, train
+
+
+@pytest.mark.parametrize("experiment", [None, "quick", "cifar10_paper", "cifar100_paper"])
+@pytest.mark.parametrize("data", ["cifar10", "cifar100", "svhn", "digits"])
+def test_every_shipped_config_validates(tmp_path, experiment, data):
+    overrides = [f"data={data}"] + ([f"experiment={experiment}"] if experiment else [])
+    cfg = compose_config("train", overrides, tmp_path)
+    validate_config(cfg)
+
+
+def test_paper_experiments_pin_the_paper_settings(tmp_path):
+    for name, classes in (("cifar10_paper", 10), ("cifar100_paper", 100)):
+        cfg = compose_config("train", [f"experiment={name}"], tmp_path)
+        assert cfg.model.net.num_nodes == 7 and cfg.model.net.cells_per_stage * cfg.model.net.num_stages == 12
+        assert cfg.model.train_samples == 4 and cfg.model.n_samples == 100
+        assert cfg.trainer.max_epochs == 100 and cfg.data.batch_size == 64
+        model = build_model(cfg.model, num_classes=classes)
+        n_params = sum(p.numel() for p in model.net.parameters())
+        assert 0.9e6 < n_params < 1.2e6, n_params
+
+
+def test_quick_preset_is_the_small_model(tmp_path):
+    cfg = compose_config("train", ["experiment=quick"], tmp_path)
+    model = build_model(cfg.model, num_classes=10)
+    n_params = sum(p.numel() for p in model.net.parameters())
+    assert 30e3 < n_params < 55e3, n_params
+    assert instantiate(cfg.data).__class__.__name__ == "DigitsDataModule"
+
+
+def test_misspelled_key_names_the_valid_one(tmp_path):
+    cfg = compose_config("train", ["+model.net.num_node=3"], tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.net: unknown key 'num_node'.*Did you mean 'num_nodes'"):
+        validate_config(cfg)
+    cfg = compose_config("train", ["+model.optim.learning_rate=0.1"], tmp_path)
+    with pytest.raises(ConfigError, match="Valid keys: .*lr"):
+        train(cfg, tmp_path)  # fails in the check, before anything is built
+
+
+def test_overriding_a_missing_key_is_refused(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="max_epoch"):
+        compose_config("train", ["trainer.max_epoch=3"], tmp_path)
+
+
+def test_unknown_choice_lists_valid_choices(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=dbsnn", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Could not find 'model/dbsnn'" in result.stderr
+    assert "Available options in 'model'" in result.stderr and "dbsn" in result.stderr
+
+
+def test_every_config_group_file_is_reachable():
+    for group in ("data", "model", "trainer", "logger", "callbacks", "experiment"):
+        assert list((CONF / group).glob("*.yaml")), group
+
+
+def test_tiny_overrides_compose(tmp_path):
+    validate_config(compose_config("train", ["experiment=quick", *TINY], tmp_path))

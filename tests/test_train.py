@@ -1,0 +1,144 @@
+"""End-to-end runs through the same code as train.py / evaluate.py, on generated data."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from configs import TINY, compose_config
+from fakedata import write_cifar10
+
+from dbsn.checkpoint import CheckpointError, load_checkpoint
+from dbsn.methods import DBSN, NonFiniteLossError
+from dbsn.run import build_model, evaluate, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar10(root, n_train=320, n_test=64, seed=0)
+    return root
+
+
+def _cifar_overrides(root, epochs: int) -> list[str]:
+    return [
+        "data=cifar10", f"data.root={root}", "data.batch_size=32", "data.num_workers=0",
+        *TINY, f"trainer.max_epochs={epochs}", "model.structure_optim.lr=0.01",
+    ]
+
+
+def _metric_rows(run_dir) -> list[dict[str, str]]:
+    with open(next(run_dir.glob("csv/version_*/metrics.csv"))) as f:
+        return list(csv.DictReader(f))
+
+
+def _epoch_values(run_dir, key: str) -> list[float]:
+    return [float(row[key]) for row in _metric_rows(run_dir) if row.get(key)]
+
+
+@pytest.fixture(scope="module")
+def trained_run(cifar_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    cfg = compose_config("train", _cifar_overrides(cifar_root, epochs=4), out)
+    metrics = train(cfg, out)
+    return cfg, out, metrics
+
+
+def test_training_decreases_loss_and_moves_theta(trained_run):
+    cfg, out, metrics = trained_run
+    nll = _epoch_values(out, "train/nll_epoch")
+    assert len(nll) == 4 and nll[-1] < 0.9 * nll[0]
+
+    # theta at initialisation: same seed, same build order as train()
+    pl.seed_everything(cfg.seed)
+    initial = build_model(cfg.model, num_classes=10).structure.theta.detach()
+    final = load_checkpoint(out / "checkpoints" / "last.ckpt")["state_dict"]["structure.theta"]
+    assert (final - initial).abs().max() > 0.02
+
+    assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
+    record = json.loads((out / "metrics.json").read_text())
+    assert record["metrics"]["test/ece"] == pytest.approx(metrics["test/ece"])
+    assert record["n_samples"] == 4
+    assert (out / "reliability_diagram.png").stat().st_size > 1000
+    # schedules are logged every epoch
+    assert len(_epoch_values(out, "structure/tau")) == 4
+    assert len(_epoch_values(out, "structure/beta")) == 4
+
+
+def test_evaluate_reloads_checkpoint_and_overrides_samples(trained_run, tmp_path):
+    _, out, _ = trained_run
+    eval_dir = tmp_path / "eval"
+    cfg = compose_config(
+        "evaluate",
+        [f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "n_samples=3", "trainer.accelerator=cpu",
+         "trainer.enable_progress_bar=false", "~callbacks.progress_bar"],
+        eval_dir,
+    )
+    metrics = evaluate(cfg, eval_dir)
+    assert 0.0 <= metrics["test/error"] <= 1.0
+    record = json.loads((eval_dir / "metrics.json").read_text())
+    assert record["n_samples"] == 3
+    assert (eval_dir / "reliability_diagram.png").exists()
+
+
+def _eval_cfg(path, tmp_path):
+    return compose_config("evaluate", [f"ckpt_path={path}", "trainer.accelerator=cpu"], tmp_path / "e")
+
+
+def test_evaluate_rejects_missing_corrupt_and_foreign_checkpoints(trained_run, tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        evaluate(_eval_cfg(tmp_path / "nope.ckpt", tmp_path), tmp_path / "e")
+    corrupt = tmp_path / "corrupt.ckpt"
+    good = (trained_run[1] / "checkpoints" / "last.ckpt").read_bytes()
+    corrupt.write_bytes(good[: len(good) // 2])  # a truncated copy
+    with pytest.raises(CheckpointError, match="corrupt"):
+        evaluate(_eval_cfg(corrupt, tmp_path), tmp_path / "e")
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}, "epoch": 3}, foreign)
+    with pytest.raises(CheckpointError, match="did not write"):
+        evaluate(_eval_cfg(foreign, tmp_path), tmp_path / "e")
+
+
+def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_run, tmp_path):
+    _, out, _ = trained_run
+    last = out / "checkpoints" / "last.ckpt"
+    saved = load_checkpoint(last)
+    steps_per_epoch = 320 // 32
+    assert int(saved["state_dict"]["structure_step"]) == 4 * steps_per_epoch
+    assert len(saved["optimizer_states"]) == 2  # SGD on weights, Adam on theta
+
+    resumed_dir = tmp_path / "resumed"
+    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=5), f"ckpt_path={last}"], resumed_dir)
+    train(cfg, resumed_dir)
+    after = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")
+    assert after["epoch"] == 4  # 0-based: the fifth epoch
+    assert int(after["state_dict"]["structure_step"]) == 5 * steps_per_epoch
+    assert after["global_step"] > saved["global_step"]
+    # the lr schedule continued from where it was (5 epochs stepped in total)
+    assert after["lr_schedulers"][0]["last_epoch"] == 5
+    # Adam's state for theta was carried over and advanced
+    assert after["optimizer_states"][1]["state"][0]["step"] == saved["optimizer_states"][1]["state"][0]["step"] + steps_per_epoch
+    assert not torch.equal(after["state_dict"]["structure.theta"], saved["state_dict"]["structure.theta"])
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path, monkeypatch):
+    original = DBSN.training_loss
+
+    def poisoned(self, x, y):
+        out = original(self, x, y)
+        if self._step >= 13:  # in the second epoch; the first epoch's checkpoint exists
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(DBSN, "training_loss", poisoned)
+    cfg = compose_config("train", _cifar_overrides(cifar_root, epochs=3), tmp_path)
+    with pytest.raises(NonFiniteLossError, match=r"nan at global step \d+ \(epoch 1, batch 3\)"):
+        train(cfg, tmp_path)
+    checkpoint = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert checkpoint["epoch"] == 0
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
