@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from configs import ROOT, TINY
+from wandb_records import config_keys, logged_values
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,9 @@ def test_wandb_offline_records_test_ece(tmp_path):
         cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     expected = json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/ece"]
-    summaries = list(run_dir.glob("wandb/offline-run-*/files/wandb-summary.json"))
-    assert len(summaries) == 1, list(run_dir.rglob("*"))[:50]
-    summary = json.loads(summaries[0].read_text())
-    assert summary["test/ece"] == pytest.approx(expected, rel=1e-6)
-    assert "test/reliability_diagram" in summary
-    config = list(run_dir.glob("wandb/offline-run-*/files/config.yaml"))
-    assert config and "train_samples" in config[0].read_text()
+    runs = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list(run_dir.rglob("*"))[:50]
+    logged = logged_values(runs[0])
+    assert logged["test/ece"] == pytest.approx(expected, rel=1e-6)
+    assert logged["test/reliability_diagram/_type"] == "images/separated"
+    assert {"model", "data", "trainer", "seed"} <= config_keys(runs[0])

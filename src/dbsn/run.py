@@ -138,6 +138,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     )
     for logger in loggers:
         logger.finalize("success")
+        if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+            logger.experiment.finish()  # writes the run summary (offline runs: for `wandb sync`)
     return metrics
 
 
