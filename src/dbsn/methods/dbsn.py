@@ -6,7 +6,8 @@ distribution (Eq. 4-5) with logits θ shared by all cells. The loss (Eq. 3, per 
     L(θ, w) = E_q[ -1/N log p(D | α, w) ] + KL(q(α|θ) || p(α)) / N + γ ||w||²,
 
 estimated with T structure samples per step (Eq. 6-7), evaluated in *one* forward over T
-groups of the replicated batch (group t uses α_t). The KL is estimated from the same samples
+groups of the replicated batch (`x.repeat_interleave(T)`: row r uses α_{r mod T}).
+The KL is estimated from the same samples
 against the uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
 
 Prediction is the Bayes ensemble over S structures drawn at τ = `test_tau` (1 in the paper)
@@ -101,8 +102,8 @@ class DBSN(ClassificationMethod):
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         T, tau, beta = self.train_samples, self.tau, self.beta
         alpha = self.structure.sample(T, beta, tau)  # (T, E, K), reparameterised
-        logits = self.net(x.repeat(T, 1, 1, 1), alpha)  # group t sees alpha[t]
-        targets = y.repeat(T)
+        logits = self.net(x.repeat_interleave(T, dim=0), alpha)  # each example under each alpha[t]
+        targets = y.repeat_interleave(T)
         nll = F.cross_entropy(logits, targets)  # = mean over t of each group's mean NLL
         kl = self.structure.kl(alpha, beta, tau).mean()
         return {"loss": nll + kl / self.dataset_size, "nll": nll, "kl": kl, "logits": logits, "targets": targets}
@@ -114,4 +115,5 @@ class DBSN(ClassificationMethod):
 
     def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
         alpha = self.sample_structures(n)
-        return self.net(x.repeat(n, 1, 1, 1), alpha).view(n, x.shape[0], -1)
+        logits = self.net(x.repeat_interleave(n, dim=0), alpha)  # row i*n + s: example i, alpha[s]
+        return logits.view(x.shape[0], n, -1).transpose(0, 1)

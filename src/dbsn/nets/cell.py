@@ -40,7 +40,7 @@ class Cell(nn.Module):
         )
 
     def forward(self, x: Tensor, alpha: Tensor) -> Tensor:
-        """``x``: (G*b, C, H, W); ``alpha``: (G, E, K), rows [g*b, (g+1)*b) use alpha[g]."""
+        """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G]."""
         groups = alpha.shape[0]
         slices = self.preprocess(x, groups).split(self.growth, dim=1)
         nodes: list[Tensor] = []
@@ -56,12 +56,12 @@ class Cell(nn.Module):
         """sum_k alpha_e[g, k] * op_k(node) per group g; ``zero`` ops are skipped."""
         groups = alpha_e.shape[0]
         n, c, h, w = node.shape
-        weights = alpha_e.to(node.dtype).view(groups, -1, 1, 1, 1, 1)  # (G, K, 1, 1, 1, 1)
+        weights = alpha_e.to(node.dtype).t().reshape(-1, 1, groups, 1, 1, 1)  # (K, 1, G, 1, 1, 1)
         out = None
         for k, op in enumerate(ops):
             if isinstance(op, Zero):
                 continue
-            term = op(node, groups).view(groups, n // groups, c, h, w) * weights[:, k]
+            term = op(node, groups).view(n // groups, groups, c, h, w) * weights[k]
             out = term if out is None else out + term
         if out is None:  # every op is zero
             return torch.zeros_like(node)

@@ -18,7 +18,9 @@ class StructureNet(nn.Module):
     The network knows nothing about distributions: ``forward(x, alpha)`` takes
     the structure explicitly. ``alpha`` of shape (G, E, K) holds G structures,
     each one (E, K) matrix shared by all cells; the batch is split into G
-    contiguous groups and group g is computed under ``alpha[g]``, so one
+    interleaved groups, row r computed under ``alpha[r mod G]`` (so
+    ``net(x.repeat_interleave(G, 0), alpha)`` runs every example under every
+    structure, and ``.view(b, G, -1)`` separates them again), so one
     forward evaluates G structure samples with shared weights. In training mode
     every BatchNorm uses per-group statistics, so this equals G separate
     forwards.
@@ -91,7 +93,10 @@ class StructureNet(nn.Module):
         return self.stages[0][0].edges
 
     def forward(self, x: Tensor, alpha: Tensor) -> Tensor:
-        """Logits (G*b, num_classes) for ``x`` (G*b, C, H, W) under ``alpha`` (G, E, K) or (E, K)."""
+        """Logits (b*G, num_classes) for ``x`` (b*G, C, H, W); row r uses ``alpha[r mod G]``.
+
+        ``alpha`` is (G, E, K), or (E, K) for a single structure.
+        """
         alpha = self._check_alpha(x, alpha)
         groups = alpha.shape[0]
         x = self.stem(x)

@@ -1,0 +1,195 @@
+"""`make bench`: speed and memory of DBSN's hot paths, as ratios measured in one run.
+
+    python -m dbsn.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
+
+Cases (same network, same batch, same machine, interleaved repetitions, median time):
+  fixed      one SGD step of the network under fixed uniform α (the MAP-fixed-α cost)
+  dbsn_t1    one DBSN step with T = 1 (sample α, NLL + KL/N, SGD on w + Adam on θ)
+  dbsn_t4    one DBSN step with T = 4 structures in one grouped forward
+  ens_100    Bayes ensemble with S = 100, `samples_per_forward` structures per forward
+  single_100 the same 100 structures as 100 single forwards
+
+Ratios and targets: dbsn_t1 / fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
+ens_100 / single_100 <= 1.0. Peak memory per case: CUDA max allocated on a GPU, or the peak
+resident-set growth of a fresh process on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import statistics
+import time
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+
+from dbsn.ensemble import BayesEnsemble
+from dbsn.methods import DBSN
+from dbsn.nets import StructureNet
+
+NETS = {
+    "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
+    "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
+}
+CASES = ("fixed", "dbsn_t1", "dbsn_t4", "ens_100", "single_100")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_case(name: str, net_name: str, batch: int, device: torch.device, samples_per_forward: int):
+    """A zero-argument callable running one repetition of `name`."""
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=10, **NETS[net_name]).to(device)
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    if name == "fixed":
+        alpha = torch.full((1, net.num_edges, net.num_ops), 1.0 / net.num_ops, device=device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+        def step():
+            loss = F.cross_entropy(net(x, alpha), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 5.0)
+            opt.step()
+        return step
+
+    train_samples = 4 if name == "dbsn_t4" else 1
+    method = DBSN(net, train_samples=train_samples, dataset_size=50_000, samples_per_forward=samples_per_forward).to(device)
+    if name in ("dbsn_t1", "dbsn_t4"):
+        weights = method.weight_parameters()
+        opt_w, _ = method.optim.build(weights, max_epochs=100)
+        opt_t = method.structure_optim.build(method.structure_parameters())
+
+        def step():
+            loss = method.training_loss(x, y)["loss"]
+            opt_w.zero_grad(set_to_none=True)
+            opt_t.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(weights, 5.0)
+            opt_w.step()
+            opt_t.step()
+            method.on_after_optimizer_step()
+        return step
+
+    method.eval()
+    chunk = samples_per_forward if name == "ens_100" else 1
+    ensemble = BayesEnsemble(100, chunk)
+
+    def predict():
+        with torch.inference_mode():
+            ensemble(method.stochastic_forward, x)
+    return predict
+
+
+def _peak_memory_child(name, net_name, batch, device_str, samples_per_forward, queue) -> None:
+    device = torch.device(device_str)
+    run = build_case(name, net_name, batch, device, samples_per_forward)
+    if device.type == "cuda":
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize()
+        queue.put((torch.cuda.max_memory_allocated(device) - base) / 2**20)
+        return
+    with open("/proc/self/statm") as f:
+        base_kib = int(f.read().split()[1]) * resource.getpagesize() / 1024
+    run()
+    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kib) / 1024)
+
+
+def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float:
+    """Peak memory of one repetition, measured in a fresh process so cases do not mix."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peak_memory_child, args=(name, net_name, batch, str(device), samples_per_forward, queue))
+    proc.start()
+    value = queue.get(timeout=1800)
+    proc.join()
+    return float(value)
+
+
+def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
+        samples_per_forward: int = 10, memory: bool = True) -> dict:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    steps = {name: build_case(name, net_name, batch, dev, samples_per_forward) for name in CASES}
+    for step in steps.values():  # warm-up
+        step()
+    times = {name: [] for name in CASES}
+    for _ in range(repeats):  # interleaved, so drifts in machine load hit every case alike
+        for name, step in steps.items():
+            _sync(dev)
+            start = time.perf_counter()
+            step()
+            _sync(dev)
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    result = {
+        "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "net": net_name, "batch": batch, "repeats": repeats, "samples_per_forward": samples_per_forward,
+        "seconds": median,
+        "ratios": {
+            "dbsn_t1 / fixed (target <= 1.10)": median["dbsn_t1"] / median["fixed"],
+            "dbsn_t4 / (4 x dbsn_t1) (target <= 1.0)": median["dbsn_t4"] / (4 * median["dbsn_t1"]),
+            "ens_100 / single_100 (target <= 1.0)": median["ens_100"] / median["single_100"],
+        },
+    }
+    if memory:
+        result["peak_memory_mib"] = {
+            name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward) for name in CASES
+        }
+    return result
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]dbsn bench[/] {result['date']} on {result['device']}, torch {result['torch']}, "
+                  f"net={result['net']}, batch={result['batch']}, median of {result['repeats']}")
+    table = Table("case", "seconds", "peak MiB")
+    for name, seconds in result["seconds"].items():
+        mem = result.get("peak_memory_mib", {}).get(name)
+        table.add_row(name, f"{seconds:.4f}", "-" if mem is None else f"{mem:.0f}")
+    console.print(table)
+    ratios = Table("ratio", "value", "target met")
+    for name, value in result["ratios"].items():
+        target = float(name.rsplit("<= ", 1)[1].rstrip(")"))
+        ratios.add_row(name, f"{value:.3f}", "yes" if value <= target else "[red]no[/]")
+    console.print(ratios)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--net", choices=sorted(NETS), default="quick")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--samples-per-forward", type=int, default=10)
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
+    parser.add_argument("--json", help="also write the result to this file")
+    args = parser.parse_args(argv)
+    result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory)
+    _print(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
