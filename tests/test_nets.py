@@ -265,3 +265,19 @@ def test_parameter_counts_of_paper_and_small_models():
     c10.eval()  # one tiny forward of the paper-size net
     with torch.no_grad():
         assert c10(torch.randn(2, 3, 8, 8), soft_alpha(2, c10)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_replicate_equals_forward_on_repeated_input(training):
+    torch.manual_seed(0)
+    net = tiny_net()
+    set_random_affine(net)
+    twin = copy.deepcopy(net)
+    net.train(training), twin.train(training)
+    G, b = 3, 4
+    alpha = soft_alpha(G, net, seed=2)
+    x = torch.randn(b, 3, 16, 16)
+    expected = twin(x.repeat_interleave(G, 0), alpha)
+    torch.testing.assert_close(net(x, alpha, replicate=True), expected, rtol=1e-4, atol=1e-5)
+    for (name, buf), ref in zip(net.named_buffers(), twin.buffers()):
+        torch.testing.assert_close(buf, ref, rtol=1e-5, atol=1e-6, msg=name)

@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing as mp
 import platform
-import resource
 import statistics
 import time
 from datetime import date
@@ -103,10 +102,19 @@ def _peak_memory_child(name, net_name, batch, device_str, samples_per_forward, q
         torch.cuda.synchronize()
         queue.put((torch.cuda.max_memory_allocated(device) - base) / 2**20)
         return
-    with open("/proc/self/statm") as f:
-        base_kib = int(f.read().split()[1]) * resource.getpagesize() / 1024
+    base = _proc_status_kib("VmRSS")
     run()
-    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kib) / 1024)
+    queue.put((_proc_status_kib("VmHWM") - base) / 1024)
+
+
+def _proc_status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmHWM: its peak RSS; unlike
+    getrusage's ru_maxrss it is not inherited across fork/exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float:

@@ -6,7 +6,8 @@ distribution (Eq. 4-5) with logits θ shared by all cells. The loss (Eq. 3, per 
     L(θ, w) = E_q[ -1/N log p(D | α, w) ] + KL(q(α|θ) || p(α)) / N + γ ||w||²,
 
 estimated with T structure samples per step (Eq. 6-7), evaluated in *one* forward over T
-groups of the replicated batch (`x.repeat_interleave(T)`: row r uses α_{r mod T}).
+groups of the replicated batch (`x.repeat_interleave(T)`: row r uses α_{r mod T}; the
+network runs the structure-independent prefix once).
 The KL is estimated from the same samples
 against the uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
 
@@ -102,7 +103,7 @@ class DBSN(ClassificationMethod):
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         T, tau, beta = self.train_samples, self.tau, self.beta
         alpha = self.structure.sample(T, beta, tau)  # (T, E, K), reparameterised
-        logits = self.net(x.repeat_interleave(T, dim=0), alpha)  # each example under each alpha[t]
+        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(T), alpha)
         targets = y.repeat_interleave(T)
         nll = F.cross_entropy(logits, targets)  # = mean over t of each group's mean NLL
         kl = self.structure.kl(alpha, beta, tau).mean()
@@ -115,5 +116,5 @@ class DBSN(ClassificationMethod):
 
     def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
         alpha = self.sample_structures(n)
-        logits = self.net(x.repeat_interleave(n, dim=0), alpha)  # row i*n + s: example i, alpha[s]
+        logits = self.net(x, alpha, replicate=True)  # row i*n + s: example i under alpha[s]
         return logits.view(x.shape[0], n, -1).transpose(0, 1)

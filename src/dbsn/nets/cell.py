@@ -31,7 +31,7 @@ class Cell(nn.Module):
         self.out_channels = in_channels + num_nodes * growth
         self.edges = [(i, j) for j in range(1, num_nodes) for i in range(j)]
         self.preprocess = GroupedSequential(
-            GroupBatchNorm2d(in_channels), nn.ReLU(inplace=True),
+            GroupBatchNorm2d(in_channels), nn.ReLU(),
             nn.Conv2d(in_channels, num_nodes * growth, 1, bias=False),
             GroupBatchNorm2d(num_nodes * growth, affine=False),
         )
@@ -39,16 +39,24 @@ class Cell(nn.Module):
             nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges
         )
 
-    def forward(self, x: Tensor, alpha: Tensor) -> Tensor:
-        """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G]."""
+    def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
+        """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G].
+
+        ``expand=True``: ``x`` is (b, C, H, W), the same for every structure. The input
+        projection does not depend on alpha (and per-group BatchNorm of G identical groups
+        is BatchNorm of one), so it runs once and both x and it are replicated afterwards.
+        """
         groups = alpha.shape[0]
-        slices = self.preprocess(x, groups).split(self.growth, dim=1)
+        projected = self.preprocess(x, 1 if expand else groups)
+        if expand:
+            x, projected = x.repeat_interleave(groups, 0), projected.repeat_interleave(groups, 0)
+        slices = projected.split(self.growth, dim=1)
         nodes: list[Tensor] = []
         for j, node in enumerate(slices):
             for i in range(j):
                 e = j * (j - 1) // 2 + i
                 node = node + self._mixed_edge(nodes[i], alpha[:, e], self.edge_ops[e])
-            nodes.append(node)
+            nodes.append(node.contiguous())  # node 0 is a channel slice; its ops want a dense tensor
         return torch.cat([x, *nodes], dim=1)
 
     @staticmethod

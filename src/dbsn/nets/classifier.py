@@ -59,7 +59,7 @@ class StructureNet(nn.Module):
             if s > 0:
                 reduced = int(math.floor(compression * channels))
                 self.transitions.append(GroupedSequential(
-                    GroupBatchNorm2d(channels), nn.ReLU(inplace=True),
+                    GroupBatchNorm2d(channels), nn.ReLU(),
                     nn.Conv2d(channels, reduced, 1, bias=False), nn.AvgPool2d(2),
                 ))
                 channels = reduced
@@ -69,7 +69,7 @@ class StructureNet(nn.Module):
                 channels = stage[-1].out_channels
             self.stages.append(stage)
         self.head = GroupedSequential(
-            GroupBatchNorm2d(channels), nn.ReLU(inplace=True),
+            GroupBatchNorm2d(channels), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         )
         self.classifier = nn.Linear(channels, num_classes)
@@ -92,22 +92,27 @@ class StructureNet(nn.Module):
         """(i, j) of each row of alpha, in order (the same for every cell)."""
         return self.stages[0][0].edges
 
-    def forward(self, x: Tensor, alpha: Tensor) -> Tensor:
+    def forward(self, x: Tensor, alpha: Tensor, replicate: bool = False) -> Tensor:
         """Logits (b*G, num_classes) for ``x`` (b*G, C, H, W); row r uses ``alpha[r mod G]``.
 
-        ``alpha`` is (G, E, K), or (E, K) for a single structure.
+        ``alpha`` is (G, E, K), or (E, K) for a single structure. With ``replicate=True``,
+        ``x`` holds b examples and each is evaluated under every structure: the result equals
+        ``forward(x.repeat_interleave(G, 0), alpha)``, but the structure-independent prefix
+        (stem and the first cell's input projection) runs once instead of G times.
         """
-        alpha = self._check_alpha(x, alpha)
+        alpha = self._check_alpha(x, alpha, replicate)
         groups = alpha.shape[0]
         x = self.stem(x)
+        expand = replicate
         for s, stage in enumerate(self.stages):
             if s > 0:
                 x = self.transitions[s - 1](x, groups)
             for cell in stage:
-                x = cell(x, alpha)
+                x = cell(x, alpha, expand=expand)
+                expand = False
         return self.classifier(self.head(x, groups))
 
-    def _check_alpha(self, x: Tensor, alpha: Tensor) -> Tensor:
+    def _check_alpha(self, x: Tensor, alpha: Tensor, replicate: bool = False) -> Tensor:
         if alpha.dim() == 2:
             alpha = alpha.unsqueeze(0)
         expected = (self.num_edges, self.num_ops)
@@ -116,7 +121,7 @@ class StructureNet(nn.Module):
                 f"alpha must have shape (G, {expected[0]}, {expected[1]}) or {expected} "
                 f"(edges x ops {self.op_names}), got {tuple(alpha.shape)}"
             )
-        if alpha.shape[0] == 0 or x.shape[0] % alpha.shape[0] != 0:
+        if alpha.shape[0] == 0 or (not replicate and x.shape[0] % alpha.shape[0] != 0):
             raise ValueError(
                 f"batch size {x.shape[0]} is not divisible by the number of structures "
                 f"G = {alpha.shape[0]} (alpha of shape {tuple(alpha.shape)})"

@@ -100,8 +100,8 @@ def identity(channels: int) -> nn.Module:
 def sep_conv_3x3(channels: int) -> nn.Module:
     """BN-ReLU-SepConv3x3 twice, ending in a non-affine BN."""
     return GroupedSequential(
-        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels),
-        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels),
+        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels),
+        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels),
         GroupBatchNorm2d(channels, affine=False),
     )
 
@@ -109,7 +109,7 @@ def sep_conv_3x3(channels: int) -> nn.Module:
 def dil_conv_3x3(channels: int) -> nn.Module:
     """BN-ReLU-dilated (2) SepConv3x3, ending in a non-affine BN."""
     return GroupedSequential(
-        GroupBatchNorm2d(channels), nn.ReLU(inplace=True), *_dw_pw(channels, dilation=2),
+        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels, dilation=2),
         GroupBatchNorm2d(channels, affine=False),
     )
 
