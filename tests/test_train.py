@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -142,3 +143,19 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path
     checkpoint = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     assert checkpoint["epoch"] == 0
     assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+
+
+def test_notebook_runs_top_to_bottom_on_a_run_folder(trained_run, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    _, out, _ = trained_run
+    notebook_dir = Path(__file__).resolve().parents[1] / "notebooks"
+    notebook = nbformat.read(notebook_dir / "inspect_run.ipynb", as_version=4)
+    monkeypatch.setenv("DBSN_RUN", str(out))
+    NotebookClient(notebook, timeout=300, resources={"metadata": {"path": str(notebook_dir)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "test/ece" in text and str(out) in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # reliability diagram + heatmap

@@ -128,7 +128,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     if not cfg.get("test", True):
         return {}
-    trainer.test(model, datamodule=datamodule)
+    trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
     write_test_report(
         model, metrics, output_dir, _title(plain["model"], plain["data"], model.n_samples), loggers,
@@ -167,7 +167,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         model.samples_per_forward = int(cfg.samples_per_forward)
 
     trainer = build_trainer(cfg.trainer, Path(output_dir), callbacks=_instantiate_group(cfg.get("callbacks")))
-    trainer.test(model, datamodule=datamodule)
+    trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
     write_test_report(
         model, metrics, Path(output_dir), _title(run_cfg.model, run_cfg.data, model.n_samples),
