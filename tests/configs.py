@@ -23,7 +23,6 @@ TINY = [
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "trainer.log_every_n_steps=1",
-    "~callbacks.progress_bar",
 ]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -57,6 +58,8 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
     """A Lightning Trainer from `trainer.*`, with atomic checkpoints and Hydra-safe DDP."""
     kwargs = OmegaConf.to_container(trainer_cfg, resolve=True)
     kwargs.pop("_target_", None)
+    if kwargs.get("enable_progress_bar") is False:  # the progress-bar callback would contradict it
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     strategy = kwargs.get("strategy", "auto")
     if strategy == "ddp" or (strategy == "auto" and _num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1):
         kwargs["strategy"] = RunDirDDPStrategy(run_dir=output_dir)
