@@ -1,6 +1,21 @@
-"""Methods: LightningModules that join a network with a distribution and own loss and optimisers."""
+"""Methods: LightningModules that join a network with a distribution and own loss and optimisers.
+
+| config        | class                         | structure            | weights                    |
+|---------------|-------------------------------|----------------------|----------------------------|
+| dbsn          | DBSN                          | q(α|θ), sampled       | point                      |
+| fbn           | DBSN(weights=GaussianWeights) | q(α|θ), sampled       | Gaussian (BBB)             |
+| map           | MAP(learn_structure=True)     | softmax(θ)            | point                      |
+| map_fixed     | MAP(learn_structure=False)    | uniform 1/K           | point                      |
+| mc_dropout    | MAP(weights=MCDropoutWeights) | uniform (or learned)  | dropout 0.2, on at test    |
+| bbb           | MAP(weights=GaussianWeights)  | softmax(θ)            | Gaussian (BBB)             |
+"""
 
 from dbsn.methods.base import ClassificationMethod, NonFiniteLossError, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN
+from dbsn.methods.map import MAP
+from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
-__all__ = ["ClassificationMethod", "DBSN", "NonFiniteLossError", "StructureOptimizer", "WeightOptimizer"]
+__all__ = [
+    "ClassificationMethod", "DBSN", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
+    "PointWeights", "StructureOptimizer", "WeightOptimizer", "WeightPosterior",
+]

@@ -4,6 +4,9 @@ A method is a LightningModule that joins a network (which takes the structure α
 with whatever distribution the method puts on structure or weights, and owns the loss and the
 optimisers. `ClassificationMethod` provides the common parts:
 
+- the loss, mean NLL + (structure KL + weight KL) / N, over T structures evaluated in one
+  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T});
+- the weight side through a `WeightPosterior` (point, MC dropout, Gaussian/BBB);
 - SGD with momentum and weight decay on the network weights, lr ÷ `gamma` at fractions of
   training, gradient-norm clipping on the weights only (the paper's CIFAR recipe);
 - an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
@@ -12,7 +15,8 @@ optimisers. `ClassificationMethod` provides the common parts:
   test metrics under stable names `test/{error,nll,brier,ece}`;
 - different random streams per DDP rank, so each rank draws its own structures/masks.
 
-Subclasses implement `training_loss(x, y)` and `stochastic_forward(x, n)`.
+Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K), KL)` and
+`prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.ensemble import BayesEnsemble
+from dbsn.methods.weights import WeightPosterior
 from dbsn.metrics import ClassificationMetrics
 
 
@@ -82,7 +88,9 @@ class ClassificationMethod(pl.LightningModule):
     Args:
         net: the network; `net.num_classes` gives the number of classes.
         optim: settings of the weights' optimiser.
-        n_samples: S, members of the Bayes ensemble at test time.
+        weights: the weight posterior (default: point estimate).
+        train_samples: T, structures per training step (one grouped forward).
+        n_samples: S, members of the Bayes ensemble at test time (1 for deterministic methods).
         val_samples: members used for validation during training (cheaper than S).
         samples_per_forward: members evaluated in one batched forward (bounds memory).
         dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
@@ -93,6 +101,8 @@ class ClassificationMethod(pl.LightningModule):
         self,
         net: nn.Module,
         optim: WeightOptimizer | None = None,
+        weights: WeightPosterior | None = None,
+        train_samples: int = 1,
         n_samples: int = 1,
         val_samples: int = 1,
         samples_per_forward: int = 10,
@@ -100,8 +110,12 @@ class ClassificationMethod(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.net = net
+        self.weights = weights if weights is not None else WeightPosterior()
+        self.net = self.weights.prepare(net)
         self.optim = optim if optim is not None else WeightOptimizer()
+        if train_samples < 1:
+            raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
+        self.train_samples = train_samples
         self.n_samples = n_samples
         self.val_samples = val_samples
         self.samples_per_forward = samples_per_forward
@@ -111,22 +125,57 @@ class ClassificationMethod(pl.LightningModule):
         self.test_metrics = ClassificationMetrics(num_classes)
         self.test_predictions: tuple[Tensor, Tensor] | None = None
         self._test_outputs: list[tuple[Tensor, Tensor]] = []
+        # post-hoc temperature (log T), fitted on validation data by `fit_temperature`; 0 = off
+        self.register_buffer("log_temperature", torch.zeros(()))
 
     # ------------------------------------------------------------------ for subclasses
+    def training_structures(self, n: int) -> tuple[Tensor, Tensor | float]:
+        """n structures for a training step, (n, E, K), and their KL(q(α)||p(α)) estimate."""
+        raise NotImplementedError
+
+    def prediction_structures(self, n: int) -> Tensor:
+        """n structures for prediction, (n, E, K)."""
+        raise NotImplementedError
+
+    @property
+    def structure_is_stochastic(self) -> bool:
+        return False
+
     def structure_parameters(self) -> list[nn.Parameter]:
-        """Parameters optimised by the structure optimiser instead of SGD (θ for DBSN)."""
+        """Parameters optimised by the structure optimiser instead of SGD (θ)."""
         return []
 
     def structure_optimizer(self):
         return None
 
+    # ------------------------------------------------------------------ the method
+    @property
+    def is_stochastic(self) -> bool:
+        """Whether prediction needs S > 1 Monte Carlo members."""
+        return self.structure_is_stochastic or self.weights.stochastic
+
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """Return at least {'loss', 'logits', 'targets'}; other scalars are logged as train/<key>."""
-        raise NotImplementedError
+        """Mean NLL over T structures (one grouped forward) + (structure KL + weight KL) / N."""
+        alpha, structure_kl = self.training_structures(self.train_samples)
+        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(T), alpha)
+        targets = y.repeat_interleave(alpha.shape[0])
+        nll = F.cross_entropy(logits, targets)  # = mean over t of each structure's mean NLL
+        weight_kl = self.weights.kl(self.net, self.current_epoch)
+        out = {"nll": nll, "logits": logits, "targets": targets}
+        if self.structure_is_stochastic:
+            out["kl"] = structure_kl
+        if self.weights.stochastic:
+            out["weight_kl"] = torch.as_tensor(weight_kl)
+        out["loss"] = nll + (structure_kl + weight_kl) / self.dataset_size
+        return out
 
     def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
-        """Logits of n independent draws of the model on x, shaped (n, b, C)."""
-        raise NotImplementedError
+        """Logits of n independent draws (structure and weights) on x, shaped (n, b, C)."""
+        alpha = self.prediction_structures(n)
+        if self.weights.shared_noise and n > 1:  # one weight draw per call: one call per member
+            return torch.stack([self.net(x, alpha[i : i + 1]) for i in range(n)])
+        logits = self.net(x, alpha, replicate=True)  # row i*n + s: example i, member s
+        return logits.view(x.shape[0], n, -1).transpose(0, 1)
 
     def on_before_training_step(self) -> None:
         """Hook for per-step schedules."""
@@ -209,9 +258,21 @@ class ClassificationMethod(pl.LightningModule):
 
     # ------------------------------------------------------------------ prediction
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None) -> Tensor:
-        """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S)."""
-        ensemble = BayesEnsemble(n_samples or self.n_samples, self.samples_per_forward)
-        return ensemble(self.stochastic_forward, x)
+        """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S), divided by
+        the post-hoc temperature when one has been fitted."""
+        n = (n_samples or self.n_samples) if self.is_stochastic else 1
+        log_probs = BayesEnsemble(n, self.samples_per_forward)(self.stochastic_forward, x)
+        if self.log_temperature.item() != 0.0:
+            log_probs = (log_probs / self.log_temperature.exp()).log_softmax(-1)
+        return log_probs
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        self.weights.enable_test_noise(self.net)
+
+    def on_test_model_eval(self) -> None:
+        super().on_test_model_eval()
+        self.weights.enable_test_noise(self.net)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch

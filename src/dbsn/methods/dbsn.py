@@ -1,27 +1,28 @@
-"""Deep Bayesian Structure Networks (Deng, Luo & Zhu, ICLR 2021).
+"""Deep Bayesian Structure Networks (Deng, Luo & Zhu, ICLR 2021), and FBN.
 
 Point-estimate weights w, a posterior q(α | θ) on the structure: per edge a sharpened concrete
 distribution (Eq. 4-5) with logits θ shared by all cells. The loss (Eq. 3, per example) is
 
     L(θ, w) = E_q[ -1/N log p(D | α, w) ] + KL(q(α|θ) || p(α)) / N + γ ||w||²,
 
-estimated with T structure samples per step (Eq. 6-7), evaluated in *one* forward over T
-groups of the replicated batch (`x.repeat_interleave(T)`: row r uses α_{r mod T}; the
-network runs the structure-independent prefix once).
-The KL is estimated from the same samples
-against the uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
+estimated with T structure samples per step (Eq. 6-7) in one grouped forward (see
+`ClassificationMethod.training_loss`). The KL is estimated from the same samples against the
+uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
 
 Prediction is the Bayes ensemble over S structures drawn at τ = `test_tau` (1 in the paper)
 with the final β, network in eval mode.
+
+FBN (the paper's "fully Bayesian network") is DBSN with a Gaussian weight posterior as well:
+`DBSN(weights=GaussianWeights(...))`, which is what `model=fbn` configures.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
+from dbsn.methods.weights import WeightPosterior
 from dbsn.schedules import BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
 
@@ -31,6 +32,7 @@ class DBSN(ClassificationMethod):
 
     Args:
         net: a structure-learnable network with `forward(x, alpha)`, `num_edges`, `num_ops`.
+        weights: the weight posterior; point estimates for DBSN, Gaussian for FBN.
         train_samples: T, structure samples per training step (paper: 4).
         n_samples: S, structures in the test-time Bayes ensemble (paper: 100).
         tau, beta: the temperature (per optimiser step) and sharpening (per epoch) schedules.
@@ -44,6 +46,7 @@ class DBSN(ClassificationMethod):
         net: nn.Module,
         optim: WeightOptimizer | None = None,
         structure_optim: StructureOptimizer | None = None,
+        weights: WeightPosterior | None = None,
         tau: TauSchedule | None = None,
         beta: BetaSchedule | None = None,
         train_samples: int = 4,
@@ -54,14 +57,11 @@ class DBSN(ClassificationMethod):
         theta_init_std: float = 1e-3,
         dataset_size: int | None = None,
     ) -> None:
-        super().__init__(net, optim, n_samples, val_samples, samples_per_forward, dataset_size)
-        if train_samples < 1:
-            raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
+        super().__init__(net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size)
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         self.tau_schedule = tau if tau is not None else TauSchedule()
         self.beta_schedule = beta if beta is not None else BetaSchedule()
-        self.train_samples = train_samples
         self.test_tau = test_tau
         # Schedule state lives in buffers so that checkpoints carry it: the optimiser-step
         # count t drives τ, and β is the value of the current (after training: final) epoch.
@@ -93,28 +93,25 @@ class DBSN(ClassificationMethod):
             on_step=False, on_epoch=True,
         )
 
-    # ------------------------------------------------------------------ method
+    # ------------------------------------------------------------------ structure
+    @property
+    def structure_is_stochastic(self) -> bool:
+        return True
+
     def structure_parameters(self) -> list[nn.Parameter]:
         return [self.structure.theta]
 
     def structure_optimizer(self) -> StructureOptimizer:
         return self.structure_optim
 
-    def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        T, tau, beta = self.train_samples, self.tau, self.beta
-        alpha = self.structure.sample(T, beta, tau)  # (T, E, K), reparameterised
-        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(T), alpha)
-        targets = y.repeat_interleave(T)
-        nll = F.cross_entropy(logits, targets)  # = mean over t of each group's mean NLL
-        kl = self.structure.kl(alpha, beta, tau).mean()
-        return {"loss": nll + kl / self.dataset_size, "nll": nll, "kl": kl, "logits": logits, "targets": targets}
+    def training_structures(self, n: int) -> tuple[Tensor, Tensor]:
+        alpha = self.structure.sample(n, self.beta, self.tau)  # (n, E, K), reparameterised
+        return alpha, self.structure.kl(alpha, self.beta, self.tau).mean()
 
     @torch.no_grad()
     def sample_structures(self, n: int, tau: float | None = None) -> Tensor:
         """n structures α ~ q(α | θ, β) at temperature `tau` (default: test_tau), (n, E, K)."""
         return self.structure.sample(n, self.beta, self.test_tau if tau is None else tau)
 
-    def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
-        alpha = self.sample_structures(n)
-        logits = self.net(x, alpha, replicate=True)  # row i*n + s: example i under alpha[s]
-        return logits.view(x.shape[0], n, -1).transpose(0, 1)
+    def prediction_structures(self, n: int) -> Tensor:
+        return self.sample_structures(n)

@@ -1,0 +1,64 @@
+"""Point-estimate structure baselines (paper, Appendix B.2): MAP and MAP-fixed α.
+
+- MAP: α = softmax(θ), θ learned jointly with the weights (Adam, as DBSN's θ), L2 on weights.
+- MAP-fixed α: α = 1/K on every edge; no θ.
+
+With a stochastic weight posterior these are the paper's MC dropout (dropout after every
+convolution, on MAP-fixed α or MAP) and BBB (Gaussian weights, MAP structure) baselines.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
+from dbsn.methods.weights import WeightPosterior
+
+
+class MAP(ClassificationMethod):
+    """A single point-estimate structure: learned softmax(θ) or the fixed uniform α.
+
+    Args:
+        learn_structure: learn θ (MAP) or keep α = 1/K fixed (MAP-fixed α).
+        weights: point estimates (MAP), `MCDropoutWeights` (MC dropout), `GaussianWeights` (BBB).
+        n_samples: S for stochastic weights; deterministic methods predict with one pass.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optim: WeightOptimizer | None = None,
+        structure_optim: StructureOptimizer | None = None,
+        weights: WeightPosterior | None = None,
+        learn_structure: bool = True,
+        n_samples: int = 1,
+        val_samples: int = 1,
+        samples_per_forward: int = 10,
+        theta_init_std: float = 1e-3,
+        dataset_size: int | None = None,
+    ) -> None:
+        super().__init__(net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size)
+        self.learn_structure = learn_structure
+        self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
+        shape = (net.num_edges, net.num_ops)
+        if learn_structure:
+            self.theta = nn.Parameter(theta_init_std * torch.randn(shape))
+        else:
+            self.register_buffer("theta", torch.zeros(shape))  # softmax(0) = 1/K, never trained
+
+    def structure_parameters(self) -> list[nn.Parameter]:
+        return [self.theta] if self.learn_structure else []
+
+    def structure_optimizer(self) -> StructureOptimizer:
+        return self.structure_optim
+
+    def alpha(self) -> Tensor:
+        """The point-estimate structure softmax(θ), (E, K)."""
+        return torch.softmax(self.theta, dim=-1)
+
+    def training_structures(self, n: int) -> tuple[Tensor, float]:
+        return self.alpha().unsqueeze(0), 0.0
+
+    def prediction_structures(self, n: int) -> Tensor:
+        return self.alpha().detach().expand(n, -1, -1)

@@ -1,0 +1,107 @@
+"""How a method treats the network weights w: point estimate, MC dropout, or a Gaussian posterior.
+
+A `WeightPosterior` is the weight-side half of a method (the structure side lives in the
+method class). It may transform the network once (insert dropout, swap layers for Bayesian
+ones), adds its KL term to the loss, and says how its noise behaves in a grouped forward:
+
+- `stochastic`: predictions need S Monte Carlo samples;
+- `shared_noise`: one draw is shared by every row of a forward call (BBB convolutions sample
+  one weight tensor per call), so S independent members need S forward calls; otherwise each
+  row of a grouped forward gets its own noise (dropout masks, flipout) and S members fit in
+  one batched call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dbsn.bayes import bayesianize, kl_divergence
+
+
+class WeightPosterior:
+    """Point-estimate weights (MAP under the L2 prior that SGD's weight decay implements)."""
+
+    stochastic = False
+    shared_noise = False
+
+    def prepare(self, net: nn.Module) -> nn.Module:
+        return net
+
+    def kl(self, net: nn.Module, epoch: int) -> Tensor | float:
+        """Weight-space KL(q(w) || p(w)) as it enters the per-example loss (times N)."""
+        return 0.0
+
+    def enable_test_noise(self, net: nn.Module) -> None:
+        """Called after the network is put in eval mode for validation/test."""
+
+
+PointWeights = WeightPosterior
+
+
+def _insert_after_convs(module: nn.Module, make) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Conv2d):
+            setattr(module, name, nn.Sequential(child, make()))
+        else:
+            _insert_after_convs(child, make)
+
+
+@dataclass
+class MCDropoutWeights(WeightPosterior):
+    """Dropout with rate `p` after every convolution (the paper's MC dropout baseline), kept
+    active at test time when `test_time` is true, so S forward passes give S members."""
+
+    p: float = 0.2
+    test_time: bool = True
+    shared_noise = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.p < 1.0:
+            raise ValueError(f"dropout rate p must be in [0, 1), got {self.p}")
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.test_time and self.p > 0
+
+    def prepare(self, net: nn.Module) -> nn.Module:
+        _insert_after_convs(net, lambda: nn.Dropout(self.p))
+        return net
+
+    def enable_test_noise(self, net: nn.Module) -> None:
+        if self.test_time:
+            for m in net.modules():
+                if isinstance(m, nn.Dropout):
+                    m.train()
+
+
+@dataclass
+class GaussianWeights(WeightPosterior):
+    """Bayes by Backprop (Blundell et al. 2015): factorised Gaussians on every conv and linear
+    weight and bias, deterministic BatchNorm, prior N(0, prior_sigma²) with closed-form KL.
+
+    The loss gets `kl_weight · warm-up(epoch) · KL / N` (the research code: prior σ 0.1, KL
+    weight 1e-3); the warm-up rises linearly from 0 to 1 over `warmup_epochs`. Linear layers use
+    local reparameterisation; convolutions sample one weight tensor per forward call, or use
+    flipout (`flipout=True`) for per-example noise.
+    """
+
+    prior_sigma: float = 0.1
+    init_rho: float = -5.0
+    kl_weight: float = 1e-3
+    warmup_epochs: int = 0
+    flipout: bool = False
+    stochastic = True
+
+    @property
+    def shared_noise(self) -> bool:  # type: ignore[override]
+        return not self.flipout
+
+    def prepare(self, net: nn.Module) -> nn.Module:
+        return bayesianize(net, prior_sigma=self.prior_sigma, init_rho=self.init_rho, flipout=self.flipout)
+
+    def kl(self, net: nn.Module, epoch: int) -> Tensor:
+        warmup = min(1.0, (epoch + 1) / self.warmup_epochs) if self.warmup_epochs > 0 else 1.0
+        return self.kl_weight * warmup * kl_divergence(net)

@@ -1,0 +1,102 @@
+"""Every method trains through train()'s code path and evaluates through evaluate()'s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from configs import TINY, compose_config
+from fakedata import write_cifar10
+
+from dbsn.methods import MAP, MCDropoutWeights
+from dbsn.nets import StructureNet
+from dbsn.run import evaluate, train
+
+METHODS = ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb"]
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar10(root, n_train=128, n_test=32, seed=1)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_method_trains_and_evaluates(method, cifar_root, tmp_path):
+    run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
+    overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=32",
+                 "data.num_workers=0", *TINY, "trainer.max_epochs=2"]
+    if method not in ("dbsn", "fbn"):  # one point-estimate structure: no T
+        overrides = [o for o in overrides if not o.startswith("model.train_samples")]
+    metrics = train(compose_config("train", overrides, run_dir), run_dir)
+    assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
+
+    cfg = compose_config("evaluate", [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+                                      "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"], eval_dir)
+    again = evaluate(cfg, eval_dir)  # rebuilt from the checkpoint alone
+    record = json.loads((eval_dir / "metrics.json").read_text())
+    assert record["metrics"] == again
+    if method in ("map", "map_fixed"):  # deterministic: the same numbers again
+        assert again["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-5)
+    else:  # stochastic at test time (dropout stays on through Lightning's eval hooks, too)
+        assert again["test/nll"] != pytest.approx(metrics["test/nll"], rel=1e-7)
+
+
+def _dropout_net(p=0.2, test_time=True):
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    return MAP(net, weights=MCDropoutWeights(p=p, test_time=test_time), learn_structure=False,
+               n_samples=5, samples_per_forward=5, dataset_size=10)
+
+
+def test_mc_dropout_inserts_dropout_after_every_convolution():
+    method = _dropout_net()
+    convs = [m for m in method.net.modules() if isinstance(m, torch.nn.Conv2d)]
+    dropouts = [m for m in method.net.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(convs) == len(dropouts) > 10
+    for m in method.net.modules():
+        if isinstance(m, torch.nn.Sequential) and len(m) == 2 and isinstance(m[0], torch.nn.Conv2d):
+            assert isinstance(m[1], torch.nn.Dropout) and m[1].p == 0.2
+
+
+def test_mc_dropout_is_stochastic_at_test_and_deterministic_without_it():
+    x = torch.randn(3, 3, 16, 16)
+    method = _dropout_net()
+    method.eval()
+    method.weights.enable_test_noise(method.net)  # what on_test_model_eval adds to eval()
+    with torch.no_grad():
+        members = method.stochastic_forward(x, 5)
+        assert not torch.allclose(members[0], members[1])  # each member its own masks
+        assert not torch.allclose(method.predict_log_probs(x), method.predict_log_probs(x))
+
+    method = _dropout_net(test_time=False)
+    assert not method.is_stochastic
+    method.eval()
+    method.weights.enable_test_noise(method.net)
+    with torch.no_grad():
+        first, second = method.predict_log_probs(x), method.predict_log_probs(x)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_deterministic_methods_predict_with_one_pass():
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    method = MAP(net, learn_structure=True, n_samples=100, dataset_size=10).eval()
+    calls = []
+    original = method.stochastic_forward
+    method.stochastic_forward = lambda x, n: calls.append(n) or original(x, n)
+    with torch.no_grad():
+        method.predict_log_probs(torch.randn(2, 3, 16, 16))
+    assert calls == [1]
+
+
+def test_map_fixed_alpha_is_uniform_and_not_trained():
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    method = MAP(net, learn_structure=False, dataset_size=10)
+    assert torch.allclose(method.alpha(), torch.full((3, 4), 0.25))
+    assert method.structure_parameters() == []
+    assert all(p is not method.theta for p in method.parameters())
