@@ -269,7 +269,7 @@ def kl_divergence(module: nn.Module) -> Tensor:
     a 0-dim zero on the module's device if it has none."""
     kls = [m.kl() for m in module.modules() if isinstance(m, BayesLayer)]
     if kls:
-        return kls[0]
+        return torch.stack(kls).sum()
     param = next(module.parameters(), None)
     if param is None:
         return torch.zeros(())
