@@ -26,6 +26,11 @@ TINY = [
 ]
 
 
+def tiny_for(model: str) -> list[str]:
+    """TINY for `model=...`: T exists only where structures are sampled (dbsn, fbn)."""
+    return [o for o in TINY if model in ("dbsn", "fbn") or not o.startswith("model.train_samples")]
+
+
 def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=name, overrides=[*overrides, f"paths.output_dir={output_dir}"])

@@ -72,3 +72,27 @@ def test_every_config_group_file_is_reachable():
 
 def test_tiny_overrides_compose(tmp_path):
     validate_config(compose_config("train", ["experiment=quick", *TINY], tmp_path))
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "cifar100"])
+def test_sweep_experiment_holds_the_paper_classification_sweep(dataset, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={dataset}_sweep"], return_hydra_config=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    params = cfg.hydra.sweeper.params
+    assert params.model.split(",") == ["dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn"]
+    assert params.seed.split(",") == ["1", "2", "3"]
+    assert cfg.data._target_.endswith("CIFAR10DataModule" if dataset == "cifar10" else "CIFAR100DataModule")
+    for model in params.model.split(","):  # every job of the sweep composes and validates
+        validate_config(compose_config("train", [f"data={dataset}", f"model={model}"], tmp_path))
+
+
+@pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble"])
+def test_every_method_config_builds(model, tmp_path):
+    prefix = "model.member.net" if model == "deep_ensemble" else "model.net"
+    cfg = compose_config("train", [f"model={model}", f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1"], tmp_path)
+    validate_config(cfg)
+    method = build_model(cfg.model, num_classes=10)
+    assert method.is_stochastic == (model not in ("map", "map_fixed"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from configs import TINY, compose_config
+from configs import compose_config, tiny_for
 from fakedata import write_cifar10
 
 from dbsn.methods import MAP, MCDropoutWeights
@@ -28,9 +28,7 @@ def cifar_root(tmp_path_factory):
 def test_method_trains_and_evaluates(method, cifar_root, tmp_path):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
     overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=32",
-                 "data.num_workers=0", *TINY, "trainer.max_epochs=2"]
-    if method not in ("dbsn", "fbn"):  # one point-estimate structure: no T
-        overrides = [o for o in overrides if not o.startswith("model.train_samples")]
+                 "data.num_workers=0", *tiny_for(method), "trainer.max_epochs=2"]
     metrics = train(compose_config("train", overrides, run_dir), run_dir)
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
 
@@ -99,4 +97,38 @@ def test_map_fixed_alpha_is_uniform_and_not_trained():
     method = MAP(net, learn_structure=False, dataset_size=10)
     assert torch.allclose(method.alpha(), torch.full((3, 4), 0.25))
     assert method.structure_parameters() == []
-    assert all(p is not method.theta for p in method.parameters())
+    assert not hasattr(method, "theta") and len(list(method.parameters())) == len(list(net.parameters()))
+
+
+def _digits_overrides(*extra):
+    return ["model=map_fixed", "data=digits", "data.batch_size=128", *tiny_for("map_fixed"), "trainer.max_epochs=1",
+            "model.temperature_scaling=true", *extra]
+
+
+def test_temperature_scaling_refuses_without_a_validation_split(tmp_path):
+    from dbsn.calibration import NoValidationSplitError
+
+    cfg = compose_config("train", _digits_overrides("data.val_size=0"), tmp_path)
+    with pytest.raises(NoValidationSplitError, match="val_size"):
+        train(cfg, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()  # refused before any training
+
+
+@pytest.mark.slow
+def test_temperature_scaling_fits_on_validation_and_is_reloaded(tmp_path, monkeypatch):
+    from dbsn.data import DigitsDataModule
+
+    test_batches = []
+    original = DigitsDataModule.test_dataloader
+    monkeypatch.setattr(DigitsDataModule, "test_dataloader", lambda self: test_batches.append(1) or original(self))
+    cfg = compose_config("train", _digits_overrides("data.val_size=200"), tmp_path)
+    metrics = train(cfg, tmp_path)
+    assert len(test_batches) == 1  # the test split was only touched by the final test
+    state = torch.load(tmp_path / "checkpoints" / "calibrated.ckpt", weights_only=False)["state_dict"]
+    temperature = float(state["temperature.log_temperature"].exp())
+    assert temperature != pytest.approx(1.0, abs=1e-3)
+
+    eval_dir = tmp_path / "eval"
+    cfg = compose_config("evaluate", [f"ckpt_path={tmp_path / 'checkpoints' / 'calibrated.ckpt'}",
+                                      "trainer.accelerator=cpu"], eval_dir)
+    assert evaluate(cfg, eval_dir)["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-5)

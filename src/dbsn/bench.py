@@ -3,14 +3,17 @@
     python -m dbsn.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
 
 Cases (same network, same batch, same machine, interleaved repetitions, median time):
-  fixed      one SGD step of the network under fixed uniform α (the MAP-fixed-α cost)
+  map_fixed  one training step of the network under fixed uniform α (SGD on w)
   dbsn_t1    one DBSN step with T = 1 (sample α, NLL + KL/N, SGD on w + Adam on θ)
   dbsn_t4    one DBSN step with T = 4 structures in one grouped forward
+  map, mc_dropout, bbb, fbn
+             one training step of each baseline (fbn with T = 1)
   ens_100    Bayes ensemble with S = 100, `samples_per_forward` structures per forward
   single_100 the same 100 structures as 100 single forwards
 
-Ratios and targets: dbsn_t1 / fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
-ens_100 / single_100 <= 1.0. Peak memory per case: CUDA max allocated on a GPU, or the peak
+Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
+ens_100 / single_100 <= 1.0; every method's step over map_fixed's (no target: BBB and FBN
+pay for sampling weights and the KL of every layer). Peak memory per case: CUDA max allocated on a GPU, or the peak
 resident-set growth of a fresh process on CPU.
 """
 
@@ -28,14 +31,23 @@ import torch
 import torch.nn.functional as F
 
 from dbsn.ensemble import BayesEnsemble
-from dbsn.methods import DBSN
+from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights
 from dbsn.nets import StructureNet
 
 NETS = {
     "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
     "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
 }
-CASES = ("fixed", "dbsn_t1", "dbsn_t4", "ens_100", "single_100")
+CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "map", "mc_dropout", "bbb", "fbn", "ens_100", "single_100")
+METHODS = {
+    "map_fixed": lambda net: MAP(net, learn_structure=False),
+    "map": lambda net: MAP(net, learn_structure=True),
+    "mc_dropout": lambda net: MAP(net, learn_structure=False, weights=MCDropoutWeights()),
+    "bbb": lambda net: MAP(net, learn_structure=True, weights=GaussianWeights()),
+    "dbsn_t1": lambda net: DBSN(net, train_samples=1),
+    "dbsn_t4": lambda net: DBSN(net, train_samples=4),
+    "fbn": lambda net: DBSN(net, train_samples=1, weights=GaussianWeights()),
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -50,36 +62,27 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
 
-    if name == "fixed":
-        alpha = torch.full((1, net.num_edges, net.num_ops), 1.0 / net.num_ops, device=device)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    if name in METHODS:
+        method = METHODS[name](net).to(device)
+        method.dataset_size = 50_000
+        groups = method.weight_parameter_groups()
+        opts = [method.optim.build(group, max_epochs=100)[0] for group in groups]
+        if method.structure_parameters():
+            opts.append(method.structure_optimizer().build(method.structure_parameters()))
 
-        def step():
-            loss = F.cross_entropy(net(x, alpha), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 5.0)
-            opt.step()
-        return step
-
-    train_samples = 4 if name == "dbsn_t4" else 1
-    method = DBSN(net, train_samples=train_samples, dataset_size=50_000, samples_per_forward=samples_per_forward).to(device)
-    if name in ("dbsn_t1", "dbsn_t4"):
-        weights = method.weight_parameters()
-        opt_w, _ = method.optim.build(weights, max_epochs=100)
-        opt_t = method.structure_optim.build(method.structure_parameters())
-
-        def step():
+        def step():  # what ClassificationMethod.training_step does, minus Lightning's logging
             loss = method.training_loss(x, y)["loss"]
-            opt_w.zero_grad(set_to_none=True)
-            opt_t.zero_grad(set_to_none=True)
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(weights, 5.0)
-            opt_w.step()
-            opt_t.step()
+            for group in groups:
+                torch.nn.utils.clip_grad_norm_(group, 5.0)
+            for opt in opts:
+                opt.step()
             method.on_after_optimizer_step()
         return step
 
+    method = DBSN(net, samples_per_forward=samples_per_forward).to(device)
     method.eval()
     chunk = samples_per_forward if name == "ens_100" else 1
     ensemble = BayesEnsemble(100, chunk)
@@ -150,9 +153,10 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
         "net": net_name, "batch": batch, "repeats": repeats, "samples_per_forward": samples_per_forward,
         "seconds": median,
         "ratios": {
-            "dbsn_t1 / fixed (target <= 1.10)": median["dbsn_t1"] / median["fixed"],
+            "dbsn_t1 / map_fixed (target <= 1.10)": median["dbsn_t1"] / median["map_fixed"],
             "dbsn_t4 / (4 x dbsn_t1) (target <= 1.0)": median["dbsn_t4"] / (4 * median["dbsn_t1"]),
             "ens_100 / single_100 (target <= 1.0)": median["ens_100"] / median["single_100"],
+            **{f"{m} / map_fixed": median[m] / median["map_fixed"] for m in ("map", "mc_dropout", "bbb", "fbn")},
         },
     }
     if memory:
@@ -176,8 +180,11 @@ def _print(result: dict) -> None:
     console.print(table)
     ratios = Table("ratio", "value", "target met")
     for name, value in result["ratios"].items():
-        target = float(name.rsplit("<= ", 1)[1].rstrip(")"))
-        ratios.add_row(name, f"{value:.3f}", "yes" if value <= target else "[red]no[/]")
+        if "<=" in name:
+            target = float(name.rsplit("<= ", 1)[1].rstrip(")"))
+            ratios.add_row(name, f"{value:.3f}", "yes" if value <= target else "[red]no[/]")
+        else:
+            ratios.add_row(name, f"{value:.3f}", "-")
     console.print(ratios)
 
 
@@ -187,10 +194,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--samples-per-forward", type=int, default=10)
+    parser.add_argument("--samples-per-forward", type=int, default=None,
+                        help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
+                             "favour small batches; 20 on a GPU)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
+    if args.samples_per_forward is None:
+        on_gpu = torch.cuda.is_available() and args.device in ("auto", "cuda")
+        args.samples_per_forward = 20 if on_gpu else 4
     result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory)
     _print(result)
     if args.json:

@@ -21,7 +21,7 @@ HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 # Keys a node may carry without being constructor arguments: values supplied by train.py at
 # build time (e.g. a network's `num_classes` comes from the data module).
-RUNTIME_KEYS = {"num_classes", "net"}
+RUNTIME_KEYS = {"num_classes", "net", "member"}
 
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path",

@@ -25,7 +25,7 @@ from rich.table import Table
 from dbsn.checkpoint import CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RunConfigCallback, load_checkpoint
 from dbsn.config import to_plain, validate_config
 from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
-from dbsn.methods import ClassificationMethod
+from dbsn.methods import ClassificationMethod, DeepEnsemble
 from dbsn.plots import reliability_diagram, save_figure
 
 METRIC_NAMES = ("error", "nll", "brier", "ece")
@@ -33,8 +33,20 @@ METRIC_NAMES = ("error", "nll", "brier", "ece")
 
 # ---------------------------------------------------------------------- builders
 def build_model(model_cfg: DictConfig | dict, num_classes: int) -> ClassificationMethod:
-    """Instantiate the network (given the data's class count), then the method around it."""
+    """Instantiate the network (given the data's class count), then the method around it.
+
+    An ensemble config (`member:` + `size:`) builds `size` members, member m initialised from
+    its own seed (the current seed + m), and the ensemble around them.
+    """
     spec = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    if "member" in spec:
+        member, base_seed = spec.pop("member"), torch.initial_seed()
+        members = []
+        for m in range(spec["size"]):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base_seed + m)
+                members.append(build_model(member, num_classes))
+        return instantiate(spec, members=members)
     net = instantiate(spec.pop("net"), num_classes=num_classes)
     return instantiate(spec, net=net)
 
@@ -129,6 +141,12 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         logger.log_hyperparams(plain)
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if model.temperature_scaling:
+        temperature = model.fit_temperature(datamodule)
+        Console().print(f"Temperature fitted on the validation split: T = {temperature:.4f}")
+        for logger in loggers:
+            logger.log_metrics({"val/temperature": temperature})
+        trainer.save_checkpoint(output_dir / "checkpoints" / "calibrated.ckpt")
     if not cfg.get("test", True):
         return {}
     trainer.test(model, datamodule=datamodule, verbose=False)
@@ -146,34 +164,55 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     return metrics
 
 
-def evaluate(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
-    """Rebuild data and model from a checkpoint's stored config, test, write metrics and plots."""
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    run_cfg = OmegaConf.create(checkpoint[CONFIG_KEY])
-    if cfg.get("data_root") is not None:
-        run_cfg.data.root = cfg.data_root
-    if cfg.get("batch_size") is not None:
-        run_cfg.data.eval_batch_size = cfg.batch_size
-
-    datamodule = instantiate(run_cfg.data)
-    model = build_model(run_cfg.model, datamodule.num_classes)
+def _load_method(path, num_classes: int, expected_data: str | None = None) -> ClassificationMethod:
+    checkpoint = load_checkpoint(path)
+    run_cfg = checkpoint[CONFIG_KEY]
+    if expected_data is not None and run_cfg["data"]["_target_"] != expected_data:
+        raise CheckpointError(
+            f"{path} was trained on {run_cfg['data']['_target_']}, not {expected_data} like the first "
+            "checkpoint: ensemble members must share their data."
+        )
+    model = build_model(run_cfg["model"], num_classes)
     try:
         model.load_state_dict(checkpoint["state_dict"], strict=True)
     except RuntimeError as err:
         raise CheckpointError(
-            f"{cfg.ckpt_path}: its weights do not fit the model described by its own config "
+            f"{path}: its weights do not fit the model described by its own config "
             f"(was the file edited or written by another version?): {err}"
         ) from err
-    if cfg.get("n_samples") is not None:
-        model.n_samples = int(cfg.n_samples)
-    if cfg.get("samples_per_forward") is not None:
-        model.samples_per_forward = int(cfg.samples_per_forward)
+    return model
+
+
+def evaluate(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+    """Rebuild data and model from a checkpoint's stored config, test, write metrics and plots.
+
+    `ckpt_path` may be a list: the checkpoints (e.g. independently seeded runs) are evaluated as
+    one deep ensemble whose probabilities are the average of theirs.
+    """
+    paths = list(cfg.ckpt_path) if OmegaConf.is_list(cfg.ckpt_path) else [cfg.ckpt_path]
+    first = load_checkpoint(paths[0])
+    data_cfg = OmegaConf.create(first[CONFIG_KEY]["data"])
+    if cfg.get("data_root") is not None:
+        data_cfg.root = cfg.data_root
+    if cfg.get("batch_size") is not None:
+        data_cfg.eval_batch_size = cfg.batch_size
+    datamodule = instantiate(data_cfg)
+
+    members = [_load_method(p, datamodule.num_classes, first[CONFIG_KEY]["data"]["_target_"]) for p in paths]
+    model = members[0] if len(members) == 1 else DeepEnsemble(members)
+    for method in model.modules():  # evaluation-time overrides reach ensemble members too
+        if isinstance(method, ClassificationMethod):
+            if cfg.get("n_samples") is not None:
+                method.n_samples = int(cfg.n_samples)
+            if cfg.get("samples_per_forward") is not None:
+                method.samples_per_forward = int(cfg.samples_per_forward)
 
     trainer = build_trainer(cfg.trainer, Path(output_dir), callbacks=_instantiate_group(cfg.get("callbacks")))
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
+    model_cfg = first[CONFIG_KEY]["model"] if len(members) == 1 else {"_target_": f"DeepEnsemble of {len(members)}"}
     write_test_report(
-        model, metrics, Path(output_dir), _title(run_cfg.model, run_cfg.data, model.n_samples),
-        extra={"n_samples": model.n_samples, "checkpoint": str(cfg.ckpt_path), "epoch": checkpoint.get("epoch")},
+        model, metrics, Path(output_dir), _title(model_cfg, data_cfg, model.n_samples),
+        extra={"n_samples": model.n_samples, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch")},
     )
     return metrics

@@ -8,14 +8,16 @@
 | map_fixed     | MAP(learn_structure=False)    | uniform 1/K           | point                      |
 | mc_dropout    | MAP(weights=MCDropoutWeights) | uniform (or learned)  | dropout 0.2, on at test    |
 | bbb           | MAP(weights=GaussianWeights)  | softmax(θ)            | Gaussian (BBB)             |
+| deep_ensemble | DeepEnsemble(members)         | each member's         | each member's              |
 """
 
 from dbsn.methods.base import ClassificationMethod, NonFiniteLossError, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN
+from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
-    "ClassificationMethod", "DBSN", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
+    "ClassificationMethod", "DBSN", "DeepEnsemble", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
     "PointWeights", "StructureOptimizer", "WeightOptimizer", "WeightPosterior",
 ]

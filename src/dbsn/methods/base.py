@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbsn.calibration import TemperatureScaler, fit_temperature, require_validation
 from dbsn.ensemble import BayesEnsemble
 from dbsn.methods.weights import WeightPosterior
 from dbsn.metrics import ClassificationMetrics
@@ -95,6 +96,9 @@ class ClassificationMethod(pl.LightningModule):
         samples_per_forward: members evaluated in one batched forward (bounds memory).
         dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
             data module at the start of training.
+        temperature_scaling: after training, fit a temperature on the validation split
+            (Guo et al. 2017) and apply it to every prediction. Refused without a validation
+            split (checked before training starts).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class ClassificationMethod(pl.LightningModule):
         val_samples: int = 1,
         samples_per_forward: int = 10,
         dataset_size: int | None = None,
+        temperature_scaling: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -125,8 +130,9 @@ class ClassificationMethod(pl.LightningModule):
         self.test_metrics = ClassificationMetrics(num_classes)
         self.test_predictions: tuple[Tensor, Tensor] | None = None
         self._test_outputs: list[tuple[Tensor, Tensor]] = []
-        # post-hoc temperature (log T), fitted on validation data by `fit_temperature`; 0 = off
-        self.register_buffer("log_temperature", torch.zeros(()))
+        # post-hoc temperature, fitted on the validation split after training (T = 1 until then)
+        self.temperature_scaling = temperature_scaling
+        self.temperature = TemperatureScaler()
 
     # ------------------------------------------------------------------ for subclasses
     def training_structures(self, n: int) -> tuple[Tensor, Tensor | float]:
@@ -188,6 +194,11 @@ class ClassificationMethod(pl.LightningModule):
         structure = {id(p) for p in self.structure_parameters()}
         return [p for p in self.parameters() if id(p) not in structure and p.requires_grad]
 
+    def weight_parameter_groups(self) -> list[list[nn.Parameter]]:
+        """Groups of weights with their own SGD, lr schedule and gradient clipping (one per
+        network; an ensemble has one per member, so members never share a clipping norm)."""
+        return [self.weight_parameters()]
+
     def configure_optimizers(self):
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs < 1:
@@ -195,13 +206,18 @@ class ClassificationMethod(pl.LightningModule):
                 "The lr schedule is defined in epochs: set trainer.max_epochs (got "
                 f"{max_epochs})."
             )
-        sgd, schedule = self.optim.build(self.weight_parameters(), max_epochs)
-        optimizers = [sgd]
+        optimizers, schedules = [], []
+        for group in self.weight_parameter_groups():
+            sgd, schedule = self.optim.build(group, max_epochs)
+            optimizers.append(sgd)
+            schedules.append(schedule)
         if self.structure_parameters():
             optimizers.append(self.structure_optimizer().build(self.structure_parameters()))
-        return optimizers, [schedule]
+        return optimizers, schedules
 
     def on_fit_start(self) -> None:
+        if self.temperature_scaling:  # refuse now, not after training
+            require_validation(self.trainer.datamodule)
         if self.dataset_size is None:
             datamodule = getattr(self.trainer, "datamodule", None)
             if datamodule is None or not hasattr(datamodule, "num_train"):
@@ -238,8 +254,9 @@ class ClassificationMethod(pl.LightningModule):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         self.manual_backward(loss)
-        if self.optim.grad_clip_norm:
-            self.clip_gradients(opts[0], gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
+        if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
+            for opt in opts[: len(self.lr_schedulers_list())]:
+                self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
         for opt in opts:
             opt.step()
         self.on_after_optimizer_step()
@@ -251,9 +268,14 @@ class ClassificationMethod(pl.LightningModule):
         self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
 
+    def lr_schedulers_list(self) -> list:
+        schedules = self.lr_schedulers()
+        if schedules is None:
+            return []
+        return list(schedules) if isinstance(schedules, (list, tuple)) else [schedules]
+
     def on_train_epoch_end(self) -> None:
-        schedule = self.lr_schedulers()
-        if schedule is not None:
+        for schedule in self.lr_schedulers_list():
             schedule.step()
 
     # ------------------------------------------------------------------ prediction
@@ -262,17 +284,35 @@ class ClassificationMethod(pl.LightningModule):
         the post-hoc temperature when one has been fitted."""
         n = (n_samples or self.n_samples) if self.is_stochastic else 1
         log_probs = BayesEnsemble(n, self.samples_per_forward)(self.stochastic_forward, x)
-        if self.log_temperature.item() != 0.0:
-            log_probs = (log_probs / self.log_temperature.exp()).log_softmax(-1)
-        return log_probs
+        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+
+    @torch.no_grad()
+    def fit_temperature(self, datamodule) -> float:
+        """Fit the post-hoc temperature on `datamodule`'s validation split (never the test set)."""
+        require_validation(datamodule)
+        self.eval()
+        self.enable_test_noise()
+        enabled, self.temperature_scaling = self.temperature_scaling, False  # fit on raw predictions
+        try:
+            scaler = fit_temperature(
+                lambda x: self.predict_log_probs(datamodule.preprocess(x)), datamodule.val_dataloader(), self.device
+            )
+        finally:
+            self.temperature_scaling = enabled
+        self.temperature.load_state_dict(scaler.state_dict())
+        return scaler.temperature
+
+    def enable_test_noise(self) -> None:
+        """Turn on what stays stochastic at test time (MC dropout) after `eval()`."""
+        self.weights.enable_test_noise(self.net)
 
     def on_validation_model_eval(self) -> None:
         super().on_validation_model_eval()
-        self.weights.enable_test_noise(self.net)
+        self.enable_test_noise()
 
     def on_test_model_eval(self) -> None:
         super().on_test_model_eval()
-        self.weights.enable_test_noise(self.net)
+        self.enable_test_noise()
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch

@@ -56,8 +56,12 @@ class DBSN(ClassificationMethod):
         test_tau: float = 1.0,
         theta_init_std: float = 1e-3,
         dataset_size: int | None = None,
+        temperature_scaling: bool = False,
     ) -> None:
-        super().__init__(net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size)
+        super().__init__(
+            net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size,
+            temperature_scaling,
+        )
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         self.tau_schedule = tau if tau is not None else TauSchedule()

@@ -20,7 +20,9 @@ class MAP(ClassificationMethod):
     """A single point-estimate structure: learned softmax(θ) or the fixed uniform α.
 
     Args:
-        learn_structure: learn θ (MAP) or keep α = 1/K fixed (MAP-fixed α).
+        learn_structure: learn θ (MAP) or keep α fixed (MAP-fixed α).
+        fixed_structure: the fixed α, (E, K) (e.g. a structure sampled from a DBSN posterior,
+            see `dbsn.refine`); default 1/K on every edge. Only with `learn_structure=False`.
         weights: point estimates (MAP), `MCDropoutWeights` (MC dropout), `GaussianWeights` (BBB).
         n_samples: S for stochastic weights; deterministic methods predict with one pass.
     """
@@ -32,20 +34,29 @@ class MAP(ClassificationMethod):
         structure_optim: StructureOptimizer | None = None,
         weights: WeightPosterior | None = None,
         learn_structure: bool = True,
+        fixed_structure: Tensor | None = None,
         n_samples: int = 1,
         val_samples: int = 1,
         samples_per_forward: int = 10,
         theta_init_std: float = 1e-3,
         dataset_size: int | None = None,
+        temperature_scaling: bool = False,
     ) -> None:
-        super().__init__(net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size)
+        super().__init__(
+            net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size, temperature_scaling
+        )
         self.learn_structure = learn_structure
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         shape = (net.num_edges, net.num_ops)
         if learn_structure:
+            if fixed_structure is not None:
+                raise ValueError("fixed_structure is only used with learn_structure=False")
             self.theta = nn.Parameter(theta_init_std * torch.randn(shape))
         else:
-            self.register_buffer("theta", torch.zeros(shape))  # softmax(0) = 1/K, never trained
+            alpha = torch.full(shape, 1.0 / net.num_ops) if fixed_structure is None else torch.as_tensor(fixed_structure, dtype=torch.float32)
+            if alpha.shape != shape or not torch.allclose(alpha.sum(-1), torch.ones(shape[0])) or (alpha < 0).any():
+                raise ValueError(f"fixed_structure must be {shape} with rows on the simplex, got {tuple(alpha.shape)}")
+            self.register_buffer("fixed_alpha", alpha)
 
     def structure_parameters(self) -> list[nn.Parameter]:
         return [self.theta] if self.learn_structure else []
@@ -54,8 +65,8 @@ class MAP(ClassificationMethod):
         return self.structure_optim
 
     def alpha(self) -> Tensor:
-        """The point-estimate structure softmax(θ), (E, K)."""
-        return torch.softmax(self.theta, dim=-1)
+        """The point-estimate structure: softmax(θ), or the fixed α; (E, K)."""
+        return torch.softmax(self.theta, dim=-1) if self.learn_structure else self.fixed_alpha
 
     def training_structures(self, n: int) -> tuple[Tensor, float]:
         return self.alpha().unsqueeze(0), 0.0

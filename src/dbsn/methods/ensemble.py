@@ -1,0 +1,85 @@
+"""Deep ensembles (Lakshminarayanan et al. 2017) of any point-estimate-structure method.
+
+M members, each its own network initialised from its own seed, trained side by side in one job
+(each with its own SGD, lr schedule and gradient clipping, so training one member is exactly
+training it alone) or gathered from finished runs (`evaluate.py ckpt_path=[a,b,c]`). The
+prediction averages the members' predictive *probabilities*:
+p(y|x) = 1/M Σ_m p_m(y|x), where each p_m is itself a Bayes ensemble for stochastic members
+(MC dropout, BBB).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dbsn.methods.base import ClassificationMethod
+from dbsn.methods.map import MAP
+
+
+class DeepEnsemble(ClassificationMethod):
+    """An ensemble of `MAP`-family members (map, map_fixed, mc_dropout, bbb, fixed structures).
+
+    Args:
+        members: the member methods, already built (train.py builds `size` of them from the
+            `member` config, each from its own seed).
+    """
+
+    def __init__(self, members: Sequence[ClassificationMethod], temperature_scaling: bool = False, size: int | None = None) -> None:
+        members = list(members)
+        if not members:
+            raise ValueError("a deep ensemble needs at least one member")
+        if size is not None and size != len(members):
+            raise ValueError(f"size = {size} but {len(members)} members were given")
+        for m in members:
+            if not isinstance(m, MAP):
+                raise ValueError(
+                    f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "
+                    f"bbb); got {type(m).__name__}"
+                )
+        first = members[0]
+        super().__init__(
+            first.net, first.optim, None, 1, first.n_samples, first.val_samples, first.samples_per_forward,
+            first.dataset_size, temperature_scaling,
+        )
+        del self.net  # the members own their networks
+        self.members = nn.ModuleList(members)
+
+    @property
+    def is_stochastic(self) -> bool:
+        return True
+
+    def structure_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.members for p in m.structure_parameters()]
+
+    def structure_optimizer(self):
+        return self.members[0].structure_optimizer()
+
+    def weight_parameter_groups(self) -> list[list[nn.Parameter]]:
+        return [m.weight_parameters() for m in self.members]
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        for m in self.members:
+            m.dataset_size = self.dataset_size
+
+    def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Σ_m loss_m: parameters are disjoint, so each member gets its own loss's gradient."""
+        outs = [m.training_loss(x, y) for m in self.members]
+        return {
+            "loss": sum(o["loss"] for o in outs),
+            "nll": torch.stack([o["nll"] for o in outs]).mean(),  # mean member NLL
+            "logits": outs[0]["logits"], "targets": outs[0]["targets"],
+        }
+
+    def predict_log_probs(self, x: Tensor, n_samples: int | None = None) -> Tensor:
+        member_log_probs = torch.stack([m.predict_log_probs(x, n_samples or m.n_samples) for m in self.members])
+        log_probs = torch.logsumexp(member_log_probs, dim=0) - math.log(len(self.members))
+        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+
+    def enable_test_noise(self) -> None:
+        for m in self.members:
+            m.enable_test_noise()
