@@ -1,0 +1,31 @@
+"""The all-methods comparison on digits runs end to end and tabulates every method."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dbsn.compare import METHODS, method_overrides, run_comparison
+
+
+def test_only_structure_sampling_methods_get_schedule_compression():
+    for method in METHODS:
+        overrides = method_overrides(method, epochs=10, steps_per_epoch=21)
+        has_tau = any(o.startswith("model.tau.decay=") for o in overrides)
+        assert has_tau == (method in ("dbsn", "fbn"))
+    tau = next(o for o in method_overrides("dbsn", 10, 21) if o.startswith("model.tau.decay="))
+    assert abs(3.0 * 2.718281828 ** (-float(tau.split("=")[1]) * 210) - 1.0) < 1e-3  # tau hits 1 at the end
+
+
+@pytest.mark.slow
+def test_comparison_runs_every_method(tmp_path):
+    results = run_comparison(METHODS, epochs=1, output_dir=tmp_path, n_samples=3,
+                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
+                             net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
+    assert list(results) == list(METHODS)
+    table = (tmp_path / "comparison.md").read_text()
+    for method in METHODS:
+        assert f"| {method} |" in table
+        assert {"test/error", "test/nll", "test/ece"} <= set(results[method])
+    assert json.loads((tmp_path / "comparison.json").read_text())["results"] == results
