@@ -42,35 +42,52 @@ class Cell(nn.Module):
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
         """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G].
 
-        ``expand=True``: ``x`` is (b, C, H, W), the same for every structure. The input
-        projection does not depend on alpha (and per-group BatchNorm of G identical groups
-        is BatchNorm of one), so it runs once and both x and it are replicated afterwards.
+        ``expand=True``: ``x`` is (b, C, H, W), the same for every structure. Everything that
+        does not depend on alpha then runs once on the b rows: the input projection and the
+        ops on node 0 (a slice of it); per-group BatchNorm of G identical groups is BatchNorm
+        of one, so this equals the forward of the replicated input. Only the alpha-weighted
+        sums create the G groups.
         """
         groups = alpha.shape[0]
         projected = self.preprocess(x, 1 if expand else groups)
-        if expand:
-            x, projected = x.repeat_interleave(groups, 0), projected.repeat_interleave(groups, 0)
-        slices = projected.split(self.growth, dim=1)
+        slices = list(projected.split(self.growth, dim=1))
+        shared = [expand] * len(slices)  # whether a node still holds b rows shared by all groups
         nodes: list[Tensor] = []
-        for j, node in enumerate(slices):
-            for i in range(j):
-                e = j * (j - 1) // 2 + i
-                node = node + self._mixed_edge(nodes[i], alpha[:, e], self.edge_ops[e])
-            nodes.append(node.contiguous())  # node 0 is a channel slice; its ops want a dense tensor
+        for j in range(len(slices)):
+            node = slices[j].contiguous()  # a channel slice; its ops want a dense tensor
+            if j > 0:
+                first = j * (j - 1) // 2  # edges (0, j), (1, j), ... are first, first + 1, ...
+                edges = [self._mixed_edge(nodes[i], alpha[:, first + i], self.edge_ops[first + i], shared[i])
+                         for i in range(j)]
+                node = _expand(node, groups) if shared[j] else node
+                node = node + sum(edges)
+                shared[j] = False
+            nodes.append(node)
+        if expand:
+            x = _expand(x, groups)
+            nodes = [_expand(n, groups) if s else n for n, s in zip(nodes, shared)]
         return torch.cat([x, *nodes], dim=1)
 
     @staticmethod
-    def _mixed_edge(node: Tensor, alpha_e: Tensor, ops: nn.ModuleList) -> Tensor:
-        """sum_k alpha_e[g, k] * op_k(node) per group g; ``zero`` ops are skipped."""
+    def _mixed_edge(node: Tensor, alpha_e: Tensor, ops: nn.ModuleList, shared: bool = False) -> Tensor:
+        """sum_k alpha_e[g, k] * op_k(node) for every group g, as (b*G, C, H, W); ``zero`` ops
+        are skipped. A ``shared`` node holds b rows common to all groups: its ops run once and
+        only the weighting is per group."""
         groups = alpha_e.shape[0]
         n, c, h, w = node.shape
+        b = n if shared else n // groups
         weights = alpha_e.to(node.dtype).t().reshape(-1, 1, groups, 1, 1, 1)  # (K, 1, G, 1, 1, 1)
         out = None
         for k, op in enumerate(ops):
             if isinstance(op, Zero):
                 continue
-            term = op(node, groups).view(n // groups, groups, c, h, w) * weights[k]
+            term = op(node, 1 if shared else groups).view(b, 1 if shared else groups, c, h, w) * weights[k]
             out = term if out is None else out + term
         if out is None:  # every op is zero
-            return torch.zeros_like(node)
-        return out.view(n, c, h, w)
+            return node.new_zeros(b * groups, c, h, w)
+        return out.reshape(b * groups, c, h, w)
+
+
+def _expand(t: Tensor, groups: int) -> Tensor:
+    """Rows shared by all groups -> the interleaved grouped layout (row i*G + g = row i)."""
+    return t.repeat_interleave(groups, dim=0)
