@@ -28,7 +28,6 @@ import time
 from datetime import date
 
 import torch
-import torch.nn.functional as F
 
 from dbsn.ensemble import BayesEnsemble
 from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights

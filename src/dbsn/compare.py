@@ -68,7 +68,7 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
 
 
 def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: int) -> str:
-    lines = [f"| method | error % | NLL | Brier | ECE |", "|---|---|---|---|---|"]
+    lines = ["| method | error % | NLL | Brier | ECE |", "|---|---|---|---|---|"]
     for method, m in results.items():
         lines.append(f"| {method} | {100 * m['test/error']:.2f} | {m['test/nll']:.4f} | "
                      f"{m['test/brier']:.4f} | {m['test/ece']:.4f} |")

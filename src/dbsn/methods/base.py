@@ -22,7 +22,7 @@ Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import lightning.pytorch as pl
 import torch

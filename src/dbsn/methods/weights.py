@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from dbsn.bayes import bayesianize, kl_divergence

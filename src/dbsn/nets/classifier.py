@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from dbsn.nets.cell import Cell
