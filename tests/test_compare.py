@@ -21,7 +21,8 @@ def test_only_structure_sampling_methods_get_schedule_compression():
 @pytest.mark.slow
 def test_comparison_runs_every_method(tmp_path):
     results = run_comparison(METHODS, epochs=1, output_dir=tmp_path, n_samples=3,
-                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
+                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                                    "trainer.limit_train_batches=2", "trainer.limit_test_batches=1"],
                              net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
     assert list(results) == list(METHODS)
     table = (tmp_path / "comparison.md").read_text()
