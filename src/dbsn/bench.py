@@ -131,8 +131,10 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
 
 
 def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
-        samples_per_forward: int = 10, memory: bool = True) -> dict:
+        samples_per_forward: int | None = None, memory: bool = True) -> dict:
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
+        samples_per_forward = 20 if dev.type == "cuda" else 4
     steps = {name: build_case(name, net_name, batch, dev, samples_per_forward) for name in CASES}
     for step in steps.values():  # warm-up
         step()
@@ -199,9 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
-    if args.samples_per_forward is None:
-        on_gpu = torch.cuda.is_available() and args.device in ("auto", "cuda")
-        args.samples_per_forward = 20 if on_gpu else 4
     result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory)
     _print(result)
     if args.json:

@@ -183,9 +183,6 @@ class ClassificationMethod(pl.LightningModule):
         logits = self.net(x, alpha, replicate=True)  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, -1).transpose(0, 1)
 
-    def on_before_training_step(self) -> None:
-        """Hook for per-step schedules."""
-
     def on_after_optimizer_step(self) -> None:
         """Hook for step counters."""
 
@@ -246,7 +243,6 @@ class ClassificationMethod(pl.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
-        self.on_before_training_step()
         out = self.training_loss(x, y)
         loss = out["loss"]
         self._check_finite(loss, batch_idx)
