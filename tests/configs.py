@@ -27,8 +27,12 @@ TINY = [
 
 
 def tiny_for(model: str) -> list[str]:
-    """TINY for `model=...`: T exists only where structures are sampled (dbsn, fbn)."""
-    return [o for o in TINY if model in ("dbsn", "fbn") or not o.startswith("model.train_samples")]
+    """TINY for `model=...`: T exists only where structures are sampled (dbsn, fbn); NEK-FAC's
+    VGG16-BN is made tiny by width (and refreshes its Kronecker factors every 2 steps)."""
+    tiny = [o for o in TINY if model in ("dbsn", "fbn") or not o.startswith("model.train_samples")]
+    if model == "nekfac":
+        tiny = [o for o in tiny if not o.startswith("model.net.")] + ["model.net.width=0.25", "model.nekfac.cov_update_every=2"]
+    return tiny
 
 
 def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:

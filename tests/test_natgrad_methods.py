@@ -1,20 +1,18 @@
 """VOGN, VOGN-FBN and NEK-FAC as methods: VGG16-BN, end-to-end train() / evaluate(), the stored
 posterior (what evaluation samples from equals the optimiser's at the end of training, and the
-weight draws have its spread), optimiser state through Lightning's resume, and the configs."""
+weight draws have its spread) and the configs (resume: tests/test_resume.py)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from configs import compose_config
+from configs import TINY, compose_config, tiny_for
 from fakedata import write_cifar10
 
 import dbsn.run
-from dbsn.checkpoint import load_checkpoint
 from dbsn.config import validate_config
 from dbsn.methods.natgrad import NEKFACMethod, VOGNFBN, VOGNMAP, VOGNMethod
 from dbsn.natgrad import NEKFAC, VOGN
@@ -22,13 +20,7 @@ from dbsn.natgrad.nekfac import _as_matrix
 from dbsn.nets import StructureNet, VGG16BN
 from dbsn.run import evaluate, train
 
-TRAINER = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-           "trainer.log_every_n_steps=1"]
-TINY = {  # tiny networks (the TINY of tests/configs.py, without T: one structure per weight sample)
-    "vogn": ["model.net.num_nodes=3", "model.net.cells_per_stage=1", "model.net.growth=4", "model.net.stem_channels=8"],
-    "nekfac": ["model.net.width=0.25", "model.nekfac.cov_update_every=2"],
-}
-TINY["vogn_fbn"] = TINY["vogn"]
+TRAINER = [o for o in TINY if o.startswith("trainer.")]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,7 @@ def cifar_root(tmp_path_factory):
 
 def _overrides(method: str, root: Path, epochs: int) -> list[str]:
     return [f"model={method}", "data=cifar10", f"data.root={root}", "data.batch_size=16", "data.num_workers=0",
-            "model.n_samples=4", "model.samples_per_forward=2", *TINY[method], *TRAINER, f"trainer.max_epochs={epochs}"]
+            *tiny_for(method), f"trainer.max_epochs={epochs}"]
 
 
 def _train_keeping_model(overrides: list[str], run_dir: Path, monkeypatch) -> tuple[dict, object]:
@@ -185,51 +177,6 @@ def test_settings_are_checked_when_the_method_is_built():
         VOGNMethod(net, structure="bbb")
     with pytest.raises(ValueError, match="unknown NEKFAC settings.*'damp'"):
         NEKFACMethod(VGG16BN(10, width=0.25), nekfac={"damp": 1.0})
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-@pytest.mark.parametrize("method", ["vogn_fbn", "nekfac"])
-def test_resume_restores_the_optimizer_state_exactly(method, cifar_root, tmp_path, monkeypatch):
-    run_dir = tmp_path / "run"
-    train(compose_config("train", [*_overrides(method, cifar_root, epochs=1), "test=false"], run_dir), run_dir)
-    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
-    saved = ckpt["optimizer_states"][0]
-    assert saved["state"] and ("nekfac_steps" in saved) == (method == "nekfac")
-
-    restored = {}
-    original = dbsn.run.build_model
-
-    def build(*args, **kwargs):
-        model = original(*args, **kwargs)
-        on_train_start = model.on_train_start
-
-        def record():  # after Lightning restored the checkpoint, before the first resumed step
-            opt = model.trainer.optimizers[0]
-            restored.update(state=copy.deepcopy(opt.state_dict()), posterior={k: v.clone() for k, v in model.posterior.state_dict().items()})
-            on_train_start()
-        model.on_train_start = record
-        return model
-
-    monkeypatch.setattr(dbsn.run, "build_model", build)
-    resumed = [*_overrides(method, cifar_root, epochs=2), "test=false", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
-    train(compose_config("train", resumed, tmp_path / "resumed"), tmp_path / "resumed")
-    assert _equal(restored["state"]["state"], saved["state"])
-    assert _equal(restored["state"].get("nekfac_steps"), saved.get("nekfac_steps"))
-    assert [g["lr"] for g in restored["state"]["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
-    for k, v in restored["posterior"].items():
-        assert torch.equal(v, ckpt["state_dict"][f"posterior.{k}"]), k
-    after = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["optimizer_states"][0]
-    steps = after["nekfac_steps"] if method == "nekfac" else next(iter(after["state"].values()))["step"]
-    assert steps == 2 * 128 // 16  # the resumed epoch continued the step count
 
 
 # ---------------------------------------------------------------------- configs

@@ -4,6 +4,9 @@
   it and renames it into place, so a run killed mid-write never leaves a truncated `last.ckpt`.
 - `RunConfigCallback` stores the run's resolved Hydra config inside each checkpoint, so
   `evaluate.py ckpt_path=...` can rebuild data and model without being told the method.
+- `RandomStateCallback` stores the random state (torch CPU/CUDA, numpy, Python) inside each
+  checkpoint and puts it back before the first resumed epoch, so a resumed run draws the same
+  structures, masks and weight noise as an uninterrupted one.
 - `load_checkpoint` reads a checkpoint and turns every way it can be wrong (missing, corrupt,
   foreign) into a `CheckpointError` that says what was found and what to do.
 """
@@ -11,10 +14,12 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -56,6 +61,52 @@ class RunConfigCallback(pl.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
         checkpoint[VERSION_KEY] = __version__
+
+
+class RandomStateCallback(pl.Callback):
+    """Saves the random state with every checkpoint; restores it when the resumed fit starts its
+    first epoch.
+
+    Checkpoints are written at the end of an epoch, and nothing between that point and the next
+    `on_train_epoch_start` draws random numbers (the training loader's order and worker seeds
+    come from their own generators, see `dbsn.data.base.in_memory_loader`), so single-process
+    resume reproduces the uninterrupted run bit for bit on the same hardware. Under DDP only
+    rank 0's state is saved; on resume each rank re-derives its own stream from it (reproducible,
+    not identical to the uninterrupted run)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # tensors and plain Python values only: Lightning resumes with torch.load(weights_only=True)
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state = {
+            "torch": torch.get_rng_state(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available():
+            state["torch.cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._pending is None:
+            return
+        state, self._pending = self._pending, None
+        torch.set_rng_state(state["torch"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        cuda = state.get("torch.cuda", [])
+        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():  # else keep the current ones
+            torch.cuda.set_rng_state_all(cuda)
+        if trainer.world_size > 1:  # rank 0's state was saved; give every rank its own stream
+            seed = int(torch.randint(2**62, ())) + 104729 * trainer.global_rank
+            torch.manual_seed(seed % 2**63)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

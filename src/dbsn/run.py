@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from dbsn.checkpoint import CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RunConfigCallback, load_checkpoint
+from dbsn.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
+                             load_checkpoint)
 from dbsn.config import ConfigError, to_plain, validate_config
 from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
 from dbsn.methods import ClassificationMethod, DeepEnsemble
@@ -186,7 +187,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
-    callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain)]
+    callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
     loggers = _instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
     for logger in loggers:

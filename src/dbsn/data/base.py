@@ -15,7 +15,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from dbsn.data.augment import normalize, random_crop, random_hflip, to_unit_range
 
@@ -67,14 +67,35 @@ def collate_batch(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     return batch
 
 
+class EpochShuffleSampler(RandomSampler):
+    """A random permutation per epoch that depends only on (seed, epoch): Lightning calls
+    `set_epoch` before every epoch, so a run resumed from a checkpoint sees the same order as an
+    uninterrupted one, whenever its loader iterator happens to be created. The seed defaults to
+    `torch.initial_seed()` (the run's `seed`, set by `seed_everything`). A `RandomSampler`, so
+    under DDP Lightning swaps it for its `DistributedSampler`, which is seeded the same way."""
+
+    def __init__(self, data_source, seed: int | None = None) -> None:
+        super().__init__(data_source)
+        self.seed = torch.initial_seed() if seed is None else int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed((self.seed + 1_000_003 * self.epoch) % 2**63)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
 def in_memory_loader(datamodule, dataset: Dataset, train: bool) -> DataLoader:
     """A loader over an in-memory dataset with `__getitems__` (one gather per batch), with the
     data module's batch sizes, workers, `drop_last` and `pin_memory` settings; shuffled in
-    training."""
+    training by an `EpochShuffleSampler` (same order on resume)."""
     return DataLoader(
         dataset,
         batch_size=datamodule.batch_size if train else datamodule.eval_batch_size,
-        shuffle=train,
+        sampler=EpochShuffleSampler(dataset) if train else None,
+        generator=torch.Generator().manual_seed(torch.initial_seed()),  # worker seeds: not from the global RNG
         drop_last=train and datamodule.drop_last,
         num_workers=datamodule.num_workers,
         persistent_workers=datamodule.num_workers > 0,
