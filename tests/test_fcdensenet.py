@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from netutil import join_groups, set_random_affine, soft_alpha, split_groups
 from torch import nn
 
 from dbsn.nets import OPS, Cell, DBSNSegNet, FCDenseNet
@@ -24,27 +25,6 @@ def one_thread():
 
 def count(net):
     return sum(p.numel() for p in net.parameters())
-
-
-def soft_alpha(groups, edges=20, num_ops=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.softmax(2 * torch.randn(groups, edges, num_ops, generator=g), dim=-1)
-
-
-def split_groups(x, groups):
-    return [x[g::groups] for g in range(groups)]
-
-
-def join_groups(parts):
-    return torch.stack(parts, dim=1).flatten(0, 1)
-
-
-def set_random_affine(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d) and m.affine:
-            m.weight.data = 1 + 0.3 * torch.randn(m.weight.shape, generator=g)
-            m.bias.data = 0.3 * torch.randn(m.bias.shape, generator=g)
 
 
 def tiny_dbsn(num_down=2, **kw):
@@ -150,7 +130,7 @@ def test_fcdensenet_replicate_gives_copies():
 def test_dbsn_grouped_forward_equals_separate_forwards_in_eval():
     net = tiny_dbsn()
     G, b = 2, 2
-    alpha = soft_alpha(G)
+    alpha = soft_alpha(G, 20, 3)
     with torch.no_grad():  # non-trivial running statistics
         for step in range(2):
             net(torch.randn(G * b, 3, 10, 14) * 2 + step, alpha)
@@ -166,7 +146,7 @@ def test_dbsn_grouped_forward_equals_separate_forwards_in_eval():
 def test_dbsn_grouped_forward_equals_separate_forwards_in_training():
     net = tiny_dbsn()
     G, b = 2, 2
-    alpha = soft_alpha(G, seed=1)
+    alpha = soft_alpha(G, 20, 3, seed=1)
     copies = [copy.deepcopy(net) for _ in range(G)]
     x = torch.randn(G * b, 3, 10, 14)
     grouped = net(x, alpha)
@@ -192,7 +172,7 @@ def test_dbsn_replicate_equals_forward_on_repeated_input(training):
     twin = copy.deepcopy(net)
     net.train(training), twin.train(training)
     G, x = 3, torch.randn(2, 3, 10, 14)
-    alpha = soft_alpha(G, seed=2)
+    alpha = soft_alpha(G, 20, 3, seed=2)
     expected = twin(x.repeat_interleave(G, 0), alpha)
     torch.testing.assert_close(net(x, alpha, replicate=True), expected, rtol=1e-4, atol=1e-5)
     for (name, buf), ref in zip(net.named_buffers(), twin.buffers()):
@@ -203,10 +183,10 @@ def test_down_and_up_slices_drive_their_cells():
     net = tiny_dbsn().eval()
     seen = []
     net.bottleneck.register_forward_hook(lambda m, i, out: seen.append(out))
-    x, alpha = torch.randn(2, 3, 10, 14), soft_alpha(2)
+    x, alpha = torch.randn(2, 3, 10, 14), soft_alpha(2, 20, 3)
     new_up, new_down = alpha.clone(), alpha.clone()
-    new_up[:, 10:] = soft_alpha(2, seed=5)[:, 10:]
-    new_down[:, :10] = soft_alpha(2, seed=5)[:, :10]
+    new_up[:, 10:] = soft_alpha(2, 20, 3, seed=5)[:, 10:]
+    new_down[:, :10] = soft_alpha(2, 20, 3, seed=5)[:, :10]
     with torch.no_grad():
         out, out_up, out_down = net(x, alpha), net(x, new_up), net(x, new_down)
     torch.testing.assert_close(seen[1], seen[0])  # up slice: bottleneck untouched ...
@@ -250,7 +230,7 @@ def test_cell_keep_input_false_outputs_the_nodes_only(expand):
     new_only = Cell(5, 4, 3, SEG_OPS, projection_kernel=3, keep_input=False)
     new_only.load_state_dict(keep.state_dict())
     assert new_only.out_channels == 12
-    G, alpha = 2, soft_alpha(2, 6)
+    G, alpha = 2, soft_alpha(2, 6, 3)
     x = torch.randn(2 if expand else 2 * G, 5, 6, 6)
     full, nodes = keep(x, alpha, expand=expand), new_only(x, alpha, expand=expand)
     assert nodes.shape == (2 * G, 12, 6, 6)

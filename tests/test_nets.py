@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from netutil import join_groups, set_random_affine, soft_alpha, split_groups
 from torch import nn
 
 from dbsn.nets import OPS, Cell, GroupBatchNorm2d, StructureNet
@@ -15,30 +16,6 @@ def tiny_net(num_classes=5, **kw):
     args = dict(num_nodes=4, cells_per_stage=1, growth=4, stem_channels=8)
     args.update(kw)
     return StructureNet(num_classes, **args)
-
-
-def soft_alpha(groups, net_or_edges, num_ops=4, seed=0):
-    edges = net_or_edges if isinstance(net_or_edges, int) else net_or_edges.num_edges
-    g = torch.Generator().manual_seed(seed)
-    return torch.softmax(2 * torch.randn(groups, edges, num_ops, generator=g), dim=-1)
-
-
-def split_groups(x, groups):
-    """The G groups of a grouped batch: row r belongs to group r mod G."""
-    return [x[g::groups] for g in range(groups)]
-
-
-def join_groups(parts):
-    """Inverse of split_groups."""
-    return torch.stack(parts, dim=1).flatten(0, 1)
-
-
-def set_random_affine(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d) and m.affine:
-            m.weight.data = 1 + 0.3 * torch.randn(m.weight.shape, generator=g)
-            m.bias.data = 0.3 * torch.randn(m.bias.shape, generator=g)
 
 
 # --- GroupBatchNorm2d -------------------------------------------------------
