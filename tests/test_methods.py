@@ -147,3 +147,27 @@ def test_mc_dropout_existing_placement_reuses_the_networks_dropout_layers():
         MCDropoutWeights(placement="existing").prepare(nn.Sequential(nn.Conv2d(3, 4, 3)))
     with pytest.raises(ValueError, match="placement"):
         MCDropoutWeights(placement="nodes")
+
+
+def test_mc_dropout_node_outputs_placement_puts_dropout_on_every_cell():
+    from torch import nn
+
+    from dbsn.methods import MCDropoutWeights
+    from dbsn.nets import Cell, StructureNet
+
+    torch.manual_seed(0)
+    net = StructureNet(5, num_nodes=3, cells_per_stage=2, growth=4, stem_channels=8)
+    weights = MCDropoutWeights(p=0.3, placement="node_outputs")
+    weights.prepare(net)
+    cells = [m for m in net.modules() if isinstance(m, Cell)]
+    dropouts = [m for m in net.modules() if isinstance(m, nn.Dropout)]
+    assert len(cells) == 6 and all(isinstance(c.node_output, nn.Dropout) and c.node_output.p == 0.3 for c in cells)
+    assert len(dropouts) == 6  # nothing after the convolutions
+    x, alpha = torch.randn(4, 3, 16, 16), torch.full((1, net.num_edges, net.num_ops), 1 / net.num_ops)
+    net.eval()
+    with torch.no_grad():
+        deterministic = net(x, alpha)
+        weights.enable_test_noise(net)  # MC dropout: kept on at test time
+        assert not torch.allclose(net(x, alpha), deterministic)
+    with pytest.raises(ValueError, match="no cells"):
+        MCDropoutWeights(placement="node_outputs").prepare(nn.Sequential(nn.Conv2d(3, 4, 3)))

@@ -146,6 +146,42 @@ def test_alpha_enters_linearly_per_op():
     assert edge_term(torch.eye(4)[0]).abs().max() == 0  # "zero" contributes nothing
 
 
+def test_node_output_acts_on_every_node_as_its_successors_see_it():
+    cell = make_cell(num_nodes=3)
+    x, alpha = torch.randn(4, 5, 6, 6), soft_alpha(1, 3)
+    seen = []
+
+    class ZeroAndRecord(nn.Module):
+        def forward(self, t):
+            seen.append(t.detach().clone())
+            return torch.zeros_like(t)
+
+    cell.node_output = ZeroAndRecord()
+    _, nodes, slices = run_cell_with_slices(cell, x, alpha)
+    assert len(seen) == 3 and all(n.abs().max() == 0 for n in nodes)  # once per node, output replaced
+    torch.testing.assert_close(seen[0], slices[0])
+    # node 1 was computed from node 0 AFTER node_output (zeros), not from slice 0
+    from_zeros = Cell._mixed_edge(torch.zeros_like(slices[0]), alpha[:, 0], cell.edge_ops[0])
+    torch.testing.assert_close(seen[1], slices[1] + from_zeros)
+    assert not torch.allclose(seen[1], slices[1] + Cell._mixed_edge(slices[0], alpha[:, 0], cell.edge_ops[0]))
+
+
+def test_node_output_dropout_masks_are_per_group_with_shared_inputs():
+    """With expand=True node 0 holds rows shared by all structures; a per-row layer on it must
+    still draw one mask per group (per Bayes-ensemble member)."""
+    cell = make_cell(num_nodes=3, growth=3)
+    x, alpha = torch.randn(2, 5, 6, 6), soft_alpha(3, 3)
+    node0 = lambda out: out[:, 5:8].reshape(2, 3, 3, 6, 6)  # (b, G, growth, H, W)
+    shared = node0(cell(x, alpha, expand=True))
+    assert torch.equal(shared[:, 0], shared[:, 1])  # identity node_output: the groups share node 0
+    cell.node_output = nn.Dropout(0.5)
+    torch.manual_seed(1)
+    dropped = node0(cell(x, alpha, expand=True))
+    assert not torch.equal(dropped[:, 0], dropped[:, 1]) and not torch.equal(dropped[:, 1], dropped[:, 2])
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], 2 * shared[kept])  # inverted dropout of the same values
+
+
 # --- StructureNet -------------------------------------------------------------
 
 def test_grouped_forward_equals_separate_forwards_in_eval():

@@ -48,14 +48,18 @@ def _insert_after_convs(module: nn.Module, make) -> None:
             _insert_after_convs(child, make)
 
 
+PLACEMENTS = ("every_conv", "node_outputs", "existing")
+
+
 @dataclass
 class MCDropoutWeights(WeightPosterior):
     """MC dropout with rate `p`, kept active at test time when `test_time` is true, so S forward
     passes give S members.
 
     `placement`: "every_conv" inserts dropout after every convolution (the paper's baseline);
-    "existing" keeps the network's own dropout layers and sets their rate to `p` (e.g. the
-    FC-DenseNet's, for the Bayesian-SegNet-style segmentation baseline).
+    "node_outputs" puts it on every node output of every cell (`Cell.node_output`; the DBSN
+    research code's baseline); "existing" keeps the network's own dropout layers and sets their
+    rate to `p` (e.g. the FC-DenseNet's, for the Bayesian-SegNet-style segmentation baseline).
     """
 
     p: float = 0.2
@@ -66,8 +70,8 @@ class MCDropoutWeights(WeightPosterior):
     def __post_init__(self) -> None:
         if not 0.0 <= self.p < 1.0:
             raise ValueError(f"dropout rate p must be in [0, 1), got {self.p}")
-        if self.placement not in ("every_conv", "existing"):
-            raise ValueError(f"placement must be 'every_conv' or 'existing', got {self.placement!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
@@ -76,6 +80,13 @@ class MCDropoutWeights(WeightPosterior):
     def prepare(self, net: nn.Module) -> nn.Module:
         if self.placement == "every_conv":
             _insert_after_convs(net, lambda: nn.Dropout(self.p))
+            return net
+        if self.placement == "node_outputs":
+            cells = [m for m in net.modules() if isinstance(getattr(m, "node_output", None), nn.Identity)]
+            if not cells:
+                raise ValueError(f"placement='node_outputs' but {type(net).__name__} has no cells with node outputs")
+            for cell in cells:
+                cell.node_output = nn.Dropout(self.p)
             return net
         layers = [m for m in net.modules() if isinstance(m, nn.Dropout)]
         if not layers:

@@ -27,6 +27,10 @@ class Cell(nn.Module):
     ``projection_kernel``: kernel size of the input projection conv (padding k//2); the
     segmentation cells use 3. ``keep_input=False``: output only concat(node 0..B-1), as the
     dense blocks of the FC-DenseNet bottleneck and up path do (only new features go up).
+
+    ``node_output`` (identity) is applied to every node's value, as its successors and the
+    output see it: a place for methods to put a layer there (MC dropout on every node output,
+    as the DBSN research code's baseline does). It acts per row: shared rows are expanded first.
     """
 
     def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
@@ -44,6 +48,7 @@ class Cell(nn.Module):
         self.edge_ops = nn.ModuleList(
             nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges
         )
+        self.node_output: nn.Module = nn.Identity()
 
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
         """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G].
@@ -68,6 +73,10 @@ class Cell(nn.Module):
                 node = _expand(node, groups) if shared[j] else node
                 node = node + sum(edges)
                 shared[j] = False
+            if not isinstance(self.node_output, nn.Identity):
+                if shared[j]:  # per-row layers (dropout masks) must not be shared by the groups
+                    node, shared[j] = _expand(node, groups), False
+                node = self.node_output(node)
             nodes.append(node)
         if expand:
             nodes = [_expand(n, groups) if s else n for n, s in zip(nodes, shared)]
