@@ -25,6 +25,7 @@ ERRORS = {
     ("map", "cifar100"): {1: 0.30, 2: 0.31},
 }
 ECES = {1: 0.010, 2: 0.012, 3: 0.014}
+TIMES = {"dbsn": 600.0, "map": 1200.0}  # train_seconds = TIMES[model] * seed
 
 
 def write_yaml(path: Path, data) -> None:
@@ -32,11 +33,13 @@ def write_yaml(path: Path, data) -> None:
     path.write_text(yaml.safe_dump(data))
 
 
-def write_run(folder: Path, model: dict, data_target: str, seed: int, error: float | None) -> Path:
+def write_run(folder: Path, model: dict, data_target: str, seed: int, error: float | None,
+              train_seconds: float | None = None) -> Path:
     write_yaml(folder / "resolved_config.yaml", {"model": model, "data": {"_target_": data_target}, "seed": seed})
     if error is not None:
         metrics = {"test/error": error, "test/nll": 10 * error, "test/ece": ECES.get(seed, 0.02)}
-        (folder / "metrics.json").write_text(json.dumps({"metrics": metrics, "n_samples": 100, "seed": seed}))
+        record = {"metrics": metrics, "n_samples": 100, "seed": seed, "epochs": 100, "train_seconds": train_seconds}
+        (folder / "metrics.json").write_text(json.dumps(record))
     return folder
 
 
@@ -65,7 +68,8 @@ def outputs(tmp_path) -> Path:
                 folder = root / str(job - 1)
                 write_yaml(folder / ".hydra" / "hydra.yaml", {"hydra": {"runtime": {"choices": {"model": model, "data": data}}}})
                 write_yaml(folder / ".hydra" / "overrides.yaml", [f"model={model}", f"seed={seed}", f"data={data}", "trainer=cpu"])
-                write_run(folder, MODELS[model], DATA[data], seed, ERRORS[model, data].get(seed))
+                write_run(folder, MODELS[model], DATA[data], seed, ERRORS[model, data].get(seed),
+                          train_seconds=TIMES[model] * seed)
                 write_yaml(folder / "checkpoints" / "resolved_config.yaml", {})  # skipped folders are not runs
     # fbn, launched without Hydra: the method comes from the resolved config
     write_run(tmp_path / "outputs" / "single" / "fbn_run",
@@ -136,7 +140,26 @@ def test_method_inference_without_hydra():
                          "weights": {"_target_": "dbsn.methods.weights.MCDropoutWeights"}}) == "mc_dropout"
     assert infer_method({"_target_": "dbsn.methods.MAP", "weights": {"_target_": "dbsn.methods.GaussianWeights"}}) == "bbb"
     assert infer_method({"_target_": "dbsn.methods.DeepEnsemble", "member": {}}) == "deep_ensemble"
+    assert infer_method({"_target_": "dbsn.methods.natgrad.VOGNMethod", "structure": "map"}) == "vogn"
+    assert infer_method({"_target_": "dbsn.methods.natgrad.VOGNMethod", "structure": "dbsn"}) == "vogn_fbn"
+    assert infer_method({"_target_": "dbsn.methods.natgrad.NEKFACMethod"}) == "nekfac"
     assert infer_method({"_target_": "my.pkg.Laplace"}) == "Laplace"
+
+
+def test_training_time_table_and_ratio_to_dbsn_by_hand(outputs, tmp_path):
+    build_report([outputs], tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    table = section(text, "## Training time")
+    # dbsn cifar10: seeds 1-3 -> 10, 20, 30 min; map cifar10: seeds 1, 3 (2 failed) -> 20, 60 min
+    assert "| dbsn | cifar10 | 20.0 ± 10.0 (3) | 100 | 1.00 |" in table
+    assert "| map | cifar10 | 40.0 ± 28.3 (2) | 100 | 2.00 |" in table
+    assert "| map | cifar100 | 30.0 ± 14.1 (2) | 100 | 1.50 |" in table  # seeds 1, 2 over dbsn's 20
+    assert "fbn" not in table  # its metrics.json has no train_seconds
+    rows = {(r["method"], r["dataset"]): r for r in read_csv(tmp_path / "report" / "time.csv")}
+    assert float(rows["map", "cifar10"]["ratio_to_dbsn"]) == pytest.approx(2.0)
+    assert float(rows["map", "cifar10"]["std_minutes"]) == pytest.approx(np.std([20, 60], ddof=1))
+    runs = {(r["method"], r["dataset"], r["seed"]): r for r in read_csv(tmp_path / "report" / "runs.csv")}
+    assert float(runs["dbsn", "cifar100", "2"]["train_seconds"]) == 1200.0
 
 
 def test_sweep_expansion_handles_choice_range_and_lists(tmp_path):

@@ -64,6 +64,7 @@ def test_training_decreases_loss_and_moves_theta(trained_run):
     record = json.loads((out / "metrics.json").read_text())
     assert record["metrics"]["test/ece"] == pytest.approx(metrics["test/ece"])
     assert record["n_samples"] == 4
+    assert 0 < record["train_seconds"] < 600  # the fit's wall time (Timer callback)
     assert (out / "reliability_diagram.png").stat().st_size > 1000
     # schedules are logged every epoch
     assert len(_epoch_values(out, "structure/tau")) == 4
@@ -128,6 +129,9 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     # Adam's state for theta was carried over and advanced
     assert after["optimizer_states"][1]["state"][0]["step"] == saved["optimizer_states"][1]["state"][0]["step"] + steps_per_epoch
     assert not torch.equal(after["state_dict"]["structure.theta"], saved["state_dict"]["structure.theta"])
+    # the training time adds the resumed epoch to the first four (the Timer's state is in the checkpoint)
+    first, total = (json.loads((d / "metrics.json").read_text())["train_seconds"] for d in (out, resumed_dir))
+    assert total > first + 0.01
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path, monkeypatch):

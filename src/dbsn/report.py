@@ -10,7 +10,8 @@ in report.md's "Runs not included".
 Writes into OUT (default outputs/report): report.md, runs.csv, table1_error.{md,csv},
 table2_ece.{md,csv}, table_nll.{md,csv} and, where runs have evaluation outputs, ood.{md,csv}
 with one entropy-CDF figure per (dataset, OOD set), adversarial.{md,csv} with one figure per
-dataset, ablation.{md,csv}. Cells are mean ± sample std (ddof = 1) over seeds, with the number
+dataset, ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
+metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
 of runs in parentheses.
 """
 
@@ -36,7 +37,7 @@ from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.plots import save_figure
 
 SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}
-METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble")
+METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "vogn", "vogn_fbn", "nekfac")
 DATASET_ORDER = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
 OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
@@ -61,6 +62,8 @@ class Run:
     overrides: list = field(default_factory=list)
     note: str = ""
     n_samples: object = None
+    train_seconds: float | None = None  # fit wall time (metrics.json; resumed parts included)
+    epochs: object = None
 
 
 @dataclass
@@ -97,6 +100,10 @@ def infer_method(model: dict) -> str:
         if weights in ("MCDropoutWeights", "GaussianWeights"):
             return "mc_dropout" if weights == "MCDropoutWeights" else "bbb"
         return "map" if model.get("learn_structure", True) else "map_fixed"
+    if cls == "VOGNMethod":
+        return "vogn_fbn" if model.get("structure") == "dbsn" else "vogn"
+    if cls == "NEKFACMethod":
+        return "nekfac"
     return "deep_ensemble" if cls == "DeepEnsemble" else cls
 
 
@@ -120,6 +127,7 @@ def load_run(folder: Path) -> Run:
             record = json.loads(metrics.read_text())
             run.metrics, run.status = dict(record["metrics"]), "ok"
             run.seed, run.n_samples = record.get("seed", run.seed), record.get("n_samples")
+            run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     return run
@@ -394,6 +402,34 @@ def ablation_section(report: Report, ok: list[Run]) -> str:
     return text
 
 
+def time_section(report: Report, ok: list[Run]) -> str:
+    """Training wall time per method and dataset, and its ratio to DBSN's on the same data (the
+    paper's Table 5 compares DBSN's 1.2 h with VOGN's 13 h)."""
+    values, epochs = defaultdict(list), defaultdict(set)
+    for r in ok:
+        if r.train_seconds is not None:
+            values[r.method, r.dataset].append(r.train_seconds / 60.0)
+            epochs[r.method, r.dataset].add(r.epochs)
+    if not values:
+        return ""
+    rows, table = [], []
+    for dataset in _order({d for _, d in values}, DATASET_ORDER):
+        reference = values.get(("dbsn", dataset))
+        for method in _order({m for m, d in values if d == dataset}, METHOD_ORDER):
+            stats = mean_std(values[method, dataset])
+            ratio = stats[0] / statistics.fmean(reference) if reference else None
+            shown_epochs = ", ".join(str(e) for e in sorted(epochs[method, dataset], key=str))
+            table.append([method, dataset, fmt(stats, 1), shown_epochs, "–" if ratio is None else f"{ratio:.2f}"])
+            rows.append([method, dataset, *stats, shown_epochs, ratio])
+    _write_csv(report, "time.csv", ["method", "dataset", "mean_minutes", "std_minutes", "n", "epochs", "ratio_to_dbsn"], rows)
+    text = ("## Training time\n\nWall time of training (the fit, validation included, resumed parts added up), in "
+            "minutes, mean ± std (n runs), and its ratio to DBSN's mean on the same data. Only comparable between "
+            "runs on the same hardware. Files: `time.md`, `time.csv`.\n\n"
+            + md_table(["method", "dataset", "minutes", "epochs", "× DBSN"], table) + "\n")
+    _write(report, "time.md", text.replace("## ", "# ", 1))
+    return text
+
+
 def runs_section(report: Report) -> str:
     text = "## Runs not included\n\n"
     excluded = [r for r in report.runs if r.status != "ok"]
@@ -419,9 +455,10 @@ def build_report(dirs: list[Path], out: Path) -> Report:
             runs += missing_runs(root, runs)
         except Exception as err:  # noqa: BLE001 - e.g. a sweeper or sweep type we cannot expand
             report.warnings.append(f"could not expand the sweep in {_show(root)}: {err!r}")
-    _write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "overrides", "note"],
+    _write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "train_seconds",
+                                    "overrides", "note"],
                [[_show(r.path), r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
-                 r.metrics.get("test/ece"), " ".join(map(str, r.overrides)), r.note] for r in runs])
+                 r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note] for r in runs])
     ok = report.with_status("ok")
     for (method, dataset, seed), count in Counter((r.method, r.dataset, r.seed) for r in ok).items():
         if count > 1:
@@ -433,6 +470,7 @@ def build_report(dirs: list[Path], out: Path) -> Report:
     if ok:
         text += main_tables(report, ok)
         text += ood_section(report, ok) + adversarial_section(report, ok) + ablation_section(report, ok)
+        text += time_section(report, ok)
     else:
         text += "No finished runs.\n\n"
     text += runs_section(report)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, Timer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -200,6 +201,10 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         for logger in loggers:
             logger.log_metrics({"val/temperature": temperature})
         trainer.save_checkpoint(output_dir / "checkpoints" / "calibrated.ckpt")
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    train_seconds = None if timer is None else round(timer.time_elapsed("train"), 1)
+    if train_seconds is not None:
+        Console().print(f"Training time: {timedelta(seconds=round(train_seconds))} (h:mm:ss, resumed parts included)")
     if not cfg.get("test", True):
         return {}
     attach_sample_ablation(model)
@@ -209,7 +214,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         model, metrics, output_dir, _title(plain["model"], plain["data"], model.n_samples), loggers,
         structure=False, datamodule=datamodule,
         extra={"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
-               "world_size": trainer.world_size,
+               "world_size": trainer.world_size, "train_seconds": train_seconds,
                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
     )
     for logger in loggers:
