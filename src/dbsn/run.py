@@ -21,7 +21,6 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.table import Table
 
 from dbsn.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
                              load_checkpoint)
@@ -29,7 +28,8 @@ from dbsn.config import ConfigError, to_plain, validate_config
 from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
 from dbsn.methods import ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
-from dbsn.evaluation.runner import adversarial, log_to_wandb, ood_evaluation, write_sample_ablation, write_structure
+from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,
+                                   write_structure)
 from dbsn.plots import reliability_diagram, save_figure
 
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
@@ -125,13 +125,8 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
     if model.test_maps and datamodule is not None:
         path = save_figure(uncertainty_maps(model.test_maps, datamodule, title), output_dir / "uncertainty_maps.png")
         log_to_wandb(loggers, images={"test/uncertainty_maps": path})
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
     named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
-    for key in named + sorted(k for k in metrics if k not in named):
-        table.add_row(key, f"{metrics[key]:.4f}")
-    Console().print(table)
+    print_table(title, ["metric", "value"], [[key, float(metrics[key])] for key in named + sorted(set(metrics) - set(named))])
     if model.ablation_rows is not None:
         write_sample_ablation(model.ablation_rows, output_dir / "ablation", title, loggers)
     if structure:

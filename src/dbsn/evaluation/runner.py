@@ -48,7 +48,8 @@ def log_to_wandb(loggers, metrics: dict[str, float] | None = None, images: dict[
                 logger.log_image(key=key, images=[str(path)])
 
 
-def _print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    """A rich table on the console: first column left-aligned, floats to 4 decimals."""
     table = Table(title=title)
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
@@ -98,7 +99,7 @@ def ood_evaluation(model, in_datamodule, ood_datamodule, in_scores: dict[str, Te
         title=f"{title}: predictive entropy", num_classes=in_datamodule.num_classes,
     )
     figure_path = save_figure(figure, folder / "entropy_cdf.png")
-    _print_table(
+    print_table(
         f"OOD detection: {in_datamodule.name} vs {ood_datamodule.name}", ["score", "AUROC", "AUPR", "FPR95"],
         [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()],
     )
@@ -164,7 +165,7 @@ def adversarial(model, datamodule, settings, folder: Path, device: torch.device,
     write_results(rows, folder)
     figure_path = save_figure(adversarial_figure({title: rows}, title=f"{title}: adversarial robustness"),
                               folder / "adversarial.png")
-    _print_table(
+    print_table(
         "Adversarial accuracy / mean entropy", ["attack", "ε", "accuracy", "entropy"],
         [[r["attack"], f"{r['epsilon']:.2f}", r["accuracy"], r["mean_entropy"]] for r in rows],
     )
@@ -183,7 +184,7 @@ def write_sample_ablation(rows: list[dict], folder: Path, title: str, loggers=()
     figure_path = save_figure(ablation_figure({title: rows}, title=f"{title}: Monte Carlo samples"),
                               folder / "ablation.png")
     shown = [r for r in rows if r["n_samples"] in {1, 2, 5, 10, 20, 30, 50, 100} or r is rows[-1]]
-    _print_table("MC-sample ablation", ["S", "error", "NLL", "ECE"],
+    print_table("MC-sample ablation", ["S", "error", "NLL", "ECE"],
                  [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown])
     log_to_wandb(loggers, images={"test/sample_ablation": figure_path})
 
