@@ -106,6 +106,13 @@ def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
     val_size = 16 if method == "vogn_fbn" else 0  # validation (S = val_samples) during training, once
     overrides = [*_overrides(method, cifar_root, epochs=2), f"data.val_size={val_size}", "model.val_samples=2"]
+    # N = 112 images would leave the posteriors near the prior (VOGN: σ² ≈ τ / (N γ)), and the paper's VOGN
+    # lr 0.01 / (s + γ) moves weights with little curvature by O(1) per step: the network saturates (NLL in
+    # the thousands, every member one-hot on one class, no disagreement left to measure). CIFAR's N, and
+    # for VOGN a smaller lr, keep the methods in the regime they are run in.
+    overrides.append("model.dataset_size=50000")
+    if method != "nekfac":
+        overrides.append("model.vogn.lr=1e-3")
     metrics, trained = _train_keeping_model(overrides, run_dir, monkeypatch)
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
     assert isinstance(trained, {"vogn": VOGNMAP, "vogn_fbn": VOGNFBN, "nekfac": NEKFACMethod}[method])
@@ -124,7 +131,8 @@ def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp
     assert json.loads((run_dir / "evaluation" / "metrics.json").read_text())["n_samples"] == 3
     assert set(again) >= {"test/error", "test/nll", "test/brier", "test/ece", "test/mutual_information"}
     assert again["test/nll"] != pytest.approx(metrics["test/nll"], rel=1e-7)  # other weight draws
-    assert again["test/mutual_information"] > 0  # the members disagree
+    assert again["test/nll"] < 5  # not saturated (the NLL of chance is 2.3) ...
+    assert again["test/mutual_information"] > 0  # ... so the members' disagreement shows
 
     # the posterior evaluation samples from is the optimiser's at the end of training
     loaded = dbsn.run._load_method(ckpt, num_classes=10)

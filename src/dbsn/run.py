@@ -160,8 +160,7 @@ def _test_metrics(trainer: pl.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
 
 
-def _title(model_cfg, data_cfg, n_samples: int) -> str:
-    method = str(model_cfg["_target_"]).rsplit(".", 1)[-1]
+def _title(method: str, data_cfg, n_samples: int) -> str:
     data = str(data_cfg["_target_"]).rsplit(".", 1)[-1].replace("DataModule", "")
     return f"{method} on {data} (S = {n_samples})"
 
@@ -206,7 +205,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
     write_test_report(
-        model, metrics, output_dir, _title(plain["model"], plain["data"], model.n_samples), loggers,
+        model, metrics, output_dir, _title(type(model).__name__, plain["data"], model.n_samples), loggers,
         structure=False, datamodule=datamodule,
         extra={"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
                "world_size": trainer.world_size, "train_seconds": train_seconds,
@@ -301,8 +300,8 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
     attach_sample_ablation(model, (cfg.get("ablation") or {}).get("sizes"))
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
-    model_cfg = first[CONFIG_KEY]["model"] if len(members) == 1 else {"_target_": f"DeepEnsemble of {len(members)}"}
-    title = _title(model_cfg, data_cfg, model.num_members)
+    name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
+    title = _title(name, data_cfg, model.num_members)
     write_test_report(
         model, metrics, out, title, loggers, datamodule=datamodule,
         extra={"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch")},
