@@ -14,7 +14,7 @@ from fakedata import write_cifar10
 
 import dbsn.run
 from dbsn.config import validate_config
-from dbsn.methods.natgrad import NEKFACMethod, VOGNFBN, VOGNMAP, VOGNMethod
+from dbsn.methods.natgrad import NEKFACMethod, VOGNFBN, VOGNMAP, VOGNMethod, posterior_health
 from dbsn.natgrad import NEKFAC, VOGN
 from dbsn.natgrad.nekfac import _as_matrix
 from dbsn.nets import StructureNet, VGG16BN
@@ -123,6 +123,7 @@ def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp
     assert {"train/loss_epoch", "train/nll_epoch", "train/error_epoch"} <= set(logged)
     assert ("train/kl_epoch" in logged) == (method == "vogn_fbn")
     assert ("val/nll" in logged) == (val_size > 0)
+    assert ("posterior/snr_median" in logged and "posterior/std_median" in logged) == (method != "nekfac")
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     cfg = compose_config("evaluate", [f"ckpt_path={ckpt}", "n_samples=3", *TRAINER[:2]], eval_dir)
@@ -173,6 +174,17 @@ def test_vogn_posterior_std_is_the_optimizers():
     bn = [n for n, m in net.named_modules() if isinstance(m, torch.nn.BatchNorm2d) and m.affine]
     assert bn and all(stds[f"{n}.weight"].abs().max() == 0 for n in bn)  # BN: point estimates
     assert stds["classifier.weight"].min() > 0
+
+
+def test_posterior_health_is_the_median_over_noisy_parameters():
+    net = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1.0, -2.0], [0.5, 4.0]]))
+        net.bias.copy_(torch.tensor([3.0, -7.0]))
+    stds = {"weight": torch.tensor([[1.0, 1.0], [0.25, 2.0]]), "bias": torch.zeros(2)}  # bias: point estimate
+    health = posterior_health(net, stds)
+    # σ over the four noisy weights: 0.25, 1, 1, 2 (torch's median: the lower middle value); |μ| / σ: 1, 2, 2, 2
+    assert health == {"std_median": 1.0, "snr_median": 2.0}
 
 
 def test_settings_are_checked_when_the_method_is_built():

@@ -250,6 +250,12 @@ class _VOGNWeights(NaturalGradientMethod):
         return {"std": torch.cat([stds[name].reshape(-1) if name in stds else torch.zeros_like(p).reshape(-1)
                                   for name, p in self.net.named_parameters()])}
 
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        opt = self._live_optimizer()
+        if opt is not None:
+            self.log_dict({f"posterior/{k}": v for k, v in posterior_health(self.net, opt.posterior_std()).items()})
+
     def posterior_std(self) -> dict[str, Tensor]:
         """The stored σ by parameter name of ``net`` (what prediction samples with)."""
         params = dict(self.net.named_parameters())
@@ -260,6 +266,20 @@ class _VOGNWeights(NaturalGradientMethod):
         """w = μ + σ ε for every parameter of the network (σ = 0: w = μ)."""
         return {name: p + std * torch.randn_like(p) for (name, p), std in
                 zip(self.net.named_parameters(), self.posterior_std().values())}
+
+
+@torch.no_grad()
+def posterior_health(net: nn.Module, stds: dict[str, Tensor]) -> dict[str, float]:
+    """Medians over the noisy parameters (σ > 0) of σ and of the signal-to-noise ratio |μ| / σ.
+
+    A posterior that has collapsed to the prior shows as σ near sqrt(prior variance) and a
+    signal-to-noise ratio far below 1: every weight draw is then mostly noise (VOGN on a small N
+    with prior variance 1, for instance)."""
+    params = dict(net.named_parameters())
+    std = torch.cat([stds[k].flatten() for k in params])
+    mu = torch.cat([p.detach().flatten() for p in params.values()])
+    noisy = std > 0
+    return {"std_median": std[noisy].median().item(), "snr_median": (mu[noisy].abs() / std[noisy]).median().item()}
 
 
 class VOGNMAP(_VOGNWeights, MAP):
