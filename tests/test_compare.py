@@ -12,7 +12,7 @@ from dbsn.compare import METHODS, main, method_overrides, run_comparison
 from dbsn.config import validate_config
 
 
-def test_only_structure_sampling_methods_get_schedule_compression(tmp_path):
+def test_each_method_gets_its_schedule_compression_and_valid_overrides(tmp_path):
     for method in METHODS:
         overrides = method_overrides(method, epochs=10, steps_per_epoch=21)
         has_tau = any(o.startswith("model.tau.decay=") for o in overrides)
