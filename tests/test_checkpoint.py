@@ -38,10 +38,10 @@ def test_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
-def _method_on_rank(rank: int, world_size: int = 2) -> DBSN:
+def _method_on_rank(rank: int, world_size: int = 2, parallel: str = "data") -> DBSN:
     torch.manual_seed(123)  # seed_everything: the same on every rank
     net = StructureNet(num_classes=3, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    method = DBSN(net, dataset_size=10)
+    method = DBSN(net, dataset_size=10, parallel=parallel)
     method._trainer = SimpleNamespace(world_size=world_size, global_rank=rank, datamodule=None)
     method.on_fit_start()
     return method
@@ -55,3 +55,9 @@ def test_each_ddp_rank_draws_its_own_structures():
     # the initial weights are the same on every rank (DDP also broadcasts rank 0's)
     a, b = _method_on_rank(0), _method_on_rank(1)
     assert torch.equal(a.structure.theta, b.structure.theta)
+
+
+def test_structure_parallel_ranks_draw_the_same_structures():
+    """...and take different blocks of them (see tests/test_parallel.py for the whole step)."""
+    draws = {rank: _method_on_rank(rank, parallel="structure").structure.sample(4, 1.0, 1.0) for rank in (0, 1)}
+    assert torch.equal(draws[0], draws[1])

@@ -132,6 +132,73 @@ def test_bad_val_size_is_rejected(tmp_path, val_size):
         CIFAR10DataModule(root=str(tmp_path), val_size=val_size).setup("fit")
 
 
+@pytest.fixture(params=[*DATASETS, "digits"])
+def any_data(request, tmp_path):
+    """Makes data modules of each dataset: CIFAR-10/100 and SVHN on written files (equal class
+    shares), digits (unequal ones)."""
+    if request.param == "digits":
+        return lambda **kwargs: DigitsDataModule(num_workers=0, **kwargs)
+    module_class, writer, _ = DATASETS[request.param]
+    writer(tmp_path, n_train=N_TRAIN, n_test=N_TEST, seed=0)
+    return lambda **kwargs: module_class(root=str(tmp_path), num_workers=0, **kwargs)
+
+
+@pytest.mark.parametrize("fraction", [False, True])
+def test_train_subset_is_exact_stratified_and_seeded(any_data, fraction):
+    full = any_data()
+    full.setup("fit")
+    n = full.num_train
+    size = 0.3 if fraction else n // 3
+    n_keep = round(0.3 * n) if fraction else n // 3
+    dm = any_data(train_subset=size, subset_seed=1)
+    dm.setup("fit")
+    assert dm.num_train == len(dm.train_set) == n_keep
+    assert image_keys(dm.train_set.images) <= image_keys(full.train_set.images)
+    # Each class keeps its share of the subset, to within one image (largest-remainder rounding).
+    num_classes = full.num_classes
+    shares = torch.bincount(full.train_set.labels, minlength=num_classes).double() * n_keep / n
+    kept = torch.bincount(dm.train_set.labels, minlength=num_classes).double()
+    assert (kept - shares).abs().max() < 1
+    # The same images for the same seed; other images for another seed.
+    again = any_data(train_subset=size, subset_seed=1)
+    again.setup("fit")
+    assert torch.equal(again.train_set.images, dm.train_set.images)
+    assert torch.equal(again.train_set.labels, dm.train_set.labels)
+    other = any_data(train_subset=size, subset_seed=2)
+    other.setup("fit")
+    assert image_keys(other.train_set.images) != image_keys(dm.train_set.images)
+
+
+def test_train_subset_is_drawn_after_the_validation_split_and_leaves_val_and_test_alone(any_data):
+    whole = any_data(val_size=0.2, split_seed=3)
+    whole.setup()
+    dm = any_data(val_size=0.2, split_seed=3, train_subset=25)
+    dm.setup()
+    assert dm.num_train == 25
+    assert torch.equal(dm.val_set.images, whole.val_set.images) and torch.equal(dm.test_set.images, whole.test_set.images)
+    train = image_keys(dm.train_set.images)
+    assert train <= image_keys(whole.train_set.images) and not train & image_keys(dm.val_set.images)
+
+
+@pytest.mark.parametrize("train_subset", [None, 0, 0.0])
+def test_no_train_subset_keeps_every_training_image(tmp_path, train_subset):
+    write_cifar10(tmp_path, n_train=120, n_test=10)
+    dm = CIFAR10DataModule(root=str(tmp_path), train_subset=train_subset, val_size=20)
+    dm.setup("fit")
+    assert dm.num_train == 100
+
+
+@pytest.mark.parametrize("train_subset", [-1, 100, 101, 1.0, 1.5, -0.5, 0.001, True, "10", float("nan")])
+def test_bad_train_subset_is_refused_naming_the_option_and_the_images_available(tmp_path, train_subset):
+    write_cifar10(tmp_path, n_train=120, n_test=10)
+    dm = CIFAR10DataModule(root=str(tmp_path), train_subset=train_subset, val_size=20)
+    with pytest.raises(ValueError) as error:
+        dm.setup("fit")
+    message = str(error.value)
+    assert f"data.train_subset={train_subset!r}" in message and "100 training images available" in message
+    assert dm.train_set is None  # refused before anything was built on it
+
+
 def test_num_train_needs_setup():
     with pytest.raises(RuntimeError, match="setup"):
         CIFAR10DataModule(root="nowhere").num_train

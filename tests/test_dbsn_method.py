@@ -60,10 +60,33 @@ def test_prediction_uses_test_tau_and_final_beta():
     assert seen["tau"] == 1.0 and abs(seen["beta"] - 0.6) < 1e-6
 
 
-def test_step_counter_drives_tau():
+def test_tau_follows_examples_seen_not_steps():
+    """τ's progress is examples / 64: 1000 steps at batch 64 = 2000 at batch 32 = 250 steps of
+    4 data-parallel ranks at 64; structure-parallel ranks share their batch (no factor)."""
+    expected = 3.0 * math.exp(-1.5e-5 * 1000)
+    for batch, steps, world, parallel in [(64, 1000, 1, "data"), (32, 2000, 1, "data"), (64, 250, 4, "data"),
+                                          (64, 1000, 4, "structure")]:
+        method = _method()
+        method.parallel = parallel
+        method._world_size = lambda: world
+        assert method.tau == 3.0
+        for _ in range(steps):
+            method.on_after_optimizer_step(batch)
+        assert int(method.examples_seen) == 64 * 1000
+        assert abs(method.tau - expected) < 1e-12 and abs(method.trained_tau - expected) < 1e-12
+
+
+def test_prediction_at_another_tau_warns_once_naming_both_and_the_overrides(recwarn):
     method = _method()
-    assert method.tau == 3.0
-    for _ in range(1000):
-        method.on_after_optimizer_step()
-    assert int(method.structure_step) == 1000
-    assert abs(method.tau - 3.0 * math.exp(-1.5e-5 * 1000)) < 1e-12
+    method.examples_seen.fill_(64 * 1000)  # τ = 3 exp(-0.015) = 2.955
+    method.warn_if_tau_differs()
+    method.warn_if_tau_differs()
+    messages = [str(w.message) for w in recwarn if "test_tau" in str(w.message)]
+    assert len(messages) == 1
+    assert "τ = 2.955" in messages[0] and "test_tau = 1" in messages[0]
+    assert "model.test_tau=2.955" in messages[0] and f"model.tau.decay={math.log(3) / 1000:.3g}" in messages[0]
+    assert method.run_facts() == {"train_tau_final": method.trained_tau, "test_tau": 1.0}
+    finished = _method()
+    finished.examples_seen.fill_(64 * 80_000)  # past τ = 1
+    finished.warn_if_tau_differs()
+    assert not [w for w in recwarn if "test_tau" in str(w.message)][1:]

@@ -43,15 +43,15 @@ def test_method_trains_and_evaluates(method, cifar_root, tmp_path):
         assert again["test/nll"] != pytest.approx(metrics["test/nll"], rel=1e-7)
 
 
-def _dropout_net(p=0.2, test_time=True):
+def _dropout_net(p=0.2, test_time=True, placement="node_outputs"):
     torch.manual_seed(0)
     net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    return MAP(net, weights=MCDropoutWeights(p=p, test_time=test_time), learn_structure=False,
+    return MAP(net, weights=MCDropoutWeights(p=p, test_time=test_time, placement=placement), learn_structure=False,
                n_samples=5, samples_per_forward=5, dataset_size=10)
 
 
 def test_mc_dropout_inserts_dropout_after_every_convolution():
-    method = _dropout_net()
+    method = _dropout_net(placement="every_conv")
     convs = [m for m in method.net.modules() if isinstance(m, torch.nn.Conv2d)]
     dropouts = [m for m in method.net.modules() if isinstance(m, torch.nn.Dropout)]
     assert len(convs) == len(dropouts) > 10
@@ -171,3 +171,107 @@ def test_mc_dropout_node_outputs_placement_puts_dropout_on_every_cell():
         assert not torch.allclose(net(x, alpha), deterministic)
     with pytest.raises(ValueError, match="no cells"):
         MCDropoutWeights(placement="node_outputs").prepare(nn.Sequential(nn.Conv2d(3, 4, 3)))
+
+
+def _small(model: str, *extra: str) -> list[str]:
+    """`model=...` on a small network: 3 nodes and 3 cells (NEK-FAC: VGG16-BN at width 0.25)."""
+    if model == "nekfac":
+        return [f"model={model}", "model.net.width=0.25", *extra]
+    prefix = "model.member.net" if model == "deep_ensemble" else "model.net"
+    return [f"model={model}", f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1", *extra]
+
+
+def _configured_optimizers(model_cfg):
+    """The method and what its configure_optimizers returns, under a stand-in trainer."""
+    from types import SimpleNamespace
+
+    from dbsn.run import build_model
+
+    method = build_model(model_cfg, num_classes=10)
+    method.dataset_size = 100  # read from the data module in on_fit_start (natgrad: in configure_optimizers)
+    method._trainer = SimpleNamespace(max_epochs=4, world_size=1, precision="32-true", datamodule=None)
+    optimizers, schedules = method.configure_optimizers()
+    return method, optimizers, schedules
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("bbb", []), ("fbn", []), ("map", []), ("mc_dropout", []),
+    ("deep_ensemble", ["model/member=bbb", "model.size=2"]),
+])
+def test_sgd_decays_every_weight_but_the_gaussian_scales(model, extra, tmp_path):
+    """Weight decay on ρ (1e-4) would outweigh the KL's gradient ~25,000-fold and set σ: ρ is
+    in a group without decay; μ and point weights keep the configured decay; one group each."""
+    cfg = compose_config("train", _small(model, *extra), tmp_path)
+    decay = (cfg.model.member if model == "deep_ensemble" else cfg.model).optim.weight_decay
+    method, optimizers, schedules = _configured_optimizers(cfg.model)
+    assert len(schedules) == (2 if model == "deep_ensemble" else 1)  # one SGD per network, as before
+    group_of = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                assert id(p) not in group_of, "a parameter in two param groups"
+                group_of[id(p)] = group
+    named = [(n, p) for n, p in method.named_parameters() if p.requires_grad]
+    assert {id(p) for _, p in named} == set(group_of)
+    rho = [n for n, _ in named if n.endswith("_rho")]
+    assert bool(rho) == (model in ("bbb", "fbn", "deep_ensemble"))
+    assert bool(rho) == any(n.endswith("_mu") for n, _ in named)
+    for name, p in named:
+        if name.endswith("_rho"):
+            assert group_of[id(p)]["weight_decay"] == 0, name
+        elif not name.endswith("theta"):  # θ: Adam, without decay
+            assert group_of[id(p)]["weight_decay"] == decay, name
+    for opt in optimizers[: len(schedules)]:  # clipping and the lr schedule act per optimiser
+        assert isinstance(opt, torch.optim.SGD) and len(opt.param_groups) == (2 if rho else 1)
+
+
+@pytest.mark.parametrize("model", ["vogn", "nekfac"])
+def test_natural_gradient_methods_keep_their_own_optimiser(model, tmp_path):
+    from dbsn.natgrad import NEKFAC, VOGN
+
+    method, optimizers, schedules = _configured_optimizers(compose_config("train", _small(model), tmp_path).model)
+    assert method.no_decay_parameters() == []
+    assert isinstance(optimizers[0], VOGN if model == "vogn" else NEKFAC) and len(schedules) == 1
+    assert not any(isinstance(opt, torch.optim.SGD) for opt in optimizers)
+    held = [id(p) for g in optimizers[0].param_groups for p in g["params"]]
+    assert sorted(held) == sorted(id(p) for p in method.net.parameters())
+
+
+def _dropout_calls(method, x):
+    """Dropout modules of the network and how often each ran in one forward of x."""
+    calls = {}
+    dropouts = [m for m in method.net.modules() if isinstance(m, torch.nn.Dropout)]
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.__setitem__(m, calls.get(m, 0) + 1)) for m in dropouts]
+    with torch.no_grad():
+        method.net(x, method.prediction_structures(1))
+    for h in hooks:
+        h.remove()
+    return dropouts, calls
+
+
+def test_mc_dropout_default_is_map_with_dropout_on_every_node_output(tmp_path):
+    """The research code's baseline, which produced the paper's numbers: learned θ, dropout on
+    each node's output (once per node and cell), none inside the ops."""
+    from dbsn.nets import Cell
+    from dbsn.run import build_model
+
+    cfg = compose_config("train", _small("mc_dropout"), tmp_path)
+    method = build_model(cfg.model, num_classes=10)
+    assert method.learn_structure and method.structure_parameters() == [method.theta] and method.is_stochastic
+    cells = [m for m in method.net.modules() if isinstance(m, Cell)]
+    dropouts, calls = _dropout_calls(method, torch.randn(2, 3, 16, 16))
+    assert len(cells) == 3 and {id(d) for d in dropouts} == {id(c.node_output) for c in cells}
+    assert all(d.p == 0.2 for d in dropouts)
+    assert [calls[c.node_output] for c in cells] == [c.num_nodes for c in cells] == [3, 3, 3]
+
+    # the paper's text: after every convolution, four times inside each separable op
+    method = build_model(compose_config("train", _small("mc_dropout", "model.weights.placement=every_conv"),
+                                        tmp_path).model, num_classes=10)
+    convs = [m for m in method.net.modules() if isinstance(m, torch.nn.Conv2d)]
+    dropouts = [m for m in method.net.modules() if isinstance(m, torch.nn.Dropout)]
+    wrapped = [m for m in method.net.modules() if isinstance(m, torch.nn.Sequential) and len(m) == 2
+               and isinstance(m[0], torch.nn.Conv2d) and isinstance(m[1], torch.nn.Dropout)]
+    assert len(convs) == len(dropouts) == len(wrapped) > 10 and method.learn_structure
+    assert all(isinstance(c.node_output, torch.nn.Identity) for c in method.net.modules() if isinstance(c, Cell))
+    # the segmentation baseline keeps the FC-DenseNet's own dropout layers
+    assert compose_config("train", ["model=fcdensenet67_mc_dropout"], tmp_path).model.weights.placement == "existing"

@@ -114,7 +114,7 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     last = out / "checkpoints" / "last.ckpt"
     saved = load_checkpoint(last)
     steps_per_epoch = 320 // 32
-    assert int(saved["state_dict"]["structure_step"]) == 4 * steps_per_epoch
+    assert int(saved["state_dict"]["examples_seen"]) == 4 * steps_per_epoch * 32  # drives τ
     assert len(saved["optimizer_states"]) == 2  # SGD on weights, Adam on theta
 
     resumed_dir = tmp_path / "resumed"
@@ -122,7 +122,7 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     train(cfg, resumed_dir)
     after = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")
     assert after["epoch"] == 4  # 0-based: the fifth epoch
-    assert int(after["state_dict"]["structure_step"]) == 5 * steps_per_epoch
+    assert int(after["state_dict"]["examples_seen"]) == 5 * steps_per_epoch * 32
     assert after["global_step"] > saved["global_step"]
     # the lr schedule continued from where it was (5 epochs stepped in total)
     assert after["lr_schedulers"][0]["last_epoch"] == 5

@@ -53,7 +53,7 @@ VGG_WIDTH = {"quick": 0.25, "paper": 1.0}  # NEK-FAC's VGG16-BN: narrow on the q
 METHODS = {
     "map_fixed": lambda net: MAP(net, learn_structure=False),
     "map": lambda net: MAP(net, learn_structure=True),
-    "mc_dropout": lambda net: MAP(net, learn_structure=False, weights=MCDropoutWeights()),
+    "mc_dropout": lambda net: MAP(net, learn_structure=True, weights=MCDropoutWeights()),
     "bbb": lambda net: MAP(net, learn_structure=True, weights=GaussianWeights()),
     "dbsn_t1": lambda net: DBSN(net, train_samples=1),
     "dbsn_t4": lambda net: DBSN(net, train_samples=4),
@@ -96,14 +96,14 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
             natgrad.step(closure=closure)
             for opt in others:
                 opt.step()
-            method.on_after_optimizer_step()
+            method.on_after_optimizer_step(x.shape[0])
         return natgrad_step
 
     if name in METHODS:
         method = METHODS[name](net).to(device)
         method.dataset_size = 50_000
         groups = method.weight_parameter_groups()
-        opts = [method.optim.build(group, max_epochs=100)[0] for group in groups]
+        opts = [method.optim.build(group, 100, method.no_decay_parameters())[0] for group in groups]
         if method.structure_parameters():
             opts.append(method.structure_optimizer().build(method.structure_parameters()))
 
@@ -116,7 +116,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
                 torch.nn.utils.clip_grad_norm_(group, 5.0)
             for opt in opts:
                 opt.step()
-            method.on_after_optimizer_step()
+            method.on_after_optimizer_step(x.shape[0])
         return step
 
     method = DBSN(net, samples_per_forward=samples_per_forward).to(device)

@@ -1,16 +1,27 @@
-"""A small end-to-end comparison of every method on the embedded digits data (CPU, minutes).
+"""A small end-to-end comparison of every method on any classification dataset (CPU-sized).
 
-    python -m dbsn.compare [--epochs 10] [--methods dbsn,map,...] [--batch-size 64] [--out DIR] [overrides ...]
+    python -m dbsn.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
+                           [--batch-size 64] [--out DIR] [overrides ...]
+
+`--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
+CPU, no files needed); `--subset N` trains on a seeded, class-stratified N images (or a fraction
+N < 1) of its training split (`data.train_subset`; the test set stays whole); the overrides are
+train.py's, for every method (`data.root=...`, `trainer=gpu`; the default is `trainer=cpu`).
+E.g. CIFAR-10 on a 5,000-image subset on CPU:
+
+    python -m dbsn.compare --data cifar10 --subset 5000 --epochs 10 data.root=/path
 
 Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters) with
 the same data, batch, epochs and weight optimiser settings, and is tested with S = 100 members
 where it is stochastic. Schedules written for 100 CIFAR epochs are compressed into the run, the
-only per-method settings: DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ
-reaches 1 and β reaches 0.5 within the run, θ's Adam at 10x the paper's lr); VOGN and VOGN-FBN
-warm their KL weight up over the first 10 % of the steps (the paper: 1000 steps). NEK-FAC is
-left out: it is defined on VGG16-BN, not on this network. Prints and writes (comparison.md,
-comparison.json) a table of error / NLL / Brier / ECE and training time; the runs' folders are
-a sweep that `python report.py DIR` tabulates (training time as a ratio to DBSN: the paper's
+only per-method settings, from the run's real steps per epoch (its training images over the
+batch size, counted once before any method trains, so that a missing dataset fails first):
+DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ reaches 1 and β reaches
+0.5 within the run, θ's Adam at 10x the paper's lr); VOGN and VOGN-FBN warm their KL weight up
+over the first 10 % of the steps (the paper: 1000 steps). NEK-FAC is left out: it is defined on
+VGG16-BN, not on this network. Prints and writes (comparison.md, comparison.json) a table of
+error / NLL / Brier / ECE and training time, titled with the dataset; the runs' folders are a
+sweep that `python report.py DIR` tabulates (training time as a ratio to DBSN: the paper's
 Table 5 comparison is `--methods dbsn,vogn,vogn_fbn --batch-size 32`).
 """
 
@@ -22,20 +33,60 @@ import math
 from datetime import date
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
+
+from dbsn.schedules import REFERENCE_BATCH
 
 METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn")
 STRUCTURE_SAMPLING = ("dbsn", "fbn", "vogn_fbn")
 VOGN_METHODS = ("vogn", "vogn_fbn")
-DIGITS_TRAIN = 1347  # digits training split (conf/data/digits.yaml)
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def data_choices() -> list[str]:
+    """The classification datasets of conf/data/ (CamVid is segmentation: these methods classify)."""
+    from hydra.utils import get_class
+
+    from dbsn.data import ImageClassificationDataModule
+
+    return sorted(path.stem for path in (CONF / "data").glob("*.yaml")
+                  if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule))
+
+
+def shared_overrides(data: str = "digits", batch_size: int = 64, subset: int | float | None = None) -> list[str]:
+    """What every method's run shares: the dataset (and its training subset, if any), the batch
+    and a CPU trainer (a later `trainer=...` override changes it). The in-memory digits need no
+    loader workers; the other datasets keep their config's."""
+    overrides = ["trainer=cpu", f"data={data}", f"data.batch_size={batch_size}"]
+    if data == "digits":
+        overrides.append("data.num_workers=0")
+    if subset:
+        overrides.append(f"data.train_subset={subset}")
+    return overrides
+
+
+def epoch_size(data_cfg: DictConfig) -> tuple[int, int]:
+    """(training images, optimiser steps per epoch) of a composed data config. Its data module
+    is built and set up for fitting, so a missing dataset or a bad `data.train_subset` fails
+    here with the data module's own error; the last partial batch is a step unless
+    `data.drop_last`."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(data_cfg)
+    datamodule.setup("fit")
+    n, batch = datamodule.num_train, datamodule.batch_size
+    return n, n // batch if datamodule.drop_last else math.ceil(n / batch)
 
 
 def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: int = 100,
-                     net_overrides: list[str] = ()) -> list[str]:
+                     net_overrides: list[str] = (), batch_size: int = 64) -> list[str]:
+    """One method's model and the schedules compressed into `epochs` of `steps_per_epoch`
+    steps of `batch_size` images: τ's progress counts examples seen / REFERENCE_BATCH (τ
+    reaches 1 at the end), β's counts epochs (0.5 at 80 %), VOGN's KL warm-up counts steps."""
     model = "model.member" if method == "deep_ensemble" else "model"
-    overrides = [f"model={method}", "data=digits", "data.num_workers=0", "trainer=cpu",
-                 f"trainer.max_epochs={epochs}", "trainer.log_every_n_steps=10",
+    overrides = [f"model={method}", f"trainer.max_epochs={epochs}", "trainer.log_every_n_steps=10",
                  f"{model}.net.num_nodes=4", f"{model}.net.cells_per_stage=1",
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":
@@ -44,7 +95,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
         overrides.append(f"model.n_samples={n_samples}")
     total = epochs * steps_per_epoch
     if method in STRUCTURE_SAMPLING:  # compress the 100-epoch schedules into this run
-        overrides += [f"model.tau.decay={math.log(3.0) / total:.3e}",
+        overrides += [f"model.tau.decay={math.log(3.0) / (total * batch_size / REFERENCE_BATCH):.3e}",
                       f"model.beta.decay_per_epoch={0.5 / (0.8 * epochs):.4f}",
                       "model.structure_optim.lr=3e-3"]
         if method not in VOGN_METHODS:  # VOGN-FBN: one structure per weight sample, no T
@@ -58,25 +109,29 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
 
 def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
-                   net_overrides: list[str] = (), batch_size: int = 64) -> dict[str, dict[str, float]]:
-    """Train and test each method into ``output_dir/<method>``; returns its test metrics plus
-    ``train_seconds`` (the fit's wall time) by method."""
+                   net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
+                   subset: int | float | None = None) -> dict[str, dict[str, float]]:
+    """Train and test each method on `data` (its training `subset`, if any) into
+    ``output_dir/<method>``; returns its test metrics plus ``train_seconds`` (the fit's wall
+    time) by method."""
     from hydra import compose, initialize_config_dir
 
     from dbsn.run import train
 
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    steps_per_epoch = DIGITS_TRAIN // batch_size  # drop_last
+    shared = [*shared_overrides(data, batch_size, subset), *(extra or [])]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        data_cfg = compose("train", overrides=[f"model={methods[0]}", *shared]).data
+    num_train, steps_per_epoch = epoch_size(data_cfg)
     results = {}
     for method in methods:
         run_dir = Path(output_dir) / method
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = compose("train", overrides=[*method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides),
-                                               f"data.batch_size={batch_size}", *(extra or []),
-                                               f"paths.output_dir={run_dir}", "task_name=compare"])
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=[
+                *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size),
+                *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
         metrics = train(cfg, run_dir)
         results[method] = {**metrics, "train_seconds": json.loads((run_dir / "metrics.json").read_text())["train_seconds"]}
-    write_table(results, Path(output_dir), epochs, batch_size)
+    write_table(results, Path(output_dir), epochs, batch_size, data, num_train if data_cfg.train_subset else None)
     return results
 
 
@@ -85,24 +140,40 @@ COLUMNS = (("error %", "test/error", lambda v: f"{100 * v:.2f}"), ("NLL", "test/
            ("train min", "train_seconds", lambda v: "–" if v is None else f"{v / 60:.1f}"))
 
 
-def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: int, batch_size: int = 64) -> str:
+def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: int, batch_size: int = 64,
+                data: str = "digits", train_subset: int | None = None) -> str:
+    """Print the results as a table titled with the run's settings; write it to comparison.md
+    and, with those settings (`train_subset`: the subset's images, None = the whole training
+    split), to comparison.json."""
     rows = [[method, *(fmt(m.get(key)) for _, key, fmt in COLUMNS)] for method, m in results.items()]
     header = ["method", *(name for name, _, _ in COLUMNS)]
     markdown = "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]) + "\n"
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "comparison.md").write_text(markdown)
     (output_dir / "comparison.json").write_text(json.dumps(
-        {"date": date.today().isoformat(), "epochs": epochs, "batch_size": batch_size, "results": results},
-        indent=2) + "\n")
-    table = Table(*header, title=f"digits, {epochs} epochs, batch {batch_size}")
+        {"date": date.today().isoformat(), "data": data, "train_subset": train_subset, "epochs": epochs,
+         "batch_size": batch_size, "results": results}, indent=2) + "\n")
+    subset = f", a {train_subset}-image training subset" if train_subset else ""
+    table = Table(*header, title=f"{data}{subset}, {epochs} epochs, batch {batch_size}")
     for row in rows:
         table.add_row(*row)
     Console().print(table)
     return markdown
 
 
+def count_or_fraction(text: str) -> int | float:
+    """`--subset`'s value as `data.train_subset` reads it: an int, else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="digits", help="a classification dataset of conf/data/")
+    parser.add_argument("--subset", type=count_or_fraction, default=None,
+                        help="train on a class-stratified subset: a count of images or a fraction (data.train_subset)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batch-size", type=int, default=64)
@@ -112,7 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = sorted(set(args.methods.split(",")) - set(METHODS))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size)
+    if args.data not in data_choices():
+        parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
+    if any(o.startswith("data=") for o in args.overrides):
+        parser.error("choose the dataset with --data, not a data=... override")
+    return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
+                          data=args.data, subset=args.subset)
 
 
 if __name__ == "__main__":

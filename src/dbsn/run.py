@@ -185,6 +185,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
     loggers = _instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
+    model.check_world_size(trainer.world_size)  # before any data is read
+    # structure-parallel: every rank trains on the same batches (its share of the structures)
+    datamodule.same_batches_on_every_rank = model.parallel == "structure"
     for logger in loggers:
         logger.log_hyperparams(plain)
 
@@ -208,7 +211,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         model, metrics, output_dir, _title(type(model).__name__, plain["data"], model.n_samples), loggers,
         structure=False, datamodule=datamodule,
         extra={"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
-               "world_size": trainer.world_size, "train_seconds": train_seconds,
+               "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
+               **model.run_facts(),
                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
     )
     for logger in loggers:
@@ -304,7 +308,8 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
     title = _title(name, data_cfg, model.num_members)
     write_test_report(
         model, metrics, out, title, loggers, datamodule=datamodule,
-        extra={"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch")},
+        extra={"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),
+               **model.run_facts()},
     )
     results = dict(metrics)  # flat, under the same names as on W&B
     device, progress = _device(cfg.trainer), cfg.trainer.get("enable_progress_bar", True) is not False

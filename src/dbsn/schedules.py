@@ -9,15 +9,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["BetaSchedule", "TauSchedule"]
+__all__ = ["REFERENCE_BATCH", "BetaSchedule", "TauSchedule"]
+
+#: The batch size that the paper's per-step schedules are written for (CIFAR, batch 64): tau's
+#: progress is counted in examples seen / REFERENCE_BATCH, so that it does not depend on the
+#: batch size or on the number of devices.
+REFERENCE_BATCH = 64
 
 
 @dataclass
 class TauSchedule:
     """Temperature of Eq. 4: tau(t) = max(initial * exp(-decay * t), minimum).
 
-    t is the optimiser step count. The paper's setting (Sec. 4, Appendix B.1) is
-    max(3 exp(-1.5e-5 t), 1), which reaches 1 at t = ln(3) / 1.5e-5 = 73,240.8.
+    The paper's setting (Sec. 4, Appendix B.1) is max(3 exp(-1.5e-5 t), 1) with t the
+    optimiser step at batch 64, which reaches 1 at t = ln(3) / 1.5e-5 = 73,240.8 (epoch 94 of
+    CIFAR). Here t is training progress in those steps: examples seen (over all devices) /
+    `REFERENCE_BATCH` (64). It is the paper's step count at batch 64 on one device, and it does
+    not change with the batch size or the number of devices: a run reaches tau = 1 at the same
+    epoch at batch 32 or 256, on one GPU or four (counting optimiser steps, data-parallel
+    training on 4 devices would end 100 epochs at tau = 2.24).
     """
 
     initial: float = 3.0
@@ -34,7 +44,8 @@ class TauSchedule:
         if self.decay < 0:
             raise ValueError(f"TauSchedule.decay must be >= 0, got {self.decay}")
 
-    def __call__(self, step: int) -> float:
+    def __call__(self, step: float) -> float:
+        """tau at progress `step` (examples seen / REFERENCE_BATCH; may be fractional)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return max(self.initial * math.exp(-self.decay * step), self.minimum)

@@ -15,7 +15,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from dbsn.data.augment import normalize, random_crop, random_hflip, to_unit_range
 
@@ -83,18 +83,39 @@ class EpochShuffleSampler(RandomSampler):
         self.epoch = int(epoch)
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed((self.seed + 1_000_003 * self.epoch) % 2**63)
-        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+        yield from epoch_permutation(len(self.data_source), self.seed, self.epoch)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """The training order of an epoch: a permutation of range(n) fixed by (seed, epoch)."""
+    generator = torch.Generator().manual_seed((seed + 1_000_003 * epoch) % 2**63)
+    return torch.randperm(n, generator=generator).tolist()
+
+
+class SameOrderOnEveryRank(DistributedSampler):
+    """The `EpochShuffleSampler` order, on every rank alike: every rank iterates the whole
+    training set in the same order (structure-parallel training, where the ranks share each
+    batch and split its structures). A `DistributedSampler` of one replica, so that Lightning
+    keeps it instead of splitting the data between the ranks."""
+
+    def __init__(self, data_source, seed: int | None = None) -> None:
+        seed = torch.initial_seed() if seed is None else int(seed)
+        super().__init__(data_source, num_replicas=1, rank=0, shuffle=True, seed=seed)
+
+    def __iter__(self):
+        yield from epoch_permutation(len(self.dataset), self.seed, self.epoch)
 
 
 def in_memory_loader(datamodule, dataset: Dataset, train: bool) -> DataLoader:
     """A loader over an in-memory dataset with `__getitems__` (one gather per batch), with the
     data module's batch sizes, workers, `drop_last` and `pin_memory` settings; shuffled in
-    training by an `EpochShuffleSampler` (same order on resume)."""
+    training by an `EpochShuffleSampler` (same order on resume), or, when the runtime has set
+    `datamodule.same_batches_on_every_rank`, by `SameOrderOnEveryRank`."""
+    replicated = train and getattr(datamodule, "same_batches_on_every_rank", False)
     return DataLoader(
         dataset,
         batch_size=datamodule.batch_size if train else datamodule.eval_batch_size,
-        sampler=EpochShuffleSampler(dataset) if train else None,
+        sampler=(SameOrderOnEveryRank if replicated else EpochShuffleSampler)(dataset) if train else None,
         generator=torch.Generator().manual_seed(torch.initial_seed()),  # worker seeds: not from the global RNG
         drop_last=train and datamodule.drop_last,
         num_workers=datamodule.num_workers,
@@ -132,6 +153,11 @@ class ImageClassificationDataModule(L.LightningDataModule):
             validation loader is empty and Lightning skips validation), an int = a count, a
             float in (0, 1) = a fraction. The test set is never used for anything but testing.
         split_seed: seed of the permutation that picks the validation images.
+        train_subset: train on a seeded, class-stratified subset of the training images left
+            after the validation carve-out (e.g. a quick run on part of CIFAR): None or 0 =
+            all of them, an int = a count, a float in (0, 1) = a fraction. The validation and
+            test sets are untouched; `num_train` is the subset's size.
+        subset_seed: seed of the per-class permutations that pick the subset.
         download: let `prepare_data` fetch the dataset with torchvision (needs internet).
         augment: random crop (padding 4) and, if `flip`, horizontal flip in training.
         flip: horizontal flips in training; None = the dataset's default (`default_flip`).
@@ -153,6 +179,8 @@ class ImageClassificationDataModule(L.LightningDataModule):
         num_workers: int = 2,
         val_size: int | float = 0,
         split_seed: int = 0,
+        train_subset: int | float | None = None,
+        subset_seed: int = 0,
         download: bool = False,
         augment: bool = True,
         flip: bool | None = None,
@@ -167,6 +195,8 @@ class ImageClassificationDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.val_size = val_size
         self.split_seed = split_seed
+        self.train_subset = train_subset
+        self.subset_seed = subset_seed
         self.download = download
         self.augment = augment
         self.flip = self.default_flip if flip is None else flip
@@ -206,6 +236,7 @@ class ImageClassificationDataModule(L.LightningDataModule):
         if stage in (None, "fit", "validate") and self.train_set is None:
             images, labels = self.read_split(train=True)
             train_idx, val_idx = self.split_indices(len(labels))
+            train_idx = train_idx[self.subset_indices(labels[train_idx])]
             self.train_set = TensorImageDataset(images[train_idx], labels[train_idx])
             if len(val_idx):
                 self.val_set = TensorImageDataset(images[val_idx], labels[val_idx])
@@ -246,6 +277,44 @@ class ImageClassificationDataModule(L.LightningDataModule):
             raise ValueError(f"val_size {self.val_size} leaves no training images out of {n}")
         return int(size)
 
+    def subset_indices(self, labels: Tensor) -> Tensor:
+        """Sorted positions, among training images with these `labels`, of the ones that
+        `train_subset` keeps (all of them by default). Each class keeps a count proportional to
+        its share, the counts rounded by largest remainder so that they add up to the subset's
+        size exactly, and picks its images by a permutation seeded by `subset_seed`."""
+        n = len(labels)
+        n_keep = self.num_subset_for(n)
+        if n_keep == n:
+            return torch.arange(n)
+        classes, counts = labels.unique(return_counts=True)
+        keep, remainders = (counts * n_keep).div(n, rounding_mode="floor"), (counts * n_keep) % n
+        short = n_keep - int(keep.sum())  # one more image each for the largest remainders
+        keep[torch.argsort(remainders, descending=True, stable=True)[:short]] += 1
+        generator = torch.Generator().manual_seed(self.subset_seed)
+        kept = []
+        for cls, k in zip(classes.tolist(), keep.tolist()):
+            members = (labels == cls).nonzero().squeeze(1)
+            kept.append(members[torch.randperm(len(members), generator=generator)[:k]])
+        return torch.cat(kept).sort().values
+
+    def num_subset_for(self, n: int) -> int:
+        """Number of training images `train_subset` keeps out of the `n` left after the
+        validation split (`n` for None or 0)."""
+        size = self.train_subset
+        if size is None or (type(size) in (int, float) and size == 0):
+            return n
+        if type(size) not in (int, float) or not 0 <= size < (1 if isinstance(size, float) else n):
+            raise ValueError(
+                f"data.train_subset={size!r}: expected a count in 1..{n - 1} or a fraction in (0, 1) "
+                f"of the {n} training images available (after any validation split); 0 or null = all"
+            )
+        count = round(size * n) if isinstance(size, float) else size
+        if count == 0:
+            raise ValueError(
+                f"data.train_subset={size!r} keeps no image: {size} of the {n} training images available rounds to 0"
+            )
+        return count
+
     @property
     def has_val(self) -> bool:
         """Whether a validation split is carved from the training set."""
@@ -253,7 +322,8 @@ class ImageClassificationDataModule(L.LightningDataModule):
 
     @property
     def num_train(self) -> int:
-        """Images in the training split after the validation carve-out (N in KL / N)."""
+        """Images in the training split after the validation carve-out and `train_subset`
+        (N in KL / N)."""
         if self.train_set is None:
             raise RuntimeError("num_train is known after setup('fit')")
         return len(self.train_set)

@@ -6,7 +6,7 @@
 | fbn           | DBSN(weights=GaussianWeights) | q(α|θ), sampled       | Gaussian (BBB)             |
 | map           | MAP(learn_structure=True)     | softmax(θ)            | point                      |
 | map_fixed     | MAP(learn_structure=False)    | uniform 1/K           | point                      |
-| mc_dropout    | MAP(weights=MCDropoutWeights) | uniform (or learned)  | dropout 0.2, on at test    |
+| mc_dropout    | MAP(weights=MCDropoutWeights) | softmax(θ)            | dropout 0.2, on at test    |
 | bbb           | MAP(weights=GaussianWeights)  | softmax(θ)            | Gaussian (BBB)             |
 | deep_ensemble | DeepEnsemble(members)         | each member's         | each member's              |
 | vogn          | VOGNMethod(structure="map")   | softmax(θ)            | VOGN (diagonal GGN)        |

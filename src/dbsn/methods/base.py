@@ -5,18 +5,26 @@ with whatever distribution the method puts on structure or weights, and owns the
 optimisers. `ClassificationMethod` provides the common parts:
 
 - the loss, mean NLL + (structure KL + weight KL) / N, over T structures evaluated in one
-  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T});
+  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}), or in chunks of
+  `train_samples_per_forward` structures whose gradients are accumulated (a memory knob:
+  BatchNorm is per structure, so the chunks give the grouped step's gradients and running
+  statistics at a fraction of its activation memory);
+- two ways to use several devices (`parallel`): "data" (each rank its own batch and its own T
+  structures) or "structure" (every rank the same batch, rank r its share of the T structures,
+  gradients and BatchNorm running statistics averaged: the research code's one structure per
+  GPU, and exactly one device's T-structure step);
 - the weight side through a `WeightPosterior` (point, MC dropout, Gaussian/BBB);
-- SGD with momentum and weight decay on the network weights, lr ÷ `gamma` at fractions of
-  training, gradient-norm clipping on the weights only (the paper's CIFAR recipe);
+- SGD with momentum and weight decay on the network weights (none on the scales ρ of Gaussian
+  weights, which only their KL regularises), lr ÷ `gamma` at fractions of training,
+  gradient-norm clipping on the weights only (the paper's CIFAR recipe);
 - an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
 - a NaN/inf guard that stops the run at the first bad loss and names the step;
 - Bayes-ensemble prediction (`dbsn.ensemble.BayesEnsemble`) from `stochastic_forward`, with the
   test metrics under stable names `test/{error,nll,brier,ece}`;
 - different random streams per DDP rank, so each rank draws its own structures/masks.
 
-Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K), KL)` and
-`prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
+Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K), KL of each
+structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics import UncertaintyMetrics
+from dbsn.nets.batchnorm import accumulated_running_statistics
+
+
+#: How several devices share a training step (see `ClassificationMethod`).
+PARALLEL_MODES = ("data", "structure")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -74,9 +87,17 @@ class WeightOptimizer:
         if not 0 <= self.decay_start < 1:
             raise ValueError(f"decay_start is a fraction of training in [0, 1), got {self.decay_start}")
 
-    def build(self, params, max_epochs: int):
+    def build(self, params, max_epochs: int, no_decay=()):
+        """SGD over `params` and its lr schedule. The parameters of `params` that are also in
+        `no_decay` (a Gaussian posterior's scales, see `WeightPosterior.no_decay_parameters`)
+        form a second param group with weight decay 0, in the same optimiser, so that gradient
+        clipping and the lr schedule still cover the whole group of weights."""
+        params, skip = list(params), {id(p) for p in no_decay}
+        decayed = {"params": [p for p in params if id(p) not in skip]}
+        undecayed = {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}
+        groups = [g for g in (decayed, undecayed) if g["params"]]
         opt = torch.optim.SGD(
-            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
+            groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
             nesterov=self.nesterov,
         )
         if self.schedule == "linear":
@@ -117,6 +138,14 @@ class ClassificationMethod(pl.LightningModule):
             split (checked before training starts).
         task: classification (default) or `Segmentation` (per-pixel labels with a void
             label); see `dbsn.methods.tasks`.
+        parallel: how several devices share a step. "data": each rank draws its own batch and
+            its own T structures (the effective batch grows with the device count).
+            "structure": every rank sees the same batch and evaluates T / world size of the T
+            structures (T must be a multiple of the device count).
+        train_samples_per_forward: structures per grouped forward in training; None = all of
+            this rank's structures at once. Smaller values run the structures one chunk after
+            another and accumulate their gradients: the same step, at about
+            train_samples_per_forward / T of the activation memory.
     """
 
     def __init__(
@@ -131,6 +160,9 @@ class ClassificationMethod(pl.LightningModule):
         dataset_size: int | None = None,
         temperature_scaling: bool = False,
         task: Classification | None = None,
+        *,
+        parallel: str = "data",
+        train_samples_per_forward: int | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -141,6 +173,12 @@ class ClassificationMethod(pl.LightningModule):
         if train_samples < 1:
             raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
         self.train_samples = train_samples
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+        self.parallel = parallel
+        if train_samples_per_forward is not None and train_samples_per_forward < 1:
+            raise ValueError(f"train_samples_per_forward must be >= 1 (or null), got {train_samples_per_forward}")
+        self.train_samples_per_forward = train_samples_per_forward
         self.n_samples = n_samples
         self.val_samples = val_samples
         self.samples_per_forward = samples_per_forward
@@ -195,19 +233,58 @@ class ClassificationMethod(pl.LightningModule):
         return self.structure_is_stochastic or self.weights.stochastic
 
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """Mean NLL over T structures (one grouped forward) + (structure KL + weight KL) / N."""
-        alpha, structure_kl = self.training_structures(self.train_samples)
-        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(T), alpha)
+        """Mean NLL over this rank's T structures (one grouped forward) + (structure KL +
+        weight KL) / N."""
+        alpha, structure_kl = self.local_training_structures()
+        return self.structures_loss(x, y, alpha, structure_kl)
+
+    def local_training_structures(self) -> tuple[Tensor, Tensor | float]:
+        """The T training structures and their KLs, (T, E, K) and (T,) (or 0); with
+        `parallel="structure"` on W ranks, this rank's block of T / W of them. Every rank draws
+        all T from the same random stream, so the blocks are one device's T structures."""
+        alpha, kl = self.training_structures(self.train_samples)
+        world = self._world_size()
+        if self.parallel != "structure" or world == 1:
+            return alpha, kl
+        share = slice(self.global_rank * alpha.shape[0] // world, (self.global_rank + 1) * alpha.shape[0] // world)
+        return alpha[share], kl[share] if isinstance(kl, Tensor) else kl
+
+    def structures_loss(self, x: Tensor, y: Tensor, alpha: Tensor, structure_kl: Tensor | float,
+                        share: float = 1.0, weight_kl: bool = True) -> dict[str, Tensor]:
+        """`share` · (NLL of x under the structures alpha (one grouped forward), averaged over
+        the structures, + their mean KL / N) (+ weight KL / N with `weight_kl`). The logged
+        parts (nll, kl) are this chunk's means, unscaled."""
+        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(G), alpha)
         targets = y.repeat_interleave(alpha.shape[0], dim=0)
-        nll = self.task.loss(logits, targets)  # = mean over t of each structure's mean NLL
-        weight_kl = self.weights.kl(self.net, self.current_epoch)
+        nll = self.task.loss(logits, targets)  # = mean over structures of each one's mean NLL
+        structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
         out = {"nll": nll, "logits": logits, "targets": targets}
         if self.structure_is_stochastic:
             out["kl"] = structure_kl
-        if self.weights.stochastic:
-            out["weight_kl"] = torch.as_tensor(weight_kl)
-        out["loss"] = nll + (structure_kl + weight_kl) / self.dataset_size
+        out["loss"] = share * (nll + structure_kl / self.dataset_size)
+        if weight_kl:
+            kl = self.weights.kl(self.net, self.current_epoch)
+            if self.weights.stochastic:
+                out["weight_kl"] = torch.as_tensor(kl)
+            out["loss"] = out["loss"] + kl / self.dataset_size
         return out
+
+    def training_losses(self, x: Tensor, y: Tensor):
+        """The step's loss in parts, one per chunk of `train_samples_per_forward` structures,
+        as (share of the structures, output of `structures_loss`); the parts' losses add up to
+        `training_loss(x, y)["loss"]` (the weight KL comes with the last chunk). One chunk:
+        `training_loss` itself."""
+        chunk = self.train_samples_per_forward
+        if chunk is None or chunk >= self.train_samples:
+            yield 1.0, self.training_loss(x, y)
+            return
+        alpha, kl = self.local_training_structures()
+        starts = range(0, alpha.shape[0], chunk)
+        for start in starts:
+            part = slice(start, start + chunk)
+            share = alpha[part].shape[0] / alpha.shape[0]
+            last = start == starts[-1]
+            yield share, self.structures_loss(x, y, alpha[part], kl[part] if isinstance(kl, Tensor) else kl, share, last)
 
     def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
         """Logits of n independent draws (structure and weights) on x, class dimension last:
@@ -218,8 +295,33 @@ class ClassificationMethod(pl.LightningModule):
         logits = self.task.class_last(self.net(x, alpha, replicate=True))  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
 
-    def on_after_optimizer_step(self) -> None:
-        """Hook for step counters."""
+    def on_after_optimizer_step(self, batch_size: int) -> None:
+        """Hook for progress counters, after each optimiser step on a batch of `batch_size`
+        examples per rank (`examples_per_step` says how many the whole step saw)."""
+
+    def run_facts(self) -> dict[str, float]:
+        """Facts about the trained model that metrics.json records beside the test metrics."""
+        return {}
+
+    def examples_per_step(self, batch_size: int) -> int:
+        """Training examples one optimiser step consumes over all ranks: `batch_size` per rank,
+        times the world size in data-parallel training (every rank has its own batch), once
+        in structure-parallel training (every rank has the same batch)."""
+        return batch_size * (self._world_size() if self.parallel == "data" else 1)
+
+    def _world_size(self) -> int:
+        return self._trainer.world_size if self._trainer is not None else 1
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a structure-parallel run whose T structures do not split evenly over the
+        devices (called before training starts)."""
+        if self.parallel == "structure" and self.train_samples % world_size:
+            raise ValueError(
+                f"model.parallel=structure splits the T = {self.train_samples} structures of a step over "
+                f"{world_size} devices, so T must be a multiple of {world_size}. Set model.train_samples to "
+                f"a multiple of {world_size} (the paper: T = 4 on 4 GPUs), or model.parallel=data (every "
+                "device its own batch and its own T structures)."
+            )
 
     # ------------------------------------------------------------------ optimisation
     def weight_parameters(self) -> list[nn.Parameter]:
@@ -231,6 +333,11 @@ class ClassificationMethod(pl.LightningModule):
         network; an ensemble has one per member, so members never share a clipping norm)."""
         return [self.weight_parameters()]
 
+    def no_decay_parameters(self) -> list[nn.Parameter]:
+        """Weights that SGD optimises without weight decay (the weight posterior's choice:
+        a Gaussian posterior's scales ρ; none for point weights and MC dropout)."""
+        return self.weights.no_decay_parameters(self.net)
+
     def configure_optimizers(self):
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs < 1:
@@ -239,8 +346,9 @@ class ClassificationMethod(pl.LightningModule):
                 f"{max_epochs})."
             )
         optimizers, schedules = [], []
+        no_decay = self.no_decay_parameters()
         for group in self.weight_parameter_groups():
-            sgd, schedule = self.optim.build(group, max_epochs)
+            sgd, schedule = self.optim.build(group, max_epochs, no_decay)
             optimizers.append(sgd)
             schedules.append(schedule)
         if self.structure_parameters():
@@ -255,10 +363,15 @@ class ClassificationMethod(pl.LightningModule):
             if datamodule is None or not hasattr(datamodule, "num_train"):
                 raise ValueError("dataset_size is unset and the data module does not report num_train")
             self.dataset_size = int(datamodule.num_train)
-        if self.trainer.world_size > 1:
-            # Ranks start from the same seed (same initial weights); from here on each rank
-            # draws its own structures / masks / weight noise, like one replica per GPU.
-            torch.manual_seed((torch.initial_seed() + 104729 * self.global_rank) % 2**63)
+        self.check_world_size(self.trainer.world_size)
+        # Training's random stream starts here from the run's seed, whatever drew random numbers
+        # before (the model's initialisation on one device; Lightning re-seeds DDP ranks after
+        # it). One device and every structure-parallel rank then draw the same augmentations
+        # and the same T structures, of which each rank evaluates its share; data-parallel
+        # ranks offset the seed, so each draws its own structures / masks / weight noise and
+        # augments its own batch.
+        offset = 104729 * self.global_rank if self.parallel == "data" else 0
+        torch.manual_seed((torch.initial_seed() + offset) % 2**63)
 
     def _optimizers(self) -> list:
         opts = self.optimizers()
@@ -278,26 +391,46 @@ class ClassificationMethod(pl.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
-        out = self.training_loss(x, y)
-        loss = out["loss"]
-        self._check_finite(loss, batch_idx)
         opts = self._optimizers()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        self.manual_backward(loss)
+        logs: dict[str, Tensor] = {}
+        with accumulated_running_statistics(self, self.train_samples_per_forward is not None):
+            for share, out in self.training_losses(x, y):
+                self._check_finite(out["loss"], batch_idx)
+                # the chunks share the structure samples' graph: keep it for the next chunk
+                self.manual_backward(out["loss"], retain_graph=share < 1.0)
+                out["error"] = self.task.error(out.pop("logits").detach(), out.pop("targets"))
+                for key, value in out.items():  # loss: the sum of the parts; the rest: means
+                    value = value.detach() * (share if key in ("nll", "kl", "error") else 1.0)
+                    logs[key] = logs[key] + value if key in logs else value
+                del out
         if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
             for opt in opts[: len(self.lr_schedulers_list())]:
                 self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
         for opt in opts:
             opt.step()
-        self.on_after_optimizer_step()
+        if self.parallel == "structure" and self._world_size() > 1:
+            self._average_running_statistics()
+        self.on_after_optimizer_step(y.shape[0])
 
-        error = self.task.error(out["logits"].detach(), out["targets"])
-        logs = {f"train/{k}": v.detach() for k, v in out.items() if k not in ("loss", "logits", "targets")}
-        logs["train/error"] = error
-        self.log_dict(logs, on_step=True, on_epoch=True, batch_size=y.shape[0])
-        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
+        loss = logs.pop("loss")
+        self.log_dict({f"train/{k}": v for k, v in logs.items()}, on_step=True, on_epoch=True, batch_size=y.shape[0])
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
+
+    @torch.no_grad()
+    def _average_running_statistics(self) -> None:
+        """Structure-parallel training: each rank's BatchNorm running statistics moved towards
+        its own structures' batch statistics; their mean over ranks is what one device moving
+        towards the mean over all T structures holds (the update is linear in the statistics)."""
+        buffers = [b for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+                   for b in (m.running_mean, m.running_var)]
+        if not buffers:
+            return
+        flat = self.trainer.strategy.reduce(torch.cat([b.flatten() for b in buffers]), reduce_op="mean")
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+            b.copy_(value.view_as(b))
 
     def lr_schedulers_list(self) -> list:
         schedules = self.lr_schedulers()

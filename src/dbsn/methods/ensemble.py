@@ -61,6 +61,9 @@ class DeepEnsemble(ClassificationMethod):
     def weight_parameter_groups(self) -> list[list[nn.Parameter]]:
         return [m.weight_parameters() for m in self.members]
 
+    def no_decay_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.members for p in m.no_decay_parameters()]
+
     def on_fit_start(self) -> None:
         super().on_fit_start()
         for m in self.members:

@@ -3,8 +3,11 @@
 - MAP: α = softmax(θ), θ learned jointly with the weights (Adam, as DBSN's θ), L2 on weights.
 - MAP-fixed α: α = 1/K on every edge; no θ.
 
-With a stochastic weight posterior these are the paper's MC dropout (dropout after every
-convolution, on MAP-fixed α or MAP) and BBB (Gaussian weights, MAP structure) baselines.
+With a stochastic weight posterior these are the paper's MC dropout and BBB (Gaussian weights,
+MAP structure) baselines. MC dropout is "a variant of MAP" (learned θ); its default puts
+dropout on every cell node's output, the research code's placement that produced the paper's
+numbers; `MCDropoutWeights(placement="every_conv")` puts it after every convolution, as the
+paper's text says. Either also runs on MAP-fixed α.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ class NaturalGradientMethod:
                     p.grad.div_(len(outs))
         for opt in others:
             opt.step()
-        self.on_after_optimizer_step()
+        self.on_after_optimizer_step(y.shape[0])
 
         def mean(values) -> Tensor:
             return torch.stack([v.detach().float() for v in values]).mean()

@@ -1,4 +1,4 @@
-"""Candidate operations of the DBSN search space and group-aware BatchNorm.
+"""Candidate operations of the DBSN search space, and the group-aware Sequential.
 
 Every operation maps a node of ``C`` channels to ``C`` channels and ends in the
 same non-affine BatchNorm, so the structure weight alpha_k is the only scale on
@@ -18,51 +18,9 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class GroupBatchNorm2d(nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` whose training statistics are computed per group.
-
-    ``forward(x, groups)`` with ``x`` of shape (b*G, C, H, W): in training mode
-    (or without running statistics) group g = rows g, g+G, g+2G, ... is normalised
-    with its own mean and biased variance over (b, H, W). The running statistics
-    move towards the average over groups of each group's mean and unbiased
-    variance, which is the average of what G separate ``nn.BatchNorm2d`` copies
-    would hold after one step each. With ``groups == 1`` or in eval mode it is
-    exactly ``nn.BatchNorm2d``.
-    """
-
-    def forward(self, x: Tensor, groups: int = 1) -> Tensor:  # type: ignore[override]
-        uses_batch_stats = self.training or self.running_mean is None
-        if groups == 1 or not uses_batch_stats:
-            return super().forward(x)
-
-        # With interleaved groups, (b*G, C, H, W) viewed as (b, G*C, H, W) is free and
-        # puts group g's channels at g*C..(g+1)*C: one fused batch_norm call computes
-        # per-group statistics, with no copy.
-        n, c, h, w = x.shape
-        xt = x.reshape(n // groups, groups * c, h, w)  # a view unless x is a channel slice
-        update = self.training and self.track_running_stats
-        running_mean = self.running_mean.repeat(groups) if update else None
-        running_var = self.running_var.repeat(groups) if update else None
-        factor = 0.0
-        if update:
-            self.num_batches_tracked.add_(1)
-            # momentum=None: cumulative moving average, as in nn.BatchNorm2d.
-            factor = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        y = F.batch_norm(
-            xt, running_mean, running_var,
-            self.weight.repeat(groups) if self.affine else None,
-            self.bias.repeat(groups) if self.affine else None,
-            True, factor, self.eps,
-        )
-        if update:  # each copy moved by factor towards its group's stats; keep their mean
-            with torch.no_grad():
-                self.running_mean.copy_(running_mean.view(groups, c).mean(0))
-                self.running_var.copy_(running_var.view(groups, c).mean(0))
-        return y.view(n, c, h, w)
+from dbsn.nets.batchnorm import GroupBatchNorm2d
 
 
 class GroupedSequential(nn.Sequential):
