@@ -110,6 +110,23 @@ def test_deterministic_method_has_no_ablation_no_structure_and_zero_mutual_infor
     assert not (out / "ablation").exists() and not (out / "structure").exists()
 
 
+def test_per_structure_batchnorm_statistics_through_evaluate_with_attacks(dbsn_run, tmp_path):
+    """evaluate.py bn_recalibration.enabled=true: the test pass fixes its members and their
+    statistics, the attacks that follow differentiate through them (other members evaluate),
+    and metrics.json records the training-end τ beside the test τ."""
+    out, metrics = dbsn_run
+    results = _evaluate(
+        out / "checkpoints" / "last.ckpt", tmp_path,
+        ["bn_recalibration.enabled=true", "bn_recalibration.images=64", "n_samples=4", "evaluations=[adversarial]",
+         "adversarial.epsilons=[0.0,0.1]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
+         "adversarial.max_examples=20", "output_dir=" + str(tmp_path / "recalibrated")],
+    )
+    assert 0 <= results["test/error"] <= 1 and results["test/nll"] != pytest.approx(metrics["test/nll"], rel=1e-6)
+    assert results["adversarial/fgsm/accuracy@0.1"] <= results["adversarial/fgsm/accuracy@0"]
+    record = json.loads((tmp_path / "recalibrated" / "metrics.json").read_text())
+    assert record["test_tau"] == 1.0 and record["train_tau_final"] > 1.0  # 2 epochs of the full schedule
+
+
 def test_unknown_evaluation_is_refused(dbsn_run, tmp_path):
     out, _ = dbsn_run
     with pytest.raises(ConfigError, match=r"unknown \['odd'\].*ood"):

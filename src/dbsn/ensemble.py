@@ -6,9 +6,10 @@ predicts with the Bayes ensemble
     p(y | x) ≈ 1/S Σ_s p(y | x, ω_s),        ω_s ~ q(ω),
 
 i.e. it averages *probabilities*, not logits. This module is the one place that computes it:
-a method supplies `stochastic_forward(x, n) -> logits (n, b, C)`, which evaluates n independent
-draws in one batched call (for DBSN: one grouped forward over n structures), and the ensemble
-runs it in chunks of `samples_per_forward` so that S × batch never has to fit in memory at once.
+a method supplies `stochastic_forward(x, n, first) -> logits (n, b, C)`, which evaluates members
+first, ..., first + n - 1 in one batched call (for DBSN: one grouped forward over n structures;
+fresh draws for a method without a fixed set of members), and the ensemble runs it in chunks of
+`samples_per_forward` so that S × batch never has to fit in memory at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-StochasticForward = Callable[[Tensor, int], Tensor]
+StochasticForward = Callable[[Tensor, int, int], Tensor]
 
 
 class BayesEnsemble:
@@ -29,26 +30,30 @@ class BayesEnsemble:
         n_samples: S, the number of Monte Carlo draws (the paper uses 100).
         samples_per_forward: how many draws share one batched forward; bounds peak memory at
             `samples_per_forward × batch` inputs.
+        first: index of the first member (methods with a fixed set of members, e.g. DBSN with
+            per-structure BatchNorm statistics, use members first .. first + S - 1).
     """
 
-    def __init__(self, n_samples: int = 100, samples_per_forward: int = 10) -> None:
+    def __init__(self, n_samples: int = 100, samples_per_forward: int = 10, first: int = 0) -> None:
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         if samples_per_forward < 1:
             raise ValueError(f"samples_per_forward must be >= 1, got {samples_per_forward}")
         self.n_samples = n_samples
         self.samples_per_forward = samples_per_forward
+        self.first = first
 
     def _chunks(self):
+        """(number of members, index of the first) of each batched forward."""
         done = 0
         while done < self.n_samples:
             n = min(self.samples_per_forward, self.n_samples - done)
-            yield n
+            yield n, self.first + done
             done += n
 
     def member_log_probs(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
         """Log-probabilities of every member, shaped (S, b, C)."""
-        return torch.cat([stochastic_forward(x, n).log_softmax(-1) for n in self._chunks()])
+        return torch.cat([stochastic_forward(x, n, first).log_softmax(-1) for n, first in self._chunks()])
 
     def __call__(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
         """log of the averaged probabilities, log(1/S Σ_s softmax(f_s(x))), shaped (b, C).
@@ -57,6 +62,6 @@ class BayesEnsemble:
         `samples_per_forward` members are alive at once.
         """
         partial = [
-            torch.logsumexp(stochastic_forward(x, n).log_softmax(-1), dim=0) for n in self._chunks()
+            torch.logsumexp(stochastic_forward(x, n, first).log_softmax(-1), dim=0) for n, first in self._chunks()
         ]
         return torch.logsumexp(torch.stack(partial), dim=0) - math.log(self.n_samples)

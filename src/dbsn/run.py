@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from dbsn.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, Ra
                              load_checkpoint)
 from dbsn.config import ConfigError, to_plain, validate_config
 from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
-from dbsn.methods import ClassificationMethod, DeepEnsemble
+from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,
                                    write_structure)
@@ -298,6 +299,11 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
                 method.n_samples = int(cfg.n_samples)
             if cfg.get("samples_per_forward") is not None:
                 method.samples_per_forward = int(cfg.samples_per_forward)
+            if isinstance(method, DBSN):
+                if cfg.get("test_tau") is not None:
+                    method.test_tau = float(cfg.test_tau)
+                changes = {k: v for k, v in (cfg.get("bn_recalibration") or {}).items() if v is not None}
+                method.bn_recalibration = replace(method.bn_recalibration, **changes)
 
     loggers = _instantiate_group(cfg.get("logger"))
     trainer = build_trainer(cfg.trainer, out, callbacks=_instantiate_group(cfg.get("callbacks")), loggers=loggers)

@@ -328,6 +328,14 @@ class ImageClassificationDataModule(L.LightningDataModule):
             raise RuntimeError("num_train is known after setup('fit')")
         return len(self.train_set)
 
+    def training_images(self, n: int, seed: int = 0) -> Tensor:
+        """`n` uint8 images of the training split (all of them if it has fewer), picked by a
+        permutation seeded by `seed`; e.g. to compute per-structure BatchNorm statistics."""
+        if self.train_set is None:
+            self.setup("fit")
+        perm = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(seed))
+        return self.train_set.images[perm[:n].sort().values]
+
     def _loader(self, dataset: TensorImageDataset, train: bool) -> DataLoader:
         return in_memory_loader(self, dataset, train)
 

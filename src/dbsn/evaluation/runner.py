@@ -151,8 +151,8 @@ def adversarial(model, datamodule, settings, folder: Path, device: torch.device,
     def attack_log_probs(x: Tensor) -> Tensor:
         return model.predict_log_probs(normalize(x, mean, std), settings["attack_samples"])
 
-    def eval_log_probs(x: Tensor) -> Tensor:
-        return model.predict_log_probs(normalize(x, mean, std), settings["eval_samples"])
+    def eval_log_probs(x: Tensor) -> Tensor:  # other members than the attacked ones
+        return model.predict_log_probs(normalize(x, mean, std), settings["eval_samples"], first=settings["attack_samples"])
 
     datamodule.setup("test")
     if settings.get("batch_size"):  # gradients through `attack_samples` members: batches are heavier

@@ -18,13 +18,13 @@ dbsn_seg (DBSN on DBSNSegNet).
 """
 
 from dbsn.methods.base import ClassificationMethod, NonFiniteLossError, StructureOptimizer, WeightOptimizer
-from dbsn.methods.dbsn import DBSN
+from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
-    "ClassificationMethod", "DBSN", "DeepEnsemble", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
+    "BatchNormRecalibration", "ClassificationMethod", "DBSN", "DeepEnsemble", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
     "NEKFACMethod", "PointWeights", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]

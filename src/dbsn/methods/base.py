@@ -29,6 +29,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -205,9 +206,18 @@ class ClassificationMethod(pl.LightningModule):
         """n structures for a training step, (n, E, K), and their KL(q(α)||p(α)) estimate."""
         raise NotImplementedError
 
-    def prediction_structures(self, n: int) -> Tensor:
-        """n structures for prediction, (n, E, K)."""
+    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
+        """Structures of the prediction members first .. first + n - 1, (n, E, K) (fresh draws
+        unless the method keeps a fixed set of members)."""
         raise NotImplementedError
+
+    def prepare_prediction(self, datamodule) -> None:
+        """Called before the test pass: a method may fix its prediction members here."""
+
+    def prediction_statistics(self, first: int, n: int):
+        """A context in which the network predicts members first .. first + n - 1 (e.g. with
+        their own BatchNorm statistics); by default the network as it is."""
+        return nullcontext()
 
     @property
     def structure_is_stochastic(self) -> bool:
@@ -286,13 +296,14 @@ class ClassificationMethod(pl.LightningModule):
             last = start == starts[-1]
             yield share, self.structures_loss(x, y, alpha[part], kl[part] if isinstance(kl, Tensor) else kl, share, last)
 
-    def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
-        """Logits of n independent draws (structure and weights) on x, class dimension last:
-        (n, b, C) for classification, (n, b, H, W, C) for segmentation."""
-        alpha = self.prediction_structures(n)
+    def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
+        """Logits of the members first .. first + n - 1 (structure and weights) on x, class
+        dimension last: (n, b, C) for classification, (n, b, H, W, C) for segmentation."""
         if self.weights.shared_noise and n > 1:  # one weight draw per call: one call per member
-            return torch.stack([self.task.class_last(self.net(x, alpha[i : i + 1])) for i in range(n)])
-        logits = self.task.class_last(self.net(x, alpha, replicate=True))  # row i*n + s: example i, member s
+            return torch.cat([self.stochastic_forward(x, 1, first + i) for i in range(n)])
+        alpha = self.prediction_structures(n, first)
+        with self.prediction_statistics(first, n):
+            logits = self.task.class_last(self.net(x, alpha, replicate=True))  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
 
     def on_after_optimizer_step(self, batch_size: int) -> None:
@@ -443,18 +454,19 @@ class ClassificationMethod(pl.LightningModule):
             schedule.step()
 
     # ------------------------------------------------------------------ prediction
-    def predict_log_probs(self, x: Tensor, n_samples: int | None = None) -> Tensor:
-        """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S), divided by
-        the post-hoc temperature when one has been fitted. Streams over chunks of
-        `samples_per_forward` draws, so S never multiplies the memory."""
-        log_probs = BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward)(self.stochastic_forward, x)
+    def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
+        """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S; members
+        first, first + 1, ...), divided by the post-hoc temperature when one has been fitted.
+        Streams over chunks of `samples_per_forward` draws, so S never multiplies the memory."""
+        ensemble = BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward, first)
+        log_probs = ensemble(self.stochastic_forward, x)
         return self.temperature(log_probs) if self.temperature_scaling else log_probs
 
-    def predict_members(self, x: Tensor, n_samples: int | None = None) -> Tensor:
+    def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         """Log-probabilities of every Monte Carlo member, (S, b, C), without temperature:
         what the uncertainty decomposition and the sample ablation need. Deterministic
         methods have one member."""
-        return BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward).member_log_probs(
+        return BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward, first).member_log_probs(
             self.stochastic_forward, x
         )
 
@@ -544,6 +556,7 @@ class ClassificationMethod(pl.LightningModule):
             })
 
     def on_test_epoch_start(self) -> None:
+        self.prepare_prediction(self.trainer.datamodule)
         self._test_outputs = []
         self.test_maps = []
         self.test_predictions = None

@@ -22,6 +22,7 @@ FBN (the paper's "fully Bayesian network") is DBSN with a Gaussian weight poster
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -30,8 +31,41 @@ from torch import Tensor, nn
 from dbsn.methods.tasks import Classification
 from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
+from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
 from dbsn.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
+
+
+@dataclass
+class BatchNormRecalibration:
+    """Per-structure BatchNorm statistics at prediction (beyond the paper; off in the paper).
+
+    In training every BatchNorm normalises each sampled structure with its own batch
+    statistics, but the running statistics average over all the structures training saw, so
+    at test a fresh structure is normalised with statistics that belong to none of them. With
+    `enabled`, the test pass fixes its S members (structures drawn once, then reused for
+    every batch) and computes each member's own statistics on `images` training images (a
+    seeded subset, with the training augmentation if `augment`), in grouped forwards of
+    `samples_per_forward` structures over batches of `batch_size` images, averaged over
+    batches as `momentum=None` does. The research code (and `enabled=False`) predicts with the
+    running statistics.
+    """
+
+    enabled: bool = False
+    images: int = 256
+    augment: bool = False
+    batch_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.images < 1 or self.batch_size < 1:
+            raise ValueError(f"bn_recalibration: images and batch_size must be >= 1, got {self.images}, {self.batch_size}")
+
+
+def _outside_inference(t: Tensor) -> Tensor:
+    """The members are fixed during the test pass, under inference mode; the attacks that
+    follow it need tensors autograd can save."""
+    return t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t
 
 
 class DBSN(ClassificationMethod):
@@ -47,6 +81,8 @@ class DBSN(ClassificationMethod):
         test_tau: temperature of the structures drawn for prediction.
         structure_optim: Adam settings for θ.
         theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
+        bn_recalibration: per-structure BatchNorm statistics at prediction (see
+            `BatchNormRecalibration`); None = the running statistics (the paper).
     """
 
     def __init__(
@@ -68,6 +104,7 @@ class DBSN(ClassificationMethod):
         task: Classification | None = None,
         parallel: str = "structure",
         train_samples_per_forward: int | None = None,
+        bn_recalibration: BatchNormRecalibration | None = None,
     ) -> None:
         super().__init__(
             net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size,
@@ -85,6 +122,11 @@ class DBSN(ClassificationMethod):
         self.register_buffer("beta", torch.tensor(self.beta_schedule(0)))
         self._examples = 0
         self._warned_tau = False
+        self.bn_recalibration = bn_recalibration if bn_recalibration is not None else BatchNormRecalibration()
+        # With per-structure statistics: the calibration batches, and the fixed prediction
+        # members so far (structures (M, E, K) and their statistics), grown on demand.
+        self._calibration: list[Tensor] | None = None
+        self._members: tuple[Tensor, Statistics] | None = None
 
     # ------------------------------------------------------------------ schedules
     @property
@@ -99,6 +141,7 @@ class DBSN(ClassificationMethod):
 
     def on_train_start(self) -> None:
         self._examples = int(self.examples_seen)
+        self._calibration = self._members = None  # validation predicts with the running statistics
 
     def on_train_epoch_start(self) -> None:
         self.beta.fill_(self.beta_schedule(self.current_epoch))
@@ -161,8 +204,46 @@ class DBSN(ClassificationMethod):
         """n structures α ~ q(α | θ, β) at temperature `tau` (default: test_tau), (n, E, K)."""
         return self.structure.sample(n, self.beta, self.test_tau if tau is None else tau)
 
-    def prediction_structures(self, n: int) -> Tensor:
-        return self.sample_structures(n)
+    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
+        if self._calibration is None:
+            return self.sample_structures(n)
+        return _outside_inference(self._fixed_members(first + n)[0][first : first + n])
+
+    # ------------------------------------------------------------------ per-structure BatchNorm
+    def prepare_prediction(self, datamodule) -> None:
+        """With `bn_recalibration.enabled`: take the calibration images from the training split
+        and start a new fixed set of prediction members (their statistics come on demand)."""
+        self._calibration = self._members = None
+        settings = self.bn_recalibration
+        if not settings.enabled:
+            return
+        if not hasattr(datamodule, "training_images"):
+            raise ValueError(f"bn_recalibration needs training images; {type(datamodule).__name__} does not provide "
+                             "them. Set model.bn_recalibration.enabled=false.")
+        images = datamodule.training_images(settings.images, seed=settings.seed).to(self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(settings.seed)  # the augmentation, if any, is part of the setting
+            self._calibration = [datamodule.preprocess(batch, train=settings.augment)
+                                 for batch in images.split(settings.batch_size)]
+
+    def _fixed_members(self, count: int) -> tuple[Tensor, Statistics]:
+        """The first `count` fixed members: structures drawn at test_tau, and each one's
+        BatchNorm statistics on the calibration images."""
+        have = 0 if self._members is None else self._members[0].shape[0]
+        if count > have:
+            alpha = self.sample_structures(count - have)
+            parts = [structure_statistics(lambda x, a=a: self.net(x, a, replicate=True), self.net, self._calibration,
+                                          a.shape[0]) for a in alpha.split(self.samples_per_forward)]
+            if self._members is not None:
+                alpha, parts = torch.cat([self._members[0], alpha]), [self._members[1], *parts]
+            self._members = (alpha, concatenate(parts))
+        return self._members
+
+    def prediction_statistics(self, first: int, n: int):
+        if self._calibration is None:
+            return super().prediction_statistics(first, n)
+        statistics = select(self._fixed_members(first + n)[1], slice(first, first + n))
+        return using_statistics(self.net, {k: tuple(map(_outside_inference, v)) for k, v in statistics.items()})
 
     @torch.no_grad()
     def structure_probabilities(self) -> Tensor:

@@ -78,8 +78,9 @@ class DeepEnsemble(ClassificationMethod):
             "logits": outs[0]["logits"], "targets": outs[0]["targets"],
         }
 
-    def predict_members(self, x: Tensor, n_samples: int | None = None) -> Tensor:
-        """Each member's predictive log-probabilities (its own Bayes ensemble and temperature
+    def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
+        """(`first` does not apply: the members are networks, each with its own draws.)
+        Each member's predictive log-probabilities (its own Bayes ensemble and temperature
         for stochastic or calibrated members), (M, b, C): the uncertainty decomposition of a
         deep ensemble is across its networks, and the sample ablation over 1..M networks."""
         return torch.stack([m.predict_log_probs(x, n_samples or m.n_samples) for m in self.members])
@@ -88,7 +89,7 @@ class DeepEnsemble(ClassificationMethod):
     def num_members(self) -> int:
         return len(self.members)
 
-    def predict_log_probs(self, x: Tensor, n_samples: int | None = None) -> Tensor:
+    def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         log_probs = torch.logsumexp(self.predict_members(x, n_samples), dim=0) - math.log(len(self.members))
         return self.temperature(log_probs) if self.temperature_scaling else log_probs
 

@@ -81,5 +81,5 @@ class MAP(ClassificationMethod):
         """softmax(θ) when learned; None for a fixed α."""
         return self.alpha().detach().clone() if self.learn_structure else None
 
-    def prediction_structures(self, n: int) -> Tensor:
+    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
         return self.alpha().detach().expand(n, -1, -1)

@@ -119,7 +119,7 @@ class NaturalGradientMethod:
     def is_stochastic(self) -> bool:
         return True
 
-    def stochastic_forward(self, x: Tensor, n: int) -> Tensor:
+    def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """(n, b, C): member i is one forward under structure i and its own weight draw. The draw
         is passed to ``functional_call``, so the parameters are never edited in place and
         gradients w.r.t. x (adversarial attacks) flow through every member."""
