@@ -1,11 +1,14 @@
 """`make bench`: speed and memory of DBSN's hot paths, as ratios measured in one run.
 
     python -m dbsn.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
+                         [--memory-batch 4]
 
 Cases (same network, same batch, same machine, interleaved repetitions, median time):
   map_fixed  one training step of the network under fixed uniform α (SGD on w)
   dbsn_t1    one DBSN step with T = 1 (sample α, NLL + KL/N, SGD on w + Adam on θ)
   dbsn_t4    one DBSN step with T = 4 structures in one grouped forward
+  dbsn_t4_chunked
+             the same step with the structures one after another (train_samples_per_forward = 1)
   map, mc_dropout, bbb, fbn
              one training step of each baseline (fbn with T = 1)
   vogn, vogn_fbn
@@ -14,11 +17,20 @@ Cases (same network, same batch, same machine, interleaved repetitions, median t
              one SGD / NEK-FAC step on VGG16-BN (width 0.25 with --net quick, 1.0 with paper)
   ens_100    Bayes ensemble with S = 100, `samples_per_forward` structures per forward
   single_100 the same 100 structures as 100 single forwards
+  recal_100  per-structure BatchNorm statistics of 100 structures on the batch's images
+             (model.bn_recalibration: what prediction with recalibration adds)
 
 Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
 ens_100 / single_100 <= 1.0; every method's step over map_fixed's (no target: BBB and FBN
-pay for sampling weights and the KL of every layer). Peak memory per case: CUDA max allocated on a GPU, or the peak
-resident-set growth of a fresh process on CPU.
+pay for sampling weights and the KL of every layer). recal_100 / ens_100 is the cost of
+recalibrating on an image over predicting one; prediction with recalibration on 256 images over
+prediction without, for a test set of M images, is 1 + (recal_100 / ens_100) * 256 / M: the
+table gives it for CIFAR's M = 10,000 (target <= 1.3) and digits' M = 450. Peak memory per
+case: CUDA max allocated on a GPU, or the peak resident-set growth of a fresh process on CPU.
+
+Training memory of the paper's network (B = 7, 12 cells), one DBSN step with T = 4 on
+`--memory-batch` images: grouped, and with the structures one after another; reported per
+image x structure, and the ratio chunked / grouped (target <= 0.35).
 """
 
 from __future__ import annotations
@@ -36,14 +48,17 @@ import torch
 from dbsn.ensemble import BayesEnsemble
 from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
 from dbsn.natgrad import VOGN
+from dbsn.nets.batchnorm import accumulated_running_statistics
 from dbsn.nets import VGG16BN, StructureNet
 
 NETS = {
     "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
     "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
 }
-CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn", "vgg_sgd",
-         "nekfac", "ens_100", "single_100")
+CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "dbsn_t4_chunked", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn",
+         "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100")
+#: Images of the test set and of the recalibration, for the derived cost of recalibrated prediction.
+RECALIBRATION_IMAGES, TEST_SET_SIZES = 256, {"CIFAR": 10_000, "digits": 450}
 NATGRAD = {  # natural-gradient cases and the SGD case on the same network they are compared with
     "vogn": lambda net: VOGNMethod(net, structure="map"),
     "vogn_fbn": lambda net: VOGNMethod(net, structure="dbsn"),  # T = 1
@@ -57,6 +72,7 @@ METHODS = {
     "bbb": lambda net: MAP(net, learn_structure=True, weights=GaussianWeights()),
     "dbsn_t1": lambda net: DBSN(net, train_samples=1),
     "dbsn_t4": lambda net: DBSN(net, train_samples=4),
+    "dbsn_t4_chunked": lambda net: DBSN(net, train_samples=4, train_samples_per_forward=1),
     "fbn": lambda net: DBSN(net, train_samples=1, weights=GaussianWeights()),
     "vgg_sgd": lambda net: MAP(net, learn_structure=False),  # VGG16-BN with SGD, NEK-FAC's reference
 }
@@ -108,10 +124,12 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
             opts.append(method.structure_optimizer().build(method.structure_parameters()))
 
         def step():  # what ClassificationMethod.training_step does, minus Lightning's logging
-            loss = method.training_loss(x, y)["loss"]
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with accumulated_running_statistics(method, method.train_samples_per_forward is not None):
+                for share, out in method.training_losses(x, y):
+                    out["loss"].backward(retain_graph=share < 1.0)
+                    del out
             for group in groups:
                 torch.nn.utils.clip_grad_norm_(group, 5.0)
             for opt in opts:
@@ -121,6 +139,15 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
 
     method = DBSN(net, samples_per_forward=samples_per_forward).to(device)
     method.eval()
+    if name == "recal_100":
+        calibration = [x]
+
+        def recalibrate():
+            with torch.inference_mode():
+                method._calibration, method._members = calibration, None
+                method._fixed_members(100)
+        recalibrate.method = method  # for inspection
+        return recalibrate
     chunk = samples_per_forward if name == "ens_100" else 1
     ensemble = BayesEnsemble(100, chunk)
 
@@ -240,7 +267,7 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
 
 
 def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
-        samples_per_forward: int | None = None, memory: bool = True) -> dict:
+        samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4) -> dict:
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
         samples_per_forward = 20 if dev.type == "cuda" else 4
@@ -271,13 +298,29 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
             "vogn / map": median["vogn"] / median["map"],
             "vogn_fbn / dbsn_t1": median["vogn_fbn"] / median["dbsn_t1"],
             "nekfac / vgg_sgd": median["nekfac"] / median["vgg_sgd"],
+            "dbsn_t4_chunked / dbsn_t4": median["dbsn_t4_chunked"] / median["dbsn_t4"],
+            "recal_100 / ens_100 (per image)": median["recal_100"] / median["ens_100"],
+            **{f"prediction with / without recalibration, {data} test set"
+               + (" (target <= 1.3)" if data == "CIFAR" else ""):
+               1 + median["recal_100"] / median["ens_100"] * RECALIBRATION_IMAGES / size
+               for data, size in TEST_SET_SIZES.items()},
         },
     }
     if memory:
         result["peak_memory_mib"] = {
             name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward) for name in CASES
         }
+        result["training_memory"] = training_memory(memory_batch, dev, samples_per_forward)
     return result
+
+
+def training_memory(batch: int, device: torch.device, samples_per_forward: int) -> dict:
+    """Peak memory of one DBSN step (T = 4) of the paper's network, grouped and chunked."""
+    peaks = {name: peak_memory_mib(name, "paper", batch, device, samples_per_forward)
+             for name in ("dbsn_t4", "dbsn_t4_chunked")}
+    return {"batch": batch, "train_samples": 4, "peak_mib": peaks,
+            "mib_per_image_structure": {name: peak / (batch * 4) for name, peak in peaks.items()},
+            "chunked / grouped (target <= 0.35)": peaks["dbsn_t4_chunked"] / peaks["dbsn_t4"]}
 
 
 def _print(result: dict) -> None:
@@ -300,6 +343,15 @@ def _print(result: dict) -> None:
         else:
             ratios.add_row(name, f"{value:.3f}", "-")
     console.print(ratios)
+    if "training_memory" in result:
+        mem = result["training_memory"]
+        table = Table("paper network, DBSN step, T = 4", "peak MiB", "MiB per image x structure",
+                      title=f"Training memory at batch {mem['batch']}")
+        for name, peak in mem["peak_mib"].items():
+            table.add_row(name, f"{peak:.0f}", f"{mem['mib_per_image_structure'][name]:.1f}")
+        console.print(table)
+        value = mem["chunked / grouped (target <= 0.35)"]
+        console.print(f"chunked / grouped: {value:.3f} (target <= 0.35: {'yes' if value <= 0.35 else 'no'})")
 
 
 def _print_segmentation(result: dict) -> None:
@@ -325,13 +377,16 @@ def main(argv: list[str] | None = None) -> dict:
                         help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
                              "favour small batches; 20 on a GPU)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
+    parser.add_argument("--memory-batch", type=int, default=4,
+                        help="images of the paper-network training-memory step (T = 4)")
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--segmentation", choices=("auto", "yes", "no"), default="auto",
                         help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
                              "on a CPU one S = 100 image takes minutes)")
     parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
     args = parser.parse_args(argv)
-    result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory)
+    result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory,
+                 args.memory_batch)
     _print(result)
     if args.segmentation == "yes" or (args.segmentation == "auto" and torch.cuda.is_available()):
         size = tuple(int(v) for v in args.seg_size.split("x"))
