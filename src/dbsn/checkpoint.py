@@ -71,8 +71,9 @@ class RandomStateCallback(pl.Callback):
     `on_train_epoch_start` draws random numbers (the training loader's order and worker seeds
     come from their own generators, see `dbsn.data.base.in_memory_loader`), so single-process
     resume reproduces the uninterrupted run bit for bit on the same hardware. Under DDP only
-    rank 0's state is saved; on resume each rank re-derives its own stream from it (reproducible,
-    not identical to the uninterrupted run)."""
+    rank 0's state is saved and every rank restores it: structure-parallel ranks share one
+    stream anyway (resume as exact as on one device); data-parallel ranks then re-derive their
+    own streams from it (reproducible, not identical to the uninterrupted run)."""
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
@@ -104,6 +105,9 @@ class RandomStateCallback(pl.Callback):
         cuda = state.get("torch.cuda", [])
         if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():  # else keep the current ones
             torch.cuda.set_rng_state_all(cuda)
+        if trainer.world_size > 1 and getattr(pl_module, "parallel", "data") == "data":
+            seed = int(torch.randint(0, 2**62, ()))  # the same on every rank; offset per rank
+            torch.manual_seed((seed + 104729 * trainer.global_rank) % 2**63)
         if trainer.world_size > 1:  # rank 0's state was saved; give every rank its own stream
             seed = int(torch.randint(2**62, ())) + 104729 * trainer.global_rank
             torch.manual_seed(seed % 2**63)
