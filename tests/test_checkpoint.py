@@ -61,3 +61,18 @@ def test_structure_parallel_ranks_draw_the_same_structures():
     """...and take different blocks of them (see tests/test_parallel.py for the whole step)."""
     draws = {rank: _method_on_rank(rank, parallel="structure").structure.sample(4, 1.0, 1.0) for rank in (0, 1)}
     assert torch.equal(draws[0], draws[1])
+
+
+def test_restored_random_state_is_shared_by_structure_parallel_ranks_and_split_for_data_parallel():
+    from dbsn.checkpoint import RandomStateCallback
+
+    saved = RandomStateCallback().state_dict()  # rank 0's state, as a checkpoint holds it
+    draws = {}
+    for parallel in ("structure", "data"):
+        for rank in (0, 1):
+            callback = RandomStateCallback()
+            callback.load_state_dict(saved)
+            callback.on_train_epoch_start(SimpleNamespace(world_size=2, global_rank=rank), SimpleNamespace(parallel=parallel))
+            draws[parallel, rank] = torch.rand(3)
+    assert torch.equal(draws["structure", 0], draws["structure", 1])
+    assert not torch.equal(draws["data", 0], draws["data", 1])
