@@ -106,9 +106,7 @@ class RandomStateCallback(pl.Callback):
         if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():  # else keep the current ones
             torch.cuda.set_rng_state_all(cuda)
         if trainer.world_size > 1 and getattr(pl_module, "parallel", "data") == "data":
-            seed = int(torch.randint(0, 2**62, ()))  # the same on every rank; offset per rank
-            torch.manual_seed((seed + 104729 * trainer.global_rank) % 2**63)
-        if trainer.world_size > 1:  # rank 0's state was saved; give every rank its own stream
+            # rank 0's state was saved; give every data-parallel rank its own stream
             seed = int(torch.randint(2**62, ())) + 104729 * trainer.global_rank
             torch.manual_seed(seed % 2**63)
 
