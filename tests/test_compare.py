@@ -66,12 +66,12 @@ def test_missing_dataset_or_bad_subset_fails_before_any_training(tmp_path, monke
 def test_cli_passes_dataset_subset_and_overrides(monkeypatch):
     calls = []
     monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: calls.append((args, kwargs)))
-    main(["--data", "cifar10", "--subset", "5000", "--epochs", "3", "data.root=/data", "trainer=gpu"])
+    main(["--data", "cifar10", "--subset", "5000", "--epochs", "3", "--samples", "10", "data.root=/data", "trainer=gpu"])
     main(["--subset", "0.1"])
     ((_, epochs, _, overrides), kwargs), (_, fraction) = calls
     assert (epochs, overrides) == (3, ["data.root=/data", "trainer=gpu"])
-    assert (kwargs["data"], kwargs["subset"]) == ("cifar10", 5000)
-    assert (fraction["data"], fraction["subset"]) == ("digits", 0.1)
+    assert (kwargs["data"], kwargs["subset"], kwargs["n_samples"]) == ("cifar10", 5000, 10)
+    assert (fraction["data"], fraction["subset"], fraction["n_samples"]) == ("digits", 0.1, 100)
     assert shared_overrides("cifar10", 64, 5000) == ["trainer=cpu", "data=cifar10", "data.batch_size=64",
                                                      "data.train_subset=5000"]  # the config's num_workers
 

@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=100,
+                        help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
+                             "of the whole test set: fewer on a large test set on CPU)")
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"))
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(o.startswith("data=") for o in args.overrides):
         parser.error("choose the dataset with --data, not a data=... override")
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
-                          data=args.data, subset=args.subset)
+                          data=args.data, subset=args.subset, n_samples=args.samples)
 
 
 if __name__ == "__main__":
