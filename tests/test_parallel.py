@@ -95,20 +95,23 @@ def test_structure_parallel_refuses_t_not_divisible_by_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_structure_parallel_step_on_two_ranks_equals_one_device(tmp_path):
-    """python train.py ... trainer.devices=2 (structure-parallel, T = 2: one structure per rank)
-    against the same command on one device: one step on the same batch with the same two
-    structures leaves the same weights, θ and running statistics."""
-    common = ["data=digits", *TINY, "model.train_samples=2", "model.parallel=structure", "data.batch_size=16",
-              "trainer.max_epochs=1", "trainer.limit_train_batches=1", "test=false", "callbacks.structure_posterior=null"]
+@pytest.mark.parametrize("train_samples, chunk", [(2, "null"), (4, "1")])
+def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_samples, chunk):
+    """python train.py ... trainer.devices=2 (structure-parallel: T / 2 structures per rank,
+    and with T = 4 one structure after the other on each rank) against the grouped step on one
+    device: two steps on the same batches with the same structures leave the same weights, θ and
+    running statistics."""
+    common = ["data=digits", *TINY, f"model.train_samples={train_samples}", "model.parallel=structure",
+              "data.batch_size=16", "trainer.max_epochs=1", "trainer.limit_train_batches=2", "test=false",
+              "callbacks.structure_posterior=null"]
     states = {}
     for devices in (1, 2):
         run_dir = tmp_path / f"devices{devices}"
-        extra = ["trainer.strategy=ddp"] if devices > 1 else []
+        extra = ["trainer.strategy=ddp", f"model.train_samples_per_forward={chunk}"] if devices > 1 else []
         result = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *common, f"trainer.devices={devices}", *extra,
              f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         states[devices] = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    assert int(states[2]["examples_seen"]) == 16  # the shared batch counts once
+    assert int(states[2]["examples_seen"]) == 2 * 16  # a shared batch counts once
     _assert_same_state(states[2], states[1])

@@ -105,3 +105,37 @@ def test_linear_lr_schedule_is_constant_then_decays_linearly_to_zero():
     assert all(a > b for a, b in zip(lrs[350:], lrs[351:]))
     with pytest.raises(ValueError, match="schedule"):
         WeightOptimizer(schedule="cosine")
+
+
+def test_camvid_tau_reaches_one_where_the_research_codes_step_count_did(tmp_path):
+    """The research code decays τ by 2e-5 per optimiser step at batch 3 (τ = 1 at step 54,931,
+    epoch ~450 of 850 with 366 images per epoch); counted in examples / 64 the config must put
+    τ = 1 at the same epoch."""
+    from configs import compose_config
+    from hydra.utils import instantiate
+
+    from dbsn.schedules import REFERENCE_BATCH
+
+    cfg = compose_config("train", ["experiment=camvid_paper"], tmp_path)
+    tau = instantiate(cfg.model.tau)
+    examples_per_epoch = (367 // cfg.data.batch_size) * cfg.data.batch_size
+    steps_to_one = math.log(3) / 2e-5
+    epoch = steps_to_one / (367 // cfg.data.batch_size)
+    assert 440 < epoch < 460
+    assert tau(examples_per_epoch * (epoch - 2) / REFERENCE_BATCH) > 1.0
+    assert tau(examples_per_epoch * (epoch + 2) / REFERENCE_BATCH) == 1.0
+
+
+def test_a_checkpoint_with_the_old_step_counter_loads_with_the_same_tau():
+    import torch
+
+    from dbsn.methods import DBSN
+    from dbsn.nets import StructureNet
+
+    net = StructureNet(num_classes=3, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    method = DBSN(net, dataset_size=10)
+    old = method.state_dict()
+    old["structure_step"] = old.pop("examples_seen").fill_(1000)  # written before τ counted examples
+    method.load_state_dict(old, strict=True)
+    assert int(method.examples_seen) == 64 * 1000
+    assert method.trained_tau == pytest.approx(3 * math.exp(-1.5e-5 * 1000))

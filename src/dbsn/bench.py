@@ -48,7 +48,6 @@ import torch
 from dbsn.ensemble import BayesEnsemble
 from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
 from dbsn.natgrad import VOGN
-from dbsn.nets.batchnorm import accumulated_running_statistics
 from dbsn.nets import VGG16BN, StructureNet
 
 NETS = {
@@ -126,10 +125,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
         def step():  # what ClassificationMethod.training_step does, minus Lightning's logging
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
-            with accumulated_running_statistics(method, method.train_samples_per_forward is not None):
-                for share, out in method.training_losses(x, y):
-                    out["loss"].backward(retain_graph=share < 1.0)
-                    del out
+            method.accumulate_gradients(x, y, lambda loss, last: loss.backward(retain_graph=not last))
             for group in groups:
                 torch.nn.utils.clip_grad_norm_(group, 5.0)
             for opt in opts:
@@ -140,12 +136,10 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
     method = DBSN(net, samples_per_forward=samples_per_forward).to(device)
     method.eval()
     if name == "recal_100":
-        calibration = [x]
-
         def recalibrate():
             with torch.inference_mode():
-                method._calibration, method._members = calibration, None
-                method._fixed_members(100)
+                method.use_calibration_images([x])
+                method.prediction_structures(100)  # fixes 100 members and computes their statistics
         recalibrate.method = method  # for inspection
         return recalibrate
     chunk = samples_per_forward if name == "ens_100" else 1

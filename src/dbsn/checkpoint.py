@@ -88,6 +88,7 @@ class RandomStateCallback(pl.Callback):
         }
         if torch.cuda.is_available():
             state["torch.cuda"] = torch.cuda.get_rng_state_all()
+            state["torch.cuda.current"] = torch.cuda.get_rng_state()  # the device this rank trains on
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -103,7 +104,10 @@ class RandomStateCallback(pl.Callback):
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
         cuda = state.get("torch.cuda", [])
-        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():  # else keep the current ones
+        if torch.cuda.is_available() and trainer.world_size > 1 and "torch.cuda.current" in state:
+            # rank 0 saved the state of the device it trained on; every rank continues it on its own
+            torch.cuda.set_rng_state(state["torch.cuda.current"])
+        elif torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():  # else keep the current ones
             torch.cuda.set_rng_state_all(cuda)
         if trainer.world_size > 1 and getattr(pl_module, "parallel", "data") == "data":
             # rank 0's state was saved; give every data-parallel rank its own stream

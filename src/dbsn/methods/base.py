@@ -21,7 +21,8 @@ optimisers. `ClassificationMethod` provides the common parts:
 - a NaN/inf guard that stops the run at the first bad loss and names the step;
 - Bayes-ensemble prediction (`dbsn.ensemble.BayesEnsemble`) from `stochastic_forward`, with the
   test metrics under stable names `test/{error,nll,brier,ece}`;
-- different random streams per DDP rank, so each rank draws its own structures/masks.
+- under data-parallel DDP, different random streams per rank, so each rank draws its own
+  structures/masks; under structure-parallel DDP one stream (see `parallel`).
 
 Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K), KL of each
 structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
@@ -142,7 +143,9 @@ class ClassificationMethod(pl.LightningModule):
         parallel: how several devices share a step. "data": each rank draws its own batch and
             its own T structures (the effective batch grows with the device count).
             "structure": every rank sees the same batch and evaluates T / world size of the T
-            structures (T must be a multiple of the device count).
+            structures (T must be a multiple of the device count). With point-estimate weights
+            this is exactly one device's step; with stochastic weights (FBN) the ranks share
+            the weight noise stream, so their blocks' noise is correlated.
         train_samples_per_forward: structures per grouped forward in training; None = all of
             this rank's structures at once. Smaller values run the structures one chunk after
             another and accumulate their gradients: the same step, at about
@@ -214,7 +217,7 @@ class ClassificationMethod(pl.LightningModule):
     def prepare_prediction(self, datamodule) -> None:
         """Called before the test pass: a method may fix its prediction members here."""
 
-    def prediction_statistics(self, first: int, n: int):
+    def prediction_statistics(self, n: int, first: int = 0):
         """A context in which the network predicts members first .. first + n - 1 (e.g. with
         their own BatchNorm statistics); by default the network as it is."""
         return nullcontext()
@@ -281,12 +284,12 @@ class ClassificationMethod(pl.LightningModule):
 
     def training_losses(self, x: Tensor, y: Tensor):
         """The step's loss in parts, one per chunk of `train_samples_per_forward` structures,
-        as (share of the structures, output of `structures_loss`); the parts' losses add up to
-        `training_loss(x, y)["loss"]` (the weight KL comes with the last chunk). One chunk:
-        `training_loss` itself."""
+        as (share of the structures, whether it is the last part, output of `structures_loss`);
+        the parts' losses add up to `training_loss(x, y)["loss"]` (the weight KL comes with the
+        last chunk). One chunk: `training_loss` itself."""
         chunk = self.train_samples_per_forward
         if chunk is None or chunk >= self.train_samples:
-            yield 1.0, self.training_loss(x, y)
+            yield 1.0, True, self.training_loss(x, y)
             return
         alpha, kl = self.local_training_structures()
         starts = range(0, alpha.shape[0], chunk)
@@ -294,7 +297,7 @@ class ClassificationMethod(pl.LightningModule):
             part = slice(start, start + chunk)
             share = alpha[part].shape[0] / alpha.shape[0]
             last = start == starts[-1]
-            yield share, self.structures_loss(x, y, alpha[part], kl[part] if isinstance(kl, Tensor) else kl, share, last)
+            yield share, last, self.structures_loss(x, y, alpha[part], kl[part] if isinstance(kl, Tensor) else kl, share, last)
 
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """Logits of the members first .. first + n - 1 (structure and weights) on x, class
@@ -302,7 +305,7 @@ class ClassificationMethod(pl.LightningModule):
         if self.weights.shared_noise and n > 1:  # one weight draw per call: one call per member
             return torch.cat([self.stochastic_forward(x, 1, first + i) for i in range(n)])
         alpha = self.prediction_structures(n, first)
-        with self.prediction_statistics(first, n):
+        with self.prediction_statistics(n, first):
             logits = self.task.class_last(self.net(x, alpha, replicate=True))  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
 
@@ -375,6 +378,11 @@ class ClassificationMethod(pl.LightningModule):
                 raise ValueError("dataset_size is unset and the data module does not report num_train")
             self.dataset_size = int(datamodule.num_train)
         self.check_world_size(self.trainer.world_size)
+        if self.parallel == "structure" and self.trainer.world_size > 1 and not getattr(
+                self.trainer.datamodule, "same_batches_on_every_rank", False):
+            raise ValueError("Structure-parallel training needs the same batches on every rank: give the trainer a "
+                             "data module with same_batches_on_every_rank = True (train.py sets it), or use "
+                             "model.parallel=data.")
         # Training's random stream starts here from the run's seed, whatever drew random numbers
         # before (the model's initialisation on one device; Lightning re-seeds DDP ranks after
         # it). One device and every structure-parallel rank then draw the same augmentations
@@ -405,17 +413,7 @@ class ClassificationMethod(pl.LightningModule):
         opts = self._optimizers()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        logs: dict[str, Tensor] = {}
-        with accumulated_running_statistics(self, self.train_samples_per_forward is not None):
-            for share, out in self.training_losses(x, y):
-                self._check_finite(out["loss"], batch_idx)
-                # the chunks share the structure samples' graph: keep it for the next chunk
-                self.manual_backward(out["loss"], retain_graph=share < 1.0)
-                out["error"] = self.task.error(out.pop("logits").detach(), out.pop("targets"))
-                for key, value in out.items():  # loss: the sum of the parts; the rest: means
-                    value = value.detach() * (share if key in ("nll", "kl", "error") else 1.0)
-                    logs[key] = logs[key] + value if key in logs else value
-                del out
+        logs = self.accumulate_gradients(x, y, self._backward, batch_idx)
         if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
             for opt in opts[: len(self.lr_schedulers_list())]:
                 self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
@@ -429,6 +427,33 @@ class ClassificationMethod(pl.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, on_step=True, on_epoch=True, batch_size=y.shape[0])
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
+
+    def accumulate_gradients(self, x: Tensor, y: Tensor, backward, batch_idx: int = 0) -> dict[str, Tensor]:
+        """The gradients of one step's loss, chunk by chunk (`training_losses`), with one
+        BatchNorm running-statistics update for the step; returns the detached logs (loss: the
+        sum of the parts; nll, kl, error: means over the structures). `backward(loss, last)`
+        back-propagates one part."""
+        logs: dict[str, Tensor] = {}
+        with accumulated_running_statistics(self, self.train_samples_per_forward is not None):
+            for share, last, out in self.training_losses(x, y):
+                self._check_finite(out["loss"], batch_idx)
+                backward(out["loss"], last)
+                out["error"] = self.task.error(out.pop("logits").detach(), out.pop("targets"))
+                for key, value in out.items():
+                    value = value.detach() * (share if key in ("nll", "kl", "error") else 1.0)
+                    logs[key] = logs[key] + value if key in logs else value
+                del out
+        return logs
+
+    def _backward(self, loss: Tensor, last: bool) -> None:
+        """Lightning's backward; before the last chunk the chunks share the structure samples'
+        graph (kept) and DDP does not all-reduce (the last chunk's backward reduces the sum)."""
+        if last:
+            self.manual_backward(loss)
+            return
+        block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
+        with block():
+            self.manual_backward(loss, retain_graph=True)
 
     @torch.no_grad()
     def _average_running_statistics(self) -> None:
@@ -490,6 +515,7 @@ class ClassificationMethod(pl.LightningModule):
         require_validation(datamodule)
         self.eval()
         self.enable_test_noise()
+        self.prepare_prediction(datamodule)  # the predictor the test pass uses
         enabled, self.temperature_scaling = self.temperature_scaling, False  # fit on raw predictions
         try:
             scaler = fit_temperature(

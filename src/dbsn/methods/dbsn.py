@@ -152,7 +152,17 @@ class DBSN(ClassificationMethod):
         self.examples_seen.fill_(self._examples)
 
     def run_facts(self) -> dict[str, float]:
-        return {**super().run_facts(), "train_tau_final": self.trained_tau, "test_tau": self.test_tau}
+        return {**super().run_facts(), "train_tau_final": self.trained_tau, "test_tau": self.test_tau,
+                "bn_statistics": "running" if self._calibration is None else
+                f"per structure, {sum(len(b) for b in self._calibration)} images"
+                + (", augmented" if self.bn_recalibration.augment else "")}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # checkpoints written before τ counted examples hold the optimiser step count; at the
+        # paper's batch of 64 per step it is the same progress (and the same τ)
+        if prefix + "structure_step" in state_dict and prefix + "examples_seen" not in state_dict:
+            state_dict[prefix + "examples_seen"] = state_dict.pop(prefix + "structure_step") * REFERENCE_BATCH
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def on_test_start(self) -> None:
         super().on_test_start()
@@ -223,8 +233,13 @@ class DBSN(ClassificationMethod):
         images = datamodule.training_images(settings.images, seed=settings.seed).to(self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(settings.seed)  # the augmentation, if any, is part of the setting
-            self._calibration = [datamodule.preprocess(batch, train=settings.augment)
-                                 for batch in images.split(settings.batch_size)]
+            self.use_calibration_images([datamodule.preprocess(batch, train=settings.augment)
+                                         for batch in images.split(settings.batch_size)])
+
+    def use_calibration_images(self, batches: list[Tensor]) -> None:
+        """Predict from now on with a fixed set of members, each normalised with its own
+        structure's BatchNorm statistics on these (preprocessed) batches."""
+        self._calibration, self._members = batches, None
 
     def _fixed_members(self, count: int) -> tuple[Tensor, Statistics]:
         """The first `count` fixed members: structures drawn at test_tau, and each one's
@@ -239,9 +254,9 @@ class DBSN(ClassificationMethod):
             self._members = (alpha, concatenate(parts))
         return self._members
 
-    def prediction_statistics(self, first: int, n: int):
+    def prediction_statistics(self, n: int, first: int = 0):
         if self._calibration is None:
-            return super().prediction_statistics(first, n)
+            return super().prediction_statistics(n, first)
         statistics = select(self._fixed_members(first + n)[1], slice(first, first + n))
         return using_statistics(self.net, {k: tuple(map(_outside_inference, v)) for k, v in statistics.items()})
 

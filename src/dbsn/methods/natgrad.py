@@ -289,6 +289,10 @@ class VOGNMAP(_VOGNWeights, MAP):
 class VOGNFBN(_VOGNWeights, DBSN):
     """VOGN weights, DBSN's structure posterior (``model=vogn_fbn``); build with `VOGNMethod`."""
 
+    def prepare_prediction(self, datamodule) -> None:
+        if self.bn_recalibration.enabled:  # its members draw weights too: not implemented for them
+            raise ValueError("bn_recalibration is not available for vogn_fbn; set bn_recalibration.enabled=false.")
+
 
 def VOGNMethod(
     net: nn.Module,
@@ -327,7 +331,7 @@ def VOGNMethod(
             raise ValueError("tau, beta and test_tau belong to structure='dbsn'; a MAP structure has no schedules")
         return VOGNMAP(net, learn_structure=True, **common)
     if structure == "dbsn":
-        return VOGNFBN(net, tau=tau, beta=beta, train_samples=1, test_tau=test_tau, **common)
+        return VOGNFBN(net, tau=tau, beta=beta, train_samples=1, test_tau=test_tau, parallel="data", **common)
     raise ValueError(f"structure must be 'map' or 'dbsn', got {structure!r}")
 
 
