@@ -42,7 +42,8 @@ def _method_on_rank(rank: int, world_size: int = 2, parallel: str = "data") -> D
     torch.manual_seed(123)  # seed_everything: the same on every rank
     net = StructureNet(num_classes=3, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
     method = DBSN(net, dataset_size=10, parallel=parallel)
-    method._trainer = SimpleNamespace(world_size=world_size, global_rank=rank, datamodule=None)
+    datamodule = SimpleNamespace(same_batches_on_every_rank=parallel == "structure")  # as train.py sets it
+    method._trainer = SimpleNamespace(world_size=world_size, global_rank=rank, datamodule=datamodule)
     method.on_fit_start()
     return method
 

@@ -85,7 +85,7 @@ def test_prediction_at_another_tau_warns_once_naming_both_and_the_overrides(recw
     assert len(messages) == 1
     assert "τ = 2.955" in messages[0] and "test_tau = 1" in messages[0]
     assert "model.test_tau=2.955" in messages[0] and f"model.tau.decay={math.log(3) / 1000:.3g}" in messages[0]
-    assert method.run_facts() == {"train_tau_final": method.trained_tau, "test_tau": 1.0}
+    assert method.run_facts() == {"train_tau_final": method.trained_tau, "test_tau": 1.0, "bn_statistics": "running"}
     finished = _method()
     finished.examples_seen.fill_(64 * 80_000)  # past τ = 1
     finished.warn_if_tau_differs()

@@ -7,13 +7,14 @@ from dbsn.ensemble import BayesEnsemble
 
 
 def _fixed_members(members: torch.Tensor):
-    """A stochastic forward that hands out the given member logits in order, n at a time."""
-    state = {"next": 0}
+    """A stochastic forward over a fixed set of members: members first .. first + n - 1, and a
+    check that the ensemble asks for consecutive members without gaps or repeats."""
+    state = {"next": None}
 
-    def forward(x, n):
-        start = state["next"]
-        state["next"] += n
-        return members[start:start + n]
+    def forward(x, n, first):
+        assert state["next"] in (None, first), (state["next"], first)
+        state["next"] = first + n
+        return members[first:first + n]
 
     return forward
 
@@ -49,6 +50,13 @@ def test_member_log_probs_are_all_members():
     got = BayesEnsemble(6, 4).member_log_probs(_fixed_members(members), torch.zeros(3, 1))
     assert got.shape == (6, 3, 4)
     assert torch.allclose(got, members.log_softmax(-1))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_first_selects_the_members(chunk):
+    members = torch.randn(10, 3, 4)
+    got = BayesEnsemble(4, chunk, first=5).member_log_probs(_fixed_members(members), torch.zeros(3, 1))
+    assert torch.allclose(got, members[5:9].log_softmax(-1))
 
 
 def test_rejects_bad_sizes():

@@ -85,7 +85,7 @@ def test_deterministic_methods_predict_with_one_pass():
     method = MAP(net, learn_structure=True, n_samples=100, dataset_size=10).eval()
     calls = []
     original = method.stochastic_forward
-    method.stochastic_forward = lambda x, n: calls.append(n) or original(x, n)
+    method.stochastic_forward = lambda x, n, first=0: calls.append(n) or original(x, n, first)
     with torch.no_grad():
         method.predict_log_probs(torch.randn(2, 3, 16, 16))
     assert calls == [1]

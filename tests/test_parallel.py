@@ -35,12 +35,12 @@ def _one_step(train_samples_per_forward: int | None, train_samples: int = 4) -> 
     return {k: v.detach().clone() for k, v in method.state_dict().items()}
 
 
-def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
     assert a.keys() == b.keys()
     checked = {"weights": 0, "theta": 0, "running": 0}
     for key in a:
         if a[key].is_floating_point():
-            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=atol, msg=key)
         else:
             assert torch.equal(a[key], b[key]), key
         kind = "theta" if key == "structure.theta" else "running" if "running_" in key else "weights"
@@ -95,14 +95,14 @@ def test_structure_parallel_refuses_t_not_divisible_by_devices(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("train_samples, chunk", [(2, "null"), (4, "1")])
-def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_samples, chunk):
+@pytest.mark.parametrize("train_samples, chunk, steps", [(2, "null", 1), (2, "null", 2), (4, "1", 2)])
+def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_samples, chunk, steps):
     """python train.py ... trainer.devices=2 (structure-parallel: T / 2 structures per rank,
     and with T = 4 one structure after the other on each rank) against the grouped step on one
     device: two steps on the same batches with the same structures leave the same weights, θ and
     running statistics."""
     common = ["data=digits", *TINY, f"model.train_samples={train_samples}", "model.parallel=structure",
-              "data.batch_size=16", "trainer.max_epochs=1", "trainer.limit_train_batches=2", "test=false",
+              "data.batch_size=16", "trainer.max_epochs=1", f"trainer.limit_train_batches={steps}", "test=false",
               "callbacks.structure_posterior=null"]
     states = {}
     for devices in (1, 2):
@@ -113,5 +113,7 @@ def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_
              f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         states[devices] = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    assert int(states[2]["examples_seen"]) == 2 * 16  # a shared batch counts once
-    _assert_same_state(states[2], states[1])
+    assert int(states[2]["examples_seen"]) == steps * 16  # a shared batch counts once
+    # float32 round-off of the all-reduce's summation order: a few 1e-6 after two steps at lr 0.1
+    # (data-parallel ranks, or a wrong share of the structures, differ by ~1e-2)
+    _assert_same_state(states[2], states[1], atol=2e-5)

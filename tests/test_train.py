@@ -139,7 +139,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path
 
     def poisoned(self, x, y):
         out = original(self, x, y)
-        if self._step >= 13:  # in the second epoch; the first epoch's checkpoint exists
+        if self._examples >= 13 * 32:  # step 13, in the second epoch; the first epoch's checkpoint exists
             out["loss"] = out["loss"] * float("nan")
         return out
 
