@@ -7,8 +7,8 @@ training, so one grouped forward equals G separate forwards. Three tools build o
 - `accumulated_running_statistics(net)`: a training step whose T structures run in several
   chunks (to save memory) moves the running statistics once, towards the mean over all T
   structures, exactly as the grouped step over all T does;
-- `structure_statistics(net, alpha, batches)`: the BatchNorm statistics of each of G
-  structures on the given batches (mean and unbiased variance, averaged over batches as
+- `structure_statistics(forward, net, batches, G)`: the BatchNorm statistics of each of the G
+  structures that `forward` runs `net` under, on the given batches (mean and unbiased variance, averaged over batches as
   `momentum=None` does), from grouped forwards;
 - `using_statistics(net, statistics)`: prediction where group g is normalised with the
   statistics of its own structure instead of the shared running statistics.
