@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
-    from dbsn.run import evaluate
+    from dbsn.runtime.run import evaluate
 
     evaluate(cfg, Path(HydraConfig.get().runtime.output_dir))
 

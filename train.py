@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from dbsn.run import train
+    from dbsn.runtime.run import train
 
     metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     return metrics.get("test/error")  # what a sweep would optimise

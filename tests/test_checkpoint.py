@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dbsn.checkpoint import AtomicCheckpointIO
+from dbsn.runtime.checkpoint import AtomicCheckpointIO
 from dbsn.methods import DBSN
 from dbsn.nets import StructureNet
 
@@ -65,7 +65,7 @@ def test_structure_parallel_ranks_draw_the_same_structures():
 
 
 def test_restored_random_state_is_shared_by_structure_parallel_ranks_and_split_for_data_parallel():
-    from dbsn.checkpoint import RandomStateCallback
+    from dbsn.runtime.checkpoint import RandomStateCallback
 
     saved = RandomStateCallback().state_dict()  # rank 0's state, as a checkpoint holds it
     draws = {}

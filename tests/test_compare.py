@@ -12,7 +12,7 @@ from fakedata import write_cifar10
 
 from dbsn import compare
 from dbsn.compare import METHODS, epoch_size, main, method_overrides, run_comparison, shared_overrides, write_table
-from dbsn.config import validate_config
+from dbsn.runtime.config import validate_config
 from dbsn.data import DatasetNotFoundError
 
 
@@ -56,7 +56,7 @@ def test_steps_per_epoch_on_cifar_format_files_after_the_validation_split(tmp_pa
 
 
 def test_missing_dataset_or_bad_subset_fails_before_any_training(tmp_path, monkeypatch):
-    monkeypatch.setattr("dbsn.run.train", lambda *args: pytest.fail("trained before checking the data"))
+    monkeypatch.setattr("dbsn.runtime.run.train", lambda *args: pytest.fail("trained before checking the data"))
     with pytest.raises(DatasetNotFoundError, match="data_batch_1"):
         run_comparison(["dbsn", "map"], output_dir=tmp_path, data="cifar10", extra=[f"data.root={tmp_path / 'absent'}"])
     with pytest.raises(ValueError, match="data.train_subset=2000.*1347 training images"):

@@ -10,8 +10,8 @@ from configs import CONF, ROOT, TINY, compose_config
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
-from dbsn.config import ConfigError, validate_config
-from dbsn.run import build_model, train
+from dbsn.runtime.config import ConfigError, validate_config
+from dbsn.runtime.run import build_model, train
 
 
 @pytest.mark.parametrize("experiment", [None, "quick", "cifar10_paper", "cifar100_paper"])

@@ -11,7 +11,7 @@ from configs import TINY, compose_config, tiny_for
 
 from dbsn.methods import DBSN, MAP, DeepEnsemble
 from dbsn.nets import StructureNet
-from dbsn.run import build_model, evaluate, train
+from dbsn.runtime.run import build_model, evaluate, train
 
 
 def _member(seed: int) -> MAP:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from configs import compose_config, tiny_for
 
-from dbsn.config import ConfigError
-from dbsn.run import evaluate, train
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.run import evaluate, train
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from fakedata import write_cifar10
 
 from dbsn.methods import MAP, MCDropoutWeights
 from dbsn.nets import StructureNet
-from dbsn.run import evaluate, train
+from dbsn.runtime.run import evaluate, train
 
 METHODS = ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb"]
 
@@ -185,7 +185,7 @@ def _configured_optimizers(model_cfg):
     """The method and what its configure_optimizers returns, under a stand-in trainer."""
     from types import SimpleNamespace
 
-    from dbsn.run import build_model
+    from dbsn.runtime.run import build_model
 
     method = build_model(model_cfg, num_classes=10)
     method.dataset_size = 100  # read from the data module in on_fit_start (natgrad: in configure_optimizers)
@@ -253,7 +253,7 @@ def test_mc_dropout_default_is_map_with_dropout_on_every_node_output(tmp_path):
     """The research code's baseline, which produced the paper's numbers: learned θ, dropout on
     each node's output (once per node and cell), none inside the ops."""
     from dbsn.nets import Cell
-    from dbsn.run import build_model
+    from dbsn.runtime.run import build_model
 
     cfg = compose_config("train", _small("mc_dropout"), tmp_path)
     method = build_model(cfg.model, num_classes=10)

@@ -12,13 +12,13 @@ import torch
 from configs import TINY, compose_config, tiny_for
 from fakedata import write_cifar10
 
-import dbsn.run
-from dbsn.config import validate_config
+import dbsn.runtime.run
+from dbsn.runtime.config import validate_config
 from dbsn.methods.natgrad import NEKFACMethod, VOGNFBN, VOGNMAP, VOGNMethod, posterior_health
 from dbsn.natgrad import NEKFAC, VOGN
 from dbsn.natgrad.nekfac import _as_matrix
 from dbsn.nets import StructureNet, VGG16BN
-from dbsn.run import evaluate, train
+from dbsn.runtime.run import evaluate, train
 
 TRAINER = [o for o in TINY if o.startswith("trainer.")]
 
@@ -38,8 +38,8 @@ def _overrides(method: str, root: Path, epochs: int) -> list[str]:
 def _train_keeping_model(overrides: list[str], run_dir: Path, monkeypatch) -> tuple[dict, object]:
     """train() through its own code path; also returns the method it built (optimiser attached)."""
     built = []
-    original = dbsn.run.build_model
-    monkeypatch.setattr(dbsn.run, "build_model", lambda *a, **k: built.append(original(*a, **k)) or built[-1])
+    original = dbsn.runtime.run.build_model
+    monkeypatch.setattr(dbsn.runtime.run, "build_model", lambda *a, **k: built.append(original(*a, **k)) or built[-1])
     metrics = train(compose_config("train", overrides, run_dir), run_dir)
     return metrics, built[0]
 
@@ -136,7 +136,7 @@ def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp
     assert again["test/mutual_information"] > 0  # ... so the members' disagreement shows
 
     # the posterior evaluation samples from is the optimiser's at the end of training
-    loaded = dbsn.run._load_method(ckpt, num_classes=10)
+    loaded = dbsn.runtime.run._load_method(ckpt, num_classes=10)
     live = _posterior_of(opt, trained)
     assert set(live) == {k for k, _ in loaded.posterior.named_buffers()}
     for name, value in live.items():
@@ -214,8 +214,8 @@ def test_experiment_configs_compose_and_validate(tmp_path):
         cfg = compose_config("train", ["experiment=table5_vogn", f"model={model}"], tmp_path)
         validate_config(cfg)
         assert cfg.data.batch_size == 32 and cfg.data._target_.endswith("CIFAR10DataModule")
-        method = dbsn.run.build_model(cfg.model, num_classes=10)
-        assert dbsn.run.count_parameters(method) == pytest.approx(41_000, rel=0.05)
+        method = dbsn.runtime.run.build_model(cfg.model, num_classes=10)
+        assert dbsn.runtime.run.count_parameters(method) == pytest.approx(41_000, rel=0.05)
         if model != "dbsn":
             assert method.vogn == {"lr": 0.01, "prior_variance": 1.0, "init_precision": 0.008, "kl_warmup_start": 0.01,
                                    "kl_warmup_steps": 1000, "tau": 1.0, "augmentation_factor": 1.0, "damping": 0.001,

@@ -13,11 +13,11 @@ import torch
 from configs import ROOT, TINY, compose_config
 from torch.utils.data import DataLoader, TensorDataset
 
-from dbsn.checkpoint import load_checkpoint
+from dbsn.runtime.checkpoint import load_checkpoint
 from dbsn.data.base import EpochShuffleSampler, SameOrderOnEveryRank
 from dbsn.methods import DBSN
 from dbsn.nets import StructureNet
-from dbsn.run import train
+from dbsn.runtime.run import train
 
 
 def _one_step(train_samples_per_forward: int | None, train_samples: int = 4) -> dict[str, torch.Tensor]:

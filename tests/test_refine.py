@@ -9,7 +9,7 @@ import torch
 from configs import TINY, compose_config
 
 from dbsn.refine import refine, sample_discrete_structures
-from dbsn.run import train
+from dbsn.runtime.run import train
 
 
 def test_discrete_structures_follow_softmax_theta_over_beta():

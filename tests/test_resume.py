@@ -13,10 +13,10 @@ from configs import compose_config, tiny_for
 from fakedata import write_cifar10
 from torch.utils.data import DataLoader, TensorDataset
 
-import dbsn.run
-from dbsn.checkpoint import RandomStateCallback, load_checkpoint
+import dbsn.runtime.run
+from dbsn.runtime.checkpoint import RandomStateCallback, load_checkpoint
 from dbsn.data.base import EpochShuffleSampler
-from dbsn.run import train
+from dbsn.runtime.run import train
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def _three_runs(method: str, root, tmp_path, monkeypatch, extra=()) -> tuple[dic
     straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
     train(compose_config("train", common, straight), straight)
     with monkeypatch.context() as patch:
-        build_trainer = dbsn.run.build_trainer
-        patch.setattr(dbsn.run, "build_trainer",
+        build_trainer = dbsn.runtime.run.build_trainer
+        patch.setattr(dbsn.runtime.run, "build_trainer",
                       lambda cfg, out, callbacks=(), loggers=(): build_trainer(cfg, out, [*callbacks, _StopAfterFirstEpoch()], loggers))
         train(compose_config("train", common, first), first)
     last = first / "checkpoints" / "last.ckpt"

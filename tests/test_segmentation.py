@@ -10,8 +10,8 @@ import pytest
 from configs import compose_config
 from fakedata import write_camvid
 
-from dbsn.config import ConfigError
-from dbsn.run import evaluate, train
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.run import evaluate, train
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from configs import compose_config, tiny_for
 
-from dbsn.checkpoint import load_checkpoint
+from dbsn.runtime.checkpoint import load_checkpoint
 from dbsn.evaluation.structure import (
     StructurePosteriorMonitor,
     edge_entropy,
@@ -25,7 +25,7 @@ from dbsn.evaluation.structure import (
 )
 from dbsn.methods import DBSN, MAP
 from dbsn.nets import StructureNet
-from dbsn.run import train
+from dbsn.runtime.run import train
 
 OPS = ["zero", "identity", "sep_conv_3x3", "dil_conv_3x3"]
 EDGES = [(0, 1), (0, 2), (1, 2)]

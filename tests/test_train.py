@@ -11,9 +11,9 @@ import torch
 from configs import TINY, compose_config
 from fakedata import write_cifar10
 
-from dbsn.checkpoint import CheckpointError, load_checkpoint
+from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.methods import DBSN, NonFiniteLossError
-from dbsn.run import build_model, evaluate, train
+from dbsn.runtime.run import build_model, evaluate, train
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path
 
 
 def test_init_from_loads_weights_only_and_rejects_a_foreign_model(trained_run):
-    from dbsn.run import init_weights
+    from dbsn.runtime.run import init_weights
 
     cfg, out, _ = trained_run
     model = build_model(cfg.model, num_classes=10)

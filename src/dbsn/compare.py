@@ -116,7 +116,7 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     time) by method."""
     from hydra import compose, initialize_config_dir
 
-    from dbsn.run import train
+    from dbsn.runtime.run import train
 
     shared = [*shared_overrides(data, batch_size, subset), *(extra or [])]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

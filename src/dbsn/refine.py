@@ -29,7 +29,7 @@ from omegaconf import OmegaConf, open_dict
 from rich.console import Console
 from rich.table import Table
 
-from dbsn.checkpoint import CONFIG_KEY, CheckpointError, load_checkpoint
+from dbsn.runtime.checkpoint import CONFIG_KEY, CheckpointError, load_checkpoint
 
 
 def sample_discrete_structures(theta: torch.Tensor, beta: float, n: int, seed: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def build_member_config(dbsn_run: dict, structure: torch.Tensor, seed: int, outp
 def refine(dbsn_ckpt, members: int = 10, seed: int = 0, output_dir: Path | None = None,
            overrides: list[str] | None = None) -> dict:
     """Train both ensembles and return {"refined": metrics, "control": metrics, ...}."""
-    from dbsn.run import evaluate, train
+    from dbsn.runtime.run import evaluate, train
 
     overrides = list(overrides or [])
     output_dir = Path(output_dir or Path("outputs/refine") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))

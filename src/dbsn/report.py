@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dbsn.ddp import CONFIG_FILE
+from dbsn.runtime.layout import CONFIG_FILE
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.plots import save_figure

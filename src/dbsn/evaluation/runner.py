@@ -1,6 +1,6 @@
 """Run the evaluations of the suite on a trained method and write their numbers and figures.
 
-`evaluate.py` (through `dbsn.run.evaluate`) calls these after the test pass; each writes into
+`evaluate.py` (through `dbsn.runtime.run.evaluate`) calls these after the test pass; each writes into
 its own sub-folder of the evaluation folder:
 
 - `ood/`: AUROC, AUPR and FPR95 of three scores (`metrics.json`), per-example scores of both

@@ -3,8 +3,8 @@
 Lightning's default DDP launcher starts ranks 1..N-1 by re-running `sys.argv`. Under Hydra that
 re-runs the command line, which (a) in a multirun (`-m seed=1,2,3`) starts a whole new sweep in
 every child and (b) makes extra output folders. Here rank 0 writes the resolved run config to
-its output folder and starts each child as `python -m dbsn.ddp <config> <output dir>`: the
-children run the same `dbsn.run.train` on the same config and folder, and never touch Hydra.
+its output folder and starts each child as `python -m dbsn.runtime.rank <config> <output dir>`: the
+children run the same `dbsn.runtime.run.train` on the same config and folder, and never touch Hydra.
 
 When processes are created externally (SLURM, torchrun), Lightning does not launch children and
 this launcher is not involved: there, give every task the same `hydra.run.dir`.
@@ -21,7 +21,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _launch_proc
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-CONFIG_FILE = "resolved_config.yaml"
+from dbsn.runtime.layout import CONFIG_FILE
 
 
 class _ConfigFileLauncher(_SubprocessScriptLauncher):
@@ -40,7 +40,7 @@ class _ConfigFileLauncher(_SubprocessScriptLauncher):
             LOCAL_RANK=str(env.local_rank()),
             WORLD_SIZE=str(self.num_processes * self.num_nodes),
         )
-        command = [sys.executable, "-m", "dbsn.ddp", str(self.run_dir / CONFIG_FILE), str(self.run_dir)]
+        command = [sys.executable, "-m", "dbsn.runtime.rank", str(self.run_dir / CONFIG_FILE), str(self.run_dir)]
         for local_rank in range(1, self.num_processes):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             self.procs.append(subprocess.Popen(command, env=child_env))
@@ -66,16 +66,3 @@ class RunDirDDPStrategy(DDPStrategy):
             self._launcher = _ConfigFileLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, run_dir=self.run_dir
             )
-
-
-def main(argv: list[str]) -> None:
-    from omegaconf import OmegaConf
-
-    from dbsn.run import train
-
-    config_path, run_dir = argv
-    train(OmegaConf.load(config_path), Path(run_dir))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """The two entry points' bodies: `train(cfg, output_dir)` and `evaluate(cfg, output_dir)`.
 
 `train.py` and `evaluate.py` at the repository root only parse the command line with Hydra
-and call these, so tests (and DDP child processes, see `dbsn.ddp`) can run the exact same code
+and call these, so tests (and DDP child processes, see `dbsn.runtime.ddp`) can run the exact same code
 on a composed config without Hydra's runtime.
 """
 
@@ -23,10 +23,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from dbsn.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
+from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
                              load_checkpoint)
-from dbsn.config import ConfigError, to_plain, validate_config
-from dbsn.ddp import CONFIG_FILE, RunDirDDPStrategy
+from dbsn.runtime.config import ConfigError, to_plain, validate_config
+from dbsn.runtime.ddp import RunDirDDPStrategy
+from dbsn.runtime.layout import CONFIG_FILE
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,

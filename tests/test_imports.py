@@ -1,0 +1,73 @@
+"""The package's modules import each other without cycles (function-level imports included)."""
+
+import ast
+from pathlib import Path
+
+import dbsn
+
+PACKAGE = Path(dbsn.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the dbsn modules it imports anywhere in its body (a package import counts as
+    importing the package's __init__; `from pkg import name` as importing pkg.name when that
+    is a module)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles_in_the_package():
+    graph = import_graph()
+    assert "dbsn.runtime.run" in graph and "dbsn.runtime.ddp" in graph["dbsn.runtime.run"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_runtime_sits_above_methods_nets_and_data():
+    graph = import_graph()
+    below = [m for m in graph if m.count(".") and m.split(".")[1] in ("methods", "nets", "data", "bayes", "natgrad", "structure", "evaluation")]
+    offenders = {m: sorted(t for t in graph[m] if t.startswith("dbsn.runtime")) for m in below}
+    assert not {m: t for m, t in offenders.items() if t}
