@@ -97,3 +97,24 @@ def test_every_method_config_builds(model, tmp_path):
     validate_config(cfg)
     method = build_model(cfg.model, num_classes=10)
     assert method.is_stochastic == (model not in ("map", "map_fixed"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.train_samples=abc", r"model\.train_samples='abc': expected int, got str"),
+    ("model.n_samples=2.5", r"model\.n_samples=2\.5: expected int, got float"),
+    ("trainer.max_epochs=ten", r"trainer\.max_epochs='ten': expected int"),
+    ("data.batch_size=true", r"data\.batch_size=True: expected int, got bool"),
+    ("model.parallel=model", r"model\.parallel='model': expected one of 'structure', 'data'"),
+    ("seed=first", r"seed='first': expected int or null, got str"),
+    ("resume=maybe", r"resume='maybe': expected bool, got str"),
+])
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path, override, message):
+    cfg = compose_config("train", ["experiment=quick", override], tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, tmp_path)  # refused in the check, before data or model are built
+
+
+def test_values_of_the_right_type_pass_the_type_check(tmp_path):
+    cfg = compose_config("train", ["experiment=quick", "model.tau.decay=1", "model.test_tau=2",
+                                   "trainer.devices=auto", "trainer.precision=bf16-mixed", "seed=null"], tmp_path)
+    validate_config(cfg)  # an int where a float is expected, Trainer's str-or-int unions, a null seed

@@ -163,3 +163,45 @@ def test_init_from_loads_weights_only_and_rejects_a_foreign_model(trained_run):
     other = build_model({**cfg.model, "net": {**cfg.model.net, "growth": 8}}, num_classes=10)
     with pytest.raises(CheckpointError, match="do not fit"):
         init_weights(other, out / "checkpoints" / "last.ckpt")
+
+
+def test_train_checks_ckpt_path_before_building_anything(trained_run, tmp_path, monkeypatch):
+    """A missing, truncated, foreign or other-method checkpoint is refused with evaluate.py's
+    messages before the data module is instantiated (here the data root is empty, so building
+    the data first would fail with a missing-dataset error instead)."""
+    import dbsn.runtime.run as run
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the data or model was built before the checkpoint was checked")
+
+    monkeypatch.setattr(run, "instantiate", no_build)
+    empty = tmp_path / "empty"
+    good = (trained_run[1] / "checkpoints" / "last.ckpt").read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(good[: len(good) // 2])
+    torch.save({"state_dict": {}, "epoch": 3}, tmp_path / "foreign.ckpt")
+    base = ["data=cifar10", f"data.root={empty}", *TINY]
+    for path, message in ((tmp_path / "nope.ckpt", "not found"), (tmp_path / "truncated.ckpt", "corrupt"),
+                          (tmp_path / "foreign.ckpt", "did not write")):
+        with pytest.raises(CheckpointError, match=message):
+            train(compose_config("train", [*base, f"ckpt_path={path}"], tmp_path / "run"), tmp_path / "run")
+    other_method = compose_config("train", ["data=cifar10", f"data.root={empty}", "model=map", f"ckpt_path={trained_run[1] / 'checkpoints' / 'last.ckpt'}"],
+                                  tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"is a model dbsn\.methods\.DBSN checkpoint, but this run's model is dbsn\.methods\.MAP"):
+        train(other_method, tmp_path / "run")
+
+
+def test_resume_true_continues_from_the_run_folders_own_last_checkpoint(cifar_root, trained_run, tmp_path):
+    """resume=true: a fresh folder starts from scratch (or from ckpt_path); a folder with a
+    last.ckpt continues from it, ckpt_path or not (what a requeued cluster job does)."""
+    _, out, _ = trained_run
+    run_dir = tmp_path / "run"
+    train(compose_config("train", [*_cifar_overrides(cifar_root, epochs=1), "resume=true", "test=false"], run_dir), run_dir)
+    first = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert first["epoch"] == 0 and first["global_step"] > 0  # from scratch: one epoch
+    # the same folder again, two epochs, and a ckpt_path that would start from a 4-epoch run
+    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=2), "resume=true", "test=false",
+                                   f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"], run_dir)
+    train(cfg, run_dir)
+    second = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert second["epoch"] == 1 and second["global_step"] == 2 * first["global_step"]  # continued its own run
+    assert second["optimizer_states"][1]["state"][0]["step"] == 2 * first["optimizer_states"][1]["state"][0]["step"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -46,6 +46,8 @@ from dbsn.evaluation.uncertainty import ensemble_log_probs, uncertainty_decompos
 from dbsn.methods.tasks import Classification
 from dbsn.metrics import UncertaintyMetrics
 from dbsn.nets.batchnorm import accumulated_running_statistics
+
+Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)
 
 
 #: How several devices share a training step (see `ClassificationMethod`).
@@ -165,7 +167,7 @@ class ClassificationMethod(pl.LightningModule):
         temperature_scaling: bool = False,
         task: Classification | None = None,
         *,
-        parallel: str = "data",
+        parallel: Parallel = "data",
         train_samples_per_forward: int | None = None,
     ) -> None:
         super().__init__()

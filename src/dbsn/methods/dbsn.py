@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from dbsn.methods.tasks import Classification
-from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
+from dbsn.methods.base import ClassificationMethod, Parallel, StructureOptimizer, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
 from dbsn.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
@@ -102,7 +102,7 @@ class DBSN(ClassificationMethod):
         dataset_size: int | None = None,
         temperature_scaling: bool = False,
         task: Classification | None = None,
-        parallel: str = "structure",
+        parallel: Parallel = "structure",
         train_samples_per_forward: int | None = None,
         bn_recalibration: BatchNormRecalibration | None = None,
     ) -> None:

@@ -141,3 +141,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"'{CONFIG_KEY}' (the run config needed to rebuild data and model)."
         )
     return checkpoint
+
+
+def check_resume_checkpoint(path: str | os.PathLike, config: dict[str, Any]) -> Path:
+    """Check, before data or model are built, that `path` is a checkpoint this run can resume:
+    readable, written by train.py, and of the same method on the same data as `config`."""
+    checkpoint = load_checkpoint(path)
+    saved = checkpoint[CONFIG_KEY]
+    for section in ("model", "data"):
+        theirs = (saved.get(section) or {}).get("_target_")
+        ours = (config.get(section) or {}).get("_target_")
+        if theirs != ours:
+            raise CheckpointError(
+                f"ckpt_path={path} is a {section} {theirs} checkpoint, but this run's {section} is {ours}: "
+                f"resume with the run's own config (its {section}= choice), or use init_from= to start a new "
+                "run from its weights."
+            )
+    return Path(path)

@@ -5,14 +5,18 @@ override of a key that does not exist. What it cannot see is a misspelled key th
 file or a `+key=value` override *adds* to a node that `hydra.utils.instantiate` will pass to a
 constructor: that would fail much later, deep inside instantiate, or worse, be swallowed by a
 `**kwargs`. `validate_config` walks every node with a `_target_`, imports the target and checks
-each key against the constructor's signature, naming the valid keys and the likely intended one.
+each key against the constructor's signature, naming the valid keys and the likely intended one,
+and each value against the parameter's annotation (`model.train_samples=abc` names the key and
+the type it expects, instead of failing later in a comparison deep inside the method).
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable
+import types
+import typing
+from typing import Any, Iterable, Literal, Union
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -25,8 +29,12 @@ RUNTIME_KEYS = {"num_classes", "net", "member"}
 
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "n_samples", "print_config",
+    "test", "task_name", "tags", "n_samples", "print_config", "resume",
 }
+
+# Top-level keys of train.py and the types they take (None = may be null).
+TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (str, None), "test": (bool,),
+                   "resume": (bool,), "task_name": (str,)}
 
 
 class ConfigError(ValueError):
@@ -46,6 +54,65 @@ def _accepted_keys(target: Any) -> tuple[set[str], bool]:
     return names, takes_kwargs
 
 
+def _annotations(target: Any) -> dict[str, Any]:
+    """The constructor's parameter annotations, resolved, with those of the base classes'
+    constructors that a `**kwargs` passes keys on to; {} where they cannot be resolved."""
+    functions = [c.__dict__["__init__"] for c in reversed(target.__mro__) if "__init__" in c.__dict__] \
+        if inspect.isclass(target) else [target]
+    hints: dict[str, Any] = {}
+    for function in functions:  # the most derived last: its annotation wins
+        try:
+            hints.update(typing.get_type_hints(function))
+        except Exception:  # noqa: BLE001 - annotations naming what is not importable: no type check
+            continue
+    hints.pop("return", None)
+    return hints
+
+
+def _fits(value: Any, annotation: Any) -> bool | None:
+    """Whether a config value fits a parameter annotation: True, False, or None when the
+    annotation is not one of the simple kinds checked here (the constructor decides)."""
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        verdicts = [_fits(value, arg) for arg in typing.get_args(annotation)]
+        return True if any(v is True for v in verdicts) else (None if None in verdicts else False)
+    if origin is Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, typing.Sequence, Iterable) or annotation in (list, tuple):
+        return isinstance(value, (list, tuple, ListConfig))
+    if origin is dict or annotation is dict:
+        return isinstance(value, (dict, DictConfig))
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> None:
+    if OmegaConf.is_config(value) or _fits(value, annotation) is not False:
+        return
+    raise ConfigError(f"{where}={value!r}: expected {_describe(annotation)}, got {type(value).__name__}.")
+
+
 def _check_node(node: DictConfig, where: str) -> None:
     target_name = node.get("_target_")
     if target_name is not None:
@@ -54,6 +121,10 @@ def _check_node(node: DictConfig, where: str) -> None:
         except Exception as err:
             raise ConfigError(f"{where}._target_: cannot import '{target_name}' ({err}).") from err
         accepted, takes_kwargs = _accepted_keys(target)
+        annotations = _annotations(target)
+        for key in node.keys():
+            if key in annotations and key not in HYDRA_KEYS and not OmegaConf.is_missing(node, key):
+                _check_type(f"{where}.{key}", node[key], annotations[key])
         if not takes_kwargs:
             for key in node.keys():
                 if key in HYDRA_KEYS or key in accepted or key in RUNTIME_KEYS:
@@ -80,6 +151,11 @@ def validate_config(cfg: DictConfig) -> None:
                 f"Unknown top-level config key '{key}'.{_suggest(str(key), TOP_LEVEL_KEYS)} "
                 f"Valid keys: {', '.join(sorted(TOP_LEVEL_KEYS))}."
             )
+    for key, allowed in TOP_LEVEL_TYPES.items():
+        value = cfg.get(key)
+        if key in cfg and not (value is None and None in allowed) and not any(_fits(value, t) for t in allowed if t):
+            expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
+            raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
         if isinstance(node, DictConfig):

@@ -24,10 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
-                             load_checkpoint)
+                                     check_resume_checkpoint, load_checkpoint)
 from dbsn.runtime.config import ConfigError, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
-from dbsn.runtime.layout import CONFIG_FILE
+from dbsn.runtime.layout import CONFIG_FILE, last_checkpoint
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,
@@ -168,10 +168,24 @@ def _title(method: str, data_cfg, n_samples: int) -> str:
 
 
 # ---------------------------------------------------------------------- entry points
+def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
+    """What the fit starts from: with `resume=true`, the run folder's own `last.ckpt` when there
+    is one (a requeued cluster job continues where it stopped), else `ckpt_path` (None: from
+    scratch). Checked here, before data or model are built."""
+    own = last_checkpoint(output_dir)
+    if cfg.get("resume") and own.is_file():
+        Console().print(f"Resuming from this run's own checkpoint {own}")
+        return check_resume_checkpoint(own, to_plain(cfg))
+    if cfg.get("ckpt_path"):
+        return check_resume_checkpoint(cfg.ckpt_path, to_plain(cfg))
+    return None
+
+
 def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
     validate_config(cfg)
     output_dir = Path(output_dir)
+    ckpt_path = checkpoint_to_resume(cfg, output_dir)
     plain = to_plain(cfg)
     if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +207,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     for logger in loggers:
         logger.log_hyperparams(plain)
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if model.temperature_scaling:
         temperature = model.fit_temperature(datamodule)
         Console().print(f"Temperature fitted on the validation split: T = {temperature:.4f}")
