@@ -96,7 +96,7 @@ class LocalSlurmCluster:
             SlurmUser=root
             SlurmdUser=root
             AuthType=auth/munge
-            AuthInfo=socket={f}/munge/munge.socket
+            AuthInfo=socket={f}/munge/munge.socket,cred_expire=10
             CredType=cred/munge
             StateSaveLocation={f}/state
             SlurmdSpoolDir={f}/spool/%n

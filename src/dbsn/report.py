@@ -1,7 +1,8 @@
 """Gather training runs into the paper's tables: `python -m dbsn.report DIR [DIR ...] [--out OUT]`.
 
 A run folder is any folder below the DIRs with `resolved_config.yaml` (or a Hydra train job
-folder that stopped before writing it). Its status is `ok` when `metrics.json` exists, else
+folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
+did not finish is listed with its SLURM log). Its status is `ok` when `metrics.json` exists, else
 `failed`; for every Hydra sweep root (a folder with `multirun.yaml`) the expected jobs (the
 cartesian product of the sweeper's params and command-line sweeps) without a folder are listed
 as `missing`. Every run is in runs.csv; only `ok` runs enter the tables, the others are named
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dbsn.runtime.layout import CONFIG_FILE
+from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.plots import save_figure
@@ -64,6 +65,7 @@ class Run:
     n_samples: object = None
     train_seconds: float | None = None  # fit wall time (metrics.json; resumed parts included)
     epochs: object = None
+    log: str | None = None  # the SLURM job's log file (slurm.json), for runs that did not finish
 
 
 @dataclass
@@ -118,6 +120,7 @@ def load_run(folder: Path) -> Run:
               choices.get("data") or infer_dataset(config.get("data") or {}), config.get("seed"), "failed",
               overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [])
     metrics = folder / "metrics.json"
+    slurm = _json(folder / SLURM_FILE)
     if not (folder / CONFIG_FILE).is_file():
         run.note = f"no {CONFIG_FILE}: stopped before training started"
     elif not metrics.is_file():
@@ -130,7 +133,18 @@ def load_run(folder: Path) -> Run:
             run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
+    if run.status != "ok" and slurm:
+        run.log = slurm.get("stdout")
+        if slurm.get("error"):
+            run.note += f"; SLURM job {slurm.get('job_id')} failed: {slurm['error'][:300]}"
     return run
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return None
 
 
 def find_folders(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
@@ -142,7 +156,7 @@ def find_folders(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
             here = Path(here)
             if "multirun.yaml" in files:
                 roots.add(here)
-            if CONFIG_FILE in files or "model" in _choices(here):
+            if CONFIG_FILE in files or SLURM_FILE in files or "model" in _choices(here):
                 runs.add(here)
     return sorted(runs, key=_natural), sorted(roots)
 
@@ -437,8 +451,9 @@ def runs_section(report: Report) -> str:
         return text + "None: every run found finished and every expected sweep job has a folder.\n\n"
     for r in excluded:
         overrides = " ".join(map(str, r.overrides)) or "no overrides recorded"
+        log = f" — SLURM log: `{r.log}`" if r.log else ""
         text += (f"- **{r.status}**: {r.method} on {r.dataset}, seed {r.seed} — `{_show(r.path)}` — "
-                 f"`{overrides}` ({r.note})\n")
+                 f"`{overrides}` ({r.note}){log}\n")
     return text + "\n"
 
 
@@ -456,9 +471,10 @@ def build_report(dirs: list[Path], out: Path) -> Report:
         except Exception as err:  # noqa: BLE001 - e.g. a sweeper or sweep type we cannot expand
             report.warnings.append(f"could not expand the sweep in {_show(root)}: {err!r}")
     _write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "train_seconds",
-                                    "overrides", "note"],
+                                    "overrides", "note", "slurm_log"],
                [[_show(r.path), r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
-                 r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note] for r in runs])
+                 r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note, r.log or ""]
+                for r in runs])
     ok = report.with_status("ok")
     for (method, dataset, seed), count in Counter((r.method, r.dataset, r.seed) for r in ok).items():
         if count > 1:

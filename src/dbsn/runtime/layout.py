@@ -10,6 +10,7 @@ from pathlib import Path
 CONFIG_FILE = "resolved_config.yaml"   # the resolved run config; DDP children and the report read it
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
+WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run continues the same W&B run
 SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
 
 

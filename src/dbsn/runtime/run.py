@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -25,9 +26,11 @@ from rich.console import Console
 
 from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
                                      check_resume_checkpoint, load_checkpoint)
+from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
-from dbsn.runtime.layout import CONFIG_FILE, last_checkpoint
+from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
+from dbsn.runtime.progress import LineProgress
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,
@@ -96,10 +99,37 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
     kwargs.pop("_target_", None)
     if kwargs.get("enable_progress_bar") is False:  # the progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    elif not sys.stdout.isatty():  # a log file (SLURM, nohup): plain lines instead of a redrawn bar
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)] + [LineProgress()]
     strategy = kwargs.get("strategy", "auto")
     if strategy == "ddp" or (strategy == "auto" and _num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1):
         kwargs["strategy"] = RunDirDDPStrategy(run_dir=output_dir)
     return pl.Trainer(**kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()])
+
+
+def stable_wandb_id(output_dir: Path) -> str:
+    """The W&B run id of this run folder: made on the first start and kept in the folder, so a
+    resumed or requeued run continues the same W&B run (with `resume: allow`) instead of a new one."""
+    path = output_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    import wandb
+
+    run_id = wandb.util.generate_id()
+    if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # only rank 0 logs
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id + "\n")
+    return run_id
+
+
+def _with_wandb_ids(group: DictConfig | None, output_dir: Path) -> DictConfig | None:
+    if not group:
+        return group
+    group = OmegaConf.create(OmegaConf.to_container(group, resolve=True))
+    for node in group.values():
+        if node is not None and str(node.get("_target_", "")).endswith("WandbLogger") and node.get("id") is None:
+            node.id = stable_wandb_id(output_dir)
+    return group
 
 
 def _instantiate_group(group: DictConfig | None) -> list:
@@ -174,7 +204,7 @@ def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
     scratch). Checked here, before data or model are built."""
     own = last_checkpoint(output_dir)
     if cfg.get("resume") and own.is_file():
-        Console().print(f"Resuming from this run's own checkpoint {own}")
+        print(f"Resuming from this run's own checkpoint {own}", flush=True)
         return check_resume_checkpoint(own, to_plain(cfg))
     if cfg.get("ckpt_path"):
         return check_resume_checkpoint(cfg.ckpt_path, to_plain(cfg))
@@ -190,6 +220,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
+        if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
+            write_job_facts(output_dir, facts)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
 
@@ -199,7 +231,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
-    loggers = _instantiate_group(cfg.get("logger"))
+    if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
+        callbacks.append(PreemptionRequeue.active)
+    loggers = _instantiate_group(_with_wandb_ids(cfg.get("logger"), output_dir))
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
     model.check_world_size(trainer.world_size)  # before any data is read
     # structure-parallel: every rank trains on the same batches (its share of the structures)
@@ -228,7 +262,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         structure=False, datamodule=datamodule,
         extra={"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
                "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
-               **model.run_facts(),
+               **model.run_facts(), "slurm": job_facts(),
                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
     )
     for logger in loggers:

@@ -1,0 +1,291 @@
+"""SLURM: what `hydra/launcher=slurm` submits, and what a job does on the cluster.
+
+Submission (the login node, `python train.py -m hydra/launcher=slurm ...`): `submit_sweep`
+composes every job's config, checks it (the config schema and types, `ckpt_path`, and the SLURM
+request against the trainer: `nodes` = `trainer.num_nodes`, `tasks_per_node` = `trainer.devices`,
+GPUs per node >= `trainer.devices` on GPU runs) and refuses the sweep before anything is
+submitted when one is wrong. It submits the jobs as one submitit job array, waits for all of
+them (a failed job does not stop the others), writes each job's `slurm.json` (job id, state, log
+paths), prints the failures with their logs, and builds the sweep's report in `<sweep>/report`.
+
+On the cluster every SLURM task runs the same Hydra job into the same `<sweep>/<job>` folder;
+Lightning's `SLURMEnvironment` takes the ranks from SLURM. The job runs with `resume=true`, so a
+job that SLURM requeues (preemption, `scontrol requeue`, the time limit through submitit's
+`max_num_timeout`) continues from its own `checkpoints/last.ckpt`.
+
+Preemption: submitit signals USR2 `signal_delay_s` before the end and requeues from its handler,
+which exits at once. `install_preemption_handler` puts `PreemptionRequeue` in front of it: the
+signal only marks the job; training goes on to the end of the current epoch, whose checkpoint
+is written as usual, and then requeues (exact resume from an epoch end). If the grace period
+runs out first (`signal_delay_s` minus a margin), it requeues from the previous epoch's
+checkpoint: at most the current epoch is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import lightning.pytorch as pl
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.layout import SLURM_FILE
+
+GPU_ACCELERATORS = ("auto", "gpu", "cuda")  # on a GPU cluster, "auto" means the GPUs
+
+
+# ---------------------------------------------------------------------- the request
+def devices_per_node(trainer: DictConfig) -> int:
+    """`trainer.devices` as a count; a SLURM request needs a number, not "auto" or -1."""
+    devices = trainer.get("devices", 1)
+    if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    try:
+        count = int(devices)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 1:
+        raise ConfigError(f"trainer.devices={devices!r}: a SLURM job asks for a number of devices per node; "
+                          "give it, e.g. trainer.devices=4 (one SLURM task each).")
+    return count
+
+
+def slurm_request(job: DictConfig, launcher: dict[str, Any]) -> dict[str, Any]:
+    """`nodes`, `tasks_per_node` and `gpus_per_node` for one job: the launcher's values where
+    the user set them, else the trainer's; a mismatch that Lightning would refuse on the cluster
+    is refused here, naming both values."""
+    trainer = job.trainer
+    devices, num_nodes = devices_per_node(trainer), int(trainer.get("num_nodes", 1))
+    gpu = str(trainer.get("accelerator", "auto")) in GPU_ACCELERATORS
+    nodes, tasks, gpus = launcher.get("nodes"), launcher.get("tasks_per_node"), launcher.get("gpus_per_node")
+    if nodes is not None and int(nodes) != num_nodes:
+        raise ConfigError(f"hydra.launcher.nodes={nodes} but trainer.num_nodes={num_nodes}: the run needs one "
+                          "SLURM node per trainer node. Leave hydra.launcher.nodes unset (it follows "
+                          "trainer.num_nodes) or make them equal.")
+    if tasks is not None and int(tasks) != devices:
+        raise ConfigError(f"hydra.launcher.tasks_per_node={tasks} but trainer.devices={devices}: Lightning's "
+                          "SLURMEnvironment needs one SLURM task per device. Leave hydra.launcher.tasks_per_node "
+                          "unset (it follows trainer.devices) or make them equal.")
+    if launcher.get("gres"):
+        gpus = None  # the cluster's own GPU spelling (e.g. gres=gpu:a100:4) replaces --gpus-per-node
+    elif gpus is None:
+        gpus = devices if gpu else None
+    elif gpu and int(gpus) < devices:
+        raise ConfigError(f"hydra.launcher.gpus_per_node={gpus} but trainer.devices={devices} on "
+                          f"accelerator={trainer.get('accelerator')}: each device needs its own GPU. Leave "
+                          "hydra.launcher.gpus_per_node unset (it follows trainer.devices) or raise it.")
+    return {"nodes": num_nodes, "tasks_per_node": devices, "gpus_per_node": gpus}
+
+
+def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict[str, Any]:
+    """Check every job of a sweep before submission; return the SLURM request they share."""
+    from dbsn.runtime.checkpoint import check_resume_checkpoint
+    from dbsn.runtime.config import to_plain, validate_config
+
+    requests = []
+    for num, job in enumerate(configs):
+        try:
+            if "model" in job and "data" in job:  # a train.py job
+                job_only = OmegaConf.masked_copy(job, [k for k in job.keys() if k != "hydra"])
+                validate_config(job_only)
+                if job.get("ckpt_path"):
+                    check_resume_checkpoint(job.ckpt_path, to_plain(job_only))
+            requests.append(slurm_request(job, launcher))
+        except Exception as err:
+            overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""
+            raise ConfigError(f"sweep job #{num} ({overrides or 'no overrides'}): {err} Nothing was submitted.") from err
+    distinct = {json.dumps(r, sort_keys=True) for r in requests}
+    if len(distinct) > 1:
+        first, other = requests[0], next(r for r in requests if r != requests[0])
+        raise ConfigError(f"the jobs of one sweep share one SLURM request, but they ask for {first} and {other} "
+                          "(trainer.num_nodes / trainer.devices differ between jobs): submit them as separate "
+                          "sweeps. Nothing was submitted.")
+    return requests[0]
+
+
+# ---------------------------------------------------------------------- submission
+def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
+    """The body of the `slurm` launcher's `launch` (see the module docstring)."""
+    import submitit
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+    from hydra.core.hydra_config import HydraConfig
+
+    config = launcher.config
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    configs, run_dirs = [], []
+    hydra_config = HydraConfig.instance().cfg
+    try:
+        for idx, overrides in enumerate(job_overrides):
+            job = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
+            with open_dict(job.hydra):
+                job.hydra.job.num = initial_job_idx + idx
+                run_dirs.append(sweep_dir / str(job.hydra.sweep.subdir))
+                job.hydra.runtime.output_dir = str(run_dirs[-1].absolute())
+            HydraConfig.instance().set_config(job)  # the job's ${hydra:...} values resolve as on the cluster
+            configs.append(OmegaConf.create(OmegaConf.to_container(job, resolve=True)))
+        params = dict(launcher.params)
+        params.update(check_sweep(configs, params))
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+
+    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    shared = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
+              "stderr_to_stdout"}
+    executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items() if v is not None})
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    arguments = []
+    for idx, overrides in enumerate(job_overrides):
+        num = initial_job_idx + idx
+        print(f"  #{num}: {' '.join(filter_overrides(overrides))}", flush=True)
+        arguments.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
+    jobs = executor.map_array(launcher, *zip(*arguments))
+    print(f"Submitted {len(jobs)} SLURM job(s) ({jobs[0].job_id.split('_')[0]}, array of {len(jobs)}); "
+          f"sweep folder {sweep_dir}; SLURM logs in {executor.folder}", flush=True)
+
+    results, failures = [], []
+    for job, overrides, run_dir in zip(jobs, job_overrides, run_dirs):
+        try:
+            result = job.results()[0]
+        except Exception as err:  # killed, timed out too often, node failure: the job ended without a result
+            result = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=err)
+        failed = result.status != JobStatus.COMPLETED
+        facts = {"job_id": job.job_id, "status": "failed" if failed else "completed", "stdout": str(job.paths.stdout),
+                 "overrides": list(overrides)}
+        if job.paths.stderr.is_file():
+            facts["stderr"] = str(job.paths.stderr)
+        if failed:
+            facts["error"] = error_line(result._return_value)
+            failures.append((run_dir, facts))
+        write_job_facts(run_dir, facts)
+        results.append(result)
+    for run_dir, facts in failures:
+        print(f"FAILED job {facts['job_id']} ({' '.join(facts['overrides'])}): {facts['error']}\n"
+              f"  run folder {run_dir}\n  SLURM log  {facts['stdout']}", flush=True)
+    if "model" in config:  # a training sweep: its tables
+        from dbsn.report import build_report
+
+        report = build_report([sweep_dir], sweep_dir / "report")
+        print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)
+    return results
+
+
+def error_line(error: BaseException) -> str:
+    """The line that says what went wrong: the exception line of a job's traceback (submitit
+    wraps the job's traceback into its own error), else the error itself."""
+    text = str(error)
+    raised = [line.strip() for line in text.splitlines()
+              if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b(:|$)", line.strip())]
+    return (raised[-1] if raised else f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}")[:1000]
+
+
+def write_job_facts(run_dir: Path, facts: dict[str, Any]) -> None:
+    """Merge `facts` into `<run_dir>/slurm.json` (written by the job when it starts, and by the
+    launcher when it has finished)."""
+    path = Path(run_dir) / SLURM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({**old, **facts}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def job_facts() -> dict[str, Any] | None:
+    """This SLURM job: ids, node list, restarts and (under submitit) its log files; None outside SLURM."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    env = os.environ
+    array = env.get("SLURM_ARRAY_JOB_ID")
+    facts = {"job_id": f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"],
+             "nodes": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
+             "num_nodes": int(env.get("SLURM_NNODES", 1)), "tasks": int(env.get("SLURM_NTASKS", 1)),
+             "restarts": int(env.get("SLURM_RESTART_COUNT", 0))}
+    try:
+        import submitit
+
+        paths = submitit.JobEnvironment().paths
+        facts["stdout"] = str(paths.stdout).replace("%t", "0")
+        if Path(str(paths.stderr).replace("%t", "0")).is_file():
+            facts["stderr"] = str(paths.stderr).replace("%t", "0")
+    except RuntimeError:  # not started by submitit (sbatch/srun by hand)
+        pass
+    return facts
+
+
+# ---------------------------------------------------------------------- in the job
+def limit_threads_to_allocation() -> None:
+    """PyTorch sizes its thread pool by the node's cores, not by the job's share of them: on a
+    shared node that oversubscribes the cores, and oversubscribed CPU runs slow down many times over.
+    Use `--cpus-per-task` threads unless OMP_NUM_THREADS says otherwise."""
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    if cpus and cpus.isdigit() and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(int(cpus))
+
+
+def job_overrides_with_resume(overrides: Sequence[str], config: DictConfig) -> list[str]:
+    """A training job on the cluster resumes from its own last.ckpt when requeued."""
+    overrides = list(overrides)
+    if "resume" in config and not any(o.split("=", 1)[0].lstrip("+~") == "resume" for o in overrides):
+        overrides.append("resume=true")
+    return overrides
+
+
+class PreemptionRequeue(pl.Callback):
+    """Requeue the job at the next epoch boundary after submitit's preemption/time-out signal (see
+    the module docstring), or when the grace period runs out, whichever comes first."""
+
+    active: "PreemptionRequeue | None" = None  # the one installed in this process
+
+    def __init__(self, requeue: Callable[[], None], grace_s: float) -> None:
+        self.requeue, self.grace_s = requeue, grace_s
+        self.signalled_at: float | None = None
+        self.fitting = False
+
+    def signalled(self, signum, frame) -> None:
+        print(f"Preemption signal {signal.Signals(signum).name}: requeueing after this epoch's checkpoint "
+              f"(or in {self.grace_s:.0f} s)", flush=True)
+        self.signalled_at = time.monotonic()
+        if not self.fitting:  # testing or reporting: nothing to wait for
+            self.requeue()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.fitting = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.fitting = False
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.signalled_at is not None:  # the previous epoch's last.ckpt is on disk
+            self.requeue()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.signalled_at is not None and time.monotonic() - self.signalled_at > self.grace_s:
+            self.requeue()
+
+
+def install_preemption_handler(grace_s: float) -> None:
+    """In a submitit job: route submitit's USR2 through `PreemptionRequeue` (call after submitit
+    installed its handlers, i.e. inside the job's function)."""
+    previous = signal.getsignal(signal.SIGUSR2)
+    if not callable(previous):
+        return
+
+    def requeue() -> None:
+        callback.signalled_at = None  # once: on ranks other than 0 submitit's handler returns
+        previous(signal.SIGUSR2, None)  # rank 0: checkpoint the submission, scontrol requeue, exit
+
+    callback = PreemptionRequeue(requeue, grace_s)
+    signal.signal(signal.SIGUSR2, callback.signalled)
+    PreemptionRequeue.active = callback

@@ -1,0 +1,170 @@
+"""The cluster path on a real SLURM cluster that the fixture stands up on this machine (one
+controller, two slurmd nodes, munge; see slurm_cluster.py), through the project's own entry
+points: a sweep through `hydra/launcher=slurm`, a 2-node DDP run through `srun`, a requeued job
+that resumes to the uninterrupted run's final state, and a sweep in which one job fails.
+
+Skipped, with the reason, only where SLURM cannot be installed (not root or no apt); on CI
+(`CI` set) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from slurm_cluster import LocalSlurmCluster, ensure_slurm_installed
+
+from dbsn.runtime.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+# tiny digits runs: 256 training images (4 batches), S = 2, no per-epoch figures
+TINY_RUN = ["experiment=quick", "data.train_subset=256", "model.n_samples=2", "model.samples_per_forward=2",
+            "callbacks.structure_posterior.save_figures=false", "callbacks.structure_posterior.n_samples=10"]
+# the local cluster's jobs: one thread each, rendezvous on 127.0.0.1 (the node names do not resolve)
+LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=null",
+            "hydra.launcher.timeout_min=30", "hydra.launcher.setup=['export MASTER_ADDR=127.0.0.1']"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = ensure_slurm_installed()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SLURM tests, but: {reason}")
+        pytest.skip(reason)
+    slurm = LocalSlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield slurm
+    slurm.stop()
+
+
+def _run(cluster, command: list[str], timeout: float, cwd=ROOT, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**cluster.env, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{' '.join(command)} took over {timeout} s:\n{err.stdout}\n{err.stderr}{cluster.logs()}") from err
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
+                             f"{done.stderr[-6000:]}{cluster.logs()}")
+    return done
+
+
+def _train(*overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *overrides]
+
+
+def test_a_sweep_runs_as_slurm_jobs_and_ends_with_a_report(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=1", "seed=1,2,3",
+                                f"hydra.sweep.dir={sweep}"), timeout=300)
+    assert "3 of 3 jobs finished" in done.stdout, done.stdout
+    runs = sorted(p.parent for p in sweep.glob("*/metrics.json"))
+    assert [r.name for r in runs] == ["0", "1", "2"]
+    seeds, job_ids = set(), set()
+    for run in runs:
+        record = json.loads((run / "metrics.json").read_text())
+        seeds.add(record["seed"])
+        assert record["slurm"]["job_id"].split("_")[1] == run.name  # the array task that ran it
+        job_ids.add(record["slurm"]["job_id"])
+        facts = json.loads((run / "slurm.json").read_text())
+        assert facts["status"] == "completed" and Path(facts["stdout"]).is_file()
+        assert "epoch 1/1 | step 4/4 | train/loss" in Path(facts["stdout"]).read_text()  # plain progress lines
+    assert seeds == {1, 2, 3} and len(job_ids) == 3
+    report = (sweep / "report" / "report.md").read_text()
+    assert "3 runs — 3 ok, 0 failed, 0 missing" in report
+    assert "| dbsn |" in (sweep / "report" / "table1_error.md").read_text()
+
+
+def test_a_failed_job_does_not_stop_the_others_and_is_reported_with_its_log(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    # the middle job asks for more training images than there are: it fails in the job, on the cluster
+    done = _run(cluster, _train("-m", *LAUNCHER, *[o for o in TINY_RUN if "train_subset" not in o],
+                                "trainer.max_epochs=1", "data.train_subset=128,99999,256", f"hydra.sweep.dir={sweep}"),
+                timeout=300, check=False)
+    assert done.returncode != 0  # the sweep command says that a job failed ...
+    assert "2 of 3 jobs finished" in done.stdout, done.stdout + done.stderr
+    assert (sweep / "0" / "metrics.json").is_file() and (sweep / "2" / "metrics.json").is_file()  # ... the others ran
+    facts = json.loads((sweep / "1" / "slurm.json").read_text())
+    assert facts["status"] == "failed" and "data.train_subset=99999" in facts["error"]
+    assert "data.train_subset=99999" in Path(facts["stdout"]).read_text()  # the error is in the job's SLURM log
+    assert f"SLURM log  {facts['stdout']}" in done.stdout
+    report = (sweep / "report" / "report.md").read_text()
+    assert "3 runs — 2 ok, 1 failed, 0 missing" in report
+    section = report.split("## Runs not included", 1)[1]
+    assert "data.train_subset=99999" in section and f"SLURM log: `{facts['stdout']}`" in section
+
+
+def test_two_nodes_through_srun_train_one_run_with_world_size_two(cluster, tmp_path):
+    run = tmp_path / "run"
+    probe = tmp_path / "probe"
+    command = ["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", *_train(
+        *TINY_RUN, "trainer.max_epochs=1", "trainer.num_nodes=2", "trainer.devices=1", "trainer.strategy=ddp",
+        "model.train_samples=2", f"hydra.run.dir={run}",
+        "+callbacks.probe._target_=cluster_probe.RecordRankStructures", f"+callbacks.probe.folder={probe}")]
+    env_run = _run(cluster, ["env", "MASTER_ADDR=127.0.0.1", *command], timeout=300)
+    record = json.loads((run / "metrics.json").read_text())
+    assert record["world_size"] == 2 and record["parallel"] == "structure"
+    assert record["slurm"]["num_nodes"] == 2 and record["slurm"]["nodes"] == "n[1-2]"
+    # both ranks trained in the one folder; each evaluated its own one of the T = 2 structures
+    ranks = {int(p.stem.removeprefix("rank")): torch.load(p) for p in probe.glob("rank*.pt")}
+    assert sorted(ranks) == [0, 1], env_run.stdout
+    assert ranks[0]["alpha"].shape[0] == ranks[1]["alpha"].shape[0] == 1
+    assert not torch.allclose(ranks[0]["alpha"], ranks[1]["alpha"])
+    assert ranks[0]["node"] != ranks[1]["node"]  # SLURM_NODEID 0 and 1
+    assert [p.name for p in tmp_path.iterdir() if p.name not in ("run", "probe")] == []  # no other folders
+
+
+def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, tmp_path):
+    """Two identical jobs in one sweep (task_name differs only); job 1 is requeued with `scontrol
+    requeue` after its first epoch's checkpoint. It resumes from its own last.ckpt and ends with
+    the same weights and θ as job 0, which ran through."""
+    sweep = tmp_path / "sweep"
+    command = _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=4", "seed=5", "task_name=through,requeued",
+                     f"hydra.sweep.dir={sweep}")
+    env = {**cluster.env, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    sweeping = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        requeued = sweep / "1"
+        deadline = time.time() + 240
+        while not (requeued / "checkpoints" / "last.ckpt").is_file():
+            assert time.time() < deadline and sweeping.poll() is None, "job 1 wrote no checkpoint"
+            time.sleep(0.2)
+        job_id = json.loads((requeued / "slurm.json").read_text())["job_id"]
+        epoch_at_requeue = load_checkpoint(requeued / "checkpoints" / "last.ckpt")["epoch"]
+        subprocess.run(["scontrol", "requeue", job_id], env=cluster.env, check=True, capture_output=True)
+        out, _ = sweeping.communicate(timeout=300)
+    finally:
+        if sweeping.poll() is None:
+            sweeping.kill()
+    assert sweeping.returncode == 0, out + cluster.logs()
+    assert epoch_at_requeue < 3  # it was stopped before the end
+    facts = json.loads((requeued / "slurm.json").read_text())
+    assert facts["restarts"] >= 1  # SLURM_RESTART_COUNT of the run that finished
+    log = Path(facts["stdout"]).read_text()
+    assert f"Resuming from this run's own checkpoint {requeued / 'checkpoints' / 'last.ckpt'}" in log
+    through = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")
+    resumed = load_checkpoint(requeued / "checkpoints" / "last.ckpt")
+    assert through["epoch"] == resumed["epoch"] == 3 and through["global_step"] == resumed["global_step"]
+    assert through["state_dict"].keys() == resumed["state_dict"].keys()
+    for key, value in through["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][key]), key
+    assert torch.equal(through["state_dict"]["structure.theta"], resumed["state_dict"]["structure.theta"])
+
+
+def test_a_launcher_request_that_contradicts_the_trainer_is_refused_before_submission(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.devices=2", "hydra.launcher.tasks_per_node=1",
+                                f"hydra.sweep.dir={sweep}"), timeout=120, check=False)
+    assert done.returncode != 0
+    assert "hydra.launcher.tasks_per_node=1 but trainer.devices=2" in done.stderr
+    assert "Nothing was submitted" in done.stderr
+    queue = subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout
+    assert not queue.strip() and not (sweep / ".submitit").exists()
