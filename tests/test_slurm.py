@@ -122,12 +122,16 @@ def test_two_nodes_through_srun_train_one_run_with_world_size_two(cluster, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name not in ("run", "probe")] == []  # no other folders
 
 
-def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, tmp_path):
-    """Two identical jobs in one sweep (task_name differs only); job 1 is requeued with `scontrol
-    requeue` after its first epoch's checkpoint. It resumes from its own last.ckpt and ends with
-    the same weights and θ as job 0, which ran through."""
+@pytest.mark.parametrize("stop", ["scontrol requeue", "preemption signal"])
+def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, tmp_path, stop):
+    """Two identical jobs in one sweep (only task_name differs); job 1 is stopped after its first
+    epoch's checkpoint, either by `scontrol requeue` (SLURM kills and requeues it) or by the
+    preemption signal submitit gets before a time limit or preemption (USR2): the job finishes
+    the epoch it is in, writes its checkpoint and requeues itself. Either way it resumes from its
+    own last.ckpt and ends with the same weights and θ as job 0, which ran through."""
     sweep = tmp_path / "sweep"
-    command = _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=4", "seed=5", "task_name=through,requeued",
+    epochs = 6
+    command = _train("-m", *LAUNCHER, *TINY_RUN, f"trainer.max_epochs={epochs}", "seed=5", "task_name=through,requeued",
                      f"hydra.sweep.dir={sweep}")
     env = {**cluster.env, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
     sweeping = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -138,21 +142,27 @@ def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, t
             assert time.time() < deadline and sweeping.poll() is None, "job 1 wrote no checkpoint"
             time.sleep(0.2)
         job_id = json.loads((requeued / "slurm.json").read_text())["job_id"]
-        epoch_at_requeue = load_checkpoint(requeued / "checkpoints" / "last.ckpt")["epoch"]
-        subprocess.run(["scontrol", "requeue", job_id], env=cluster.env, check=True, capture_output=True)
+        epoch_at_stop = load_checkpoint(requeued / "checkpoints" / "last.ckpt")["epoch"]
+        action = ["scontrol", "requeue", job_id] if stop == "scontrol requeue" else ["scancel", "--signal=USR2", job_id]
+        subprocess.run(action, env=cluster.env, check=True, capture_output=True)
         out, _ = sweeping.communicate(timeout=300)
     finally:
         if sweeping.poll() is None:
             sweeping.kill()
     assert sweeping.returncode == 0, out + cluster.logs()
-    assert epoch_at_requeue < 3  # it was stopped before the end
+    assert epoch_at_stop < epochs - 2  # it was stopped well before the end
     facts = json.loads((requeued / "slurm.json").read_text())
     assert facts["restarts"] >= 1  # SLURM_RESTART_COUNT of the run that finished
     log = Path(facts["stdout"]).read_text()
-    assert f"Resuming from this run's own checkpoint {requeued / 'checkpoints' / 'last.ckpt'}" in log
+    before, resumed_part = log.split(f"Resuming from this run's own checkpoint {requeued / 'checkpoints' / 'last.ckpt'}")
+    if stop == "preemption signal":
+        assert "Preemption signal SIGUSR2: requeueing after this epoch's checkpoint" in before
+        # the epoch in progress at the signal was finished and saved before the job stopped
+        first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
+        assert first_resumed_epoch >= epoch_at_stop + 3, (epoch_at_stop, first_resumed_epoch)
     through = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")
     resumed = load_checkpoint(requeued / "checkpoints" / "last.ckpt")
-    assert through["epoch"] == resumed["epoch"] == 3 and through["global_step"] == resumed["global_step"]
+    assert through["epoch"] == resumed["epoch"] == epochs - 1 and through["global_step"] == resumed["global_step"]
     assert through["state_dict"].keys() == resumed["state_dict"].keys()
     for key, value in through["state_dict"].items():
         assert torch.equal(value, resumed["state_dict"][key]), key
