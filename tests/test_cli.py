@@ -69,3 +69,21 @@ def test_wandb_offline_records_test_ece(tmp_path):
     assert logged["structure/heatmap/_type"] == "images/separated"
     assert logged["test/sample_ablation/_type"] == "images/separated"
     assert {"model", "data", "trainer", "seed"} <= config_keys(runs[0])
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """The W&B run id is made on the first start and kept in the run folder; a resumed (or
+    requeued) run logs into the same W&B run (resume="allow") instead of opening a new one."""
+    from wandb_records import read_records
+
+    run_dir = tmp_path / "run"
+    common = [str(ROOT / "train.py"), *QUICK, "logger=wandb", "test=false", f"hydra.run.dir={run_dir}"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    _run([*common, "trainer.max_epochs=1"], cwd=tmp_path, env=env)
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    _run([*common, "trainer.max_epochs=2", "resume=true"], cwd=tmp_path, env=env)
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files), files
+    ids = {r.run.run_id for f in files for r in read_records(f) if r.WhichOneof("record_type") == "run"}
+    assert ids == {run_id}
+    assert (run_dir / "wandb_id").read_text().strip() == run_id

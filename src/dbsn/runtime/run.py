@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import sys
 from dataclasses import replace
 from datetime import timedelta
@@ -113,9 +115,7 @@ def stable_wandb_id(output_dir: Path) -> str:
     path = output_dir / WANDB_ID_FILE
     if path.is_file():
         return path.read_text().strip()
-    import wandb
-
-    run_id = wandb.util.generate_id()
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id form
     if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # only rank 0 logs
         output_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(run_id + "\n")
