@@ -176,5 +176,6 @@ def test_a_launcher_request_that_contradicts_the_trainer_is_refused_before_submi
     assert done.returncode != 0
     assert "hydra.launcher.tasks_per_node=1 but trainer.devices=2" in done.stderr
     assert "Nothing was submitted" in done.stderr
+    assert "Traceback" not in done.stderr  # the user's mistake, said plainly
     queue = subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout
     assert not queue.strip() and not (sweep / ".submitit").exists()

@@ -7,6 +7,7 @@ subclass of hydra-submitit-launcher's `SlurmLauncher` lives here; the work is in
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
@@ -20,8 +21,13 @@ class DBSNSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from dbsn.runtime.cluster import submit_sweep
+        from dbsn.runtime.config import ConfigError
 
-        return submit_sweep(self, job_overrides, initial_job_idx)
+        try:
+            return submit_sweep(self, job_overrides, initial_job_idx)
+        except ConfigError as err:  # the user's input, found before submission: the message, no traceback
+            print(f"Error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict) -> Any:
