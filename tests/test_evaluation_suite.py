@@ -67,7 +67,7 @@ def evaluated_run(dbsn_run, tmp_path_factory):
     out, _ = dbsn_run
     results = _evaluate(
         out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"),
-        ["evaluations=[ood,adversarial]", "ood=photos", "ood.size=64", "n_samples=3",
+        ["evaluations=[ood,adversarial]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
          "adversarial.epsilons=[0.0,0.05,0.1]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
          "adversarial.max_examples=40", "adversarial.batch_size=20"],
     )
@@ -78,15 +78,23 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
     out, results = evaluated_run
     folder = out / "evaluation"  # a checkpoint inside a run folder is evaluated into <run>/evaluation
     assert json.loads((folder / "metrics.json").read_text())["n_samples"] == 3
-    ood = json.loads((folder / "ood" / "metrics.json").read_text())
+    # two OOD sets in one evaluation: a folder, numbers and a figure each, under the set's name
+    ood = json.loads((folder / "ood" / "photos" / "metrics.json").read_text())
     assert ood["ood"] == "photo patches" and ood["n_in"] == 450 and ood["n_out"] == 64
+    noise = json.loads((folder / "ood" / "noise" / "metrics.json").read_text())
+    assert noise["n_in"] == 450 and noise["n_out"] == 32
     for score in ("entropy", "mutual_information", "max_probability"):
         assert set(ood["scores"][score]) == {"auroc", "aupr", "aupr_in", "fpr95"}
         assert 0 <= ood["scores"][score]["auroc"] <= 1
-    scores = np.load(folder / "ood" / "scores.npz")
+        for name, record in (("photos", ood), ("noise", noise)):
+            assert results[f"ood/{name}/{score}/auroc"] == pytest.approx(record["scores"][score]["auroc"])
+    scores = np.load(folder / "ood" / "photos" / "scores.npz")
     assert scores["in_entropy"].shape == (450,) and scores["out_entropy"].shape == (64,)
     assert ood["mean_entropy"]["out"] == pytest.approx(float(scores["out_entropy"].mean()), rel=1e-5)
-    assert (folder / "ood" / "entropy_cdf.png").stat().st_size > 1000
+    # both sets are compared with the same in-distribution scores (the test pass, predicted once)
+    np.testing.assert_array_equal(np.load(folder / "ood" / "noise" / "scores.npz")["in_entropy"], scores["in_entropy"])
+    for name in ("photos", "noise"):
+        assert (folder / "ood" / name / "entropy_cdf.png").stat().st_size > 1000
 
     rows = _csv(folder / "adversarial" / "results.csv")
     assert [(r["attack"], float(r["epsilon"])) for r in rows] == [
@@ -96,7 +104,6 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
     for r in rows:
         key = f"adversarial/{r['attack']}/accuracy@{float(r['epsilon']):g}"
         assert results[key] == pytest.approx(float(r["accuracy"]))
-    assert results["ood/entropy/auroc"] == pytest.approx(ood["scores"]["entropy"]["auroc"])
     assert (folder / "adversarial" / "adversarial.png").stat().st_size > 1000
     # ablation over the evaluation's own S = 3
     assert [int(r["n_samples"]) for r in _csv(folder / "ablation" / "results.csv")] == [1, 2, 3]
@@ -141,9 +148,9 @@ def test_folder_of_runs_is_evaluated_and_reported_with_failed_runs_listed(dbsn_r
     shutil.copytree(out, sweep / "0", ignore=shutil.ignore_patterns("evaluation"))
     (sweep / "1").mkdir()
     shutil.copy(out / "resolved_config.yaml", sweep / "1")  # a run that died before finishing
-    result = _evaluate(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.size=32"])
+    result = _evaluate(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32"])
     assert list(result["not_evaluated"]) == [str(sweep / "1")]
-    assert (sweep / "0" / "evaluation" / "ood" / "metrics.json").exists()
+    assert (sweep / "0" / "evaluation" / "ood" / "noise" / "metrics.json").exists()
     report = (sweep / "report" / "report.md").read_text()
     assert f"{100 * metrics['test/error']:.2f}" in report  # Table 1 from the run's metrics.json
     assert "failed" in report and str(sweep / "1") in report
@@ -165,5 +172,5 @@ def test_notebook_shows_every_figure_of_a_run(evaluated_run, monkeypatch):
     assert "test/mutual_information" in text and str(out) in text and "not in this run" not in text
     tables = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| entropy |" in tables and "| fgsm | 0.05 |" in tables
-    # reliability, ablation, structure heatmap, sharpening curves, OOD entropy CDF, adversarial curves
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 6
+    # reliability, ablation, structure heatmap, sharpening curves, two OOD entropy CDFs, adversarial curves
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 7

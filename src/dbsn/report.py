@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE
+from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, infer_method  # noqa: F401
+from dbsn.runtime.layout import method_and_dataset
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.plots import save_figure
@@ -84,40 +85,10 @@ def _yaml(path: Path):
     return yaml.safe_load(path.read_text()) if path.is_file() else None
 
 
-def _choices(folder: Path) -> dict:
-    hydra_cfg = (_yaml(folder / ".hydra" / "hydra.yaml") or {}).get("hydra") or {}
-    return (hydra_cfg.get("runtime") or {}).get("choices") or {}
-
-
-def _short(target) -> str:
-    return str(target or "?").rsplit(".", 1)[-1]
-
-
-def infer_method(model: dict) -> str:
-    """The config name of a resolved `model:` node (when no Hydra choices are at hand)."""
-    cls, weights = _short(model.get("_target_")), _short((model.get("weights") or {}).get("_target_"))
-    if cls == "DBSN":
-        return "fbn" if weights == "GaussianWeights" else "dbsn"
-    if cls == "MAP":
-        if weights in ("MCDropoutWeights", "GaussianWeights"):
-            return "mc_dropout" if weights == "MCDropoutWeights" else "bbb"
-        return "map" if model.get("learn_structure", True) else "map_fixed"
-    if cls == "VOGNMethod":
-        return "vogn_fbn" if model.get("structure") == "dbsn" else "vogn"
-    if cls == "NEKFACMethod":
-        return "nekfac"
-    return "deep_ensemble" if cls == "DeepEnsemble" else cls
-
-
-def infer_dataset(data: dict) -> str:
-    return _short(data.get("_target_")).removesuffix("DataModule").lower()
-
-
 def load_run(folder: Path) -> Run:
     config = _yaml(folder / CONFIG_FILE) or _yaml(folder / ".hydra" / "config.yaml") or {}
-    choices = _choices(folder)
-    run = Run(folder, choices.get("model") or infer_method(config.get("model") or {}),
-              choices.get("data") or infer_dataset(config.get("data") or {}), config.get("seed"), "failed",
+    method, dataset = method_and_dataset(folder, config)
+    run = Run(folder, method, dataset, config.get("seed"), "failed",
               overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [])
     metrics = folder / "metrics.json"
     slurm = _json(folder / SLURM_FILE)

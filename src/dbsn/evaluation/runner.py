@@ -3,14 +3,17 @@
 `evaluate.py` (through `dbsn.runtime.run.evaluate`) calls these after the test pass; each writes into
 its own sub-folder of the evaluation folder:
 
-- `ood/`: AUROC, AUPR and FPR95 of three scores (`metrics.json`), per-example scores of both
-  sets (`scores.npz`), the empirical CDF of predictive entropy (`entropy_cdf.png`);
+- `ood/<set>/`, one folder per OOD set: AUROC, AUPR and FPR95 of three scores (`metrics.json`),
+  per-example scores of both sets (`scores.npz`), the empirical CDF of predictive entropy
+  (`entropy_cdf.png`);
 - `adversarial/`: accuracy and mean entropy per attack and ε (`results.csv`, `results.json`),
   and their plot (`adversarial.png`);
 - `ablation/`: the MC-sample ablation (`results.csv`, `results.json`, `ablation.png`);
 - `structure/`: the learned structure posterior (`final.json`, `final.txt`, `final.png`).
 
-Every number also goes to W&B when that logger is on (`log_to_wandb`).
+Every number also goes to W&B when that logger is on (`dbsn.tracking.log_to_wandb`): OOD metrics
+as `ood/<set>/<score>/<metric>`, attack results against their own x axis `adversarial/epsilon`,
+the ablation against `ablation/n_samples`, and the data of the figures as W&B tables.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.loggers import WandbLogger
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
@@ -36,16 +38,7 @@ from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figur
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
 from dbsn.evaluation.uncertainty import detection_scores
 from dbsn.plots import save_figure
-
-
-def log_to_wandb(loggers, metrics: dict[str, float] | None = None, images: dict[str, Path] | None = None) -> None:
-    """Send numbers and PNGs to every W&B logger among `loggers`."""
-    for logger in loggers or ():
-        if isinstance(logger, WandbLogger):
-            if metrics:
-                logger.log_metrics(metrics)
-            for key, path in (images or {}).items():
-                logger.log_image(key=key, images=[str(path)])
+from dbsn.tracking import log_to_wandb
 
 
 def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
@@ -61,8 +54,10 @@ def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
 # ---------------------------------------------------------------------- out-of-distribution
 @torch.no_grad()
 def ood_evaluation(model, in_datamodule, ood_datamodule, in_scores: dict[str, Tensor], folder: Path,
-                   device: torch.device, title: str, loggers=(), progress: bool = True) -> dict:
-    """Score the OOD set's test split with `model` and compare with the in-distribution scores.
+                   device: torch.device, title: str, loggers=(), progress: bool = True,
+                   set_name: str | None = None) -> dict:
+    """Score the OOD set's test split with `model` and compare with the in-distribution scores;
+    W&B names start with `ood/<set_name>/` (default: the data module's name).
 
     OOD images are normalised with the in-distribution statistics (`in_datamodule.preprocess`),
     as the model saw its training data. `in_scores` are the per-example scores of the test
@@ -103,12 +98,26 @@ def ood_evaluation(model, in_datamodule, ood_datamodule, in_scores: dict[str, Te
         f"OOD detection: {in_datamodule.name} vs {ood_datamodule.name}", ["score", "AUROC", "AUPR", "FPR95"],
         [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()],
     )
+    prefix = f"ood/{set_name or ood_datamodule.name}"
+    cdf_rows = [["in", *point] for point in cdf_points(in_scores["entropy"])]
+    cdf_rows += [["out", *point] for point in cdf_points(out_scores["entropy"])]
     log_to_wandb(
         loggers,
-        {f"ood/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
-        {"ood/entropy_cdf": figure_path},
+        {f"{prefix}/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
+        images={f"{prefix}/entropy_cdf": figure_path},
+        tables={f"{prefix}/entropy_cdf_points": (["split", "entropy", "cdf"], cdf_rows)},
     )
     return record
+
+
+def cdf_points(values: Tensor, max_points: int = 101) -> list[list[float]]:
+    """Points (x, F(x)) of the empirical CDF of `values` at up to `max_points` evenly spaced
+    ranks, the largest value included: F(x) is the share of values <= x, ties counted."""
+    ordered = torch.sort(values.double().flatten()).values
+    n = ordered.numel()
+    ranks = torch.unique(torch.linspace(0, n - 1, min(n, max_points)).round().long())
+    x = ordered[ranks]
+    return [[float(v), float(torch.searchsorted(ordered, v, right=True)) / n] for v in x]
 
 
 # ---------------------------------------------------------------------- adversarial
@@ -169,12 +178,18 @@ def adversarial(model, datamodule, settings, folder: Path, device: torch.device,
         "Adversarial accuracy / mean entropy", ["attack", "ε", "accuracy", "entropy"],
         [[r["attack"], f"{r['epsilon']:.2f}", r["accuracy"], r["mean_entropy"]] for r in rows],
     )
-    log_to_wandb(
-        loggers,
-        {f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k] for r in rows for k in ("accuracy", "mean_entropy")},
-        {"adversarial/curves": figure_path},
-    )
+    log_to_wandb(loggers, images={"adversarial/curves": figure_path},
+                 curves={"adversarial/epsilon": adversarial_curve(rows)})
     return rows
+
+
+def adversarial_curve(rows: list[dict]) -> list[dict[str, float]]:
+    """One W&B row per ε: `adversarial/epsilon` and `adversarial/<attack>/{accuracy,mean_entropy}`."""
+    points: dict[float, dict[str, float]] = {}
+    for r in rows:
+        point = points.setdefault(float(r["epsilon"]), {"adversarial/epsilon": float(r["epsilon"])})
+        point.update({f"adversarial/{r['attack']}/{k}": float(r[k]) for k in ("accuracy", "mean_entropy")})
+    return [points[eps] for eps in sorted(points)]
 
 
 # ---------------------------------------------------------------------- ablation, structure
@@ -186,7 +201,10 @@ def write_sample_ablation(rows: list[dict], folder: Path, title: str, loggers=()
     shown = [r for r in rows if r["n_samples"] in {1, 2, 5, 10, 20, 30, 50, 100} or r is rows[-1]]
     print_table("MC-sample ablation", ["S", "error", "NLL", "ECE"],
                  [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown])
-    log_to_wandb(loggers, images={"test/sample_ablation": figure_path})
+    columns = [k for k in rows[0] if isinstance(rows[0][k], (int, float))]
+    log_to_wandb(loggers, images={"test/sample_ablation": figure_path},
+                 tables={"test/sample_ablation_table": (columns, [[r[c] for c in columns] for r in rows])},
+                 curves={"ablation/n_samples": [{f"ablation/{c}": float(r[c]) for c in columns} for r in rows]})
 
 
 @torch.no_grad()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 CONFIG_FILE = "resolved_config.yaml"   # the resolved run config; DDP children and the report read it
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
@@ -17,3 +19,49 @@ SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resume
 def last_checkpoint(run_dir: str | Path) -> Path:
     """`<run_dir>/checkpoints/last.ckpt`: what a resumed or requeued run continues from."""
     return Path(run_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
+
+
+# ---------------------------------------------------------------------- what a run is called
+def hydra_choices(run_dir: str | Path) -> dict:
+    """The config-group choices Hydra recorded for the run (`model: dbsn`, `data: cifar10`, ...);
+    {} for a run composed without Hydra's runtime."""
+    path = Path(run_dir) / ".hydra" / "hydra.yaml"
+    hydra_cfg = ((yaml.safe_load(path.read_text()) if path.is_file() else None) or {}).get("hydra") or {}
+    return (hydra_cfg.get("runtime") or {}).get("choices") or {}
+
+
+def _short(target) -> str:
+    return str(target or "?").rsplit(".", 1)[-1]
+
+
+def infer_method(model: dict) -> str:
+    """The config name of a resolved `model:` node (when no Hydra choices are at hand)."""
+    cls, weights = _short(model.get("_target_")), _short((model.get("weights") or {}).get("_target_"))
+    if cls == "DBSN":
+        return "fbn" if weights == "GaussianWeights" else "dbsn"
+    if cls == "MAP":
+        if weights in ("MCDropoutWeights", "GaussianWeights"):
+            return "mc_dropout" if weights == "MCDropoutWeights" else "bbb"
+        return "map" if model.get("learn_structure", True) else "map_fixed"
+    if cls == "VOGNMethod":
+        return "vogn_fbn" if model.get("structure") == "dbsn" else "vogn"
+    if cls == "NEKFACMethod":
+        return "nekfac"
+    return "deep_ensemble" if cls == "DeepEnsemble" else cls
+
+
+def infer_dataset(data: dict) -> str:
+    return _short(data.get("_target_")).removesuffix("DataModule").lower()
+
+
+def method_and_dataset(run_dir: str | Path, config: dict) -> tuple[str, str]:
+    """The run's method and dataset by their config names: Hydra's choices, else from the config."""
+    choices = hydra_choices(run_dir)
+    return (choices.get("model") or infer_method(config.get("model") or {}),
+            choices.get("data") or infer_dataset(config.get("data") or {}))
+
+
+def sweep_of(run_dir: str | Path) -> Path | None:
+    """The multirun folder a job's run folder belongs to (it holds Hydra's multirun.yaml), else None."""
+    parent = Path(run_dir).absolute().parent
+    return parent if (parent / "multirun.yaml").is_file() else None

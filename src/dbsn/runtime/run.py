@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import string
 import sys
 from dataclasses import replace
 from datetime import timedelta
@@ -33,11 +31,13 @@ from dbsn.runtime.config import ConfigError, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
 from dbsn.runtime.progress import LineProgress
+from dbsn.runtime.wandb_run import configured_group, identity, run_facts, with_identity
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
-from dbsn.evaluation.runner import (adversarial, log_to_wandb, ood_evaluation, print_table, write_sample_ablation,
-                                   write_structure)
+from dbsn.evaluation.runner import adversarial, ood_evaluation, print_table, write_sample_ablation, write_structure
+from dbsn.metrics import reliability_bins
 from dbsn.plots import reliability_diagram, save_figure
+from dbsn.tracking import log_to_wandb
 
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
                 "mutual_information")
@@ -109,27 +109,12 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
     return pl.Trainer(**kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()])
 
 
-def stable_wandb_id(output_dir: Path) -> str:
-    """The W&B run id of this run folder: made on the first start and kept in the folder, so a
-    resumed or requeued run continues the same W&B run (with `resume: allow`) instead of a new one."""
-    path = output_dir / WANDB_ID_FILE
-    if path.is_file():
-        return path.read_text().strip()
-    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id form
-    if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # only rank 0 logs
-        output_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(run_id + "\n")
-    return run_id
-
-
-def _with_wandb_ids(group: DictConfig | None, output_dir: Path) -> DictConfig | None:
-    if not group:
-        return group
-    group = OmegaConf.create(OmegaConf.to_container(group, resolve=True))
-    for node in group.values():
-        if node is not None and str(node.get("_target_", "")).endswith("WandbLogger") and node.get("id") is None:
-            node.id = stable_wandb_id(output_dir)
-    return group
+def _with_facts(config: dict, run_dir: Path, logger, wandb: dict, **extra) -> dict:
+    """The config a logger records: the run's resolved config plus, for W&B, the flat keys it
+    groups and filters runs on (`dbsn.runtime.wandb_run.run_facts`), the sweep and job type."""
+    if not isinstance(logger, WandbLogger):
+        return config
+    return {**config, **run_facts(config, run_dir), "sweep": wandb["group"], "job_type": wandb["job_type"], **extra}
 
 
 def _instantiate_group(group: DictConfig | None) -> list:
@@ -153,10 +138,14 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
         log_probs, targets = model.test_predictions
         figure = reliability_diagram(log_probs.exp(), targets, n_bins=10, title=title)
         path = save_figure(figure, output_dir / "reliability_diagram.png")
-        log_to_wandb(loggers, images={"test/reliability_diagram": path})
+        log_to_wandb(loggers, images={"test/reliability_diagram": path},
+                     tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)})
     if model.test_maps and datamodule is not None:
         path = save_figure(uncertainty_maps(model.test_maps, datamodule, title), output_dir / "uncertainty_maps.png")
         log_to_wandb(loggers, images={"test/uncertainty_maps": path})
+    per_class = [[key.removeprefix("test/iou/"), float(value)] for key, value in metrics.items() if key.startswith("test/iou/")]
+    if per_class:
+        log_to_wandb(loggers, tables={"test/per_class_iou": (["class", "iou"], per_class)})
     named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
     print_table(title, ["metric", "value"], [[key, float(metrics[key])] for key in named + sorted(set(metrics) - set(named))])
     if model.ablation_rows is not None:
@@ -164,6 +153,14 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
     if structure:
         write_structure(model, output_dir / "structure", title, loggers=loggers)
     Console().print(f"Outputs: {output_dir}")
+
+
+def reliability_table(probs, targets, n_bins: int = 10) -> tuple[list[str], list[list[float]]]:
+    """The reliability diagram's bins as a W&B table (empty bins left out)."""
+    bins = reliability_bins(probs, targets, n_bins)
+    columns = ["lower", "upper", "confidence", "accuracy", "count"]
+    rows = [[float(bins[c][i]) for c in columns] for i in range(n_bins) if bins["count"][i] > 0]
+    return columns, rows
 
 
 def uncertainty_maps(maps: list[dict], datamodule, title: str):
@@ -233,13 +230,14 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
-    loggers = _instantiate_group(_with_wandb_ids(cfg.get("logger"), output_dir))
+    wandb = identity(plain, output_dir, "train", id_folder=output_dir, group=configured_group(plain))
+    loggers = _instantiate_group(with_identity(cfg.get("logger"), wandb))
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
     model.check_world_size(trainer.world_size)  # before any data is read
     # structure-parallel: every rank trains on the same batches (its share of the structures)
     datamodule.same_batches_on_every_rank = model.parallel == "structure"
     for logger in loggers:
-        logger.log_hyperparams(plain)
+        logger.log_hyperparams(_with_facts(plain, output_dir, logger, wandb))
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if model.temperature_scaling:
@@ -294,7 +292,7 @@ def _load_method(path, num_classes: int, expected_data: str | None = None) -> Cl
 def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     """Evaluate a checkpoint, a list of checkpoints (one deep ensemble), or every run in a folder.
 
-    Returns the numbers under flat, stable names: `test/*`, `ood/<score>/<metric>`,
+    Returns the numbers under flat, stable names: `test/*`, `ood/<set>/<score>/<metric>`,
     `adversarial/<attack>/<accuracy|mean_entropy>@<ε>` (for a folder: which runs were evaluated).
 
     The test pass always runs (metrics, reliability diagram, uncertainty decomposition, the
@@ -331,6 +329,7 @@ def _device(trainer_cfg) -> torch.device:
 def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[str, float]:
     """The test pass and the chosen evaluations of one model (several paths: a deep ensemble)."""
     first = load_checkpoint(paths[0])
+    ood_sets = _ood_sets(cfg) if "ood" in _evaluations(cfg) else {}  # checked before anything is predicted
     data_cfg = OmegaConf.create(first[CONFIG_KEY]["data"])
     if cfg.get("data_root") is not None:
         data_cfg.root = cfg.data_root
@@ -354,7 +353,7 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
                 changes = {k: v for k, v in (cfg.get("bn_recalibration") or {}).items() if v is not None}
                 method.bn_recalibration = replace(method.bn_recalibration, **changes)
 
-    loggers = _instantiate_group(cfg.get("logger"))
+    loggers = _evaluation_loggers(cfg, paths, first[CONFIG_KEY], out)
     trainer = build_trainer(cfg.trainer, out, callbacks=_instantiate_group(cfg.get("callbacks")), loggers=loggers)
     attach_sample_ablation(model, (cfg.get("ablation") or {}).get("sizes"))
     trainer.test(model, datamodule=datamodule, verbose=False)
@@ -369,10 +368,10 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
     results = dict(metrics)  # flat, under the same names as on W&B
     device, progress = _device(cfg.trainer), cfg.trainer.get("enable_progress_bar", True) is not False
     model.to(device)
-    if "ood" in _evaluations(cfg):
-        ood = ood_evaluation(model, datamodule, instantiate(cfg.ood), model.test_scores, out / "ood", device,
-                             title, loggers, progress)
-        results.update({f"ood/{score}/{k}": v for score, m in ood["scores"].items() for k, v in m.items()})
+    for name, ood_datamodule in ood_sets.items():  # one in-distribution pass (the test pass's scores) for all sets
+        ood = ood_evaluation(model, datamodule, ood_datamodule, model.test_scores, out / "ood" / name, device,
+                             title, loggers, progress, set_name=name)
+        results.update({f"ood/{name}/{score}/{k}": v for score, m in ood["scores"].items() for k, v in m.items()})
     if "adversarial" in _evaluations(cfg):
         settings = OmegaConf.to_container(cfg.adversarial, resolve=True)
         rows = adversarial(model, datamodule, settings, out / "adversarial", device, title, loggers, progress)
@@ -383,6 +382,33 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
         if isinstance(logger, WandbLogger):
             logger.experiment.finish()
     return results
+
+
+def _ood_sets(cfg: DictConfig) -> dict[str, Any]:
+    """The OOD data modules of `ood=<set>` or `ood=[<set>,<set>,...]`, by set name."""
+    chosen = cfg.get("ood") or {}
+    if not chosen or "_target_" in chosen:
+        raise ConfigError("ood: choose one or more OOD sets by name, e.g. ood=svhn or ood=[svhn,cifar100,photos] "
+                          "(conf/ood/ lists them).")
+    return {str(name): instantiate(node) for name, node in chosen.items()}
+
+
+def _evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, out: Path) -> list:
+    """The evaluation's loggers. A W&B logger logs into a run linked to the training run (see
+    `dbsn.runtime.wandb_run`): its group and name, job type `evaluate`, the training run's id in
+    `train_run_id`, the evaluation's settings under `evaluation`; its id is kept in `out`."""
+    if not cfg.get("logger"):
+        return []
+    run_dir = paths[0].parent.parent
+    wandb = identity(train_config, run_dir, "evaluate", id_folder=out, group=configured_group(train_config))
+    loggers = _instantiate_group(with_identity(cfg.logger, wandb, save_dir=out))
+    train_id = run_dir / WANDB_ID_FILE
+    settings = {k: v for k, v in to_plain(cfg).items() if k not in ("logger", "hydra", "paths", "callbacks", "trainer")}
+    for logger in loggers:
+        logger.log_hyperparams(_with_facts(
+            train_config, run_dir, logger, wandb, evaluation=settings, checkpoints=[str(p) for p in paths],
+            train_run_id=train_id.read_text().strip() if train_id.is_file() else None))
+    return loggers
 
 
 def _run_checkpoint(run_dir: Path) -> Path | None:
