@@ -55,3 +55,46 @@ def config_keys(path: Path) -> set[str]:
         for record in read_records(path) if record.WhichOneof("record_type") == "config"
         for item in record.config.update
     }
+
+
+def history(path: Path) -> list[dict[str, object]]:
+    """Every history row of the run, in order ('a/b' for nested keys)."""
+    rows = []
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+def run_record(path: Path):
+    """The run's own record: id, group, job type, name."""
+    return next(r.run for r in read_records(path) if r.WhichOneof("record_type") == "run")
+
+
+def config(path: Path) -> dict[str, object]:
+    """The run's config, each key's last value."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for record in read_records(path) if record.WhichOneof("record_type") == "config"
+            for item in record.config.update}
+
+
+def metric_definitions(path: Path) -> dict[str, object]:
+    """`define_metric` records by metric name (or glob)."""
+    return {(r.metric.name or r.metric.glob_name): r.metric for r in read_records(path)
+            if r.WhichOneof("record_type") == "metric"}
+
+
+def summary(path: Path) -> dict[str, object]:
+    """The run's summary as W&B keeps it: each key's last value ('a/b' for nested keys)."""
+    values = {}
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                values[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return values
+
+
+def table(path: Path, key: str) -> dict:
+    """A table the run logged under `key` (columns, data), read from the run's files."""
+    relative = logged_values(path)[f"{key}/path"]
+    return json.loads((Path(path).parent / "files" / relative).read_text())

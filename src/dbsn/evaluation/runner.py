@@ -99,13 +99,12 @@ def ood_evaluation(model, in_datamodule, ood_datamodule, in_scores: dict[str, Te
         [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()],
     )
     prefix = f"ood/{set_name or ood_datamodule.name}"
-    cdf_rows = [["in", *point] for point in cdf_points(in_scores["entropy"])]
-    cdf_rows += [["out", *point] for point in cdf_points(out_scores["entropy"])]
     log_to_wandb(
         loggers,
         {f"{prefix}/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
         images={f"{prefix}/entropy_cdf": figure_path},
-        tables={f"{prefix}/entropy_cdf_points": (["split", "entropy", "cdf"], cdf_rows)},
+        tables={f"{prefix}/entropy_cdf_{split}": (["entropy", "cdf"], cdf_points(scores["entropy"]))
+                for split, scores in (("in", in_scores), ("ood", out_scores))},
     )
     return record
 

@@ -1,0 +1,215 @@
+"""The W&B dashboard as code: `python -m dbsn.dashboard --entity E --project P [--group G] [--dry-run]`.
+
+Builds a W&B report (with `wandb-workspaces`, W&B's own API for reports and workspaces) with the
+sections Calibration, Accuracy, OOD, Adversarial, Segmentation and Structure posterior. Every
+panel points at names our runs log (`dbsn.tracking`); runs are grouped by `config.method`, so a
+bar or curve is a method's mean over seeds with its standard deviation as the band. Sections
+about training read the `train` runs, OOD and attacks the `evaluate` runs (`evaluate.py
+logger=wandb`); `--group` restricts both to one sweep.
+
+`--dry-run` prints the specification (sections, panels and the metric names each one reads) as
+JSON and saves nothing: no network, no W&B account. Without it the report is saved to the
+project and its URL printed (needs `wandb login` or WANDB_API_KEY).
+
+A bar reads a run's summary: for a metric whose summary is its best value (`dbsn.tracking`),
+the key is `<name>.min` or `<name>.max`. A table panel is a W&B custom chart over the table that
+each run logged, one line or bar set per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from dbsn.evaluation.ood import OOD_SCORES
+from dbsn.tracking import EPOCH, summary_key
+
+PanelKind = Literal["bar", "line", "table", "images"]
+JobType = Literal["train", "evaluate"]
+ATTACKS = ("fgsm", "bim")
+DEFAULT_OOD_SETS = ("svhn",)  # the paper's OOD set for CIFAR models; digits: photos,noise
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel. `metrics`: what it plots (history keys for bar and line panels, the table's
+    key for a table panel, image keys for an image panel); `x`: the x-axis metric of a line
+    panel or the x column of a table panel; `y`: the y column of a table panel."""
+
+    kind: PanelKind
+    title: str
+    metrics: tuple[str, ...]
+    x: str | None = None
+    y: str | None = None
+    chart: str | None = None  # table panels: the W&B Vega preset
+
+    def reads(self) -> list[tuple[str, str]]:
+        """(key, what) pairs a run must log for this panel to show something: what is 'scalar',
+        'table' or 'image'; a table's columns as ('<table>:<column>', 'column')."""
+        if self.kind == "table":
+            return [(self.metrics[0], "table"), *((f"{self.metrics[0]}:{c}", "column") for c in (self.x, self.y))]
+        if self.kind == "images":
+            return [(m, "image") for m in self.metrics]
+        return [(m, "scalar") for m in (*((self.x,) if self.x else ()), *self.metrics)]
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    job_type: JobType
+    note: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+def _bar(title: str, *metrics: str) -> Panel:
+    return Panel("bar", title, metrics)
+
+
+def _per_epoch(title: str, *metrics: str) -> Panel:
+    return Panel("line", title, metrics, x=EPOCH)
+
+
+def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
+    """The dashboard's sections and panels (W&B-independent: the dry run prints this)."""
+    ood = []
+    for name in ood_sets:
+        ood += [
+            _bar(f"AUROC, {name} as OOD (↑)", *(f"ood/{name}/{score}/auroc" for score in OOD_SCORES)),
+            _bar(f"FPR at 95 % TPR, {name} as OOD (↓)", *(f"ood/{name}/{score}/fpr95" for score in OOD_SCORES)),
+            Panel("table", f"Predictive entropy CDF on {name}: further right is better", (f"ood/{name}/entropy_cdf_ood",),
+                  x="entropy", y="cdf", chart="wandb/line/v0"),
+            Panel("images", f"Entropy CDFs, in-distribution vs {name}", (f"ood/{name}/entropy_cdf",)),
+        ]
+    return [
+        Section("Calibration", "train", "Test-set calibration of the Bayes ensemble (S members), per method: mean ± std "
+                "over seeds. Reliability bins overlay runs; the PNG diagrams are below.", (
+                    _bar("ECE, 15 bins (↓)", "test/ece"),
+                    _bar("Test NLL, nats (↓)", "test/nll"),
+                    _bar("Brier score (↓)", "test/brier"),
+                    Panel("table", "Reliability: accuracy against confidence (10 bins)", ("test/reliability_bins",),
+                          x="confidence", y="accuracy", chart="wandb/line/v0"),
+                    _per_epoch("Validation ECE per epoch", "val/ece"),
+                    Panel("line", "ECE against the number of MC samples S", ("ablation/ece",), x="ablation/n_samples"),
+                    Panel("images", "Reliability diagrams", ("test/reliability_diagram",)),
+                )),
+        Section("Accuracy", "train", "Test error and NLL of the Bayes ensemble, training curves, and the MC-sample "
+                "ablation (the first s of the S test members).", (
+                    _bar("Test error (↓)", "test/error"),
+                    _per_epoch("Validation error per epoch", "val/error"),
+                    _per_epoch("Validation NLL per epoch", "val/nll"),
+                    _per_epoch("Training loss per epoch", "train/loss_epoch"),
+                    Panel("line", "Test error against the number of MC samples S", ("ablation/error",),
+                          x="ablation/n_samples"),
+                    Panel("line", "Test NLL against the number of MC samples S", ("ablation/nll",),
+                          x="ablation/n_samples"),
+                )),
+        Section("OOD", "evaluate", "Out-of-distribution detection (evaluate.py evaluations=[ood] ood=[...]): OOD "
+                "is the positive class; scores are predictive entropy, mutual information and 1 − max probability.",
+                tuple(ood)),
+        Section("Adversarial", "evaluate", "FGSM and BIM against the posterior predictive (evaluate.py "
+                "evaluations=[adversarial]), evaluated by members other than the attacked ones; ε in [0, 1] pixels.", (
+                    Panel("line", "Accuracy against ε", tuple(f"adversarial/{a}/accuracy" for a in ATTACKS),
+                          x="adversarial/epsilon"),
+                    Panel("line", "Mean predictive entropy against ε (nats)",
+                          tuple(f"adversarial/{a}/mean_entropy" for a in ATTACKS), x="adversarial/epsilon"),
+                    Panel("images", "Attack curves", ("adversarial/curves",)),
+                )),
+        Section("Segmentation", "train", "CamVid: mean IoU over the 11 classes, global pixel accuracy, per-class IoU "
+                "and pixel-wise uncertainty maps.", (
+                    _bar("Mean IoU (↑)", "test/miou"),
+                    _bar("Global pixel accuracy (↑)", "test/global_acc"),
+                    _per_epoch("Validation mean IoU per epoch", "val/miou"),
+                    Panel("table", "IoU per class", ("test/per_class_iou",), x="class", y="iou", chart="wandb/bar/v0"),
+                    Panel("images", "Uncertainty maps (input, truth, prediction, entropy, MI)", ("test/uncertainty_maps",)),
+                )),
+        Section("Structure posterior", "train", "How q(α | θ) sharpens over training (DBSN, FBN, MAP's learned "
+                "structure): edge entropy in nats, the share of distinct sampled structures, τ.", (
+                    _per_epoch("Mean edge entropy (nats)", "structure/edge_entropy_mean"),
+                    _per_epoch("Lowest edge entropy (nats)", "structure/edge_entropy_min"),
+                    _per_epoch("Distinct structures among samples", "structure/unique_fraction"),
+                    _per_epoch("Concrete temperature τ", "structure/tau"),
+                    Panel("images", "Per-edge operation probabilities", ("structure/heatmap",)),
+                )),
+    ]
+
+
+def specification(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, group: str | None = None) -> dict:
+    """The dashboard as plain data (what `--dry-run` prints)."""
+    return {"group": group, "groupby": "config.method", "ood_sets": list(ood_sets),
+            "sections": [{**asdict(s), "panels": [{**asdict(p), "reads": p.reads()} for p in s.panels]}
+                         for s in sections(ood_sets)]}
+
+
+# ---------------------------------------------------------------------- W&B objects
+def _wandb_panel(panel: Panel):
+    import wandb_workspaces.reports.v2 as wr
+
+    band = {"groupby_aggfunc": "mean", "groupby_rangefunc": "stddev"}
+    if panel.kind == "bar":
+        return wr.BarPlot(title=panel.title, metrics=[summary_key(m) for m in panel.metrics], orientation="v", **band)
+    if panel.kind == "line":
+        return wr.LinePlot(title=panel.title, x=panel.x, y=list(panel.metrics), **band)
+    if panel.kind == "table":
+        fields = {"label": panel.x, "value": panel.y} if panel.chart == "wandb/bar/v0" else {"x": panel.x, "y": panel.y}
+        chart = wr.CustomChart.from_table(panel.metrics[0], chart_fields=fields, chart_strings={"title": panel.title})
+        chart.chart_name = panel.chart
+        return chart
+    return wr.MediaBrowser(title=panel.title, media_keys=list(panel.metrics), num_columns=3)
+
+
+def build_report(entity: str, project: str, group: str | None = None,
+                 ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None):
+    """The W&B report (a `wandb_workspaces.reports.v2.Report`, not saved)."""
+    import wandb_workspaces.reports.v2 as wr
+
+    blocks = [wr.P(f"Runs of {'group ' + repr(group) if group else 'every group'} in {entity}/{project}, grouped by "
+                   "method (config.method): each bar and curve is the mean over seeds, the band ± one standard "
+                   "deviation. Made by `python -m dbsn.dashboard`.")]
+    for section in sections(ood_sets):
+        filters = f"JobType = '{section.job_type}'" + (f" and Group = '{group}'" if group else "")
+        runset = wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", filters=filters,
+                           groupby=["config.method"])
+        blocks += [wr.H2(section.name), wr.P(section.note),
+                   wr.PanelGrid(runsets=[runset], panels=[_wandb_panel(p) for p in section.panels])]
+    return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
+                     description="Calibration, accuracy, OOD detection, adversarial robustness, segmentation and "
+                                 "the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
+
+
+def panel_specs(report) -> list[dict]:
+    """What W&B stores for each panel of `report`, made offline as `save` would send it (the run
+    sets need the server: they look up the project's id)."""
+    import wandb_workspaces.reports.v2 as wr
+
+    return [panel._to_model().model_dump(by_alias=True, exclude_none=True)
+            for block in report.blocks if isinstance(block, wr.PanelGrid) for panel in block.panels]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dbsn.dashboard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entity", required=True, help="W&B entity (user or team) that owns the project")
+    parser.add_argument("--project", required=True, help="W&B project the runs were logged to (logger.wandb.project)")
+    parser.add_argument("--group", default=None, help="only this group (a sweep: '<task_name> <sweep folder>')")
+    parser.add_argument("--ood-sets", default=",".join(DEFAULT_OOD_SETS),
+                        help="OOD sets evaluated with evaluate.py ood=[...] (default: %(default)s; digits: photos,noise)")
+    parser.add_argument("--title", default=None, help="report title (default: 'DBSN: <group or project>')")
+    parser.add_argument("--dry-run", action="store_true", help="print the specification; save nothing")
+    args = parser.parse_args(argv)
+    ood_sets = tuple(s.strip() for s in args.ood_sets.split(",") if s.strip())
+    if not ood_sets:
+        parser.error("--ood-sets: give at least one OOD set, e.g. --ood-sets svhn")
+    report = build_report(args.entity, args.project, args.group, ood_sets, args.title)  # validated offline
+    if args.dry_run:
+        json.dump(specification(ood_sets, args.group), sys.stdout, indent=2)
+        print()
+        return 0
+    report.save()
+    print(f"Saved the dashboard: {report.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""W&B end to end, offline: a digits sweep through train.py -m with logger=wandb, its evaluation
+through evaluate.py (two OOD sets, attacks) and a CamVid training, read back from the runs' own
+record files (`wandb_records`); then the dashboard's specification is checked against what those
+runs logged: a panel that names a metric no run logs fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from configs import TINY
+from fakedata import write_camvid
+from wandb_records import config, history, logged_values, metric_definitions, run_record, summary, table
+
+from dbsn.dashboard import Panel, Section, build_report, panel_specs, sections
+from dbsn.tracking import summary_key, summary_of
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+DIGITS = ["experiment=quick", *TINY, "trainer.max_epochs=2", "data.train_subset=256", "data.val_size=64", "logger=wandb",
+          "callbacks.structure_posterior.n_samples=10"]
+OOD_SETS = ("photos", "noise")
+
+
+def _run(args, cwd):
+    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **OFFLINE})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def _run_file(folder: Path) -> Path:
+    files = sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """{'sweep': folder, 'train': [run files], 'evaluate': [run files], 'camvid': run file}"""
+    tmp = tmp_path_factory.mktemp("wandb")
+    sweep = tmp / "sweep"
+    _run([str(ROOT / "train.py"), "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}"], cwd=tmp)
+    _run([str(ROOT / "evaluate.py"), f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial]",
+          f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
+          "adversarial.epsilons=[0.0,0.05]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
+          "adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
+    camvid = tmp / "camvid"
+    write_camvid(camvid, n_train=4, n_val=2, n_test=2, size=(36, 50), seed=0)
+    _run([str(ROOT / "train.py"), "model=dbsn_seg", "data=camvid", f"data.root={camvid}", "data.crop_size=32",
+          "data.batch_size=2", "data.num_workers=0", "data.eval_batch_size=2", "model.net.first_channels=8",
+          "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2", "model.n_samples=2",
+          "model.val_samples=2", "model.samples_per_forward=2", "trainer.max_epochs=2", "trainer.accelerator=cpu",
+          "trainer.enable_progress_bar=false", "logger=wandb", f"hydra.run.dir={tmp / 'seg'}"], cwd=tmp)
+    runs = [sweep / "0", sweep / "1"]
+    return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
+            "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg")}
+
+
+def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
+    sweep = logged["sweep"]
+    for seed, run_dir, path in zip((1, 2), logged["runs"], logged["train"]):
+        run = run_record(path)
+        assert run.run_group == f"quick {sweep.name}"  # <task_name> <sweep folder>
+        assert run.job_type == "train" and run.display_name == f"dbsn digits seed={seed}"
+        assert run.run_id == (run_dir / "wandb_id").read_text().strip()
+        facts = config(path)
+        assert {k: facts[k] for k in ("method", "dataset", "seed", "T", "S", "job_type", "sweep")} == {
+            "method": "dbsn", "dataset": "digits", "seed": seed, "T": 2, "S": 4, "job_type": "train",
+            "sweep": f"quick {sweep.name}"}
+        assert facts["model"]["n_samples"] == 4  # the whole resolved config too
+
+
+def test_summaries_are_best_values_and_per_epoch_metrics_use_the_epoch(logged):
+    path = logged["train"][0]
+    defined = metric_definitions(path)
+    assert defined["val/error"].step_metric == "epoch" and defined["val/error"].summary.min
+    assert defined["val/ece"].summary.min and defined["test/nll"].summary.min
+    assert defined["structure/edge_entropy_mean"].step_metric == "epoch"
+    assert not defined["structure/edge_entropy_mean"].summary.min  # no best value: W&B keeps the last
+    rows = history(path)
+    val_errors = [row["val/error"] for row in rows if "val/error" in row]
+    assert len(val_errors) == 2 and all(row["epoch"] in (0, 1) for row in rows if "val/error" in row)
+    assert summary(path)["val/error"] == {"min": min(val_errors)}  # the summary is the best epoch, not the last
+    metrics = json.loads((logged["runs"][0] / "metrics.json").read_text())["metrics"]
+    assert summary(path)["test/ece"]["min"] == pytest.approx(metrics["test/ece"], rel=1e-6)
+
+
+def test_figures_go_in_as_tables_too(logged):
+    path = logged["train"][0]
+    bins = table(path, "test/reliability_bins")
+    assert bins["columns"] == ["lower", "upper", "confidence", "accuracy", "count"]
+    assert sum(row[4] for row in bins["data"]) == 450  # every digits test image in one bin
+    assert all(row[0] <= row[2] <= row[1] for row in bins["data"])  # mean confidence inside its bin
+    ablation = table(path, "test/sample_ablation_table")
+    assert ablation["columns"][:2] == ["n_samples", "error"] and [r[0] for r in ablation["data"]] == [1, 2, 3, 4]
+    # the ablation as a curve against its own x axis
+    defined = metric_definitions(path)
+    assert defined["ablation/error"].step_metric == "ablation/n_samples"
+    assert [row["ablation/n_samples"] for row in history(path) if "ablation/error" in row] == [1, 2, 3, 4]
+    per_class = table(logged["camvid"], "test/per_class_iou")
+    assert per_class["columns"] == ["class", "iou"] and len(per_class["data"]) == 11
+
+
+def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsilon(logged):
+    for run_dir, train_path, path in zip(logged["runs"], logged["train"], logged["evaluate"]):
+        train, run = run_record(train_path), run_record(path)
+        assert run.run_group == train.run_group and run.job_type == "evaluate"
+        assert run.display_name == train.display_name and run.run_id != train.run_id
+        assert config(path)["train_run_id"] == train.run_id and config(path)["method"] == "dbsn"
+        values = logged_values(path)
+        for name in OOD_SETS:
+            record = json.loads((run_dir / "evaluation" / "ood" / name / "metrics.json").read_text())
+            for score, metrics in record["scores"].items():
+                assert values[f"ood/{name}/{score}/auroc"] == pytest.approx(metrics["auroc"], rel=1e-6)
+            cdf = table(path, f"ood/{name}/entropy_cdf_ood")
+            assert cdf["columns"] == ["entropy", "cdf"] and cdf["data"][-1][1] == 1.0
+            assert metric_definitions(path)[f"ood/{name}/entropy/auroc"].summary.max
+        defined = metric_definitions(path)
+        assert defined["adversarial/fgsm/accuracy"].step_metric == "adversarial/epsilon"
+        curve = [(row["adversarial/epsilon"], row["adversarial/bim/accuracy"]) for row in history(path)
+                 if "adversarial/bim/accuracy" in row]
+        results = {(float(r["epsilon"]), r["attack"]): r for r in
+                   json.loads((run_dir / "evaluation" / "adversarial" / "results.json").read_text())}
+        assert curve == [(eps, pytest.approx(results[eps, "bim"]["accuracy"])) for eps in (0.0, 0.05)]
+
+
+def _logged_reads(paths: list[Path]) -> dict[str, set]:
+    """What the runs logged, in the terms of `Panel.reads`."""
+    scalars, tables, images, columns, summaries = set(), set(), set(), set(), set()
+    for path in paths:
+        for row in history(path):
+            for key, value in row.items():
+                if key.endswith("/_type"):
+                    (tables if value == "table-file" else images if value.startswith("images") else set()).add(
+                        key.removesuffix("/_type"))
+                elif not key.startswith("_"):
+                    scalars.add(key)
+        for key in tables:
+            if f"{key}/path" in logged_values(path):
+                columns |= {f"{key}:{c}" for c in table(path, key)["columns"]}
+        summaries |= {f"{k}.{agg}" for k, v in summary(path).items() if isinstance(v, dict) for agg in v}
+    return {"scalar": scalars, "table": tables, "image": images, "column": columns, "summary": summaries}
+
+
+def missing_reads(dashboard: list[Section], logged_by_job: dict[str, dict[str, set]]) -> list[str]:
+    """Every (section, panel, name) the dashboard reads that no run of the section's job type logs."""
+    missing = []
+    for section in dashboard:
+        found = logged_by_job[section.job_type]
+        for panel in section.panels:
+            reads = panel.reads()
+            if panel.kind == "bar":  # a bar reads the summary: the best value where it is defined so
+                reads += [(summary_key(m), "summary") for m in panel.metrics if summary_of(m)]
+            missing += [f"{section.name} / {panel.title}: {key} ({what})" for key, what in reads if key not in found[what]]
+    return missing
+
+
+def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
+    dry = subprocess.run([sys.executable, "-m", "dbsn.dashboard", "--entity", "lab", "--project", "dbsn", "--group",
+                          f"quick {logged['sweep'].name}", "--ood-sets", ",".join(OOD_SETS), "--dry-run"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
+    assert dry.returncode == 0, dry.stderr
+    spec = json.loads(dry.stdout)
+    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Accuracy", "OOD", "Adversarial", "Segmentation",
+                                                     "Structure posterior"]
+    dashboard = sections(OOD_SETS)
+    assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
+    logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"]]),
+                     "evaluate": _logged_reads(logged["evaluate"])}
+    assert missing_reads(dashboard, logged_by_job) == []
+    # a panel for a metric that no run logs is caught
+    broken = [Section("Calibration", "train", "", (Panel("bar", "typo", ("test/eec",)),)),
+              Section("OOD", "evaluate", "", (Panel("line", "wrong job", ("val/error",), x="epoch"),))]
+    assert missing_reads(broken, logged_by_job) == ["Calibration / typo: test/eec (scalar)",
+                                                    "OOD / wrong job: val/error (scalar)"]
+    # the W&B report that is saved names the same metrics, in the same panels
+    specs = panel_specs(build_report("lab", "dbsn", "g", OOD_SETS))
+    panels = [p for s in dashboard for p in s.panels]
+    assert len(specs) == len(panels)
+    for panel, stored in zip(panels, specs):
+        text = json.dumps(stored)
+        names = [summary_key(m) for m in panel.metrics] if panel.kind == "bar" else list(panel.metrics)
+        assert all(json.dumps(name) in text for name in names), (panel.title, text[:400])
