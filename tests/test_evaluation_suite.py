@@ -77,6 +77,7 @@ def evaluated_run(dbsn_run, tmp_path_factory):
 def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run):
     out, results = evaluated_run
     folder = out / "evaluation"  # a checkpoint inside a run folder is evaluated into <run>/evaluation
+    assert not (out / "wandb_id").exists() and not (folder / "wandb_id").exists()  # no W&B logger, no W&B id
     assert json.loads((folder / "metrics.json").read_text())["n_samples"] == 3
     # two OOD sets in one evaluation: a folder, numbers and a figure each, under the set's name
     ood = json.loads((folder / "ood" / "photos" / "metrics.json").read_text())

@@ -71,3 +71,11 @@ def test_the_runtime_sits_above_methods_nets_and_data():
     below = [m for m in graph if m.count(".") and m.split(".")[1] in ("methods", "nets", "data", "bayes", "natgrad", "structure", "evaluation")]
     offenders = {m: sorted(t for t in graph[m] if t.startswith("dbsn.runtime")) for m in below}
     assert not {m: t for m, t in offenders.items() if t}
+
+
+def test_what_goes_to_wandb_sits_below_the_evaluation_suite():
+    """`dbsn.tracking` (metric names and definitions) is imported by evaluation and runtime: it
+    imports nothing of the package."""
+    graph = import_graph()
+    assert "dbsn.tracking" in graph["dbsn.evaluation.runner"]
+    assert {t for t in graph["dbsn.tracking"] if t.startswith("dbsn")} == set()

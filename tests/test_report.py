@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dbsn.report import build_report, expected_jobs, infer_method, main
+from dbsn.report import build_report, expected_jobs, main
+from dbsn.runtime.layout import infer_method
 
 MODELS = {
     "dbsn": {"_target_": "dbsn.methods.DBSN", "weights": None},
@@ -173,17 +174,27 @@ def test_sweep_expansion_handles_choice_range_and_lists(tmp_path):
 
 
 def test_evaluation_summaries_and_figures(outputs, tmp_path):
-    ood = {("dbsn", 1): 0.90, ("dbsn", 2): 0.92, ("map", 1): 0.80}
-    for (model, seed), auroc in ood.items():
-        folder = job_dir(outputs, model, "cifar10", seed) / "evaluation" / "ood"
+    def write_ood(folder, ood_set, auroc, seed):
         folder.mkdir(parents=True)
         scores = {name: {"auroc": auroc, "aupr": auroc - 0.1, "aupr_in": 0.5, "fpr95": 1 - auroc}
                   for name in ("entropy", "mutual_information", "max_probability")}
         (folder / "metrics.json").write_text(json.dumps(
-            {"in_distribution": "cifar10", "ood": "svhn", "n_samples": 100, "scores": scores}))
+            {"in_distribution": "cifar10", "ood": ood_set, "n_samples": 100, "scores": scores}))
         rng = np.random.default_rng(seed)
         np.savez(folder / "scores.npz", **{f"{side}_{name}": rng.uniform(0, 2.3, 50) for side in ("in", "out")
                                             for name in ("entropy", "mutual_information", "max_probability")})
+
+    # dbsn: evaluated with ood=[svhn,cifar100] (a folder per set); map: one set, in the layout of
+    # an older version (evaluation/ood/metrics.json)
+    for seed, auroc in ((1, 0.90), (2, 0.92)):
+        evaluation = job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "ood"
+        write_ood(evaluation / "svhn", "svhn", auroc, seed)
+        write_ood(evaluation / "cifar100", "cifar100", auroc - 0.2, seed)
+    write_ood(job_dir(outputs, "map", "cifar10", 1) / "evaluation" / "ood", "svhn", 0.80, 1)
+    # a stale single-set file beside the per-set folders (re-evaluated run) is not counted again
+    (job_dir(outputs, "dbsn", "cifar10", 1) / "evaluation" / "ood" / "metrics.json").write_text(
+        (job_dir(outputs, "dbsn", "cifar10", 1) / "evaluation" / "ood" / "svhn" / "metrics.json").read_text()
+        .replace("0.9,", "0.1,"))
     for seed, (clean, attacked, entropy) in {1: (0.9, 0.3, 1.0), 2: (0.92, 0.5, 1.2)}.items():
         write_csv(job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "adversarial" / "results.csv",
                   ["attack", "epsilon", "accuracy", "mean_entropy", "n_examples"],
@@ -204,8 +215,12 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
     assert ood_md.index("| dbsn | entropy") < ood_md.index("| dbsn | mutual_information")
     assert (out / "ood_entropy_cdf_cifar10_svhn.png").stat().st_size > 0
     assert "(ood_entropy_cdf_cifar10_svhn.png)" in ood_md
+    # one table and one figure per OOD set
+    near = ood_md.split("### cifar10 (in-distribution) vs cifar100 (OOD)", 1)[1].split("###", 1)[0]
+    assert "| dbsn | entropy | 0.7100 ± 0.0141 (2) |" in near and "| map |" not in near
+    assert (out / "ood_entropy_cdf_cifar10_cifar100.png").stat().st_size > 0
     rows = read_csv(out / "ood.csv")
-    auroc = next(r for r in rows if (r["method"], r["score"], r["metric"]) == ("dbsn", "entropy", "auroc"))
+    auroc = next(r for r in rows if (r["method"], r["ood"], r["score"], r["metric"]) == ("dbsn", "svhn", "entropy", "auroc"))
     assert float(auroc["mean"]) == pytest.approx(0.91) and auroc["n"] == "2"
 
     adversarial = section(text, "## Adversarial robustness")

@@ -173,7 +173,7 @@ def test_a_launcher_request_that_contradicts_the_trainer_is_refused_before_submi
     sweep = tmp_path / "sweep"
     done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.devices=2", "hydra.launcher.tasks_per_node=1",
                                 f"hydra.sweep.dir={sweep}"), timeout=120, check=False)
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert "hydra.launcher.tasks_per_node=1 but trainer.devices=2" in done.stderr
     assert "Nothing was submitted" in done.stderr
     assert "Traceback" not in done.stderr  # the user's mistake, said plainly

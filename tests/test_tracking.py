@@ -43,6 +43,9 @@ def test_each_metric_is_defined_once_by_its_exact_name():
     define_metrics(Run(), ["val/error", "epoch", "trainer/global_step", "train/loss_step", "test/miou"], defined)
     define_metrics(Run(), ["val/error", "ood/a/entropy/auroc"], defined)
     assert calls == [("val/error", "epoch", "min"), ("test/miou", None, "max"), ("ood/a/entropy/auroc", None, "max")]
+    calls.clear()  # a logger with a prefix logs `<prefix>-<name>`, the epoch included
+    define_metrics(Run(), ["val/nll", "test/ece"], set(), prefix="p")
+    assert calls == [("p-val/nll", "p-epoch", "min"), ("p-test/ece", None, "min")]
 
 
 def test_cdf_points_are_the_empirical_cdf():

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from wandb_workspaces import expr
 from configs import TINY
 from fakedata import write_camvid
 from wandb_records import config, history, logged_values, metric_definitions, run_record, summary, table
 
-from dbsn.dashboard import Panel, Section, build_report, panel_specs, sections
+from dbsn.dashboard import Panel, Section, build_report, panel_specs, runsets, sections
 from dbsn.tracking import summary_key, summary_of
 
 pytestmark = pytest.mark.slow
@@ -50,6 +51,9 @@ def logged(tmp_path_factory):
           f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
           "adversarial.epsilons=[0.0,0.05]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
           "adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
+    ensemble = [str(sweep / job / "checkpoints" / "last.ckpt") for job in ("0", "1")]
+    _run([str(ROOT / "evaluate.py"), f"ckpt_path=[{','.join(ensemble)}]", "logger=wandb", "n_samples=2",
+          "ablation.sizes=[]", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'ensemble'}"], cwd=tmp)
     camvid = tmp / "camvid"
     write_camvid(camvid, n_train=4, n_val=2, n_test=2, size=(36, 50), seed=0)
     _run([str(ROOT / "train.py"), "model=dbsn_seg", "data=camvid", f"data.root={camvid}", "data.crop_size=32",
@@ -59,7 +63,8 @@ def logged(tmp_path_factory):
           "trainer.enable_progress_bar=false", "logger=wandb", f"hydra.run.dir={tmp / 'seg'}"], cwd=tmp)
     runs = [sweep / "0", sweep / "1"]
     return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
-            "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg")}
+            "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg"),
+            "ensemble": tmp / "ensemble"}
 
 
 def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
@@ -112,7 +117,8 @@ def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsil
         train, run = run_record(train_path), run_record(path)
         assert run.run_group == train.run_group and run.job_type == "evaluate"
         assert run.display_name == train.display_name and run.run_id != train.run_id
-        assert config(path)["train_run_id"] == train.run_id and config(path)["method"] == "dbsn"
+        facts = config(path)
+        assert facts["train_run_id"] == train.run_id and facts["method"] == "dbsn" and facts["S"] == 3  # as evaluated
         values = logged_values(path)
         for name in OOD_SETS:
             record = json.loads((run_dir / "evaluation" / "ood" / name / "metrics.json").read_text())
@@ -128,6 +134,16 @@ def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsil
         results = {(float(r["epsilon"]), r["attack"]): r for r in
                    json.loads((run_dir / "evaluation" / "adversarial" / "results.json").read_text())}
         assert curve == [(eps, pytest.approx(results[eps, "bim"]["accuracy"])) for eps in (0.0, 0.05)]
+
+
+def test_a_deep_ensemble_of_runs_is_its_own_method_in_the_sweeps_group(logged):
+    path, train = _run_file(logged["ensemble"]), [run_record(p) for p in logged["train"]]
+    run, facts = run_record(path), config(path)
+    assert run.run_group == train[0].run_group and run.job_type == "evaluate"
+    assert facts["method"] == "deep_ensemble" and facts["members"] == "2 x dbsn"
+    assert run.display_name == "deep_ensemble digits 2 x dbsn"
+    assert facts["train_run_ids"] == [r.run_id for r in train]
+    assert facts["S"] == json.loads((logged["ensemble"] / "metrics.json").read_text())["n_samples"]
 
 
 def _logged_reads(paths: list[Path]) -> dict[str, set]:
@@ -179,8 +195,15 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
               Section("OOD", "evaluate", "", (Panel("line", "wrong job", ("val/error",), x="epoch"),))]
     assert missing_reads(broken, logged_by_job) == ["Calibration / typo: test/eec (scalar)",
                                                     "OOD / wrong job: val/error (scalar)"]
-    # the W&B report that is saved names the same metrics, in the same panels
-    specs = panel_specs(build_report("lab", "dbsn", "g", OOD_SETS))
+    # the W&B report that is saved names the same metrics, in the same panels, and each section
+    # reads the runs of its job type in the group, grouped by method
+    report = build_report("lab", "dbsn", f"quick {logged['sweep'].name}", OOD_SETS)
+    for section, runset in zip(dashboard, runsets(report)):
+        leaves = expr.expr_to_filters(runset.filters).filters[0].filters
+        assert {(f.key.name, f.op, f.value) for f in leaves} == {
+            ("jobType", "=", section.job_type), ("group", "=", f"quick {logged['sweep'].name}")}
+        assert runset.groupby == ["config.method"] and (runset.entity, runset.project) == ("lab", "dbsn")
+    specs = panel_specs(report)
     panels = [p for s in dashboard for p in s.panels]
     assert len(specs) == len(panels)
     for panel, stored in zip(panels, specs):

@@ -164,12 +164,13 @@ def build_report(entity: str, project: str, group: str | None = None,
                  ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None):
     """The W&B report (a `wandb_workspaces.reports.v2.Report`, not saved)."""
     import wandb_workspaces.reports.v2 as wr
+    from wandb_workspaces import expr
 
     blocks = [wr.P(f"Runs of {'group ' + repr(group) if group else 'every group'} in {entity}/{project}, grouped by "
                    "method (config.method): each bar and curve is the mean over seeds, the band ± one standard "
                    "deviation. Made by `python -m dbsn.dashboard`.")]
     for section in sections(ood_sets):
-        filters = f"JobType = '{section.job_type}'" + (f" and Group = '{group}'" if group else "")
+        filters = [expr.Metric("JobType") == section.job_type, *([expr.Metric("Group") == group] if group else [])]
         runset = wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", filters=filters,
                            groupby=["config.method"])
         blocks += [wr.H2(section.name), wr.P(section.note),
@@ -177,6 +178,13 @@ def build_report(entity: str, project: str, group: str | None = None,
     return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
                      description="Calibration, accuracy, OOD detection, adversarial robustness, segmentation and "
                                  "the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
+
+
+def runsets(report) -> list:
+    """The run sets of `report`'s panel grids, one per section."""
+    import wandb_workspaces.reports.v2 as wr
+
+    return [runset for block in report.blocks if isinstance(block, wr.PanelGrid) for runset in block.runsets]
 
 
 def panel_specs(report) -> list[dict]:
@@ -198,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default=None, help="report title (default: 'DBSN: <group or project>')")
     parser.add_argument("--dry-run", action="store_true", help="print the specification; save nothing")
     args = parser.parse_args(argv)
+    if args.group is not None and ("'" in args.group or not args.group.strip()):
+        parser.error(f"--group {args.group!r}: W&B's filter expressions cannot hold a quote or an empty name; "
+                     "give the group as W&B shows it (a sweep's is '<task_name> <sweep folder>').")
     ood_sets = tuple(s.strip() for s in args.ood_sets.split(",") if s.strip())
     if not ood_sets:
         parser.error("--ood-sets: give at least one OOD set, e.g. --ood-sets svhn")

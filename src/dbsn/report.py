@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, infer_method  # noqa: F401
-from dbsn.runtime.layout import method_and_dataset
+from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.plots import save_figure
@@ -261,10 +260,17 @@ def main_tables(report: Report, ok: list[Run]) -> str:
     return text
 
 
+def ood_records(folder: Path) -> list[Path]:
+    """A run's OOD results: one `<set>/metrics.json` per OOD set (an evaluation written before
+    several sets were possible has one `metrics.json`, read only when there are no set folders)."""
+    per_set = sorted(folder.glob("*/metrics.json"))
+    return per_set or [p for p in [folder / "metrics.json"] if p.is_file()]
+
+
 def ood_section(report: Report, ok: list[Run]) -> str:
     values, curves = defaultdict(list), defaultdict(lambda: defaultdict(list))
     for r in ok:
-        for path in sorted((r.path / "evaluation" / "ood").rglob("metrics.json")):
+        for path in ood_records(r.path / "evaluation" / "ood"):
             record = json.loads(path.read_text())
             ood = str(record["ood"])
             for score, metrics in record["scores"].items():

@@ -57,14 +57,16 @@ def summary_key(name: str) -> str:
     return f"{name}.{summary}" if summary else name
 
 
-def define_metrics(run, names: Iterable[str], defined: set[str]) -> None:
-    """`run.define_metric` for each name not yet in `defined` (updated in place)."""
+def define_metrics(run, names: Iterable[str], defined: set[str], prefix: str = "") -> None:
+    """`run.define_metric` for each name not yet in `defined` (updated in place), under the
+    logger's `prefix` (Lightning's `<prefix>-<name>`) if it has one."""
     for name in names:
         if name in defined or name == EPOCH or name.startswith("trainer/"):
             continue
         summary, step = summary_of(name), step_metric_of(name)
         if summary or step:
-            run.define_metric(name, step_metric=step, summary=summary)
+            named = (lambda key: f"{prefix}-{key}" if prefix and key else key)  # Lightning prefixes every key
+            run.define_metric(named(name), step_metric=named(step), summary=summary)
         defined.add(name)
 
 
@@ -80,7 +82,7 @@ class WandbLogger(LightningWandbLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        define_metrics(self.experiment, metrics, self._defined)
+        define_metrics(self.experiment, metrics, self._defined, self._prefix)
         super().log_metrics(metrics, step)
 
     @rank_zero_only

@@ -37,6 +37,7 @@ from dbsn.evaluation.attacks import adversarial_evaluation, adversarial_figure, 
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
 from dbsn.evaluation.uncertainty import detection_scores
+from dbsn.metrics import reliability_bins
 from dbsn.plots import save_figure
 from dbsn.tracking import log_to_wandb
 
@@ -191,7 +192,15 @@ def adversarial_curve(rows: list[dict]) -> list[dict[str, float]]:
     return [points[eps] for eps in sorted(points)]
 
 
-# ---------------------------------------------------------------------- ablation, structure
+# ---------------------------------------------------------------------- ablation, structure, reliability
+def reliability_table(probs, targets, n_bins: int = 10) -> tuple[list[str], list[list[float]]]:
+    """The reliability diagram's bins as a W&B table (empty bins left out)."""
+    bins = reliability_bins(probs, targets, n_bins)
+    columns = ["lower", "upper", "confidence", "accuracy", "count"]
+    rows = [[float(bins[c][i]) for c in columns] for i in range(n_bins) if bins["count"][i] > 0]
+    return columns, rows
+
+
 def write_sample_ablation(rows: list[dict], folder: Path, title: str, loggers=()) -> None:
     """The MC-sample ablation table and its plot."""
     write_ablation(rows, folder)

@@ -8,7 +8,6 @@ on a composed config without Hydra's runtime.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import replace
 from datetime import timedelta
@@ -31,11 +30,12 @@ from dbsn.runtime.config import ConfigError, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
 from dbsn.runtime.progress import LineProgress
-from dbsn.runtime.wandb_run import configured_group, identity, run_facts, with_identity
+from dbsn.runtime.wandb_run import (configured_group, is_rank_zero, logged_to_wandb, run_facts, run_group, run_name,
+                                    stable_wandb_id, with_identity)
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
-from dbsn.evaluation.runner import adversarial, ood_evaluation, print_table, write_sample_ablation, write_structure
-from dbsn.metrics import reliability_bins
+from dbsn.evaluation.runner import (adversarial, ood_evaluation, print_table, reliability_table, write_sample_ablation,
+                                   write_structure)
 from dbsn.plots import reliability_diagram, save_figure
 from dbsn.tracking import log_to_wandb
 
@@ -109,12 +109,12 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
     return pl.Trainer(**kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()])
 
 
-def _with_facts(config: dict, run_dir: Path, logger, wandb: dict, **extra) -> dict:
+def _with_facts(config: dict, logger, facts: dict, wandb: dict | None, **extra) -> dict:
     """The config a logger records: the run's resolved config plus, for W&B, the flat keys it
     groups and filters runs on (`dbsn.runtime.wandb_run.run_facts`), the sweep and job type."""
-    if not isinstance(logger, WandbLogger):
+    if not isinstance(logger, WandbLogger) or wandb is None:
         return config
-    return {**config, **run_facts(config, run_dir), "sweep": wandb["group"], "job_type": wandb["job_type"], **extra}
+    return {**config, **facts, "sweep": wandb["group"], "job_type": wandb["job_type"], **extra}
 
 
 def _instantiate_group(group: DictConfig | None) -> list:
@@ -153,14 +153,6 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
     if structure:
         write_structure(model, output_dir / "structure", title, loggers=loggers)
     Console().print(f"Outputs: {output_dir}")
-
-
-def reliability_table(probs, targets, n_bins: int = 10) -> tuple[list[str], list[list[float]]]:
-    """The reliability diagram's bins as a W&B table (empty bins left out)."""
-    bins = reliability_bins(probs, targets, n_bins)
-    columns = ["lower", "upper", "confidence", "accuracy", "count"]
-    rows = [[float(bins[c][i]) for c in columns] for i in range(n_bins) if bins["count"][i] > 0]
-    return columns, rows
 
 
 def uncertainty_maps(maps: list[dict], datamodule, title: str):
@@ -214,7 +206,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     output_dir = Path(output_dir)
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
     plain = to_plain(cfg)
-    if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+    if is_rank_zero():
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
         if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
@@ -230,14 +222,17 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     callbacks = _instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
-    wandb = identity(plain, output_dir, "train", id_folder=output_dir, group=configured_group(plain))
-    loggers = _instantiate_group(with_identity(cfg.get("logger"), wandb))
+    facts = run_facts(plain, output_dir)
+    logger_cfg, wandb = with_identity(cfg.get("logger"), lambda: {
+        "id": stable_wandb_id(output_dir), "group": run_group(output_dir, plain.get("task_name")),
+        "name": run_name(facts), "job_type": "train"})
+    loggers = _instantiate_group(logger_cfg)
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
     model.check_world_size(trainer.world_size)  # before any data is read
     # structure-parallel: every rank trains on the same batches (its share of the structures)
     datamodule.same_batches_on_every_rank = model.parallel == "structure"
     for logger in loggers:
-        logger.log_hyperparams(_with_facts(plain, output_dir, logger, wandb))
+        logger.log_hyperparams(_with_facts(plain, logger, facts, wandb))
 
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if model.temperature_scaling:
@@ -353,19 +348,35 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
                 changes = {k: v for k, v in (cfg.get("bn_recalibration") or {}).items() if v is not None}
                 method.bn_recalibration = replace(method.bn_recalibration, **changes)
 
-    loggers = _evaluation_loggers(cfg, paths, first[CONFIG_KEY], out)
+    name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
+    title = _title(name, data_cfg, model.num_members)
+    facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch")}
+    loggers = _evaluation_loggers(cfg, paths, first[CONFIG_KEY], out, model)
+    try:
+        results = _run_evaluations(cfg, model, datamodule, ood_sets, out, title, loggers, facts)
+    except BaseException:
+        _close_loggers(loggers, "failed")  # else the next run of a folder would log into this W&B run
+        raise
+    _close_loggers(loggers, "success")
+    return results
+
+
+def _close_loggers(loggers, status: str) -> None:
+    for logger in loggers:
+        logger.finalize(status)
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+def _run_evaluations(cfg: DictConfig, model: ClassificationMethod, datamodule, ood_sets: dict, out: Path, title: str,
+                     loggers: list, facts: dict) -> dict[str, float]:
+    """The test pass (its report records `facts`), then the chosen evaluations; the numbers under flat names."""
     trainer = build_trainer(cfg.trainer, out, callbacks=_instantiate_group(cfg.get("callbacks")), loggers=loggers)
     attach_sample_ablation(model, (cfg.get("ablation") or {}).get("sizes"))
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = _test_metrics(trainer)
-    name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
-    title = _title(name, data_cfg, model.num_members)
-    write_test_report(
-        model, metrics, out, title, loggers, datamodule=datamodule,
-        extra={"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),
-               **model.run_facts()},
-    )
-    results = dict(metrics)  # flat, under the same names as on W&B
+    write_test_report(model, metrics, out, title, loggers, datamodule=datamodule, extra={**facts, **model.run_facts()})
+    results = dict(metrics)  # flat names (on W&B the same, but attacks are curves against adversarial/epsilon)
     device, progress = _device(cfg.trainer), cfg.trainer.get("enable_progress_bar", True) is not False
     model.to(device)
     for name, ood_datamodule in ood_sets.items():  # one in-distribution pass (the test pass's scores) for all sets
@@ -377,10 +388,6 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
         rows = adversarial(model, datamodule, settings, out / "adversarial", device, title, loggers, progress)
         results.update({f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k] for r in rows
                         for k in ("accuracy", "mean_entropy")})
-    for logger in loggers:
-        logger.finalize("success")
-        if isinstance(logger, WandbLogger):
-            logger.experiment.finish()
     return results
 
 
@@ -389,26 +396,42 @@ def _ood_sets(cfg: DictConfig) -> dict[str, Any]:
     chosen = cfg.get("ood") or {}
     if not chosen or "_target_" in chosen:
         raise ConfigError("ood: choose one or more OOD sets by name, e.g. ood=svhn or ood=[svhn,cifar100,photos] "
-                          "(conf/ood/ lists them).")
+                          "(conf/ood/ lists them; a set's file holds its settings under its own name, "
+                          "e.g. conf/ood/svhn.yaml starts with 'svhn:').")
     return {str(name): instantiate(node) for name, node in chosen.items()}
 
 
-def _evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, out: Path) -> list:
+def _evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, out: Path, model) -> list:
     """The evaluation's loggers. A W&B logger logs into a run linked to the training run (see
-    `dbsn.runtime.wandb_run`): its group and name, job type `evaluate`, the training run's id in
-    `train_run_id`, the evaluation's settings under `evaluation`; its id is kept in `out`."""
-    if not cfg.get("logger"):
-        return []
-    run_dir = paths[0].parent.parent
-    wandb = identity(train_config, run_dir, "evaluate", id_folder=out, group=configured_group(train_config))
-    loggers = _instantiate_group(with_identity(cfg.logger, wandb, save_dir=out))
-    train_id = run_dir / WANDB_ID_FILE
+    `dbsn.runtime.wandb_run`): the training run's group and name, job type `evaluate`, the
+    training runs' W&B ids, the evaluation's settings under `evaluation`, S as evaluated; its id
+    is kept in `out`. A deep ensemble of several runs is its own method, `deep_ensemble`."""
+    run_dirs = [p.parent.parent for p in paths]
+    in_runs = all((d / CONFIG_FILE).is_file() for d in run_dirs)
+    run_dir = run_dirs[0] if in_runs else out
+    facts = {**run_facts(train_config, run_dir), "S": model.num_members}
+    if len(paths) > 1:
+        facts.update(method="deep_ensemble", members=f"{len(paths)} x {facts['method']}", seed=None)
+    name = run_name(facts) if len(paths) == 1 else f"deep_ensemble {facts['dataset']} {facts['members']}"
+    group = (configured_group(train_config) or run_group(run_dir, train_config.get("task_name")) if in_runs
+             else run_group(out, cfg.get("task_name")))
+    logger_cfg, wandb = with_identity(cfg.get("logger"), lambda: {
+        "id": stable_wandb_id(out), "group": group, "name": name, "job_type": "evaluate"}, save_dir=out)
+    loggers = _instantiate_group(logger_cfg)
+    if wandb is None:
+        return loggers
+    train_ids = [(d / WANDB_ID_FILE).read_text().strip() for d in run_dirs
+                 if in_runs and logged_to_wandb(_load_run_config(d)) and (d / WANDB_ID_FILE).is_file()]
     settings = {k: v for k, v in to_plain(cfg).items() if k not in ("logger", "hydra", "paths", "callbacks", "trainer")}
+    links = {"train_run_id": train_ids[0]} if len(paths) == 1 and train_ids else {"train_run_ids": train_ids}
     for logger in loggers:
-        logger.log_hyperparams(_with_facts(
-            train_config, run_dir, logger, wandb, evaluation=settings, checkpoints=[str(p) for p in paths],
-            train_run_id=train_id.read_text().strip() if train_id.is_file() else None))
+        logger.log_hyperparams(_with_facts(train_config, logger, facts, wandb, evaluation=settings,
+                                           checkpoints=[str(p) for p in paths], **links))
     return loggers
+
+
+def _load_run_config(run_dir: Path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE), resolve=False)
 
 
 def _run_checkpoint(run_dir: Path) -> Path | None:

@@ -21,7 +21,7 @@ import os
 import secrets
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -37,10 +37,15 @@ def stable_wandb_id(folder: Path) -> str:
     if path.is_file():
         return path.read_text().strip()
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id form
-    if rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":  # only rank 0 logs
+    if is_rank_zero():  # only rank 0 logs
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(run_id + "\n")
     return run_id
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of the job, also before Lightning has set its rank (DDP children know theirs from LOCAL_RANK)."""
+    return rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def run_group(run_dir: Path, task_name: str | None) -> str:
@@ -53,37 +58,53 @@ def run_facts(config: dict, run_dir: Path) -> dict[str, Any]:
     """The flat keys W&B groups and filters runs on (see the module docstring)."""
     model, data, trainer = (config.get(k) or {} for k in ("model", "data", "trainer"))
     method, dataset = method_and_dataset(run_dir, config)
+    member = model.get("member") or {}  # model=deep_ensemble: `size` members trained as one model
+    size = model.get("size", 1) if member else 1
     return {"method": method, "dataset": dataset, "seed": config.get("seed"),
-            "T": model.get("train_samples", 1), "S": model.get("n_samples", 1),
+            "T": (member or model).get("train_samples", 1), "S": size * (member or model).get("n_samples", 1),
             "epochs": trainer.get("max_epochs"), "batch_size": data.get("batch_size")}
 
 
-def identity(config: dict, run_dir: Path, job_type: str, id_folder: Path, group: str | None = None) -> dict[str, Any]:
-    """id, group, name and job type of the W&B run of `config`'s run in `run_dir` (see the module
-    docstring); `id_folder` keeps the id, `group` replaces the derived one."""
-    facts = run_facts(config, run_dir)
-    return {"id": stable_wandb_id(id_folder), "group": group or run_group(run_dir, config.get("task_name")),
-            "name": f"{facts['method']} {facts['dataset']} seed={facts['seed']}", "job_type": job_type}
+def run_name(facts: dict[str, Any]) -> str:
+    return f"{facts['method']} {facts['dataset']} seed={facts['seed']}"
 
 
-def with_identity(loggers: DictConfig | None, ident: dict[str, Any], save_dir: Path | None = None) -> DictConfig | None:
-    """The logger group with each W&B logger's unset identity keys filled from `ident`."""
+def is_wandb_node(node) -> bool:
+    """A logger config node that builds a W&B logger (ours or Lightning's)."""
+    return isinstance(node, (dict, DictConfig)) and str(node.get("_target_", "")).endswith("WandbLogger")
+
+
+def with_identity(loggers: DictConfig | None, make_identity: Callable[[], dict[str, Any]],
+                  save_dir: Path | None = None) -> tuple[DictConfig | None, dict[str, Any] | None]:
+    """The logger group with each W&B logger's unset identity keys (id, group, name, job type)
+    filled from `make_identity()`, and the identity in effect (None without a W&B logger).
+    `make_identity` is called only when a W&B logger needs it: it may write the id file."""
     if not loggers:
-        return loggers
+        return loggers, None
     loggers = OmegaConf.create(OmegaConf.to_container(loggers, resolve=True))
+    effective = None
     for node in loggers.values():
-        if node is not None and str(node.get("_target_", "")).endswith("WandbLogger"):
-            for key in IDENTITY_KEYS:
-                if node.get(key) is None:
-                    node[key] = ident[key]
-            if save_dir is not None:
-                node.save_dir = str(save_dir)
-    return loggers
+        if not is_wandb_node(node):
+            continue
+        missing = [key for key in IDENTITY_KEYS if node.get(key) is None]
+        if missing:
+            made = make_identity()
+            for key in missing:
+                node[key] = made[key]
+        if save_dir is not None:
+            node.save_dir = str(save_dir)
+        effective = {key: node[key] for key in IDENTITY_KEYS}
+    return loggers, effective
 
 
 def configured_group(config: dict) -> str | None:
     """A group the user set for a run's W&B logger (`logger.wandb.group=...`), if any."""
     for node in (config.get("logger") or {}).values():
-        if isinstance(node, dict) and str(node.get("_target_", "")).endswith("WandbLogger") and node.get("group"):
+        if is_wandb_node(node) and node.get("group"):
             return str(node["group"])
     return None
+
+
+def logged_to_wandb(config: dict) -> bool:
+    """Whether the run of `config` had a W&B logger."""
+    return any(is_wandb_node(node) for node in (config.get("logger") or {}).values())
