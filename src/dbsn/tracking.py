@@ -75,10 +75,10 @@ class WandbLogger(LightningWandbLogger):
     summary and x axis is declared before its first value."""
 
     @property
-    def _defined(self) -> set[str]:  # names already defined in this process (no __init__ of ours: the
-        if "_defined_names" not in self.__dict__:  # config check reads Lightning's signature)
-            self.__dict__["_defined_names"] = set()
-        return self.__dict__["_defined_names"]
+    def _defined(self) -> set[str]:
+        """Names already defined in this process (made here, not in an __init__ of ours: the config
+        check reads the constructor's signature, which stays Lightning's)."""
+        return self.__dict__.setdefault("_defined_names", set())
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:

@@ -117,7 +117,8 @@ def cdf_points(values: Tensor, max_points: int = 101) -> list[list[float]]:
     n = ordered.numel()
     ranks = torch.unique(torch.linspace(0, n - 1, min(n, max_points)).round().long())
     x = ordered[ranks]
-    return [[float(v), float(torch.searchsorted(ordered, v, right=True)) / n] for v in x]
+    below = torch.searchsorted(ordered, x, right=True)  # how many values are <= each x
+    return [[float(v), float(k) / n] for v, k in zip(x, below)]
 
 
 # ---------------------------------------------------------------------- adversarial

@@ -258,10 +258,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
                **model.run_facts(), "slurm": job_facts(),
                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)},
     )
-    for logger in loggers:
-        logger.finalize("success")
-        if isinstance(logger, WandbLogger) and trainer.is_global_zero:
-            logger.experiment.finish()  # writes the run summary (offline runs: for `wandb sync`)
+    _close_loggers(loggers, "success", finish_wandb=trainer.is_global_zero)
     return metrics
 
 
@@ -361,10 +358,11 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
     return results
 
 
-def _close_loggers(loggers, status: str) -> None:
+def _close_loggers(loggers, status: str, finish_wandb: bool = True) -> None:
+    """Finalize the loggers; finishing a W&B run writes its summary (offline runs: for `wandb sync`)."""
     for logger in loggers:
         logger.finalize(status)
-        if isinstance(logger, WandbLogger):
+        if isinstance(logger, WandbLogger) and finish_wandb:
             logger.experiment.finish(exit_code=0 if status == "success" else 1)
 
 
