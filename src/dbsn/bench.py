@@ -49,6 +49,7 @@ from dbsn.ensemble import BayesEnsemble
 from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
+from dbsn.runtime.memory import keep_freed_memory
 
 NETS = {
     "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
@@ -226,6 +227,7 @@ def _peak_memory(spec: tuple) -> float:
 
 
 def _peak_memory_child(name, net_name, batch, device_str, samples_per_forward, queue) -> None:
+    keep_freed_memory()  # as in a run
     device = torch.device(device_str)
     if name == "seg":  # (seg, case, size, device, samples_per_forward)
         run = build_seg_case(net_name, batch, device, samples_per_forward)
@@ -262,6 +264,7 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
 
 def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
         samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4) -> dict:
+    keep_freed_memory()  # as train.py and evaluate.py do (dbsn.runtime.memory)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
         samples_per_forward = 20 if dev.type == "cuda" else 4

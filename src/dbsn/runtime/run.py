@@ -29,6 +29,7 @@ from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
+from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.progress import LineProgress
 from dbsn.runtime.wandb_run import (configured_group, is_rank_zero, logged_to_wandb, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
@@ -203,6 +204,7 @@ def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
 def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
     validate_config(cfg)
+    keep_freed_memory()
     output_dir = Path(output_dir)
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
     plain = to_plain(cfg)
@@ -296,6 +298,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     unknown = [e for e in _evaluations(cfg) if e not in EVALUATIONS]
     if unknown:
         raise ConfigError(f"evaluations: unknown {unknown}; choose from {list(EVALUATIONS)} (the test pass always runs).")
+    keep_freed_memory()
     paths = [Path(p) for p in (list(cfg.ckpt_path) if OmegaConf.is_list(cfg.ckpt_path) else [cfg.ckpt_path])]
     if len(paths) == 1 and paths[0].is_dir():
         return evaluate_folder(cfg, paths[0])
