@@ -13,3 +13,15 @@ def _terminated(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _terminated)
+
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _distribution_argument_checks():
+    """Each test starts with torch.distributions' default argument checks: torch.compile turns
+    them off for the whole process (torch._dynamo patches the default on its first use)."""
+    torch.distributions.Distribution.set_default_validate_args(__debug__)
+    yield

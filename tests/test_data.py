@@ -314,7 +314,7 @@ def test_training_preprocessing_does_not_synchronise_cuda():
 @pytest.mark.parametrize("module_class, flips", zip(ALL_MODULES, [True, True, False, False]))
 def test_flip_defaults(monkeypatch, module_class, flips):
     calls = []
-    monkeypatch.setattr(data_base, "random_hflip", lambda x: calls.append(1) or x)
+    monkeypatch.setattr(data_base, "random_hflip", lambda x, flip=None: calls.append(1) or x)
     dm = module_class(root="unused")
     fake_trainer(dm, training=True)
     dm.on_after_batch_transfer((torch.zeros(4, 3, 32, 32, dtype=torch.uint8), torch.zeros(4)), 0)

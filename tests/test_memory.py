@@ -22,7 +22,7 @@ import json, resource, torch
 from dbsn.runtime.memory import keep_freed_memory
 applied = keep_freed_memory()
 faults = []
-for _ in range(8):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     live = [torch.ones(n) for n in SIZES]  # written in full
     del live
@@ -45,8 +45,8 @@ def test_freed_blocks_are_reused_without_page_faults():
     kept = _probe("1")
     assert kept["applied"]
     # the heap grows over the first repetitions (an aligned request does not always fit the
-    # block it freed), then the blocks are reused: no new page
-    assert max(kept["faults"][-3:]) < 0.02 * PAGES
+    # block it freed; measured: for 2 to 6 of them), then the blocks are reused: no new page
+    assert max(kept["faults"][-4:]) < 0.02 * PAGES, kept["faults"]
     default = _probe("0")
     assert not default["applied"]
     assert min(default["faults"][1:]) > 0.8 * PAGES  # glibc's default: the pages fault again, every time

@@ -9,7 +9,9 @@ i.e. it averages *probabilities*, not logits. This module is the one place that 
 a method supplies `stochastic_forward(x, n, first) -> logits (n, b, C)`, which evaluates members
 first, ..., first + n - 1 in one batched call (for DBSN: one grouped forward over n structures;
 fresh draws for a method without a fixed set of members), and the ensemble runs it in chunks of
-`samples_per_forward` so that S × batch never has to fit in memory at once.
+`samples_per_forward` so that S × batch never has to fit in memory at once. The members'
+log-probabilities and their average are computed in float32 whatever the logits' precision
+(under `trainer.precision=bf16-mixed` the network's logits are bfloat16).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from dbsn.precision import float32, full
 
 StochasticForward = Callable[[Tensor, int, int], Tensor]
 
@@ -52,8 +56,8 @@ class BayesEnsemble:
             done += n
 
     def member_log_probs(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
-        """Log-probabilities of every member, shaped (S, b, C)."""
-        return torch.cat([stochastic_forward(x, n, first).log_softmax(-1) for n, first in self._chunks()])
+        """Log-probabilities of every member, shaped (S, b, C), in float32."""
+        return torch.cat([_log_softmax(stochastic_forward(x, n, first)) for n, first in self._chunks()])
 
     def __call__(self, stochastic_forward: StochasticForward, x: Tensor) -> Tensor:
         """log of the averaged probabilities, log(1/S Σ_s softmax(f_s(x))), shaped (b, C).
@@ -61,7 +65,12 @@ class BayesEnsemble:
         Computed as logsumexp over members minus log S, one chunk at a time, so only
         `samples_per_forward` members are alive at once.
         """
-        partial = [
-            torch.logsumexp(stochastic_forward(x, n, first).log_softmax(-1), dim=0) for n, first in self._chunks()
-        ]
-        return torch.logsumexp(torch.stack(partial), dim=0) - math.log(self.n_samples)
+        partial = [torch.logsumexp(_log_softmax(stochastic_forward(x, n, first)), dim=0) for n, first in self._chunks()]
+        with float32():
+            return torch.logsumexp(torch.stack(partial), dim=0) - math.log(self.n_samples)
+
+
+def _log_softmax(logits: Tensor) -> Tensor:
+    """log softmax over the last dimension, in float32 (at least)."""
+    with float32():
+        return full(logits).log_softmax(-1)

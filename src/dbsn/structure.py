@@ -4,7 +4,8 @@ The network structure is one weight vector alpha in the simplex per edge (Eq. 1)
 variational posterior q(alpha | theta) is the sharpened concrete distribution (Eq. 4, 5),
 its prior p(alpha) the same family with uniform logits and beta = 1, and the KL term of
 the loss (Eq. 3) is estimated from the reparameterised samples that feed the network.
-This module knows nothing of networks: it maps logits to samples, densities and KLs.
+This module knows nothing of networks: it maps logits to samples, densities and KLs. It
+computes in float32 (at least) under mixed precision: autocast is off inside (`dbsn.precision`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Distribution, constraints
 from torch.distributions.utils import clamp_probs
+
+from dbsn.precision import float32, full
 
 __all__ = ["SharpenedConcrete", "StructureLogits", "kl_estimate", "uniform_prior"]
 
@@ -53,8 +56,9 @@ class SharpenedConcrete(Distribution):
     ) -> None:
         if logits.dim() < 1:
             raise ValueError("logits must have at least one dimension (the K categories)")
-        beta = torch.as_tensor(beta, dtype=logits.dtype, device=logits.device)
-        tau = torch.as_tensor(tau, dtype=logits.dtype, device=logits.device)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # 16-bit logits: beta and tau stay exact
+        beta = torch.as_tensor(beta, dtype=dtype, device=logits.device)
+        tau = torch.as_tensor(tau, dtype=dtype, device=logits.device)
         batch_shape = torch.broadcast_shapes(logits.shape[:-1], beta.shape, tau.shape)
         event_shape = logits.shape[-1:]
         self.logits = logits.expand(batch_shape + event_shape)
@@ -70,10 +74,12 @@ class SharpenedConcrete(Distribution):
     def rsample(self, sample_shape: torch.Size | tuple[int, ...] = torch.Size()) -> Tensor:
         """Reparameterised sample alpha = softmax((theta + beta * g) / tau) (Eq. 4)."""
         shape = self._extended_shape(torch.Size(sample_shape))
-        u = clamp_probs(torch.rand(shape, dtype=self.logits.dtype, device=self.logits.device))
-        gumbel = -torch.log(-torch.log(u))
-        scores = (self.logits + self.beta.unsqueeze(-1) * gumbel) / self.tau.unsqueeze(-1)
-        return torch.log_softmax(scores, dim=-1).exp()
+        with float32():
+            logits, beta, tau = full(self.logits), full(self.beta), full(self.tau)
+            u = clamp_probs(torch.rand(shape, dtype=logits.dtype, device=logits.device))
+            gumbel = -torch.log(-torch.log(u))
+            scores = (logits + beta.unsqueeze(-1) * gumbel) / tau.unsqueeze(-1)
+            return torch.log_softmax(scores, dim=-1).exp()
 
     def log_prob(self, value: Tensor) -> Tensor:
         """log q(alpha | theta, beta) of Eq. 5, constants included.
@@ -86,16 +92,17 @@ class SharpenedConcrete(Distribution):
         if self._validate_args:
             self._validate_sample(value)
         k = self.event_shape[0]
-        beta, tau = self.beta.unsqueeze(-1), self.tau.unsqueeze(-1)
-        log_alpha = value.clamp(min=torch.finfo(value.dtype).tiny).log()
-        scores = (self.logits - tau * log_alpha) / beta
-        return (
-            math.lgamma(k)
-            + (k - 1) * (self.tau.log() - self.beta.log())
-            - log_alpha.sum(-1)
-            + scores.sum(-1)
-            - k * scores.logsumexp(-1)
-        )
+        with float32():
+            value, logits, beta, tau = full(value), full(self.logits), full(self.beta), full(self.tau)
+            log_alpha = value.clamp(min=torch.finfo(value.dtype).tiny).log()
+            scores = (logits - tau.unsqueeze(-1) * log_alpha) / beta.unsqueeze(-1)
+            return (
+                math.lgamma(k)
+                + (k - 1) * (tau.log() - beta.log())
+                - log_alpha.sum(-1)
+                + scores.sum(-1)
+                - k * scores.logsumexp(-1)
+            )
 
 
 def uniform_prior(

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from dbsn.precision import float32
+
 __all__ = [
     "BayesConv2d",
     "BayesLayer",
@@ -266,8 +268,9 @@ def set_sampling(module: nn.Module, enabled: bool) -> nn.Module:
 
 def kl_divergence(module: nn.Module) -> Tensor:
     """Sum of ``kl()`` over the Bayesian layers of ``module`` (each shared layer counted once);
-    a 0-dim zero on the module's device if it has none."""
-    kls = [m.kl() for m in module.modules() if isinstance(m, BayesLayer)]
+    a 0-dim zero on the module's device if it has none. In float32 under mixed precision."""
+    with float32():
+        kls = [m.kl() for m in module.modules() if isinstance(m, BayesLayer)]
     if kls:
         return torch.stack(kls).sum()
     param = next(module.parameters(), None)

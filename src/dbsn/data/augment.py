@@ -17,6 +17,16 @@ def to_unit_range(images: Tensor) -> Tensor:
     return images.float().div_(255.0)
 
 
+def crop_offsets(n: int, padding: int, device: torch.device | str | None = None) -> Tensor:
+    """(n, 2) window corners (top, left) for `random_crop`, each uniform on 0..2·padding."""
+    return torch.randint(0, 2 * padding + 1, (n, 2), device=device)
+
+
+def flip_draws(n: int, device: torch.device | str | None = None) -> Tensor:
+    """(n,) bools for `random_hflip`, each true with probability 1/2."""
+    return torch.rand(n, device=device) < 0.5
+
+
 def random_crop(x: Tensor, padding: int, offsets: Tensor | None = None) -> Tensor:
     """Pad every image with `padding` zeros on each side and cut out a random H x W window.
 
@@ -30,7 +40,7 @@ def random_crop(x: Tensor, padding: int, offsets: Tensor | None = None) -> Tenso
     padded = F.pad(x, (padding, padding, padding, padding))
     padded_w = w + 2 * padding
     if offsets is None:
-        offsets = torch.randint(0, 2 * padding + 1, (n, 2), device=x.device)
+        offsets = crop_offsets(n, padding, x.device)
     rows = offsets[:, :1] + torch.arange(h, device=x.device)  # (N, H)
     cols = offsets[:, 1:] + torch.arange(w, device=x.device)  # (N, W)
     index = (rows[:, :, None] * padded_w + cols[:, None, :]).view(n, 1, h * w)
@@ -41,7 +51,7 @@ def random_crop(x: Tensor, padding: int, offsets: Tensor | None = None) -> Tenso
 def random_hflip(x: Tensor, flip: Tensor | None = None) -> Tensor:
     """Mirror each image left-right with probability 1/2 (or where the (N,) bool `flip` says)."""
     if flip is None:
-        flip = torch.rand(x.shape[0], device=x.device) < 0.5
+        flip = flip_draws(x.shape[0], x.device)
     return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
 
 

@@ -5,8 +5,13 @@ gather per batch and yields ``(uint8 images, labels)``; all float work (scaling 
 random crop and flip in training, per-channel normalisation) runs in
 `on_after_batch_transfer`, on the device, batched. Subclasses only say where their files are
 and how to read them.
+
+With `on_device` the uint8 training set itself lives on the accelerator (CIFAR-10: 150 MB)
+and `DeviceBatches` gathers each batch there: no worker processes, no host-to-device copy per
+step. Its batches are the DataLoader's, index for index: it iterates the same samplers.
 """
 
+import os
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -17,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
-from dbsn.data.augment import normalize, random_crop, random_hflip, to_unit_range
+from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
 
 # `val_dataloader` returns [] when there is no validation split: that is how Lightning is told
 # to skip validation, so its warning about a zero-length `list` is expected. (A zero-length
@@ -125,6 +130,56 @@ def in_memory_loader(datamodule, dataset: Dataset, train: bool) -> DataLoader:
     )
 
 
+class DeviceBatches:
+    """The training loader of `on_device`: batches gathered by index from a training set held
+    on the device, in the order of `sampler`.
+
+    `sampler` is what the DataLoader path iterates, so the batches are the same ones: the
+    `EpochShuffleSampler` order on one device, `SameOrderOnEveryRank` for structure-parallel
+    ranks, and for data-parallel ranks the `DistributedSampler` that Lightning would put in a
+    DataLoader (same seed, disjoint shards). Lightning calls `sampler.set_epoch` before every
+    epoch.
+
+    Mid-epoch resume. Lightning saves `state_dict()` in every checkpoint and hands it back
+    before the resumed epoch starts; the epoch then continues after the batches that had been
+    trained on. Lightning fetches a batch ahead of the one it trains on, so what counts is not
+    what this loader has yielded but what training consumed: the data module calls `consumed()`
+    for every training batch it preprocesses.
+    """
+
+    def __init__(self, images: Tensor, labels: Tensor, sampler, batch_size: int, drop_last: bool) -> None:
+        self.images, self.labels = images, labels
+        self.sampler = sampler
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self._done = 0  # batches of the current epoch that training consumed
+        self._resume: dict | None = None
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self):
+        epoch = getattr(self.sampler, "epoch", 0)
+        start = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            start = self._resume["batches"]
+        self._resume, self._done = None, start
+        order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.long, device=self.images.device)
+        for b in range(start, len(self)):
+            index = order[b * self.batch_size : (b + 1) * self.batch_size]
+            yield self.images[index], self.labels[index]
+
+    def consumed(self) -> None:
+        """One more training batch of this epoch went into a training step."""
+        self._done += 1
+
+    def state_dict(self) -> dict:
+        return {"epoch": getattr(self.sampler, "epoch", 0), "batches": self._done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = dict(state)
+
+
 def check_arrays(path: Path, images: np.ndarray, labels: np.ndarray, num_classes: int) -> None:
     """Raise `CorruptDatasetError` naming `path` unless it held uint8 (N, 3, 32, 32) images with
     N labels in 0..num_classes-1."""
@@ -163,6 +218,9 @@ class ImageClassificationDataModule(L.LightningDataModule):
         flip: horizontal flips in training; None = the dataset's default (`default_flip`).
         drop_last: drop the last incomplete training batch (the research code does).
         pin_memory: pinned host memory for faster copies (only used when CUDA is present).
+        on_device: keep the uint8 training set on the accelerator and gather batches there
+            (`DeviceBatches`: the same batches, no workers, no copy per step). "auto" = when
+            training on a GPU; true also on a CPU (no worker processes); false = the DataLoader.
     """
 
     name: ClassVar[str]
@@ -186,8 +244,11 @@ class ImageClassificationDataModule(L.LightningDataModule):
         flip: bool | None = None,
         drop_last: bool = True,
         pin_memory: bool = True,
+        on_device: bool | str = "auto",
     ) -> None:
         super().__init__()
+        if isinstance(on_device, str) and on_device != "auto":
+            raise ValueError(f"data.on_device must be true, false or 'auto', got {on_device!r}")
         self.save_hyperparameters()
         self.root = Path(root).expanduser().absolute()
         self.batch_size = batch_size
@@ -202,10 +263,13 @@ class ImageClassificationDataModule(L.LightningDataModule):
         self.flip = self.default_flip if flip is None else flip
         self.drop_last = drop_last
         self.pin_memory = pin_memory
+        self.on_device = on_device
         self.train_set: TensorImageDataset | None = None
         self.val_set: TensorImageDataset | None = None
         self.test_set: TensorImageDataset | None = None
         self._device_stats: tuple[Tensor, Tensor] | None = None
+        self._device_train: tuple[Tensor, Tensor] | None = None  # the training set on the device
+        self._train_loader = None
 
     # ----- what a dataset supplies ------------------------------------------------------
     def required_files(self) -> list[Path]:
@@ -339,8 +403,33 @@ class ImageClassificationDataModule(L.LightningDataModule):
     def _loader(self, dataset: TensorImageDataset, train: bool) -> DataLoader:
         return in_memory_loader(self, dataset, train)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+    def train_dataloader(self) -> DataLoader | DeviceBatches:
+        device = self._training_device()
+        if device is None:
+            self._train_loader = self._loader(self.train_set, train=True)
+            return self._train_loader
+        if self._device_train is None or self._device_train[0].device != device:
+            self._device_train = (self.train_set.images.to(device), self.train_set.labels.to(device))
+        self._train_loader = DeviceBatches(*self._device_train, self._training_sampler(), self.batch_size,
+                                           self.drop_last)
+        return self._train_loader
+
+    def _training_device(self) -> torch.device | None:
+        """Where `on_device` puts the training set: the trainer's device, or None (DataLoader)."""
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        wanted = device.type == "cuda" if self.on_device == "auto" else bool(self.on_device)
+        return device if wanted else None
+
+    def _training_sampler(self):
+        """The order of the training batches, as the DataLoader path has it (see `DeviceBatches`)."""
+        if getattr(self, "same_batches_on_every_rank", False):
+            return SameOrderOnEveryRank(self.train_set)
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            kwargs = trainer.strategy.distributed_sampler_kwargs or {}
+            return DistributedSampler(self.train_set, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0)), **kwargs)
+        return EpochShuffleSampler(self.train_set)
 
     def val_dataloader(self) -> DataLoader | list:
         """The validation loader, or [] without a validation split (Lightning then skips it)."""
@@ -355,6 +444,8 @@ class ImageClassificationDataModule(L.LightningDataModule):
         """uint8 -> normalised float on the device; augmented only while the trainer trains."""
         images, labels = batch
         training = self.trainer is not None and self.trainer.training
+        if training and isinstance(self._train_loader, DeviceBatches):
+            self._train_loader.consumed()
         return self.preprocess(images, train=training), labels
 
     def preprocess(self, images: Tensor, train: bool = False) -> Tensor:
@@ -363,9 +454,9 @@ class ImageClassificationDataModule(L.LightningDataModule):
         in-distribution statistics."""
         x = to_unit_range(images)
         if train and self.augment:
-            x = random_crop(x, CROP_PADDING)
+            x = random_crop(x, CROP_PADDING, crop_offsets(x.shape[0], CROP_PADDING, x.device))
             if self.flip:
-                x = random_hflip(x)
+                x = random_hflip(x, flip_draws(x.shape[0], x.device))
         return normalize(x, *self.statistics_on(x.device))
 
     def statistics_on(self, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -113,6 +113,49 @@ class WeightOptimizer:
 
 
 @dataclass
+class Compilation:
+    """`torch.compile` of the network's forward, for training steps and prediction alike.
+
+    One training step of the paper's network dispatches about 48,700 operations, each launched
+    from Python; on a GPU that overhead, not the arithmetic, sets the pace. Compiled, the
+    forward and its backward become a few fused kernels. The structures α reach the graph as a
+    tensor input, so a new draw (and new τ, β, which only shape α) reuses the graph: after the
+    first steps nothing recompiles (tested). New shapes compile once more each: the number of
+    structures per forward (T in training, `samples_per_forward` at prediction), a last short
+    batch, train / eval mode.
+
+    Args:
+        enabled: compile (off by default).
+        mode: inductor's mode: "default", "reduce-overhead" (CUDA graphs: least launch
+            overhead, fixed input shapes), "max-autotune", "max-autotune-no-cudagraphs".
+        backend: "inductor" (needs a C++ compiler on a CPU, Triton on a GPU), or "aot_eager"
+            / "eager" to check that a problem lies in code generation.
+        dynamic: torch.compile's `dynamic` (None: specialise, then generalise a dimension
+            that changes).
+        fullgraph: refuse graph breaks (an error instead of a slower split graph).
+    """
+
+    enabled: bool = False
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+    MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            raise ValueError(f"compile.mode must be one of {self.MODES}, got {self.mode!r}")
+        if self.backend != "inductor" and self.mode != "default":
+            raise ValueError(f"compile.mode={self.mode!r} is an inductor mode; backend {self.backend!r} takes none")
+
+    def apply(self, net: nn.Module) -> None:
+        """Compile `net`'s forward in place (its state dict keeps its keys)."""
+        options = {"mode": self.mode} if self.backend == "inductor" else {}
+        net.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
+
+
+@dataclass
 class StructureOptimizer:
     """Adam on the structure logits θ (paper: lr 3e-4, betas (0.5, 0.999), no weight decay)."""
 
@@ -152,6 +195,10 @@ class ClassificationMethod(pl.LightningModule):
             this rank's structures at once. Smaller values run the structures one chunk after
             another and accumulate their gradients: the same step, at about
             train_samples_per_forward / T of the activation memory.
+        channels_last: keep the network's weights and activations in the channels-last
+            (NHWC) layout, which GPU convolutions in bfloat16 prefer; outputs and gradients
+            equal the contiguous layout's (tested).
+        compile: compile the network's forward (`Compilation`); off by default.
     """
 
     def __init__(
@@ -169,12 +216,20 @@ class ClassificationMethod(pl.LightningModule):
         *,
         parallel: Parallel = "data",
         train_samples_per_forward: int | None = None,
+        channels_last: bool = False,
+        compile: Compilation | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.task = task if task is not None else Classification()
         self.weights = weights if weights is not None else WeightPosterior()
         self.net = self.weights.prepare(net)
+        self.channels_last = channels_last
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+        self.compilation = compile if compile is not None else Compilation()
+        if self.compilation.enabled:
+            self.compilation.apply(self.net)
         self.optim = optim if optim is not None else WeightOptimizer()
         if train_samples < 1:
             raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
@@ -269,7 +324,7 @@ class ClassificationMethod(pl.LightningModule):
         """`share` · (NLL of x under the structures alpha (one grouped forward), averaged over
         the structures, + their mean KL / N) (+ weight KL / N with `weight_kl`). The logged
         parts (nll, kl) are this chunk's means, unscaled."""
-        logits = self.net(x, alpha, replicate=True)  # = net(x.repeat_interleave(G), alpha)
+        logits = self.network(x, alpha)  # = net(x.repeat_interleave(G), alpha)
         targets = y.repeat_interleave(alpha.shape[0], dim=0)
         nll = self.task.loss(logits, targets)  # = mean over structures of each one's mean NLL
         structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
@@ -308,8 +363,16 @@ class ClassificationMethod(pl.LightningModule):
             return torch.cat([self.stochastic_forward(x, 1, first + i) for i in range(n)])
         alpha = self.prediction_structures(n, first)
         with self.prediction_statistics(n, first):
-            logits = self.task.class_last(self.net(x, alpha, replicate=True))  # row i*n + s: example i, member s
+            logits = self.task.class_last(self.network(x, alpha))  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
+
+    def network(self, x: Tensor, alpha: Tensor) -> Tensor:
+        """The network's logits for every example of x under every structure of alpha, row
+        i*G + g for example i and structure g (`net(x, alpha, replicate=True)`), with x in the
+        network's memory layout."""
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.net(x, alpha, replicate=True)
 
     def on_after_optimizer_step(self, batch_size: int) -> None:
         """Hook for progress counters, after each optimiser step on a batch of `batch_size`

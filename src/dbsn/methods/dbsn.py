@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from dbsn.methods.tasks import Classification
-from dbsn.methods.base import ClassificationMethod, Parallel, StructureOptimizer, WeightOptimizer
+from dbsn.methods.base import ClassificationMethod, Compilation, Parallel, StructureOptimizer, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
 from dbsn.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
@@ -83,6 +83,7 @@ class DBSN(ClassificationMethod):
         theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
         bn_recalibration: per-structure BatchNorm statistics at prediction (see
             `BatchNormRecalibration`); None = the running statistics (the paper).
+        channels_last, compile: see `ClassificationMethod`.
     """
 
     def __init__(
@@ -105,10 +106,13 @@ class DBSN(ClassificationMethod):
         parallel: Parallel = "structure",
         train_samples_per_forward: int | None = None,
         bn_recalibration: BatchNormRecalibration | None = None,
+        channels_last: bool = False,
+        compile: Compilation | None = None,
     ) -> None:
         super().__init__(
             net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size,
             temperature_scaling, task, parallel=parallel, train_samples_per_forward=train_samples_per_forward,
+            channels_last=channels_last, compile=compile,
         )
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
@@ -247,7 +251,7 @@ class DBSN(ClassificationMethod):
         have = 0 if self._members is None else self._members[0].shape[0]
         if count > have:
             alpha = self.sample_structures(count - have)
-            parts = [structure_statistics(lambda x, a=a: self.net(x, a, replicate=True), self.net, self._calibration,
+            parts = [structure_statistics(lambda x, a=a: self.network(x, a), self.net, self._calibration,
                                           a.shape[0]) for a in alpha.split(self.samples_per_forward)]
             if self._members is not None:
                 alpha, parts = torch.cat([self._members[0], alpha]), [self._members[1], *parts]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from dbsn.methods.tasks import Classification
-from dbsn.methods.base import ClassificationMethod, StructureOptimizer, WeightOptimizer
+from dbsn.methods.base import ClassificationMethod, Compilation, StructureOptimizer, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
 
 
@@ -29,6 +29,7 @@ class MAP(ClassificationMethod):
             see `dbsn.refine`); default 1/K on every edge. Only with `learn_structure=False`.
         weights: point estimates (MAP), `MCDropoutWeights` (MC dropout), `GaussianWeights` (BBB).
         n_samples: S for stochastic weights; deterministic methods predict with one pass.
+        channels_last, compile: see `ClassificationMethod`.
     """
 
     def __init__(
@@ -46,9 +47,12 @@ class MAP(ClassificationMethod):
         dataset_size: int | None = None,
         temperature_scaling: bool = False,
         task: Classification | None = None,
+        channels_last: bool = False,
+        compile: Compilation | None = None,
     ) -> None:
         super().__init__(
-            net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size, temperature_scaling, task
+            net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size, temperature_scaling, task,
+            channels_last=channels_last, compile=compile,
         )
         self.learn_structure = learn_structure
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()

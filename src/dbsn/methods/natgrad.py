@@ -50,7 +50,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
-from dbsn.methods.base import StructureOptimizer
+from dbsn.methods.base import Compilation, StructureOptimizer
 from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
 from dbsn.methods.tasks import Classification
@@ -86,6 +86,12 @@ class NaturalGradientMethod:
 
     def __init__(self, *args, lr_milestones: Sequence[float] = (), lr_gamma: float = 0.1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.compilation.enabled:
+            raise ValueError(
+                f"model.compile.enabled=true is not supported by {type(self).__name__}: its optimiser captures every "
+                "layer's input and output gradient with module and tensor hooks, which a compiled forward does not "
+                "run. Set model.compile.enabled=false."
+            )
         self.lr_milestones = tuple(float(m) for m in lr_milestones)
         if any(not 0 < m < 1 for m in self.lr_milestones):
             raise ValueError(f"lr_milestones are fractions of training in (0, 1), got {self.lr_milestones}")
@@ -312,6 +318,8 @@ def VOGNMethod(
     dataset_size: int | None = None,
     temperature_scaling: bool = False,
     task: Classification | None = None,
+    channels_last: bool = False,
+    compile: Compilation | None = None,
 ) -> VOGNMAP | VOGNFBN:
     """VOGN weights with a MAP (``structure="map"``) or DBSN (``"dbsn"``) structure.
 
@@ -324,7 +332,7 @@ def VOGNMethod(
         vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
         structure_optim=structure_optim, n_samples=n_samples, val_samples=val_samples,
         samples_per_forward=samples_per_forward, theta_init_std=theta_init_std, dataset_size=dataset_size,
-        temperature_scaling=temperature_scaling, task=task,
+        temperature_scaling=temperature_scaling, task=task, channels_last=channels_last, compile=compile,
     )
     if structure == "map":
         if tau is not None or beta is not None or test_tau != 1.0:
@@ -363,11 +371,13 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         dataset_size: int | None = None,
         temperature_scaling: bool = False,
         task: Classification | None = None,
+        channels_last: bool = False,
+        compile: Compilation | None = None,
     ) -> None:
         super().__init__(
             net, lr_milestones=lr_milestones, lr_gamma=lr_gamma, learn_structure=False, n_samples=n_samples,
             val_samples=val_samples, samples_per_forward=samples_per_forward, dataset_size=dataset_size,
-            temperature_scaling=temperature_scaling, task=task,
+            temperature_scaling=temperature_scaling, task=task, channels_last=channels_last, compile=compile,
         )
         self.nekfac = _settings("nekfac", NEKFAC, nekfac, {}, {"dataset_size"})
 

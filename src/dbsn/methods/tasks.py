@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbsn.precision import float32, full
+
 
 class Classification:
     """One label per input: logits (N, C), targets (N,)."""
@@ -28,8 +30,9 @@ class Classification:
     supports_ablation = True
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy over the labelled entries."""
-        return F.cross_entropy(logits, targets, ignore_index=self.ignore_index)
+        """Mean cross-entropy over the labelled entries, in float32 (at least) under mixed precision."""
+        with float32():
+            return F.cross_entropy(full(logits), targets, ignore_index=self.ignore_index)
 
     def error(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Fraction of labelled entries whose argmax class is wrong (class dimension 1)."""

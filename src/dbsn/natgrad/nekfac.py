@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.natgrad.per_example import LayerCapture, kfac_factors, per_example_grads
+from dbsn.precision import float32
 
 __all__ = ["NEKFAC", "kfac_layers", "sampled_fisher_loss"]
 
@@ -335,15 +336,17 @@ class NEKFAC(torch.optim.Optimizer):
                 if stats:
                     torch.autograd.grad(fisher_loss, weights, retain_graph=True, allow_unused=True)
                     self.capture.enabled = False
-                    self._update_stats(reset=eigen)
+                    with float32():  # the statistics' matrix products, not in bfloat16 under autocast
+                        self._update_stats(reset=eigen)
                 self.zero_grad(set_to_none=True)
                 loss.backward()
         finally:
             self.capture.enabled = False
             self.capture.clear()
             self._restore(saved)
-        self._update_eigenbasis(scheduled=eigen)
-        self._update_means()
+        with float32():
+            self._update_eigenbasis(scheduled=eigen)
+            self._update_means()
         self.steps += 1
         return loss.detach()
 

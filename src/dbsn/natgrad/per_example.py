@@ -42,12 +42,14 @@ statistics are not reproduced: x̂ uses the local batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from dbsn.precision import float32, full
 
 __all__ = [
     "LayerCapture",
@@ -61,6 +63,19 @@ SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d, _BatchNorm)
 
 _CHUNK_ELEMENTS = 2**24
 """Default memory budget of ``sum_squared_grads``: per-example gradient elements per chunk."""
+
+
+def _in_float32(statistic):
+    """Compute `statistic(layer, inputs, output_grads, ...)` in float32: the saved tensors of a
+    mixed-precision forward are bfloat16, and autocast would run its einsums and matrix products
+    in bfloat16 too (`dbsn.precision`)."""
+
+    @wraps(statistic)
+    def in_float32(layer: nn.Module, inputs: Tensor, output_grads: Tensor, *args, **kwargs):
+        with float32():
+            return statistic(layer, full(inputs), full(output_grads), *args, **kwargs)
+
+    return in_float32
 
 
 def _check_layer(layer: nn.Module) -> None:
@@ -166,7 +181,8 @@ class LayerCapture:
 
 def _normalised_input(bn: _BatchNorm, x: Tensor, groups: int = 1) -> Tensor:
     """x̂ as computed by ``bn``'s forward (channels on dim 1; ``groups`` interleaved groups of rows)."""
-    with torch.no_grad():
+    with torch.no_grad(), float32():
+        x = full(x)
         if bn.training or bn.running_mean is None:
             xg = x.reshape(x.shape[0] // groups, groups * x.shape[1], *x.shape[2:])
             dims = [0, *range(2, xg.dim())]
@@ -202,6 +218,7 @@ def _grouped(layer: nn.Module, inputs: Tensor, output_grads: Tensor) -> tuple[Te
     raise TypeError(f"expected a Linear or Conv2d layer, got {type(layer).__name__}")
 
 
+@_in_float32
 def per_example_grads(layer: nn.Module, inputs: Tensor, output_grads: Tensor) -> list[Tensor]:
     """dL_i/dθ for each example i: [weight, bias (if any)], each (B, *param.shape).
 
@@ -223,6 +240,7 @@ def per_example_grads(layer: nn.Module, inputs: Tensor, output_grads: Tensor) ->
     return grads
 
 
+@_in_float32
 def sum_squared_grads(
     layer: nn.Module, inputs: Tensor, output_grads: Tensor, chunk_size: int | None = None
 ) -> list[Tensor]:
@@ -255,6 +273,7 @@ def sum_squared_grads(
     return sums
 
 
+@_in_float32
 def kfac_factors(layer: nn.Module, inputs: Tensor, output_grads: Tensor) -> tuple[Tensor, Tensor]:
     """Kronecker factors (A, S) of a Linear or Conv2d layer, bias folded into A.
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbsn.precision import float32, full
+
 #: BatchNorm statistics of G structures per module: {module name: (mean, unbiased variance)},
 #: each (G, C).
 Statistics = dict[str, tuple[Tensor, Tensor]]
@@ -40,13 +42,22 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
     exactly ``nn.BatchNorm2d`` -- unless the tools of this module have set
     ``statistics`` (per-group statistics for prediction), ``collected`` (record each
     group's batch statistics) or ``pending`` (accumulate the running-statistics update).
+
+    Layout. An NCHW-contiguous batch is viewed as (b, G*C, H, W), which puts group g's
+    channels at g*C..(g+1)*C, so one fused ``F.batch_norm`` call computes per-group
+    statistics. A channels-last batch has no such view (its channels are innermost, the
+    groups outermost); it is normalised from per-group moments over a (b, G, C, H, W) view
+    instead (`_moments`, `_scale_shift`): the same function, in float32, without a copy
+    of the input's layout.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.statistics: tuple[Tensor, Tensor] | None = None
         self.collected: list[tuple[Tensor, Tensor]] | None = None
-        self.pending: list[Tensor] | None = None  # [Σ group means, Σ group variances, number of groups]
+        # [Σ group means, Σ group unbiased variances, number of groups (a tensor, so that a
+        # compiled forward does not specialise on it)]
+        self.pending: list[Tensor] | None = None
 
     def forward(self, x: Tensor, groups: int = 1) -> Tensor:  # type: ignore[override]
         if self.statistics is not None:
@@ -56,20 +67,28 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             if self.collected is not None:
                 self.collected.append((mean, var))
             else:
-                self.pending[0] += mean.sum(0)
-                self.pending[1] += var.sum(0)
-                self.pending[2] += mean.shape[0]
+                self.pending[0].add_(mean.sum(0))
+                self.pending[1].add_(var.sum(0))
+                self.pending[2].add_(mean.shape[0])
             return y
         uses_batch_stats = self.training or self.running_mean is None
         if groups == 1 or not uses_batch_stats:
             return super().forward(x)
+        update = self.training and self.track_running_stats
+        if _channels_last(x):
+            y, mean, var = self._batch_statistics(x, groups)
+            if update:
+                with torch.no_grad():
+                    factor = self._next_factor()
+                    self.running_mean.mul_(1 - factor).add_(mean.mean(0), alpha=factor)
+                    self.running_var.mul_(1 - factor).add_(var.mean(0), alpha=factor)
+            return y
 
         # With interleaved groups, (b*G, C, H, W) viewed as (b, G*C, H, W) is free and
         # puts group g's channels at g*C..(g+1)*C: one fused batch_norm call computes
         # per-group statistics, with no copy.
         n, c, h, w = x.shape
         xt = x.reshape(n // groups, groups * c, h, w)  # a view unless x is a channel slice
-        update = self.training and self.track_running_stats
         running_mean = self.running_mean.repeat(groups) if update else None
         running_var = self.running_var.repeat(groups) if update else None
         factor = self._next_factor() if update else 0.0
@@ -95,8 +114,14 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
 
     def _batch_statistics(self, x: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
         """Normalise each group with its batch statistics; return the output and each group's
-        mean and unbiased variance, (G, C)."""
+        mean and unbiased variance, (G, C), in float32."""
         n, c, h, w = x.shape
+        if _channels_last(x):
+            mean, var = _moments(x, groups)
+            count = (n // groups) * h * w
+            y = self._scale_shift(x, groups, mean, var)
+            unbiased = var * (count / max(count - 1, 1))
+            return y, mean.detach(), unbiased.detach()
         mean = x.new_zeros(groups * c, dtype=torch.float32)
         var = x.new_ones(groups * c, dtype=torch.float32)
         # momentum 1: the "running" buffers become this batch's statistics
@@ -112,9 +137,39 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             mean, var = mean[:1], var[:1]
         if mean.shape[0] != groups:
             raise ValueError(f"statistics of {mean.shape[0]} structures for a batch of {groups} groups")
+        if _channels_last(x):
+            return self._scale_shift(x, groups, mean, var)
         y = F.batch_norm(x.reshape(n // groups, groups * c, h, w), mean.reshape(-1), var.reshape(-1),
                          *self._affine(groups), False, 0.0, self.eps)
         return y.view(n, c, h, w)
+
+    def _scale_shift(self, x: Tensor, groups: int, mean: Tensor, var: Tensor) -> Tensor:
+        """(x - mean[g]) / sqrt(var[g] + eps) * weight + bias for group g, in float32, from a
+        (b, G, C, H, W) view of x (any layout); returned in x's dtype and layout."""
+        n, c, h, w = x.shape
+        with float32():
+            scale = torch.rsqrt(var.float() + self.eps)  # (G, C)
+            if self.affine:
+                scale = scale * self.weight
+            shift = -mean.float() * scale
+            if self.affine:
+                shift = shift + self.bias
+            y = full(x.view(n // groups, groups, c, h, w)) * scale[:, :, None, None] + shift[:, :, None, None]
+        return y.to(x.dtype).view(n, c, h, w)
+
+
+def _channels_last(x: Tensor) -> bool:
+    """Whether x is a channels-last batch (and not also NCHW-contiguous, as 1x1 maps can be)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _moments(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """Each group's mean and biased variance over (b, H, W), (G, C), in float32; x is
+    (b*G, C, H, W) in any layout (a (b, G, C, H, W) view splits only dimension 0)."""
+    n, c, h, w = x.shape
+    with float32():
+        var, mean = torch.var_mean(full(x.view(n // groups, groups, c, h, w)), dim=(0, 3, 4), correction=0)
+    return mean, var
 
 
 def _group_norms(net: nn.Module) -> list[tuple[str, GroupBatchNorm2d]]:
@@ -129,17 +184,24 @@ def accumulated_running_statistics(net: nn.Module, enabled: bool = True) -> Iter
     the running statistics exactly where one grouped forward over all T leaves them."""
     norms = [m for _, m in _group_norms(net) if m.track_running_stats] if enabled else []
     for m in norms:
-        m.pending = [torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var), 0]
+        m.pending = [torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var),
+                     torch.zeros((), dtype=torch.long, device=m.running_mean.device)]
     try:
         yield
     finally:
         for m in norms:
             (mean_sum, var_sum, count), m.pending = m.pending, None
-            if count:
-                with torch.no_grad():
-                    factor = m._next_factor()
-                    m.running_mean.mul_(1 - factor).add_(mean_sum / count, alpha=factor)
-                    m.running_var.mul_(1 - factor).add_(var_sum / count, alpha=factor)
+            with torch.no_grad():  # on the device, without reading `count` back: no sync per module
+                seen = count > 0  # modules the forwards did not reach keep their statistics
+                m.num_batches_tracked.add_(seen.long())
+                if m.momentum is not None:
+                    factor: Tensor | float = m.momentum
+                else:  # cumulative moving average, as in nn.BatchNorm2d
+                    factor = 1.0 / m.num_batches_tracked.clamp_min(1).to(m.running_mean.dtype)
+                groups = count.clamp_min(1).to(mean_sum.dtype)
+                for running, total in ((m.running_mean, mean_sum), (m.running_var, var_sum)):
+                    moved = running * (1 - factor) + total / groups * factor
+                    running.copy_(torch.where(seen, moved, running))
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, Zero
+from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, Zero, expand_groups, memory_format
 
 
 class Cell(nn.Module):
@@ -61,28 +61,29 @@ class Cell(nn.Module):
         """
         groups = alpha.shape[0]
         projected = self.preprocess(x, 1 if expand else groups)
+        layout = memory_format(projected)  # contiguous, or channels-last: the ops keep it
         slices = list(projected.split(self.growth, dim=1))
         shared = [expand] * len(slices)  # whether a node still holds b rows shared by all groups
         nodes: list[Tensor] = []
         for j in range(len(slices)):
-            node = slices[j].contiguous()  # a channel slice; its ops want a dense tensor
+            node = slices[j].contiguous(memory_format=layout)  # a channel slice; its ops want a dense tensor
             if j > 0:
                 first = j * (j - 1) // 2  # edges (0, j), (1, j), ... are first, first + 1, ...
                 edges = [self._mixed_edge(nodes[i], alpha[:, first + i], self.edge_ops[first + i], shared[i])
                          for i in range(j)]
-                node = _expand(node, groups) if shared[j] else node
+                node = expand_groups(node, groups) if shared[j] else node
                 node = node + sum(edges)
                 shared[j] = False
             if not isinstance(self.node_output, nn.Identity):
                 if shared[j]:  # per-row layers (dropout masks) must not be shared by the groups
-                    node, shared[j] = _expand(node, groups), False
+                    node, shared[j] = expand_groups(node, groups), False
                 node = self.node_output(node)
             nodes.append(node)
         if expand:
-            nodes = [_expand(n, groups) if s else n for n, s in zip(nodes, shared)]
+            nodes = [expand_groups(n, groups) if s else n for n, s in zip(nodes, shared)]
         if not self.keep_input:
             return torch.cat(nodes, dim=1)
-        return torch.cat([_expand(x, groups) if expand else x, *nodes], dim=1)
+        return torch.cat([expand_groups(x, groups) if expand else x, *nodes], dim=1)
 
     @staticmethod
     def _mixed_edge(node: Tensor, alpha_e: Tensor, ops: nn.ModuleList, shared: bool = False) -> Tensor:
@@ -100,10 +101,6 @@ class Cell(nn.Module):
             term = op(node, 1 if shared else groups).view(b, 1 if shared else groups, c, h, w) * weights[k]
             out = term if out is None else out + term
         if out is None:  # every op is zero
-            return node.new_zeros(b * groups, c, h, w)
+            return node.new_zeros(b * groups, c, h, w).contiguous(memory_format=memory_format(node))
         return out.reshape(b * groups, c, h, w)
 
-
-def _expand(t: Tensor, groups: int) -> Tensor:
-    """Rows shared by all groups -> the interleaved grouped layout (row i*G + g = row i)."""
-    return t.repeat_interleave(groups, dim=0)

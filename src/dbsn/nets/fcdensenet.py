@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.nets.cell import Cell
-from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, research_init_
+from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, expand_groups, research_init_
 
 
 def _check_alpha(net: nn.Module, x: Tensor, alpha: Tensor, replicate: bool) -> Tensor:
@@ -139,7 +139,7 @@ class FCDenseNet(nn.Module):
     def forward(self, x: Tensor, alpha: Tensor | None = None, replicate: bool = False) -> Tensor:
         groups = 1 if alpha is None else _check_alpha(self, x, alpha, replicate).shape[0]
         if replicate and groups > 1:
-            x = x.repeat_interleave(groups, dim=0)
+            x = expand_groups(x, groups)
         x, crop = _pad_to_multiple(x, 2 ** self.num_down)
         x = self.first_conv(x)
         skips = []

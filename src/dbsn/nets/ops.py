@@ -23,6 +23,20 @@ from torch import Tensor, nn
 from dbsn.nets.batchnorm import GroupBatchNorm2d
 
 
+def memory_format(t: Tensor) -> torch.memory_format:
+    """``torch.channels_last`` for a 4-D tensor laid out that way, else ``torch.contiguous_format``
+    (the networks keep their input's layout: see `StructureNet` on channels-last)."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def expand_groups(t: Tensor, groups: int) -> Tensor:
+    """Rows shared by all groups -> the interleaved grouped layout (row i*G + g = row i), in
+    t's memory layout."""
+    return t.repeat_interleave(groups, dim=0).contiguous(memory_format=memory_format(t))
+
+
 class GroupedSequential(nn.Sequential):
     """``nn.Sequential`` that passes ``groups`` on to the children that take it."""
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dbsn.nets.ops import GroupBatchNorm2d, GroupedSequential, research_init_
+from dbsn.nets.ops import GroupBatchNorm2d, GroupedSequential, expand_groups, research_init_
 
 __all__ = ["VGG16BN"]
 
@@ -76,7 +76,7 @@ class VGG16BN(nn.Module):
                 raise ValueError(f"VGG16BN has no structure: alpha must be (G, 0, 0) or (0, 0), got {tuple(alpha.shape)}")
             groups = alpha.shape[0]
         if replicate and groups > 1:
-            x = x.repeat_interleave(groups, 0)
+            x = expand_groups(x, groups)
         elif x.shape[0] % groups != 0:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by the number of groups G = {groups}")
         return self.classifier(self.pool(self.features(x, groups)))

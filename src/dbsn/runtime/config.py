@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import shutil
 import types
 import typing
 from typing import Any, Iterable, Literal, Union
 
+import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -143,6 +146,75 @@ def _check_node(node: DictConfig, where: str) -> None:
                     _check_node(item, f"{where}.{key}[{i}]")
 
 
+#: trainer.precision values the methods support, and why the others are refused.
+PRECISIONS = ("32-true", "bf16-mixed", "64-true")
+_REFUSED_PRECISION = {
+    "16-mixed": "float16's loss scaling does not reach the methods' own gradient clipping "
+                "(model.optim.grad_clip_norm), which would clip gradients still multiplied by the loss scale",
+    "bf16-true": "it stores every parameter and buffer in 16 bits: the structure logits θ, the BatchNorm running "
+                 "statistics and the Gaussian weights' scales too",
+    "16-true": "it stores every parameter and buffer in 16 bits: the structure logits θ, the BatchNorm running "
+               "statistics and the Gaussian weights' scales too",
+}
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
+
+
+def check_trainer(trainer: DictConfig | dict | None) -> None:
+    """Refuse trainer settings that would quietly change the method: a precision that stores θ
+    and the statistics in 16 bits, or float16 loss scaling that the methods' manual clipping
+    does not see (`dbsn.precision` says what bf16-mixed keeps in float32)."""
+    if not trainer:
+        return
+    value = trainer.get("precision")
+    if value is None:
+        return
+    name = _PRECISION_ALIASES.get(str(value), str(value))
+    if name in PRECISIONS:
+        return
+    why = _REFUSED_PRECISION.get(name, "it is not one of the supported precisions")
+    raise ConfigError(
+        f"trainer.precision={value} is refused: {why}. Use trainer.precision=bf16-mixed (bfloat16 products, "
+        "float32 for θ, statistics and KL terms; GPUs since Ampere, and CPUs) or 32-true."
+    )
+
+
+def _compile_settings(model: DictConfig | dict | None) -> list[tuple[str, Any]]:
+    """(where, settings) of every compile node of a model config (an ensemble's member too)."""
+    found = []
+    for where, node in (("model", model), ("model.member", (model or {}).get("member"))):
+        if node is not None and node.get("compile") is not None:
+            found.append((f"{where}.compile", node.get("compile")))
+    return found
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would call on a CPU ($CXX, else g++, c++ or clang++), or None."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
+
+
+def check_compile(cfg: DictConfig) -> None:
+    """Refuse `model.compile.enabled=true` where its backend cannot run: inductor generates C++
+    on a CPU (a compiler is needed) and Triton kernels on a GPU."""
+    trainer = cfg.get("trainer") or {}
+    for where, settings in _compile_settings(cfg.get("model")):
+        if not settings.get("enabled") or settings.get("backend", "inductor") != "inductor":
+            continue
+        gpu = str(trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        if gpu:
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise ConfigError(f"{where}.enabled=true: inductor needs Triton on a GPU and it is not installed "
+                                  f"(pip install triton), or set {where}.enabled=false.")
+        elif cpp_compiler() is None:
+            raise ConfigError(
+                f"{where}.enabled=true: on a CPU inductor compiles C++ kernels, and no C++ compiler was found "
+                f"($CXX, g++, c++, clang++). Install one (Debian/Ubuntu: apt-get install g++), set "
+                f"{where}.backend=aot_eager (no code generation, no speed-up), or {where}.enabled=false."
+            )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
     for key in cfg.keys():
@@ -160,6 +232,8 @@ def validate_config(cfg: DictConfig) -> None:
         node = cfg.get(section)
         if isinstance(node, DictConfig):
             _check_node(node, section)
+    check_trainer(cfg.get("trainer"))
+    check_compile(cfg)
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

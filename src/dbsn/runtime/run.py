@@ -26,7 +26,7 @@ from rich.console import Console
 from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointError, RandomStateCallback, RunConfigCallback,
                                      check_resume_checkpoint, load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
-from dbsn.runtime.config import ConfigError, to_plain, validate_config
+from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
 from dbsn.runtime.memory import keep_freed_memory
@@ -298,6 +298,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     unknown = [e for e in _evaluations(cfg) if e not in EVALUATIONS]
     if unknown:
         raise ConfigError(f"evaluations: unknown {unknown}; choose from {list(EVALUATIONS)} (the test pass always runs).")
+    check_trainer(cfg.get("trainer"))
     keep_freed_memory()
     paths = [Path(p) for p in (list(cfg.ckpt_path) if OmegaConf.is_list(cfg.ckpt_path) else [cfg.ckpt_path])]
     if len(paths) == 1 and paths[0].is_dir():
