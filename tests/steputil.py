@@ -18,7 +18,7 @@ def step_state(method: ClassificationMethod, x: torch.Tensor, y: torch.Tensor, s
         p.grad = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        logs = method.accumulate_gradients(x, y, lambda loss, last: loss.backward(retain_graph=not last))
+        logs = method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
     state = {"loss": logs["loss"].detach()}
     state.update({f"grad/{name}": p.grad.detach().clone() for name, p in method.named_parameters()
                   if p.grad is not None})

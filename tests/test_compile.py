@@ -65,7 +65,8 @@ def test_compiled_step_and_prediction_equal_eager(name):
     torch._dynamo.reset()
     eager, compiled = _pair(name)
     torch.manual_seed(0)
-    x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
+    # 32 x 32: a size at which a chunk's compiled backward has donated buffers (no retain_graph)
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
     with torch._inductor.config.patch(fallback_random=True):
         for step in range(2):  # the second step runs the cached graphs, from moved running statistics
             kinds = assert_same(step_state(eager, x, y, seed=step), step_state(compiled, x, y, seed=step),
@@ -107,3 +108,33 @@ def test_no_recompilation_while_tau_and_beta_decay():
     assert third["graphs"] > 0
     assert {k: third[k] for k in ("graphs", "frames", "recompiles")} == {k: last[k] for k in ("graphs", "frames", "recompiles")}
     assert last["tau"] < third["tau"] and last["beta"] < third["beta"]  # the schedules did move
+
+
+def _networks(segmentation: bool):
+    from dbsn.nets import DBSNSegNet
+
+    nets = {"StructureNet": (StructureNet(**TINY_NET), (2, 3, 16, 16), 3)}
+    if segmentation:
+        nets["DBSNSegNet"] = (DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
+                              (1, 3, 16, 16), 2)
+    return nets
+
+
+@pytest.mark.parametrize("channels_last, autocast", [(False, True), (True, False), (True, True)],
+                         ids=["bf16_autocast", "channels_last", "channels_last_bf16_autocast"])
+def test_the_networks_compile_to_one_graph(channels_last, autocast):
+    """No graph break in training or prediction, in either layout, with or without autocast: a
+    break splits the compiled forward and recompiles per module (the float32 islands of
+    `dbsn.precision` once broke every channels-last BatchNorm). dynamo's trace only, no code
+    generation; the segmentation network (same cells and BatchNorm) in the last setting only."""
+    for name, (net, shape, groups) in _networks(channels_last and autocast).items():
+        if channels_last:
+            net = net.to(memory_format=torch.channels_last)
+        x = torch.randn(shape).contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        for training in (True, False):
+            net.train(training)
+            alpha = torch.softmax(torch.randn(groups, net.num_edges, net.num_ops), -1)
+            with torch.inference_mode(not training), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                explained = torch._dynamo.explain(net)(x, alpha, replicate=True)
+            assert explained.graph_break_count == 0, (name, training, [str(b.reason)[:200] for b in explained.break_reasons])
+            assert explained.graph_count == 1

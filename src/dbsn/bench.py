@@ -1,7 +1,8 @@
 """`make bench`: speed and memory of DBSN's hot paths, as ratios measured in one run.
 
     python -m dbsn.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
-                         [--memory-batch 4]
+                         [--memory-batch 4] [--no-compile]
+    python -m dbsn.bench --suite gpu [--configs ...] [--json results.json]   (see `dbsn.bench_gpu`)
 
 Cases (same network, same batch, same machine, interleaved repetitions, median time):
   map_fixed  one training step of the network under fixed uniform α (SGD on w)
@@ -19,6 +20,9 @@ Cases (same network, same batch, same machine, interleaved repetitions, median t
   single_100 the same 100 structures as 100 single forwards
   recal_100  per-structure BatchNorm statistics of 100 structures on the batch's images
              (model.bn_recalibration: what prediction with recalibration adds)
+  dbsn_t1_channels_last, dbsn_t1_compiled, dbsn_t1_channels_last_compiled
+             dbsn_t1 with model.channels_last, model.compile (inductor), and both
+             (--no-compile leaves the compiled ones out: each compiles for a minute or two)
 
 Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
 ens_100 / single_100 <= 1.0; every method's step over map_fixed's (no target: BBB and FBN
@@ -31,6 +35,19 @@ case: CUDA max allocated on a GPU, or the peak resident-set growth of a fresh pr
 Training memory of the paper's network (B = 7, 12 cells), one DBSN step with T = 4 on
 `--memory-batch` images: grouped, and with the structures one after another; reported per
 image x structure, and the ratio chunked / grouped (target <= 0.35).
+
+How far from the machine's limit: the convolution and matmul FLOPs of one dbsn_t4 step (torch's
+FlopCounterMode) over its median time, as a fraction of this machine's dense-matmul FLOP/s in
+float32 measured in the same run. And the input pipeline: images/s of the paper's training
+augmentation fed by the DataLoader (the data config's 2 workers) and by `data.on_device`, on an
+in-memory CIFAR-sized training set.
+
+Timing noise. The same step's seconds differ between processes on the 2-core development machine
+(dbsn_t1: 0.38 s in one, 0.50 s in another, 2026-11-25), while the ratios within one process
+stay put (dbsn_t1 / map_fixed 1.00-1.05 in seven processes): compare ratios, not seconds. Host
+memory settings move ratios too: without `keep_freed_memory()` (DBSN_KEEP_FREED_MEMORY=0) the
+grouped T = 4 step page-faults its activations back in every step and dbsn_t4 / (4 x dbsn_t1)
+was 1.15 instead of 0.83 in the same session.
 """
 
 from __future__ import annotations
@@ -46,7 +63,7 @@ from datetime import date
 import torch
 
 from dbsn.ensemble import BayesEnsemble
-from dbsn.methods import DBSN, MAP, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
+from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory
@@ -54,9 +71,11 @@ from dbsn.runtime.memory import keep_freed_memory
 NETS = {
     "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
     "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
+    "tiny": dict(num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8),  # tests of the bench
 }
 CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "dbsn_t4_chunked", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn",
-         "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100")
+         "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100", "dbsn_t1_channels_last")
+COMPILED_CASES = ("dbsn_t1_compiled", "dbsn_t1_channels_last_compiled")
 #: Images of the test set and of the recalibration, for the derived cost of recalibrated prediction.
 RECALIBRATION_IMAGES, TEST_SET_SIZES = 256, {"CIFAR": 10_000, "digits": 450}
 NATGRAD = {  # natural-gradient cases and the SGD case on the same network they are compared with
@@ -64,7 +83,7 @@ NATGRAD = {  # natural-gradient cases and the SGD case on the same network they 
     "vogn_fbn": lambda net: VOGNMethod(net, structure="dbsn"),  # T = 1
     "nekfac": lambda net: NEKFACMethod(net),
 }
-VGG_WIDTH = {"quick": 0.25, "paper": 1.0}  # NEK-FAC's VGG16-BN: narrow on the quick setting
+VGG_WIDTH = {"quick": 0.25, "paper": 1.0, "tiny": 0.25}  # NEK-FAC's VGG16-BN: narrow on the quick setting
 METHODS = {
     "map_fixed": lambda net: MAP(net, learn_structure=False),
     "map": lambda net: MAP(net, learn_structure=True),
@@ -75,6 +94,10 @@ METHODS = {
     "dbsn_t4_chunked": lambda net: DBSN(net, train_samples=4, train_samples_per_forward=1),
     "fbn": lambda net: DBSN(net, train_samples=1, weights=GaussianWeights()),
     "vgg_sgd": lambda net: MAP(net, learn_structure=False),  # VGG16-BN with SGD, NEK-FAC's reference
+    "dbsn_t1_channels_last": lambda net: DBSN(net, train_samples=1, channels_last=True),
+    "dbsn_t1_compiled": lambda net: DBSN(net, train_samples=1, compile=Compilation(enabled=True)),
+    "dbsn_t1_channels_last_compiled": lambda net: DBSN(net, train_samples=1, channels_last=True,
+                                                       compile=Compilation(enabled=True)),
 }
 
 
@@ -126,7 +149,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
         def step():  # what ClassificationMethod.training_step does, minus Lightning's logging
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
-            method.accumulate_gradients(x, y, lambda loss, last: loss.backward(retain_graph=not last))
+            method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
             for group in groups:
                 torch.nn.utils.clip_grad_norm_(group, 5.0)
             for opt in opts:
@@ -263,15 +286,17 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
 
 
 def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
-        samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4) -> dict:
+        samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4,
+        compiled: bool = True, pipeline_images: int = 10_000) -> dict:
     keep_freed_memory()  # as train.py and evaluate.py do (dbsn.runtime.memory)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
         samples_per_forward = 20 if dev.type == "cuda" else 4
-    steps = {name: build_case(name, net_name, batch, dev, samples_per_forward) for name in CASES}
+    cases = CASES + (COMPILED_CASES if compiled else ())
+    steps = {name: build_case(name, net_name, batch, dev, samples_per_forward) for name in cases}
     for step in steps.values():  # warm-up
         step()
-    times = {name: [] for name in CASES}
+    times = {name: [] for name in cases}
     for _ in range(repeats):  # interleaved, so drifts in machine load hit every case alike
         for name, step in steps.items():
             _sync(dev)
@@ -301,14 +326,83 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
                + (" (target <= 1.3)" if data == "CIFAR" else ""):
                1 + median["recal_100"] / median["ens_100"] * RECALIBRATION_IMAGES / size
                for data, size in TEST_SET_SIZES.items()},
+            "dbsn_t1_channels_last / dbsn_t1": median["dbsn_t1_channels_last"] / median["dbsn_t1"],
         },
     }
+    if compiled:
+        result["ratios"].update({
+            "dbsn_t1_compiled / dbsn_t1 (target <= 0.8)": median["dbsn_t1_compiled"] / median["dbsn_t1"],
+            "dbsn_t1_channels_last_compiled / dbsn_t1": median["dbsn_t1_channels_last_compiled"] / median["dbsn_t1"],
+        })
+    result["flops"] = machine_fraction(steps["dbsn_t4"], median["dbsn_t4"], dev)
+    result["ratios"]["dbsn_t4 FLOP/s / dense matmul FLOP/s"] = result["flops"]["fraction"]
+    if pipeline_images:
+        result["pipeline"] = pipeline_rates(dev, pipeline_images, batch)
+        result["ratios"]["on-device pipeline / DataLoader (images/s)"] = (
+            result["pipeline"]["on_device"] / result["pipeline"]["dataloader"])
     if memory:
         result["peak_memory_mib"] = {
             name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward) for name in CASES
         }
         result["training_memory"] = training_memory(memory_batch, dev, samples_per_forward)
     return result
+
+
+def machine_fraction(step, seconds: float, device: torch.device, matmul_size: int = 2048) -> dict:
+    """The convolution and matmul FLOP/s that `step` achieves at `seconds` per call, and its
+    fraction of this machine's dense float32 matmul FLOP/s, measured now."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = counter.get_total_flops()
+    a, b = (torch.randn(matmul_size, matmul_size, device=device) for _ in range(2))
+    a @ b
+    times = []
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = 2 * matmul_size**3 / statistics.median(times)
+    return {"flops_per_step": flops, "flops_per_second": flops / seconds, "matmul_flops_per_second": peak,
+            "fraction": flops / seconds / peak}
+
+
+def pipeline_rates(device: torch.device, n_images: int = 10_000, batch: int = 64) -> dict:
+    """Images/s of one epoch of the paper's training input pipeline (uint8 batches to augmented,
+    normalised floats on `device`) through the DataLoader with the data config's 2 workers and
+    through `data.on_device`, on an in-memory CIFAR-sized training set (second epoch of each:
+    workers already started)."""
+    import types
+
+    from dbsn.data import CIFAR10DataModule
+    from dbsn.data.base import TensorImageDataset
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n_images, 3, 32, 32), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, 10, (n_images,), generator=generator)
+    rates = {}
+    for name, on_device in (("dataloader", False), ("on_device", True)):
+        dm = CIFAR10DataModule(root="unused", batch_size=batch, num_workers=2, on_device=on_device)
+        dm.train_set = TensorImageDataset(images, labels)
+        dm.trainer = types.SimpleNamespace(training=True, world_size=1,
+                                           strategy=types.SimpleNamespace(root_device=device))
+        loader = dm.train_dataloader()
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)
+            _sync(device)
+            start = time.perf_counter()
+            seen = 0
+            for x, y in loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x = dm.preprocess(x, train=True)
+                seen += x.shape[0]
+            _sync(device)
+            rates[name] = seen / (time.perf_counter() - start)
+        del loader
+    return rates
 
 
 def training_memory(batch: int, device: torch.device, samples_per_forward: int) -> dict:
@@ -340,6 +434,14 @@ def _print(result: dict) -> None:
         else:
             ratios.add_row(name, f"{value:.3f}", "-")
     console.print(ratios)
+    if "flops" in result:
+        f = result["flops"]
+        console.print(f"dbsn_t4 step: {f['flops_per_step'] / 1e9:.1f} GFLOP (convolutions and matmuls), "
+                      f"{f['flops_per_second'] / 1e9:.1f} GFLOP/s against {f['matmul_flops_per_second'] / 1e9:.1f} "
+                      f"GFLOP/s of dense float32 matmul: {100 * f['fraction']:.1f} % of the machine's limit")
+    if "pipeline" in result:
+        p = result["pipeline"]
+        console.print(f"input pipeline: DataLoader {p['dataloader']:.0f} images/s, on-device {p['on_device']:.0f} images/s")
     if "training_memory" in result:
         mem = result["training_memory"]
         table = Table("paper network, DBSN step, T = 4", "peak MiB", "MiB per image x structure",
@@ -366,7 +468,10 @@ def _print_segmentation(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--net", choices=sorted(NETS), default="quick")
+    parser.add_argument("--suite", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
+                             "on one GPU (dbsn.bench_gpu)")
+    parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
@@ -381,9 +486,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
                              "on a CPU one S = 100 image takes minutes)")
     parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
+    parser.add_argument("--steps", type=int, default=20, help="gpu suite: timed steps per configuration")
+    parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
+    parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
+    parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")
     args = parser.parse_args(argv)
-    result = run(args.net, args.batch, args.repeats, args.device, args.samples_per_forward, not args.no_memory,
-                 args.memory_batch)
+    if args.suite == "gpu":
+        from dbsn import bench_gpu
+
+        return bench_gpu.main(args)
+    result = run(args.net or "quick", args.batch, args.repeats, args.device, args.samples_per_forward,
+                 not args.no_memory, args.memory_batch, compiled=not args.no_compile)
     _print(result)
     if args.segmentation == "yes" or (args.segmentation == "auto" and torch.cuda.is_available()):
         size = tuple(int(v) for v in args.seg_size.split("x"))

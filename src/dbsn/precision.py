@@ -18,7 +18,7 @@ The code that owns each of these enters `float32()` and upcasts its inputs with 
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -31,12 +31,15 @@ _LOW = (torch.float16, torch.bfloat16)
 
 @contextmanager
 def float32() -> Iterator[None]:
-    """Within the block autocast is off on every device type (CPU, and CUDA where present)."""
-    with ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", enabled=False))
-        if torch.cuda.is_available():
-            stack.enter_context(torch.autocast("cuda", enabled=False))
-        yield
+    """Within the block autocast is off on every device type (CPU, and CUDA where present).
+
+    Plain `with` blocks, so that torch.compile traces through them without a graph break."""
+    if torch.cuda.is_available():
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            yield
+    else:
+        with torch.autocast("cpu", enabled=False):
+            yield
 
 
 def full(t: Tensor) -> Tensor:

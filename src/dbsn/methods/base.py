@@ -320,18 +320,19 @@ class ClassificationMethod(pl.LightningModule):
         return alpha[share], kl[share] if isinstance(kl, Tensor) else kl
 
     def structures_loss(self, x: Tensor, y: Tensor, alpha: Tensor, structure_kl: Tensor | float,
-                        share: float = 1.0, weight_kl: bool = True) -> dict[str, Tensor]:
-        """`share` · (NLL of x under the structures alpha (one grouped forward), averaged over
-        the structures, + their mean KL / N) (+ weight KL / N with `weight_kl`). The logged
-        parts (nll, kl) are this chunk's means, unscaled."""
+                        share: float = 1.0, weight_kl: bool = True, logged_kl: Tensor | None = None) -> dict[str, Tensor]:
+        """`share` · NLL of x under the structures alpha (one grouped forward), averaged over
+        the structures, + the mean of `structure_kl` / N (+ weight KL / N with `weight_kl`).
+        The logged parts (nll, kl) are this chunk's means, unscaled (`logged_kl`: the kl to log
+        when the loss carries another one)."""
         logits = self.network(x, alpha)  # = net(x.repeat_interleave(G), alpha)
         targets = y.repeat_interleave(alpha.shape[0], dim=0)
         nll = self.task.loss(logits, targets)  # = mean over structures of each one's mean NLL
         structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
         out = {"nll": nll, "logits": logits, "targets": targets}
         if self.structure_is_stochastic:
-            out["kl"] = structure_kl
-        out["loss"] = share * (nll + structure_kl / self.dataset_size)
+            out["kl"] = structure_kl if logged_kl is None else logged_kl
+        out["loss"] = share * nll + structure_kl / self.dataset_size
         if weight_kl:
             kl = self.weights.kl(self.net, self.current_epoch)
             if self.weights.stochastic:
@@ -342,19 +343,33 @@ class ClassificationMethod(pl.LightningModule):
     def training_losses(self, x: Tensor, y: Tensor):
         """The step's loss in parts, one per chunk of `train_samples_per_forward` structures,
         as (share of the structures, whether it is the last part, output of `structures_loss`);
-        the parts' losses add up to `training_loss(x, y)["loss"]` (the weight KL comes with the
-        last chunk). One chunk: `training_loss` itself."""
+        the parts' losses add up to `training_loss(x, y)["loss"]`. One chunk: `training_loss`
+        itself.
+
+        The chunks' networks see the structures as a detached leaf, so each chunk's backward
+        frees its whole graph (no `retain_graph`: compiled backward passes donate their
+        buffers). The last part carries what the structures share: the KL of all of them, the
+        weight KL, and the surrogate Σ α · ∂L/∂α of the earlier chunks, which back-propagates
+        their structure gradients through the draw of α into θ (under `backward_extra`, outside
+        the loss value)."""
         chunk = self.train_samples_per_forward
         if chunk is None or chunk >= self.train_samples:
             yield 1.0, True, self.training_loss(x, y)
             return
         alpha, kl = self.local_training_structures()
+        leaf = alpha.detach().requires_grad_(alpha.requires_grad)
         starts = range(0, alpha.shape[0], chunk)
         for start in starts:
             part = slice(start, start + chunk)
             share = alpha[part].shape[0] / alpha.shape[0]
-            last = start == starts[-1]
-            yield share, last, self.structures_loss(x, y, alpha[part], kl[part] if isinstance(kl, Tensor) else kl, share, last)
+            chunk_kl = kl[part].mean().detach() if isinstance(kl, Tensor) else kl
+            if start != starts[-1]:
+                yield share, False, self.structures_loss(x, y, leaf[part], 0.0, share, False, logged_kl=chunk_kl)
+                continue
+            out = self.structures_loss(x, y, alpha[part], kl, share, True, logged_kl=chunk_kl)
+            if leaf.grad is not None:
+                out["backward_extra"] = (alpha[:start] * leaf.grad[:start]).sum()
+            yield share, True, out
 
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """Logits of the members first .. first + n - 1 (structure and weights) on x, class
@@ -502,7 +517,8 @@ class ClassificationMethod(pl.LightningModule):
         with accumulated_running_statistics(self, self.train_samples_per_forward is not None):
             for share, last, out in self.training_losses(x, y):
                 self._check_finite(out["loss"], batch_idx)
-                backward(out["loss"], last)
+                extra = out.pop("backward_extra", None)
+                backward(out["loss"] if extra is None else out["loss"] + extra, last)
                 out["error"] = self.task.error(out.pop("logits").detach(), out.pop("targets"))
                 for key, value in out.items():
                     value = value.detach() * (share if key in ("nll", "kl", "error") else 1.0)
@@ -511,14 +527,14 @@ class ClassificationMethod(pl.LightningModule):
         return logs
 
     def _backward(self, loss: Tensor, last: bool) -> None:
-        """Lightning's backward; before the last chunk the chunks share the structure samples'
-        graph (kept) and DDP does not all-reduce (the last chunk's backward reduces the sum)."""
+        """Lightning's backward; before the last chunk DDP does not all-reduce (the last
+        chunk's backward reduces the sum)."""
         if last:
             self.manual_backward(loss)
             return
         block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
         with block():
-            self.manual_backward(loss, retain_graph=True)
+            self.manual_backward(loss)
 
     @torch.no_grad()
     def _average_running_statistics(self) -> None:

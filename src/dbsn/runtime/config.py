@@ -215,6 +215,31 @@ def check_compile(cfg: DictConfig) -> None:
             )
 
 
+def _on_cpu(trainer) -> bool:
+    """Whether a trainer config trains on the CPU (explicitly, or "auto" without CUDA)."""
+    accelerator = str((trainer or {}).get("accelerator", "auto"))
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
+def check_channels_last(cfg: DictConfig) -> None:
+    """Refuse channels-last networks under bf16-mixed on a CPU: oneDNN's bfloat16 weight gradient
+    of a dilated depthwise convolution in the channels-last layout is wrong there (torch 2.14.1:
+    relative error above 1, at times values near 1e30 that end the run with a non-finite loss;
+    `tests/test_precision.py` re-measures it), and every DBSN cell has such convolutions
+    (dil_conv_3x3). Either option alone is exact."""
+    trainer = cfg.get("trainer") or {}
+    precision = _PRECISION_ALIASES.get(str(trainer.get("precision")), str(trainer.get("precision")))
+    if precision != "bf16-mixed" or not _on_cpu(trainer):
+        return
+    for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
+        if node is not None and node.get("channels_last"):
+            raise ConfigError(
+                f"{where}.channels_last=true with trainer.precision=bf16-mixed is refused on a CPU: oneDNN computes wrong "
+                "bfloat16 weight gradients for the cells' dilated depthwise convolutions in that layout. Use one of them "
+                f"(channels-last alone is the faster on a CPU), or train on a GPU."
+            )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
     for key in cfg.keys():
@@ -234,6 +259,7 @@ def validate_config(cfg: DictConfig) -> None:
             _check_node(node, section)
     check_trainer(cfg.get("trainer"))
     check_compile(cfg)
+    check_channels_last(cfg)
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
