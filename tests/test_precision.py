@@ -255,3 +255,16 @@ def test_bf16_channels_last_is_refused_on_a_cpu_because_its_gradients_are_wrong(
         check_channels_last(refused)
     for fine in ({"precision": "32-true"}, {"accelerator": "gpu", "precision": "bf16-mixed"}):
         check_channels_last(OmegaConf.create({"trainer": {"accelerator": "cpu", **fine}, "model": {"channels_last": True}}))
+
+
+def test_the_fast_preset_turns_on_the_gpu_options_and_a_cpu_refuses_it(tmp_path):
+    from configs import compose_config
+
+    from dbsn.runtime.config import validate_config
+
+    cfg = compose_config("train", ["experiment=cifar10_paper", "trainer=gpu", "speed=fast"], tmp_path)
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.model.channels_last and cfg.model.compile.enabled
+    assert cfg.model.net.num_nodes == 7 and cfg.trainer.accelerator == "gpu"  # the experiment is kept
+    cpu = compose_config("train", ["experiment=quick", "speed=fast"], tmp_path)
+    with pytest.raises(ConfigError, match="refused on a CPU"):
+        validate_config(cpu)
