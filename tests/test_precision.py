@@ -199,13 +199,14 @@ def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
 
 @pytest.mark.slow
 def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
-    """`make train`'s DBSN (15 epochs on digits) trained in float32 and in bf16-mixed from the
-    same seed. The bound is two standard errors of the difference of two error rates on the 450
-    test images (about 1.6 points at a 1.5 % error), not one point: on this short run the final
-    error moves by more than a point under any perturbation of the arithmetic. Measured on the
-    2-core machine (2026-11-25, S = 100): float32 with one thread instead of two (only the
-    order of the sums differs) 2.00 % against 0.89 %; over seeds 0-2 float32 0.89-1.56 %,
-    bf16-mixed 1.11-2.89 %."""
+    """`make train`'s DBSN (15 epochs on digits), at half its width (growth 8: the test's time),
+    trained in float32 and in bf16-mixed from the same seed. The bound is two standard errors of
+    the difference of two error rates on the 450 test images (about 2.5 points at a 4 % error),
+    not one point: on this short run the final error moves by more than a point under any
+    perturbation of the arithmetic. Measured on the 2-core machine (2026-11-25): at full width
+    (S = 100) float32 with one thread instead of two (only the order of the sums differs) 2.00 %
+    against 0.89 %; over seeds 0-2 float32 0.89-1.56 %, bf16-mixed 1.11-2.89 %; at growth 8
+    (S = 30) float32 3.11 %, bf16-mixed 4.44 %."""
     from configs import compose_config
 
     from dbsn.runtime.run import train
@@ -213,13 +214,13 @@ def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
     errors = {}
     for precision in ("32-true", "bf16-mixed"):
         out = tmp_path / precision
-        overrides = ["experiment=quick", "model.n_samples=30", f"trainer.precision={precision}",
+        overrides = ["experiment=quick", "model.net.growth=8", "model.n_samples=30", f"trainer.precision={precision}",
                      "trainer.enable_progress_bar=false", "callbacks.structure_posterior.save_figures=false"]
         errors[precision] = train(compose_config("train", overrides, out), out)["test/error"]
     n_test = 450
     p = sum(errors.values()) / 2
     bound = max(0.01, 2 * math.sqrt(2 * p * (1 - p) / n_test))
-    assert errors["32-true"] < 0.05  # the run itself trained
+    assert errors["32-true"] < 0.08  # the run itself trained
     assert abs(errors["bf16-mixed"] - errors["32-true"]) <= bound, (errors, bound)
 
 
