@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 
 ## Speed and memory ratios, measured in one run on this machine.
 bench: $(STAMP)
-	$(PY) -m dbsn.bench
+	$(PY) -m dbsn.tools.bench
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,9 +1,11 @@
+import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import pytest
+import torch
 
-import signal
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _terminated(signum, frame):
@@ -13,10 +15,6 @@ def _terminated(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _terminated)
-
-
-import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)

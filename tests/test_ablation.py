@@ -9,7 +9,7 @@ import torch
 
 from dbsn.evaluation.ablation import SampleAblation, ablation_figure, prefix_ensembles, write_ablation
 from dbsn.evaluation.uncertainty import ensemble_log_probs
-from dbsn.metrics import ClassificationMetrics
+from dbsn.metrics.classification import ClassificationMetrics
 
 
 def _members(s=7, n=50, c=5, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbsn.bench import SEG_CASES, run_segmentation
+from dbsn.tools.bench.cpu import SEG_CASES, run_segmentation
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_segmentation_bench_reports_every_case():
 def test_chunked_step_and_recalibration_cases_run():
     import torch
 
-    from dbsn.bench import build_case
+    from dbsn.tools.bench.cpu import build_case
 
     device = torch.device("cpu")
     build_case("dbsn_t4_chunked", "quick", 4, device, 2)()
@@ -35,7 +35,7 @@ def test_machine_fraction_counts_a_matmuls_flops():
     FLOP/s is those FLOPs over the given time over the measured peak."""
     import torch
 
-    from dbsn.bench import machine_fraction
+    from dbsn.tools.bench.cpu import machine_fraction
 
     a = torch.randn(256, 256)
     result = machine_fraction(lambda: a @ a, 0.5, torch.device("cpu"), matmul_size=256)
@@ -47,7 +47,7 @@ def test_machine_fraction_counts_a_matmuls_flops():
 def test_pipeline_rates_time_both_input_paths():
     import torch
 
-    from dbsn.bench import pipeline_rates
+    from dbsn.tools.bench.cpu import pipeline_rates
 
     rates = pipeline_rates(torch.device("cpu"), n_images=512, batch=64)
     assert set(rates) == {"dataloader", "on_device"} and all(r > 0 for r in rates.values())
@@ -61,7 +61,8 @@ def test_gpu_suite_runs_every_configuration_and_prints_its_table(monkeypatch, tm
     compiled configurations run in float32 here, with the aot_eager backend (no C++ build)."""
     import json
 
-    from dbsn import bench, bench_gpu
+    from dbsn.tools import bench
+    from dbsn.tools.bench import gpu as bench_gpu
 
     configs = {**bench_gpu.CONFIGS, "bf16 + channels-last + compile": ("fp32", True, "default")}
     monkeypatch.setattr(bench_gpu, "CONFIGS", configs)

@@ -10,8 +10,8 @@ import pytest
 from configs import compose_config
 from fakedata import write_cifar10
 
-from dbsn import compare
-from dbsn.compare import METHODS, epoch_size, main, method_overrides, run_comparison, shared_overrides, write_table
+from dbsn.tools import compare
+from dbsn.tools.compare import METHODS, epoch_size, main, method_overrides, run_comparison, shared_overrides, write_table
 from dbsn.runtime.config import validate_config
 from dbsn.data import DatasetNotFoundError
 

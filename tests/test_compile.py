@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights
 from dbsn.nets import StructureNet
 from dbsn.runtime.config import cpp_compiler
-from dbsn.schedules import BetaSchedule, TauSchedule
+from dbsn.structure.schedules import BetaSchedule, TauSchedule
 
 pytestmark = pytest.mark.skipif(cpp_compiler() is None, reason="inductor on a CPU needs a C++ compiler; none found")
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from dbsn.data import CIFAR10DataModule
 from dbsn.data.augment import crop_offsets, flip_draws
-from dbsn.data.base import CROP_PADDING, DeviceBatches, EpochShuffleSampler, TensorImageDataset, in_memory_loader
+from dbsn.data.base import CROP_PADDING, DeviceBatches, in_memory_loader
 
 
 @pytest.fixture(scope="module")

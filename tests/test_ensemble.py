@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dbsn.ensemble import BayesEnsemble
+from dbsn.methods.predictive import BayesEnsemble
 
 
 def _fixed_members(members: torch.Tensor):

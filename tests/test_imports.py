@@ -66,16 +66,36 @@ def test_no_import_cycles_in_the_package():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+LAYERS_BELOW_THE_RUNTIME = ("methods", "nets", "data", "bayes", "natgrad", "structure", "evaluation", "metrics", "posthoc",
+                             "precision")
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_the_folder_list_is_the_architecture():
+    """One loose module at the top (the float32 islands every layer uses); the rest are packages."""
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert loose == ["precision"]
+
+
 def test_the_runtime_sits_above_methods_nets_and_data():
     graph = import_graph()
-    below = [m for m in graph if m.count(".") and m.split(".")[1] in ("methods", "nets", "data", "bayes", "natgrad", "structure", "evaluation")]
-    offenders = {m: sorted(t for t in graph[m] if t.startswith("dbsn.runtime")) for m in below}
-    assert not {m: t for m, t in offenders.items() if t}
+    below = [m for m in graph if _layer(m) in LAYERS_BELOW_THE_RUNTIME]
+    offenders = {m: sorted(t for t in graph[m] if _layer(t) in ("runtime", "tools")) for m in below}
+    assert below and not {m: t for m, t in offenders.items() if t}
+
+
+def test_the_runtime_reaches_the_tools_through_one_place():
+    graph = import_graph()
+    into_tools = {m for m in graph if _layer(m) == "runtime" and any(_layer(t) == "tools" for t in graph[m])}
+    assert into_tools == {"dbsn.runtime.reports"}
 
 
 def test_what_goes_to_wandb_sits_below_the_evaluation_suite():
-    """`dbsn.tracking` (metric names and definitions) is imported by evaluation and runtime: it
-    imports nothing of the package."""
+    """`dbsn.evaluation.tracking` (metric names and definitions) is imported by evaluation and
+    runtime: it imports nothing of the package."""
     graph = import_graph()
-    assert "dbsn.tracking" in graph["dbsn.evaluation.runner"]
-    assert {t for t in graph["dbsn.tracking"] if t.startswith("dbsn")} == set()
+    assert "dbsn.evaluation.tracking" in graph["dbsn.evaluation.runner"]
+    assert {t for t in graph["dbsn.evaluation.tracking"] if t.startswith("dbsn")} == set()

@@ -1,4 +1,4 @@
-"""Tests for dbsn.metrics: hand-worked values, numpy loops, torchmetrics agreement."""
+"""Tests for dbsn.metrics.classification: hand-worked values, numpy loops, torchmetrics agreement."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchmetrics.functional.classification import multiclass_calibration_error
 
-from dbsn.metrics import (
+from dbsn.metrics.classification import (
     ClassificationMetrics,
     brier_score,
     error_rate,

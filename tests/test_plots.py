@@ -1,4 +1,4 @@
-"""Tests for dbsn.plots: the reliability diagram and saving figures."""
+"""Tests for dbsn.evaluation.plots: the reliability diagram and saving figures."""
 
 import matplotlib
 
@@ -8,8 +8,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dbsn.metrics import reliability_bins  # noqa: E402
-from dbsn.plots import reliability_diagram, save_figure  # noqa: E402
+from dbsn.metrics.classification import reliability_bins  # noqa: E402
+from dbsn.evaluation.plots import reliability_diagram, save_figure  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dbsn.bayes import BayesConv2d, kl_divergence
-from dbsn.ensemble import BayesEnsemble
+from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods.tasks import Classification
 from dbsn.natgrad import LayerCapture, kfac_factors, per_example_grads, sum_squared_grads
 from dbsn.nets.ops import GroupBatchNorm2d
@@ -179,7 +179,7 @@ def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
     statistics and the optimisers' states still in 32 (or 64) bits."""
     from configs import compose_config, tiny_for
 
-    from dbsn.runtime.run import build_model, train
+    from dbsn.runtime.run import train
 
     overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=16",
                  "data.num_workers=0", *tiny_for(method), "trainer.max_epochs=1", "trainer.limit_train_batches=2",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from configs import TINY, compose_config
 
-from dbsn.refine import refine, sample_discrete_structures
+from dbsn.tools.refine import refine, sample_discrete_structures
 from dbsn.runtime.run import train
 
 

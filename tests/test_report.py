@@ -1,4 +1,4 @@
-"""dbsn.report gathers hand-made run folders into tables whose numbers are checked by hand."""
+"""dbsn.tools.report gathers hand-made run folders into tables whose numbers are checked by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dbsn.report import build_report, expected_jobs, main
+from dbsn.tools.report import build_report, expected_jobs, main
 from dbsn.runtime.layout import infer_method
 
 MODELS = {

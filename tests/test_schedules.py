@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dbsn.schedules import BetaSchedule, TauSchedule
+from dbsn.structure.schedules import BetaSchedule, TauSchedule
 
 
 def test_tau_schedule_paper_setting():
@@ -81,8 +81,8 @@ def test_negative_step_or_epoch_raises():
 
 def test_schedules_instantiate_from_hydra_config():
     instantiate = pytest.importorskip("hydra.utils").instantiate
-    tau = instantiate({"_target_": "dbsn.schedules.TauSchedule", "decay": 2e-5})
-    beta = instantiate({"_target_": "dbsn.schedules.BetaSchedule", "decay_per_epoch": 0.001})
+    tau = instantiate({"_target_": "dbsn.structure.schedules.TauSchedule", "decay": 2e-5})
+    beta = instantiate({"_target_": "dbsn.structure.schedules.BetaSchedule", "decay_per_epoch": 0.001})
     assert tau == TauSchedule(decay=2e-5)
     assert beta(100) == pytest.approx(0.9)
 
@@ -114,7 +114,7 @@ def test_camvid_tau_reaches_one_where_the_research_codes_step_count_did(tmp_path
     from configs import compose_config
     from hydra.utils import instantiate
 
-    from dbsn.schedules import REFERENCE_BATCH
+    from dbsn.structure.schedules import REFERENCE_BATCH
 
     cfg = compose_config("train", ["experiment=camvid_paper"], tmp_path)
     tau = instantiate(cfg.model.tau)
@@ -127,7 +127,6 @@ def test_camvid_tau_reaches_one_where_the_research_codes_step_count_did(tmp_path
 
 
 def test_a_checkpoint_with_the_old_step_counter_loads_with_the_same_tau():
-    import torch
 
     from dbsn.methods import DBSN
     from dbsn.nets import StructureNet

@@ -1,4 +1,4 @@
-"""Tests for dbsn.segmentation_metrics: confusion/IoU/accuracy, the accumulator and figures."""
+"""Tests for dbsn.metrics.segmentation: confusion/IoU/accuracy, the accumulator and figures."""
 
 import math
 
@@ -10,9 +10,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dbsn.metrics import expected_calibration_error  # noqa: E402
-from dbsn.plots import save_figure  # noqa: E402
-from dbsn.segmentation_metrics import (  # noqa: E402
+from dbsn.metrics.classification import expected_calibration_error  # noqa: E402
+from dbsn.evaluation.plots import save_figure  # noqa: E402
+from dbsn.metrics.segmentation import (  # noqa: E402
     SegmentationMetrics,
     colorize,
     confusion_matrix,

@@ -1,4 +1,4 @@
-"""What goes to W&B under which definitions (`dbsn.tracking`), the entropy-CDF points logged as
+"""What goes to W&B under which definitions (`dbsn.evaluation.tracking`), the entropy-CDF points logged as
 a table, the attack curve's rows, and several OOD sets composed from the config group."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from configs import compose_config
 from dbsn.evaluation.runner import adversarial_curve, cdf_points
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.run import _ood_sets
-from dbsn.tracking import define_metrics, step_metric_of, summary_key, summary_of
+from dbsn.evaluation.tracking import define_metrics, step_metric_of, summary_key, summary_of
 
 
 @pytest.mark.parametrize("name, summary", [

@@ -17,8 +17,8 @@ from configs import TINY, tiny_for
 from fakedata import write_camvid
 from wandb_records import config, history, logged_values, metric_definitions, run_record, summary, table
 
-from dbsn.dashboard import Panel, Section, build_report, panel_specs, runsets, sections
-from dbsn.tracking import summary_key, summary_of
+from dbsn.tools.dashboard import Panel, Section, build_report, panel_specs, runsets, sections
+from dbsn.evaluation.tracking import summary_key, summary_of
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def missing_reads(dashboard: list[Section], logged_by_job: dict[str, dict[str, s
 
 
 def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
-    dry = subprocess.run([sys.executable, "-m", "dbsn.dashboard", "--entity", "lab", "--project", "dbsn", "--group",
+    dry = subprocess.run([sys.executable, "-m", "dbsn.tools.dashboard", "--entity", "lab", "--project", "dbsn", "--group",
                           f"quick {logged['sweep'].name}", "--ood-sets", ",".join(OOD_SETS), "--dry-run"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
     assert dry.returncode == 0, dry.stderr

@@ -23,7 +23,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from dbsn.metrics import ClassificationMetrics
+from dbsn.metrics.classification import ClassificationMetrics
 
 __all__ = ["SampleAblation", "ablation_figure", "prefix_ensembles", "write_ablation"]
 

@@ -11,7 +11,7 @@ its own sub-folder of the evaluation folder:
 - `ablation/`: the MC-sample ablation (`results.csv`, `results.json`, `ablation.png`);
 - `structure/`: the learned structure posterior (`final.json`, `final.txt`, `final.png`).
 
-Every number also goes to W&B when that logger is on (`dbsn.tracking.log_to_wandb`): OOD metrics
+Every number also goes to W&B when that logger is on (`dbsn.evaluation.tracking.log_to_wandb`): OOD metrics
 as `ood/<set>/<score>/<metric>`, attack results against their own x axis `adversarial/epsilon`,
 the ablation against `ablation/n_samples`, and the data of the figures as W&B tables.
 """
@@ -37,9 +37,9 @@ from dbsn.evaluation.attacks import adversarial_evaluation, adversarial_figure, 
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
 from dbsn.evaluation.uncertainty import detection_scores
-from dbsn.metrics import reliability_bins
-from dbsn.plots import save_figure
-from dbsn.tracking import log_to_wandb
+from dbsn.metrics.classification import reliability_bins
+from dbsn.evaluation.plots import save_figure
+from dbsn.evaluation.tracking import log_to_wandb
 
 
 def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:

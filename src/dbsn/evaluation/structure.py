@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from dbsn.plots import save_figure
+from dbsn.evaluation.plots import save_figure
 
 __all__ = [
     "StructurePosteriorMonitor",

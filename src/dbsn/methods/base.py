@@ -19,7 +19,7 @@ optimisers. `ClassificationMethod` provides the common parts:
   gradient-norm clipping on the weights only (the paper's CIFAR recipe);
 - an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
 - a NaN/inf guard that stops the run at the first bad loss and names the step;
-- Bayes-ensemble prediction (`dbsn.ensemble.BayesEnsemble`) from `stochastic_forward`, with the
+- Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`, with the
   test metrics under stable names `test/{error,nll,brier,ece}`;
 - under data-parallel DDP, different random streams per rank, so each rank draws its own
   structures/masks; under structure-parallel DDP one stream (see `parallel`).
@@ -38,13 +38,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from dbsn.calibration import TemperatureScaler, fit_temperature, require_validation
-from dbsn.ensemble import BayesEnsemble
+from dbsn.posthoc.temperature import TemperatureScaler, fit_temperature, require_validation
+from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods.weights import WeightPosterior
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
-from dbsn.metrics import UncertaintyMetrics
+from dbsn.metrics.classification import UncertaintyMetrics
 from dbsn.nets.batchnorm import accumulated_running_statistics
 
 Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)

@@ -32,7 +32,7 @@ from dbsn.methods.tasks import Classification
 from dbsn.methods.base import ClassificationMethod, Compilation, Parallel, StructureOptimizer, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
-from dbsn.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
+from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
 
 
@@ -76,7 +76,7 @@ class DBSN(ClassificationMethod):
         weights: the weight posterior; point estimates for DBSN, Gaussian for FBN.
         train_samples: T, structure samples per training step (paper: 4).
         n_samples: S, structures in the test-time Bayes ensemble (paper: 100).
-        tau, beta: the temperature (per 64 training examples, see `dbsn.schedules`) and
+        tau, beta: the temperature (per 64 training examples, see `dbsn.structure.schedules`) and
             sharpening (per epoch) schedules.
         test_tau: temperature of the structures drawn for prediction.
         structure_optim: Adam settings for θ.

@@ -26,7 +26,7 @@ class MAP(ClassificationMethod):
     Args:
         learn_structure: learn θ (MAP) or keep α fixed (MAP-fixed α).
         fixed_structure: the fixed α, (E, K) (e.g. a structure sampled from a DBSN posterior,
-            see `dbsn.refine`); default 1/K on every edge. Only with `learn_structure=False`.
+            see `dbsn.tools.refine`); default 1/K on every edge. Only with `learn_structure=False`.
         weights: point estimates (MAP), `MCDropoutWeights` (MC dropout), `GaussianWeights` (BBB).
         n_samples: S for stochastic weights; deterministic methods predict with one pass.
         channels_last, compile: see `ClassificationMethod`.

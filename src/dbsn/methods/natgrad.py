@@ -56,7 +56,7 @@ from dbsn.methods.map import MAP
 from dbsn.methods.tasks import Classification
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss
 from dbsn.natgrad.nekfac import _split, kfac_layers
-from dbsn.schedules import BetaSchedule, TauSchedule
+from dbsn.structure.schedules import BetaSchedule, TauSchedule
 
 __all__ = ["NEKFACMethod", "NaturalGradientMethod", "VOGNFBN", "VOGNMAP", "VOGNMethod"]
 

@@ -50,7 +50,7 @@ class Classification:
         return members.flatten(1, -2)
 
     def make_metrics(self, num_classes: int) -> nn.Module:
-        from dbsn.metrics import ClassificationMetrics
+        from dbsn.metrics.classification import ClassificationMetrics
 
         return ClassificationMetrics(num_classes)
 
@@ -73,6 +73,6 @@ class Segmentation(Classification):
         self.num_maps = num_maps
 
     def make_metrics(self, num_classes: int) -> nn.Module:
-        from dbsn.segmentation_metrics import SegmentationMetrics
+        from dbsn.metrics.segmentation import SegmentationMetrics
 
         return SegmentationMetrics(num_classes, ignore_index=self.ignore_index, class_names=self.class_names)

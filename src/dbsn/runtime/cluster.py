@@ -173,9 +173,9 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         print(f"FAILED job {facts['job_id']} ({' '.join(facts['overrides'])}): {facts['error']}\n"
               f"  run folder {run_dir}\n  SLURM log  {facts['stdout']}", flush=True)
     if "model" in config:  # a training sweep: its tables
-        from dbsn.report import build_report
+        from dbsn.runtime.reports import build_sweep_report
 
-        report = build_report([sweep_dir], sweep_dir / "report")
+        report = build_sweep_report(sweep_dir)
         print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)
     return results
 

@@ -3,7 +3,7 @@
 Lightning's default DDP launcher starts ranks 1..N-1 by re-running `sys.argv`. Under Hydra that
 re-runs the command line, which (a) in a multirun (`-m seed=1,2,3`) starts a whole new sweep in
 every child and (b) makes extra output folders. Here rank 0 writes the resolved run config to
-its output folder and starts each child as `python -m dbsn.runtime.rank <config> <output dir>`: the
+its output folder and starts each child as `python -m dbsn.runtime.child <config> <output dir>`: the
 children run the same `dbsn.runtime.run.train` on the same config and folder, and never touch Hydra.
 
 When processes are created externally (SLURM, torchrun), Lightning does not launch children and
@@ -40,7 +40,7 @@ class _ConfigFileLauncher(_SubprocessScriptLauncher):
             LOCAL_RANK=str(env.local_rank()),
             WORLD_SIZE=str(self.num_processes * self.num_nodes),
         )
-        command = [sys.executable, "-m", "dbsn.runtime.rank", str(self.run_dir / CONFIG_FILE), str(self.run_dir)]
+        command = [sys.executable, "-m", "dbsn.runtime.child", str(self.run_dir / CONFIG_FILE), str(self.run_dir)]
         for local_rank in range(1, self.num_processes):
             child_env = {**os.environ, "LOCAL_RANK": str(local_rank)}
             self.procs.append(subprocess.Popen(command, env=child_env))

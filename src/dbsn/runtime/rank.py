@@ -1,22 +1,12 @@
-"""One extra DDP rank on this node: `python -m dbsn.runtime.rank <resolved_config.yaml> <run dir>`.
-
-`dbsn.runtime.ddp` starts these; each runs `dbsn.runtime.run.train` on the run's saved config
-and folder without Hydra (see that module's docstring)."""
+"""Which rank this process is."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import os
+
+from lightning.pytorch.utilities import rank_zero_only
 
 
-def main(argv: list[str]) -> None:
-    from omegaconf import OmegaConf
-
-    from dbsn.runtime.run import train
-
-    config_path, run_dir = argv
-    train(OmegaConf.load(config_path), Path(run_dir))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def is_rank_zero() -> bool:
+    """Rank 0 of the job, also before Lightning has set its rank (DDP children know theirs from LOCAL_RANK)."""
+    return rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0"

@@ -31,14 +31,16 @@ from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.progress import LineProgress
-from dbsn.runtime.wandb_run import (configured_group, is_rank_zero, logged_to_wandb, run_facts, run_group, run_name,
+from dbsn.runtime.rank import is_rank_zero
+from dbsn.runtime.reports import build_sweep_report
+from dbsn.runtime.wandb_run import (configured_group, logged_to_wandb, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.evaluation.runner import (adversarial, ood_evaluation, print_table, reliability_table, write_sample_ablation,
                                    write_structure)
-from dbsn.plots import reliability_diagram, save_figure
-from dbsn.tracking import log_to_wandb
+from dbsn.evaluation.plots import reliability_diagram, save_figure
+from dbsn.evaluation.tracking import log_to_wandb
 
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
                 "mutual_information")
@@ -159,7 +161,7 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
 def uncertainty_maps(maps: list[dict], datamodule, title: str):
     """The paper's Figure 2 for the kept test images: input, ground truth, prediction, entropy
     and mutual information (segmentation)."""
-    from dbsn.segmentation_metrics import uncertainty_grid
+    from dbsn.metrics.segmentation import uncertainty_grid
 
     mean, std = (torch.tensor(v).view(3, 1, 1) for v in (datamodule.mean, datamodule.std))
     rows = [{**m, "image": (m["image"] * std + mean).clamp(0, 1)} for m in maps]
@@ -448,8 +450,6 @@ def evaluate_folder(cfg: DictConfig, root: Path) -> dict:
     """Evaluate every training run under `root` (e.g. a multirun folder) into its own
     `evaluation/`, then write the report (Tables 1 and 2, OOD and adversarial summaries) into
     `<root>/report`. Runs without a checkpoint, or whose evaluation fails, are listed."""
-    from dbsn.report import build_report
-
     runs = sorted(p.parent for p in root.rglob(CONFIG_FILE) if "evaluation" not in p.parts)
     if not runs:
         raise FileNotFoundError(f"No training runs (folders with {CONFIG_FILE}) under {root}.")
@@ -466,6 +466,6 @@ def evaluate_folder(cfg: DictConfig, root: Path) -> dict:
             problems[str(run_dir)] = f"{type(err).__name__}: {err}"
     for run, problem in problems.items():
         Console().print(f"[red]not evaluated[/red] {run}: {problem}")
-    report = build_report([root], root / "report")
+    report = build_sweep_report(root)
     Console().print(f"Report: {root / 'report'}")
     return {"runs": [str(r) for r in runs], "not_evaluated": problems, "report": report}

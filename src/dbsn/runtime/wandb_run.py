@@ -17,15 +17,14 @@ A user's own `logger.wandb.{id,group,name,job_type}` wins over each of these.
 
 from __future__ import annotations
 
-import os
 import secrets
 import string
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.layout import WANDB_ID_FILE, method_and_dataset, sweep_of
 
 IDENTITY_KEYS = ("id", "group", "name", "job_type")
@@ -41,11 +40,6 @@ def stable_wandb_id(folder: Path) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(run_id + "\n")
     return run_id
-
-
-def is_rank_zero() -> bool:
-    """Rank 0 of the job, also before Lightning has set its rank (DDP children know theirs from LOCAL_RANK)."""
-    return rank_zero_only.rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def run_group(run_dir: Path, task_name: str | None) -> str:

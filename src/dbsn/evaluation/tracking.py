@@ -1,6 +1,6 @@
 """What our runs send to Weights & Biases, and under which names.
 
-Names are stable and shared with `metrics.json` and the dashboard (`dbsn.dashboard`):
+Names are stable and shared with `metrics.json` and the dashboard (`dbsn.tools.dashboard`):
 
 - per-epoch metrics (`val/*`, `structure/*`, `posterior/*`, `*_epoch`) use the epoch as their
   x axis (`define_metric(step_metric="epoch")`);

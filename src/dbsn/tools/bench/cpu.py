@@ -1,8 +1,8 @@
-"""`make bench`: speed and memory of DBSN's hot paths, as ratios measured in one run.
+"""`make bench` (the cpu suite): speed and memory of DBSN's hot paths, as ratios measured in one run.
 
-    python -m dbsn.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
+    python -m dbsn.tools.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
                          [--memory-batch 4] [--no-compile]
-    python -m dbsn.bench --suite gpu [--configs ...] [--json results.json]   (see `dbsn.bench_gpu`)
+    python -m dbsn.tools.bench --suite gpu [--configs ...] [--json results.json]   (see `dbsn.tools.bench.gpu`)
 
 Cases (same network, same batch, same machine, interleaved repetitions, median time):
   map_fixed  one training step of the network under fixed uniform α (SGD on w)
@@ -52,27 +52,20 @@ was 1.15 instead of 0.83 in the same session.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
-import platform
 import statistics
 import time
 from datetime import date
 
 import torch
 
-from dbsn.ensemble import BayesEnsemble
+from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory
+from dbsn.tools.bench.common import NETS, _device_name, _sync
 
-NETS = {
-    "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
-    "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
-    "tiny": dict(num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8),  # tests of the bench
-}
 CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "dbsn_t4_chunked", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn",
          "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100", "dbsn_t1_channels_last")
 COMPILED_CASES = ("dbsn_t1_compiled", "dbsn_t1_channels_last_compiled")
@@ -99,11 +92,6 @@ METHODS = {
     "dbsn_t1_channels_last_compiled": lambda net: DBSN(net, train_samples=1, channels_last=True,
                                                        compile=Compilation(enabled=True)),
 }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_case(name: str, net_name: str, batch: int, device: torch.device, samples_per_forward: int):
@@ -173,12 +161,6 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
         with torch.inference_mode():
             ensemble(method.stochastic_forward, x)
     return predict
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 # ---------------------------------------------------------------------- segmentation
@@ -464,50 +446,3 @@ def _print_segmentation(result: dict) -> None:
         mem = result.get("peak_memory_mib", {}).get(name)
         table.add_row(name, f"{rate:.3f}", "-" if mem is None else f"{mem:.0f}")
     Console().print(table)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("cpu", "gpu"), default="cpu",
-                        help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
-                             "on one GPU (dbsn.bench_gpu)")
-    parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--samples-per-forward", type=int, default=None,
-                        help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
-                             "favour small batches; 20 on a GPU)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
-    parser.add_argument("--memory-batch", type=int, default=4,
-                        help="images of the paper-network training-memory step (T = 4)")
-    parser.add_argument("--json", help="also write the result to this file")
-    parser.add_argument("--segmentation", choices=("auto", "yes", "no"), default="auto",
-                        help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
-                             "on a CPU one S = 100 image takes minutes)")
-    parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
-    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
-    parser.add_argument("--steps", type=int, default=20, help="gpu suite: timed steps per configuration")
-    parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
-    parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
-    parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")
-    args = parser.parse_args(argv)
-    if args.suite == "gpu":
-        from dbsn import bench_gpu
-
-        return bench_gpu.main(args)
-    result = run(args.net or "quick", args.batch, args.repeats, args.device, args.samples_per_forward,
-                 not args.no_memory, args.memory_batch, compiled=not args.no_compile)
-    _print(result)
-    if args.segmentation == "yes" or (args.segmentation == "auto" and torch.cuda.is_available()):
-        size = tuple(int(v) for v in args.seg_size.split("x"))
-        result["segmentation"] = run_segmentation(size, device=args.device, memory=not args.no_memory)
-        _print_segmentation(result["segmentation"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """A small end-to-end comparison of every method on any classification dataset (CPU-sized).
 
-    python -m dbsn.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
+    python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
                            [--batch-size 64] [--out DIR] [overrides ...]
 
 `--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
@@ -9,7 +9,7 @@ N < 1) of its training split (`data.train_subset`; the test set stays whole); th
 train.py's, for every method (`data.root=...`, `trainer=gpu`; the default is `trainer=cpu`).
 E.g. CIFAR-10 on a 5,000-image subset on CPU:
 
-    python -m dbsn.compare --data cifar10 --subset 5000 --epochs 10 data.root=/path
+    python -m dbsn.tools.compare --data cifar10 --subset 5000 --epochs 10 data.root=/path
 
 Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters) with
 the same data, batch, epochs and weight optimiser settings, and is tested with S = 100 members
@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from dbsn.schedules import REFERENCE_BATCH
+from dbsn.structure.schedules import REFERENCE_BATCH
 
 METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn")
 STRUCTURE_SAMPLING = ("dbsn", "fbn", "vogn_fbn")

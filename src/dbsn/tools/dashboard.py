@@ -1,8 +1,8 @@
-"""The W&B dashboard as code: `python -m dbsn.dashboard --entity E --project P [--group G] [--dry-run]`.
+"""The W&B dashboard as code: `python -m dbsn.tools.dashboard --entity E --project P [--group G] [--dry-run]`.
 
 Builds a W&B report (with `wandb-workspaces`, W&B's own API for reports and workspaces) with the
 sections Calibration, Accuracy, OOD, Adversarial, Segmentation and Structure posterior. Every
-panel points at names our runs log (`dbsn.tracking`); runs are grouped by `config.method`, so a
+panel points at names our runs log (`dbsn.evaluation.tracking`); runs are grouped by `config.method`, so a
 bar or curve is a method's mean over seeds with its standard deviation as the band. Sections
 about training read the `train` runs, OOD and attacks the `evaluate` runs (`evaluate.py
 logger=wandb`); `--group` restricts both to one sweep.
@@ -11,7 +11,7 @@ logger=wandb`); `--group` restricts both to one sweep.
 JSON and saves nothing: no network, no W&B account. Without it the report is saved to the
 project and its URL printed (needs `wandb login` or WANDB_API_KEY).
 
-A bar reads a run's summary: for a metric whose summary is its best value (`dbsn.tracking`),
+A bar reads a run's summary: for a metric whose summary is its best value (`dbsn.evaluation.tracking`),
 the key is `<name>.min` or `<name>.max`. A table panel is a W&B custom chart over the table that
 each run logged, one line or bar set per run.
 """
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from dbsn.evaluation.ood import OOD_SCORES
-from dbsn.tracking import EPOCH, summary_key
+from dbsn.evaluation.tracking import EPOCH, summary_key
 
 PanelKind = Literal["bar", "line", "table", "images"]
 JobType = Literal["train", "evaluate"]
@@ -168,7 +168,7 @@ def build_report(entity: str, project: str, group: str | None = None,
 
     blocks = [wr.P(f"Runs of {'group ' + repr(group) if group else 'every group'} in {entity}/{project}, grouped by "
                    "method (config.method): each bar and curve is the mean over seeds, the band ± one standard "
-                   "deviation. Made by `python -m dbsn.dashboard`.")]
+                   "deviation. Made by `python -m dbsn.tools.dashboard`.")]
     for section in sections(ood_sets):
         filters = [expr.Metric("JobType") == section.job_type, *([expr.Metric("Group") == group] if group else [])]
         runset = wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", filters=filters,
@@ -197,7 +197,7 @@ def panel_specs(report) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dbsn.dashboard", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dbsn.tools.dashboard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--entity", required=True, help="W&B entity (user or team) that owns the project")
     parser.add_argument("--project", required=True, help="W&B project the runs were logged to (logger.wandb.project)")
     parser.add_argument("--group", default=None, help="only this group (a sweep: '<task_name> <sweep folder>')")

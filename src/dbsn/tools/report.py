@@ -1,4 +1,4 @@
-"""Gather training runs into the paper's tables: `python -m dbsn.report DIR [DIR ...] [--out OUT]`.
+"""Gather training runs into the paper's tables: `python -m dbsn.tools.report DIR [DIR ...] [--out OUT]`.
 
 A run folder is any folder below the DIRs with `resolved_config.yaml` (or a Hydra train job
 folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
@@ -35,7 +35,7 @@ import yaml
 from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
-from dbsn.plots import save_figure
+from dbsn.evaluation.plots import save_figure
 
 SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}
 METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "vogn", "vogn_fbn", "nekfac")

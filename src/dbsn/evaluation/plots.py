@@ -13,7 +13,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from dbsn.metrics import expected_calibration_error, reliability_bins
+from dbsn.metrics.classification import expected_calibration_error, reliability_bins
 
 __all__ = ["reliability_diagram", "save_figure"]
 

@@ -183,7 +183,7 @@ class SegmentationMetrics(nn.Module):
             )
         log_probs = log_probs.detach().reshape(-1, self.num_classes)
         target = target.reshape(-1).long()
-        # Confidence and prediction as in dbsn.metrics: max of the probabilities.
+        # Confidence and prediction as in dbsn.metrics.classification: max of the probabilities.
         confidence, prediction = log_probs.exp().max(dim=-1)
         self.confusion.update(prediction, target)
 

@@ -1,4 +1,4 @@
-"""`python -m dbsn.bench --suite gpu`: the paper's CIFAR training step on one GPU, configuration by
+"""`python -m dbsn.tools.bench --suite gpu`: the paper's CIFAR training step on one GPU, configuration by
 configuration, and what 100 epochs of it would take.
 
 The paper network (B = 7, 12 cells, 1.04 M parameters) at T = 4, batch 64, in each configuration
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dbsn.bench import NETS, _device_name, _sync
+from dbsn.tools.bench.common import NETS, _device_name, _sync
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
 from dbsn.methods import DBSN, Compilation
 from dbsn.nets import StructureNet
@@ -275,7 +275,7 @@ def markdown(result: dict) -> str:
     """The suite's result as the README's markdown table."""
     lines = [f"Measured {result['date']} on {result['device']}, torch {result['torch']}: the {result['net']} "
              f"network, T = {result['train_samples']}, batch {result['batch']}, median of {result['steps']} steps "
-             f"(`python -m dbsn.bench --suite gpu`).", "",
+             f"(`python -m dbsn.tools.bench --suite gpu`).", "",
              "| configuration | T structures | steps/s | peak GiB | 100 epochs (h) | TFLOP/s | of matmul peak |",
              "|---|---|---|---|---|---|---|"]
     for key, row in result["training"].items():
@@ -303,7 +303,7 @@ def markdown(result: dict) -> str:
 
 
 def main(args) -> dict:
-    """Run the suite from `dbsn.bench`'s parsed arguments (`--suite gpu`)."""
+    """Run the suite from `dbsn.tools.bench`'s parsed arguments (`--suite gpu`)."""
     path = Path(args.json) if args.json else None
     previous = json.loads(path.read_text()) if path is not None and path.is_file() else None
 

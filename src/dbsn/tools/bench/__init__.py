@@ -1,0 +1,60 @@
+"""`python -m dbsn.tools.bench`: the speed and memory benchmarks (`make bench`).
+
+    --suite cpu (default)  ratios of DBSN's hot paths on any device (`dbsn.tools.bench.cpu`)
+    --suite gpu            the paper network's training configurations on one GPU
+                           (`dbsn.tools.bench.gpu`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dbsn.tools.bench.common import NETS
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dbsn.tools.bench import cpu
+
+    parser = argparse.ArgumentParser(description=cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
+                             "on one GPU (dbsn.tools.bench.gpu)")
+    parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--samples-per-forward", type=int, default=None,
+                        help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
+                             "favour small batches; 20 on a GPU)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
+    parser.add_argument("--memory-batch", type=int, default=4,
+                        help="images of the paper-network training-memory step (T = 4)")
+    parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("--segmentation", choices=("auto", "yes", "no"), default="auto",
+                        help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
+                             "on a CPU one S = 100 image takes minutes)")
+    parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
+    parser.add_argument("--steps", type=int, default=20, help="gpu suite: timed steps per configuration")
+    parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
+    parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
+    parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")
+    args = parser.parse_args(argv)
+    if args.suite == "gpu":
+        from dbsn.tools.bench import gpu
+
+        return gpu.main(args)
+    result = cpu.run(args.net or "quick", args.batch, args.repeats, args.device, args.samples_per_forward,
+                     not args.no_memory, args.memory_batch, compiled=not args.no_compile)
+    cpu._print(result)
+    if args.segmentation == "yes" or (args.segmentation == "auto" and torch.cuda.is_available()):
+        size = tuple(int(v) for v in args.seg_size.split("x"))
+        result["segmentation"] = cpu.run_segmentation(size, device=args.device, memory=not args.no_memory)
+        cpu._print_segmentation(result["segmentation"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

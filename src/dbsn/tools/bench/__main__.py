@@ -1,0 +1,3 @@
+from dbsn.tools.bench import main
+
+main()

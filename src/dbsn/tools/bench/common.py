@@ -1,0 +1,24 @@
+"""What both bench suites share: the networks, device names and synchronisation."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+NETS = {
+    "quick": dict(num_nodes=4, cells_per_stage=1),  # the paper's ~41K-parameter small model
+    "paper": dict(num_nodes=7, cells_per_stage=4),  # the paper's CIFAR model, ~1.0M parameters
+    "tiny": dict(num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8),  # tests of the bench
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
