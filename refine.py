@@ -5,6 +5,7 @@ and M networks sharing one structure, and reports both ensembles' test metrics.
 """
 
 from dbsn.tools.refine import main
+from dbsn.runtime.errors import one_line_errors
 
 if __name__ == "__main__":
-    main()
+    one_line_errors(main)()

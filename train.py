@@ -10,8 +10,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from dbsn.runtime.errors import one_line_errors
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@one_line_errors
 def main(cfg: DictConfig) -> float | None:
     from dbsn.runtime.run import train
 

@@ -165,6 +165,28 @@ def test_init_from_loads_weights_only_and_rejects_a_foreign_model(trained_run):
         init_weights(other, out / "checkpoints" / "last.ckpt")
 
 
+def test_init_from_continues_tau_and_beta_where_the_first_run_ended(trained_run, tmp_path):
+    """A second stage (`init_from`) starts its optimisers and lr schedule afresh but continues the
+    structure posterior's annealing: its first epoch has the β of epoch 4 and the τ the first run
+    ended at, not β(0) = 1 and τ = 3 around an already sharpened θ."""
+    cfg, out, _ = trained_run
+    first_beta = _epoch_values(out, "structure/beta")
+    first_tau = _epoch_values(out, "structure/tau")
+    saved = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    overrides = [*_cifar_overrides(cfg.data.root, 1), f"init_from={out / 'checkpoints' / 'last.ckpt'}",
+                 "test=false", "model.beta.decay_per_epoch=0.1", "model.tau.decay=0.01"]
+    second = train(compose_config("train", overrides, tmp_path), tmp_path)
+    assert second == {}
+    model = build_model(compose_config("train", overrides, tmp_path).model, num_classes=10)
+    beta = _epoch_values(tmp_path, "structure/beta")[0]
+    tau = _epoch_values(tmp_path, "structure/tau")[0]
+    assert beta == pytest.approx(model.beta_schedule(4)) and beta < model.beta_schedule(0)
+    assert tau == pytest.approx(model.tau_schedule(int(saved["state_dict"]["examples_seen"]) / 64))
+    assert len(first_beta) == len(first_tau) == 4
+    resumed = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"]
+    assert int(resumed["epochs_before"]) == 4
+
+
 def test_train_checks_ckpt_path_before_building_anything(trained_run, tmp_path, monkeypatch):
     """A missing, truncated, foreign or other-method checkpoint is refused with evaluate.py's
     messages before the data module is instantiated (here the data root is empty, so building

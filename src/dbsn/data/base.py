@@ -312,13 +312,10 @@ class ImageClassificationDataModule(L.LightningDataModule):
         missing = [path for path in self.required_files() if not path.is_file()]
         if not missing:
             return
-        listing = "\n".join(f"  {path}" for path in missing)
         raise DatasetNotFoundError(
-            f"{self.name}: {len(missing)} file(s) missing under {self.root}:\n{listing}\n"
-            "Get them in one of these ways:\n"
-            "  - data.download=true (torchvision downloads and checks them; needs internet)\n"
-            f"  - by hand: {self.download_hint()}\n"
-            "  - point data.root at the folder that already holds them"
+            f"{self.name}: {len(missing)} file(s) missing under {self.root}: {', '.join(map(str, missing))}. "
+            "Get them with data.download=true (torchvision downloads and checks them; needs internet), "
+            f"by hand ({self.download_hint()}), or point data.root at the folder that already holds them."
         )
 
     def split_indices(self, n: int) -> tuple[Tensor, Tensor]:

@@ -389,6 +389,10 @@ class ClassificationMethod(pl.LightningModule):
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x, alpha, replicate=True)
 
+    def continue_schedules(self, epochs_trained: int) -> None:
+        """`init_from`: the weights come from a run that trained `epochs_trained` epochs; a
+        method whose schedules belong to its posterior continues them (DBSN's τ and β)."""
+
     def on_after_optimizer_step(self, batch_size: int) -> None:
         """Hook for progress counters, after each optimiser step on a batch of `batch_size`
         examples per rank (`examples_per_step` says how many the whole step saw)."""

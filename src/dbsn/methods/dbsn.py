@@ -124,6 +124,8 @@ class DBSN(ClassificationMethod):
         # final) epoch.
         self.register_buffer("examples_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("beta", torch.tensor(self.beta_schedule(0)))
+        # epochs trained by the runs this one started from (`init_from`): β continues from there
+        self.register_buffer("epochs_before", torch.zeros((), dtype=torch.long))
         self._examples = 0
         self._warned_tau = False
         self.bn_recalibration = bn_recalibration if bn_recalibration is not None else BatchNormRecalibration()
@@ -148,8 +150,15 @@ class DBSN(ClassificationMethod):
         self._calibration = self._members = None  # validation predicts with the running statistics
 
     def on_train_epoch_start(self) -> None:
-        self.beta.fill_(self.beta_schedule(self.current_epoch))
+        self.beta.fill_(self.beta_schedule(self.current_epoch + int(self.epochs_before)))
         self.log_structure_state()
+
+    def continue_schedules(self, epochs_trained: int) -> None:
+        """`init_from`: this run starts from another run's weights and θ, which were learned
+        while τ and β annealed; both continue from where that run ended (τ from the examples it
+        saw, which came with its state, β from its epochs), so that the structure posterior is
+        not re-annealed from τ = 3, β = 1 around an already sharpened θ."""
+        self.epochs_before.add_(int(epochs_trained))
 
     def on_after_optimizer_step(self, batch_size: int) -> None:
         self._examples += self.examples_per_step(batch_size)
@@ -166,6 +175,7 @@ class DBSN(ClassificationMethod):
         # paper's batch of 64 per step it is the same progress (and the same τ)
         if prefix + "structure_step" in state_dict and prefix + "examples_seen" not in state_dict:
             state_dict[prefix + "examples_seen"] = state_dict.pop(prefix + "structure_step") * REFERENCE_BATCH
+        state_dict.setdefault(prefix + "epochs_before", torch.zeros((), dtype=torch.long))  # older checkpoints
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def on_test_start(self) -> None:

@@ -12,8 +12,10 @@ the type it expects, instead of failing later in a comparison deep inside the me
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
+import math
 import os
 import shutil
 import types
@@ -21,7 +23,7 @@ import typing
 from typing import Any, Iterable, Literal, Union
 
 import torch
-from hydra.utils import get_object
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -240,6 +242,62 @@ def check_channels_last(cfg: DictConfig) -> None:
             )
 
 
+def _check_finite(node: DictConfig | ListConfig, where: str) -> None:
+    """Refuse NaN and infinite numbers anywhere in a section: no setting means them, and a NaN
+    passes every `<` check a constructor makes."""
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for key, value in items:
+        path = f"{where}.{key}" if isinstance(node, DictConfig) else f"{where}[{key}]"
+        if isinstance(value, (DictConfig, ListConfig)):
+            _check_finite(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path}={value}: expected a finite number.")
+
+
+def _check_settings(node: DictConfig, where: str) -> None:
+    """Build every small settings object (a dataclass `_target_` without nested targets, e.g.
+    the τ and β schedules, the optimisers' settings) now, so that its own range checks refuse a
+    value before anything is built or read."""
+    target_name = node.get("_target_")
+    children = {key: node._get_node(key) for key in node.keys()}
+    nested = [key for key, child in children.items() if isinstance(child, DictConfig) and "_target_" in child]
+    if target_name is not None and not nested:
+        target = get_object(target_name)
+        if dataclasses.is_dataclass(target):
+            try:
+                instantiate(node)
+            except Exception as err:  # noqa: BLE001 - the settings' own message says what is wrong
+                cause = err.__cause__ if err.__cause__ is not None else err
+                raise ConfigError(f"{where}: {cause}") from err
+    for key, child in children.items():
+        if isinstance(child, DictConfig):
+            _check_settings(child, f"{where}.{key}")
+
+
+def check_sync_batchnorm(cfg: DictConfig) -> None:
+    """Refuse `trainer.sync_batchnorm=true` for networks with per-structure (grouped) BatchNorm:
+    Lightning swaps every BatchNorm for a plain SyncBatchNorm, so the T structures of a grouped
+    forward would share their batch statistics (a different method), and the chunked step's
+    accumulated running statistics and per-structure recalibration would stop working, silently.
+    On any device count: the swap happens on one device too."""
+    trainer = cfg.get("trainer") or {}
+    if not trainer.get("sync_batchnorm"):
+        return
+    from dbsn.nets.batchnorm import GroupBatchNorm2d
+
+    model = cfg.get("model") or {}
+    for where, node in (("model.net", model.get("net")), ("model.member.net", (model.get("member") or {}).get("net"))):
+        if node is None:
+            continue
+        net = instantiate(node, num_classes=10)  # the class count does not change the BatchNorms
+        if any(isinstance(m, GroupBatchNorm2d) for m in net.modules()):
+            raise ConfigError(
+                f"trainer.sync_batchnorm=true is refused: {where} ({type(net).__name__}) normalises each sampled "
+                "structure with its own batch statistics, and SyncBatchNorm would pool them across structures and "
+                "ranks. Set trainer.sync_batchnorm=false (per-rank statistics, as the research code has)."
+            )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
     for key in cfg.keys():
@@ -257,9 +315,12 @@ def validate_config(cfg: DictConfig) -> None:
         node = cfg.get(section)
         if isinstance(node, DictConfig):
             _check_node(node, section)
+            _check_finite(node, section)
+            _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
     check_compile(cfg)
     check_channels_last(cfg)
+    check_sync_batchnorm(cfg)
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -75,12 +75,16 @@ def count_parameters(model) -> int:
 
 def init_weights(model: ClassificationMethod, path) -> None:
     """Start from the weights (and θ) of another run's checkpoint, e.g. full-size fine-tuning
-    after training on crops; unlike `ckpt_path`, optimisers, schedules and epochs start afresh."""
+    after training on crops; unlike `ckpt_path`, optimisers, the lr schedule and the epoch count
+    start afresh, while the structure posterior's τ and β continue where that run ended
+    (`continue_schedules`)."""
     checkpoint = load_checkpoint(path)
     try:
         model.load_state_dict(checkpoint["state_dict"], strict=True)
     except RuntimeError as err:
         raise CheckpointError(f"init_from={path}: its weights do not fit this model ({err})") from err
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    model.continue_schedules(int(progress.get("processed", checkpoint.get("epoch", -1) + 1)))
 
 
 def _num_devices(devices: Any, accelerator: str) -> int:
@@ -219,6 +223,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         pl.seed_everything(cfg.seed, workers=True)
 
     datamodule = instantiate(cfg.data)
+    check_files = getattr(datamodule, "check_files", None)
+    if check_files is not None and not getattr(datamodule, "download", False):
+        check_files()  # a missing dataset fails now, before the model, the loggers and the trainer
     model = build_model(cfg.model, datamodule.num_classes)
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)

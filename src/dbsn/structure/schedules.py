@@ -17,6 +17,13 @@ __all__ = ["REFERENCE_BATCH", "BetaSchedule", "TauSchedule"]
 REFERENCE_BATCH = 64
 
 
+def _finite(schedule, *names: str) -> None:
+    for name in names:
+        value = getattr(schedule, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{type(schedule).__name__}.{name} must be a finite number, got {value!r}")
+
+
 @dataclass
 class TauSchedule:
     """Temperature of Eq. 4: tau(t) = max(initial * exp(-decay * t), minimum).
@@ -34,14 +41,15 @@ class TauSchedule:
     decay: float = 1.5e-5
     minimum: float = 1.0
 
-    def __post_init__(self) -> None:
-        if self.minimum <= 0:
+    def __post_init__(self) -> None:  # `not x > 0`, not `x <= 0`: NaN fails every comparison
+        _finite(self, "initial", "decay", "minimum")
+        if not self.minimum > 0:
             raise ValueError(f"TauSchedule.minimum must be > 0, got {self.minimum}")
-        if self.initial < self.minimum:
+        if not self.initial >= self.minimum:
             raise ValueError(
                 f"TauSchedule.initial ({self.initial}) must be >= minimum ({self.minimum})"
             )
-        if self.decay < 0:
+        if not self.decay >= 0:
             raise ValueError(f"TauSchedule.decay must be >= 0, got {self.decay}")
 
     def __call__(self, step: float) -> float:
@@ -66,11 +74,12 @@ class BetaSchedule:
     decay_per_epoch: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.end <= 0:
+        _finite(self, "start", "end", "decay_per_epoch")
+        if not self.end > 0:
             raise ValueError(f"BetaSchedule.end must be > 0, got {self.end}")
-        if self.end > self.start:
+        if not self.end <= self.start:
             raise ValueError(f"BetaSchedule.end ({self.end}) must be <= start ({self.start})")
-        if self.decay_per_epoch < 0:
+        if not self.decay_per_epoch >= 0:
             raise ValueError(
                 f"BetaSchedule.decay_per_epoch must be >= 0, got {self.decay_per_epoch}"
             )

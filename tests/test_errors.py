@@ -1,0 +1,97 @@
+"""A user's mistake prints one line that says what was wrong and how to fix it, exits with status
+2 and shows no traceback, through the real entry points; HYDRA_FULL_ERROR=1 shows the traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from configs import ROOT
+
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.errors import one_line, one_line_errors
+
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, args: list[str], cwd, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / script), *args, f"hydra.run.dir={cwd / 'out'}"], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})})
+
+
+def _assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    return lines[0]
+
+
+CASES = {
+    "a value of the wrong type": (["experiment=quick", "model.train_samples=abc"],
+                                  ["model.train_samples='abc'", "expected int"]),
+    "a checkpoint that is not there": (["experiment=quick", "ckpt_path=/nope.ckpt"], ["/nope.ckpt", "not found"]),
+    "a dataset that is not there": (["data=cifar10", "data.root=/nonexistent"],
+                                    ["CIFAR-10", "missing under /nonexistent", "data_batch_1", "data.download=true"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_py_says_what_is_wrong_in_one_line(case, tmp_path):
+    args, phrases = CASES[case]
+    _assert_one_line(_run("train.py", args, tmp_path), *phrases)
+    assert not (tmp_path / "out" / "checkpoints").exists()  # refused before training
+
+
+def test_evaluate_py_on_a_corrupt_checkpoint_says_so_in_one_line(tmp_path):
+    corrupt = tmp_path / "last.ckpt"
+    corrupt.write_bytes(b"PK\x03\x04 not really a checkpoint")
+    _assert_one_line(_run("evaluate.py", [f"ckpt_path={corrupt}"], tmp_path), str(corrupt), "corrupt")
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    result = _run("train.py", CASES["a value of the wrong type"][0], tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.tau.decay=nan", "model.tau.decay=nan: expected a finite number"),
+    ("model.beta.decay_per_epoch=-0.1", "model.beta: BetaSchedule.decay_per_epoch must be >= 0"),
+    ("model.tau.minimum=0", "model.tau: TauSchedule.minimum must be > 0"),
+    ("model.optim.lr=inf", "model.optim.lr=inf: expected a finite number"),
+    ("trainer.sync_batchnorm=true", "trainer.sync_batchnorm=true is refused: model.net (StructureNet)"),
+])
+def test_values_that_would_change_or_break_the_method_are_refused_at_config_time(override, message, tmp_path):
+    """Out-of-range schedules fail before training (not as a NaN loss at step 0); the settings
+    objects' own checks run at config time. SyncBatchNorm would pool the per-structure statistics."""
+    from configs import compose_config
+
+    from dbsn.runtime.config import validate_config
+
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config("train", ["experiment=quick", override], tmp_path))
+    assert str(error.value).startswith(message)
+
+
+def test_only_user_errors_lose_their_traceback(capsys):
+    @one_line_errors
+    def mistaken():
+        raise ConfigError("model.x=1: expected\n  a string.")
+
+    @one_line_errors
+    def buggy():
+        raise KeyError("a bug")
+
+    with pytest.raises(SystemExit) as exit_info:
+        mistaken()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "Error: model.x=1: expected a string.\n"
+    with pytest.raises(KeyError):
+        buggy()
+    assert one_line(ValueError("a\n\n  b ")) == "a b"
