@@ -1,0 +1,118 @@
+"""Calibration beyond the equal-width ECE: equal-mass (adaptive) ECE and classwise ECE.
+
+The equal-width, top-label ECE of :func:`dbsn.metrics.classification.expected_calibration_error`
+(logged as ``ece``) has two known blind spots. Its bins follow the confidence axis, not the
+data, so with a confident network most examples share the top one or two bins and the
+estimate rests on few bins. And it looks only at the top label's probability. Two
+complements:
+
+* :func:`adaptive_expected_calibration_error`: the same top-label ECE over bins that hold
+  equal numbers of examples (equal-mass bins; "AdaECE" of Mukhoti et al., 2020,
+  "Calibrating Deep Neural Networks using Focal Loss", NeurIPS; "ECE_EM" of Roelofs et al.,
+  2022, "Mitigating Bias in Calibration Error Estimation", AISTATS);
+* :func:`classwise_expected_calibration_error`: the calibration of every class probability,
+  not only the top one (classwise-ECE of Kull et al., 2019, "Beyond temperature scaling",
+  NeurIPS).
+
+Equal-mass bins. Sort the ``N`` top-label confidences; the example of rank ``r``
+(``0..N-1``) goes to bin ``⌊r M / N⌋``, so bin ``b`` holds ranks ``⌈bN/M⌉ .. ⌈(b+1)N/M⌉ - 1``
+and the bin sizes differ by at most one when ``M`` does not divide ``N`` (with ``N < M``
+some bins are empty and count for nothing). Ties: a group of examples with the same
+confidence may straddle a bin edge, and which of them falls on which side would then
+depend on the order they are stored in. So every example of a tie group first takes the
+group's mean correctness; the group's share on each side of the edge then contributes in
+proportion to its size, whatever the order. A tie group that lies within one bin is not
+changed by this (the bin's sum of correctness stays the same).
+
+Libraries. torchmetrics (1.9) has only equal-width bins. TorchUncertainty 0.13
+(``torch-uncertainty``) has an ``AdaptiveCalibrationError``, but it splits the sorted
+confidences with ``tensor_split`` after a sort, so which of the tied examples go to which
+bin, and the value, depend on the order they are stored in; it casts to float32; and installing it would
+add seaborn, pandas and einops to the environment. The equal-mass ECE is therefore
+implemented here (sort + ``index_add``). The classwise ECE is one torchmetrics
+``binary_calibration_error`` per class (its ``ClasswiseCalibrationError`` does the same),
+with the binning convention of the logged ``ece`` (bins ``[b/M, (b+1)/M)`` with the float
+edges of ``torch.linspace``, a probability of exactly 1 in a bin of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics.functional.classification import binary_calibration_error
+
+from dbsn.metrics.classification import (
+    _confidence_and_correct,
+    expected_calibration_error,
+)
+
+__all__ = [
+    "adaptive_expected_calibration_error",
+    "calibration_metrics",
+    "classwise_expected_calibration_error",
+]
+
+
+def _check_probs(probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, C) probabilities in [0, 1] and (N,) integer targets; ValueError otherwise."""
+    probs, target = torch.as_tensor(probs).detach(), torch.as_tensor(target).detach()
+    if probs.ndim != 2 or target.shape != probs.shape[:1] or probs.shape[0] == 0:
+        raise ValueError(f"need probs (N, C) and target (N,) with N > 0, got {tuple(probs.shape)} and {tuple(target.shape)}")
+    # torchmetrics would silently apply a sigmoid to everything if one value left [0, 1].
+    if not bool(((probs >= 0) & (probs <= 1)).all()):
+        raise ValueError("probs must be probabilities in [0, 1] (not logits or log-probabilities)")
+    return probs, target
+
+
+def adaptive_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -> Tensor:
+    """Top-label ECE over ``n_bins`` equal-mass bins (module docstring: bins and ties).
+
+    ``sum_b |B_b| / N · |acc(B_b) - conf(B_b)|`` where each bin holds ``N / n_bins``
+    examples up to one, taken in order of confidence. ``probs`` (N, C), ``target`` (N,).
+    """
+    probs, target = _check_probs(probs, target)
+    confidence, correct = _confidence_and_correct(probs, target)
+    n = confidence.numel()
+    # torch.unique sorts: groups come in increasing confidence, so repeating each group's
+    # value count times lists the examples in rank order, ties side by side.
+    values, group, count = torch.unique(confidence, return_inverse=True, return_counts=True)
+    group_correct = torch.zeros_like(values).index_add_(0, group, correct) / count
+    ranked_gap = torch.repeat_interleave(group_correct - values, count)
+    bin_index = torch.arange(n, device=confidence.device) * n_bins // n
+    # |B_b|/N * |acc(B_b) - conf(B_b)| = |sum over B_b of (correct - confidence)| / N
+    gap = torch.zeros(n_bins, dtype=confidence.dtype, device=confidence.device)
+    gap.index_add_(0, bin_index, ranked_gap)
+    return gap.abs().sum() / n
+
+
+def classwise_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -> Tensor:
+    """Classwise ECE (Kull et al., 2019): the mean over classes ``k`` of the ECE of ``p_k``.
+
+    ``1/C sum_k sum_b |B_kb| / N · |freq_k(B_kb) - mean p_k(B_kb)|``, where ``B_kb`` are the
+    examples whose ``p_k`` falls in equal-width bin ``b`` and ``freq_k`` the share of them
+    whose label is ``k``. Every class counts, whether or not it is ever predicted.
+    ``probs`` (N, C), ``target`` (N,).
+    """
+    probs, target = _check_probs(probs, target)
+    columns = probs.T.contiguous()  # one contiguous row per class, as bucketize prefers
+    per_class = [
+        binary_calibration_error(columns[k], (target == k).long(), n_bins=n_bins, norm="l1")
+        for k in range(probs.shape[1])
+    ]
+    return torch.stack(per_class).mean()
+
+
+def calibration_metrics(probs: Tensor, target: Tensor, n_bins: int = 15) -> dict[str, float]:
+    """The three calibration errors under stable names (the caller adds ``test/`` etc.).
+
+    ``ece``: equal-width top-label ECE, :func:`~dbsn.metrics.classification.expected_calibration_error`
+    (the same number as the logged ``ece``); ``adaptive_ece``:
+    :func:`adaptive_expected_calibration_error`; ``classwise_ece``:
+    :func:`classwise_expected_calibration_error`; all with ``n_bins`` bins.
+    """
+    probs, target = _check_probs(probs, target)
+    return {
+        "ece": expected_calibration_error(probs, target, n_bins=n_bins).item(),
+        "adaptive_ece": adaptive_expected_calibration_error(probs, target, n_bins=n_bins).item(),
+        "classwise_ece": classwise_expected_calibration_error(probs, target, n_bins=n_bins).item(),
+    }
