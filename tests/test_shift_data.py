@@ -1,0 +1,331 @@
+"""CIFAR-10-C / CIFAR-100-C: the reader of the published layout and the generator (dbsn.data.shift).
+
+Published-layout files are written tiny here (7 images per severity); the generator is checked on
+natural-photo patches (`photo_patches`, from scikit-learn's sample images, no download).
+"""
+
+import colorsys
+import json
+from itertools import pairwise
+
+import numpy as np
+import pytest
+import torch
+from fakedata import write_cifar10
+from scipy.ndimage import zoom as scipy_zoom
+
+from dbsn.data import shift
+from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
+from dbsn.data.ood import photo_patches
+
+PER_SEVERITY = 7
+
+
+def write_published(folder, corruptions=("gaussian_noise", "fog"), n=PER_SEVERITY, seed=0):
+    """The published layout with random content (so every row, severity and channel differs) and
+    labels that differ between severities too (the real ones repeat; the reader must slice them
+    the same way as the images). Returns {name: HWC array} and the labels."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.integers(0, 256, size=(5 * n, 32, 32, 3), dtype=np.uint8) for name in corruptions}
+    for name, array in arrays.items():
+        np.save(folder / f"{name}.npy", array)
+    labels = np.arange(5 * n, dtype=np.uint8)
+    np.save(folder / "labels.npy", labels)
+    return arrays, labels
+
+
+@pytest.fixture(scope="module")
+def patches() -> np.ndarray:
+    """64 natural-photo patches, uint8 (64, 3, 32, 32)."""
+    return photo_patches(64, 0).numpy()
+
+
+# ----- reader ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("severity", shift.SEVERITIES)
+def test_each_severity_reads_its_own_rows_as_nchw(tmp_path, severity):
+    arrays, labels = write_published(tmp_path / "CIFAR-10-C")
+    images, y = shift.corrupted_split(tmp_path / "CIFAR-10-C", "fog", severity)
+    rows = slice((severity - 1) * PER_SEVERITY, severity * PER_SEVERITY)
+    assert images.dtype == torch.uint8 and images.shape == (PER_SEVERITY, 3, 32, 32)
+    assert torch.equal(images, torch.from_numpy(arrays["fog"][rows].transpose(0, 3, 1, 2)))
+    assert y.dtype == torch.int64 and torch.equal(y, torch.from_numpy(labels[rows].astype(np.int64)))
+
+
+def test_missing_files_fail_early_naming_each_one(tmp_path):
+    folder = tmp_path / "CIFAR-10-C"
+    write_published(folder, corruptions=("gaussian_noise",))
+    (folder / "labels.npy").unlink()
+    with pytest.raises(DatasetNotFoundError) as error:
+        shift.check_corrupted_files(folder, ["gaussian_noise", "fog", "snow"])
+    message = str(error.value)
+    for name in ("labels.npy", "fog.npy", "snow.npy"):
+        assert str(folder / name) in message
+    assert "gaussian_noise.npy" not in message and "3 file(s) missing" in message
+    assert "zenodo.org/records/2535967" in message and "3555552" not in message  # the folder says CIFAR-10-C
+    assert "python -m dbsn.data.shift" in message
+    with pytest.raises(DatasetNotFoundError, match="labels.npy"):
+        shift.corrupted_split(folder, "gaussian_noise", 1)
+
+
+def test_a_folder_of_unknown_name_lists_both_published_sets(tmp_path):
+    with pytest.raises(DatasetNotFoundError) as error:
+        shift.check_corrupted_files(tmp_path / "nowhere", ["fog"])
+    assert "2535967" in str(error.value) and "3555552" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "name, array, problem",
+    [
+        ("fog.npy", np.zeros((35, 32, 32, 3), np.float32), "uint8"),
+        ("fog.npy", np.zeros((35, 3, 32, 32), np.uint8), r"\(5n, 32, 32, 3\)"),
+        ("fog.npy", np.zeros((36, 32, 32, 3), np.uint8), "multiple"),
+        ("fog.npy", np.zeros((30, 32, 32, 3), np.uint8), "30 rows but labels.npy has 35"),
+        ("labels.npy", np.zeros(35, np.float64), "integer"),
+        ("labels.npy", np.zeros((35, 1), np.uint8), "integer labels"),
+        ("fog.npy", b"not an npy file", "cannot be read"),
+    ],
+)
+def test_wrong_arrays_fail_with_corrupt_dataset_error(tmp_path, name, array, problem):
+    write_published(tmp_path, corruptions=("fog",))
+    if isinstance(array, bytes):
+        (tmp_path / name).write_bytes(array)
+    else:
+        np.save(tmp_path / name, array)
+    with pytest.raises(CorruptDatasetError, match=problem):
+        shift.check_corrupted_files(tmp_path, ["fog"])
+    with pytest.raises(CorruptDatasetError, match=name):
+        shift.corrupted_split(tmp_path, "fog", 1)
+
+
+def test_unknown_corruption_and_severity_are_refused(tmp_path):
+    write_published(tmp_path)
+    with pytest.raises(ValueError, match="unknown corruption 'fogg'"):
+        shift.corrupted_split(tmp_path, "fogg", 1)
+    with pytest.raises(ValueError, match="severity"):
+        shift.corrupted_split(tmp_path, "fog", 6)
+
+
+def test_constants_match_the_published_sets():
+    assert len(shift.CORRUPTIONS) == 15 and len(shift.EXTRA_CORRUPTIONS) == 4
+    assert set(shift.GENERATED_CORRUPTIONS) == set(shift.ALL_CORRUPTIONS) - {"frost", "spatter"}
+    assert set(shift.PARAMETERS) == set(shift.GENERATED_CORRUPTIONS)
+    assert all(len(values) == 5 for values in shift.PARAMETERS.values())
+    assert shift.PUBLISHED["cifar10"].url == "https://zenodo.org/records/2535967/files/CIFAR-10-C.tar"
+    assert shift.PUBLISHED["cifar100"].folder == "CIFAR-100-C"
+
+
+# ----- generator -------------------------------------------------------------------------------
+def changes(images: np.ndarray, name: str, seed: int = 0) -> list[float]:
+    """Mean absolute pixel change from the clean images, per severity."""
+    clean = images.astype(np.float64)
+    return [
+        float(np.abs(shift.corrupt(images, name, s, shift.severity_rng(seed, name, s)) - clean).mean())
+        for s in shift.SEVERITIES
+    ]
+
+
+# Corruptions whose CIFAR parameters do not make the pixel change grow with every severity; what
+# holds for them is checked in their own tests below.
+NOT_MONOTONE = {"glass_blur", "motion_blur", "saturate", "elastic_transform"}
+# Corruptions that draw no random numbers.
+DETERMINISTIC = {
+    "defocus_blur", "zoom_blur", "brightness", "contrast", "pixelate", "jpeg_compression", "gaussian_blur", "saturate",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", shift.GENERATED_CORRUPTIONS)
+def test_generated_output_is_uint8_of_the_input_shape_and_reproducible(patches, name):
+    images = patches[:16]
+    for severity in (1, 5):
+        out = shift.corrupt(images, name, severity, np.random.default_rng(3))
+        assert out.dtype == np.uint8 and out.shape == images.shape
+        assert not np.array_equal(out, images)
+        assert np.array_equal(out, shift.corrupt(torch.from_numpy(images), name, severity, np.random.default_rng(3)))
+        other = shift.corrupt(images, name, severity, np.random.default_rng(4))
+        assert np.array_equal(out, other) == (name in DETERMINISTIC)
+
+
+@pytest.mark.parametrize("name", sorted(set(shift.GENERATED_CORRUPTIONS) - NOT_MONOTONE))
+def test_pixel_change_grows_with_severity(patches, name):
+    change = changes(patches, name)
+    assert all(later > earlier for earlier, later in pairwise(change)), change
+
+
+def test_glass_blur_change_is_set_by_the_number_of_passes(patches):
+    """Severities 1-3 make one copy pass, 4-5 two. Within a pass count a larger sigma (0.05, 0.25,
+    0.4; 0.25, 0.4) blurs the copied pixels back toward the clean image, so severity 3 changes
+    about as much as 2 and severity 5 less than 4: only the pass count orders the change."""
+    change = changes(patches, "glass_blur")
+    assert max(change[:3]) < min(change[3:]), change
+    assert change[4] < change[3], change
+
+
+def test_motion_blur_severities_3_and_4_are_the_same_blur(patches):
+    """(radius, sigma) = (6, 2) and (8, 2): the radius only sets the number of taps, and taps past
+    12 weigh exp(-169/8) < 1e-9, so the two severities differ only by their random angles."""
+    assert np.array_equal(shift.corrupt(patches, "motion_blur", 3, np.random.default_rng(7)),
+                          shift.corrupt(patches, "motion_blur", 4, np.random.default_rng(7)))  # fmt: skip
+    change = changes(patches, "motion_blur")
+    assert change[0] < change[1] < change[2] and change[3] < change[4] and change[2] < change[4], change
+    assert abs(change[3] - change[2]) < 0.1 * change[2], change
+
+
+def test_motion_blur_kernel_reads_along_the_angle_on_one_side():
+    """A bright pixel smears only to where the line kernel reaches it from: at angle 0 a pixel
+    reads itself and the pixels to its right, so the smear runs to the left, on the same row."""
+    image = np.zeros((1, 32, 32, 1))
+    image[0, 16, 16, 0] = 1.0
+    out = shift._motion_kernel_blur(image, 6, 2, np.array([0.0]))[0, ..., 0]
+    rows, cols = np.nonzero(out > 1e-12)
+    assert set(rows) == {16} and cols.max() == 16 and cols.min() == 16 - 12
+    assert np.isclose(out.sum(), 1.0) and out[16, 16] > out[16, 15] > out[16, 10]
+    down = shift._motion_kernel_blur(image, 6, 2, np.array([90.0]))[0, ..., 0]
+    rows, cols = np.nonzero(down > 1e-12)
+    assert set(cols) == {16} and rows.max() == 16 and rows.min() == 4
+
+
+def test_saturate_lowers_saturation_at_severities_1_2_and_raises_it_at_3_to_5(patches):
+    """(a, b) = (0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2) on S: severities 1-2 grey the
+    image, 3-5 saturate it, so the change dips at severity 3 (S x 1.5 moves less than S x 0.1)."""
+    def saturation(images):
+        return shift._rgb_to_hsv(images.transpose(0, 2, 3, 1) / 255.0)[..., 1].mean()
+
+    levels = [saturation(shift.corrupt(patches, "saturate", s, np.random.default_rng(0))) for s in shift.SEVERITIES]
+    assert levels[1] < levels[0] < saturation(patches) < levels[2] < levels[3] < levels[4], levels
+    change = changes(patches, "saturate")
+    assert change[0] < change[1] and change[2] < change[3] < change[4] and change[2] == min(change), change
+
+
+def test_elastic_transform_warps_more_locally_and_less_globally_with_severity(patches):
+    """CIFAR's (alpha, sigma, affine) shrink the random affine shift from 2.56 to 0.96 pixels while
+    the smooth displacement field grows (alpha / sigma from 0 to 3.3), and the affine part moves
+    more pixels: the total change falls with severity, the field's part alone grows."""
+    change = changes(patches, "elastic_transform")
+    assert all(later < earlier for earlier, later in pairwise(change)), change
+    hwc = np.ascontiguousarray(patches.transpose(0, 2, 3, 1))
+    field_only = [
+        np.abs(shift._elastic_transform(hwc, (alpha, sigma, 0.0), np.random.default_rng(s)) - hwc.astype(float)).mean()
+        for s, (alpha, sigma, _) in enumerate(shift.PARAMETERS["elastic_transform"])
+    ]
+    assert field_only[0] == 0 and all(later > earlier for earlier, later in pairwise(field_only)), field_only
+
+
+@pytest.mark.parametrize("name", ["frost", "spatter"])
+def test_frost_and_spatter_cannot_be_generated(patches, name):
+    with pytest.raises(ValueError, match=f"{name} cannot be generated") as error:
+        shift.corrupt(patches[:2], name, 1, np.random.default_rng(0))
+    if name == "frost":
+        assert "photographs" in str(error.value)
+
+
+def test_corrupt_refuses_other_layouts(patches):
+    with pytest.raises(ValueError, match=r"uint8 \(N, 3, 32, 32\)"):
+        shift.corrupt(patches.transpose(0, 2, 3, 1), "fog", 1, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="uint8"):
+        shift.corrupt(patches.astype(np.float32), "fog", 1, np.random.default_rng(0))
+
+
+def test_glass_blur_gather_equals_the_original_sequential_scan(patches):
+    """The original visits (h, w) from 31 down to 2 and copies x[h + dy, w + dx] into x[h, w]
+    one pixel after another; the batched gather must give the same image for the same draws."""
+    images = np.ascontiguousarray(patches[:3].transpose(0, 2, 3, 1))
+    for severity in (1, 5):
+        sigma, delta, iterations = shift.PARAMETERS["glass_blur"][severity - 1]
+        got = shift._glass_blur(images, (sigma, delta, iterations), np.random.default_rng(11))
+        rng = np.random.default_rng(11)
+        x = (shift._gaussian(images / 255.0, sigma) * 255).astype(np.uint8)
+        scan = list(range(32 - delta, delta, -1))
+        for _ in range(iterations):
+            dy, dx = rng.integers(-delta, delta, size=(2, len(x), len(scan), len(scan)))
+            for n in range(len(x)):
+                for i, h in enumerate(scan):
+                    for j, w in enumerate(scan):
+                        x[n, h, w] = x[n, h + dy[n, i, j], w + dx[n, i, j]]
+        expected = (np.clip(shift._gaussian(x / 255.0, sigma), 0, 1) * 255).astype(np.uint8)
+        assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("zoom", [1.0, 1.01, 1.05, 1.06, 1.13, 1.25, 1.75, 2.25])
+def test_clipped_zoom_matches_scipy_zoom_of_the_centre_crop(zoom):
+    """As the original: crop ceil(32 / zoom) from (32 - crop) // 2, scipy.ndimage.zoom order 1,
+    keep 32 pixels from (size - 32) // 2."""
+    x = np.random.default_rng(0).random((2, 32, 32, 3))
+    crop = int(np.ceil(32 / zoom))
+    top = (32 - crop) // 2
+    expected = []
+    for image in x:
+        zoomed = scipy_zoom(image[top : top + crop, top : top + crop], (zoom, zoom, 1), order=1)
+        trim = (zoomed.shape[0] - 32) // 2
+        expected.append(zoomed[trim : trim + 32, trim : trim + 32])
+    np.testing.assert_allclose(shift._clipped_zoom(x, zoom), np.stack(expected), atol=1e-12)
+
+
+def test_hsv_conversions_match_colorsys():
+    rgb = np.random.default_rng(0).random((500, 3))
+    rgb[:50, 1] = rgb[:50, 0]  # ties for the largest channel
+    rgb[50:60] = 0.25  # greys
+    hsv = shift._rgb_to_hsv(rgb)
+    np.testing.assert_allclose(hsv, [colorsys.rgb_to_hsv(*v) for v in rgb], atol=1e-12)
+    np.testing.assert_allclose(shift._hsv_to_rgb(hsv), rgb, atol=1e-12)
+
+
+def test_defocus_kernels_are_normalised_and_symmetric():
+    for radius, alias in shift.PARAMETERS["defocus_blur"]:
+        kernel = shift._disk(radius, alias)
+        assert np.isclose(kernel.sum(), 1.0, atol=1e-6)
+        np.testing.assert_allclose(kernel, kernel.T, atol=1e-7)
+        np.testing.assert_allclose(kernel, kernel[::-1], atol=1e-7)
+
+
+# ----- generated sets --------------------------------------------------------------------------
+def test_generated_set_round_trips_through_the_reader(tmp_path, patches):
+    images, labels = patches[:6], np.array([3, 1, 4, 1, 5, 9])
+    folder = tmp_path / "CIFAR-10-C-generated"
+    names = ["fog", "glass_blur", "jpeg_compression"]
+    shift.write_generated_set(folder, images, labels, names, seed=5, source="six patches")
+    assert shift.is_generated(folder)
+    marker = json.loads((folder / shift.MARKER).read_text())
+    assert marker["generated"] is True and "not the published" in marker["note"]
+    assert marker["seed"] == 5 and marker["corruptions"] == names
+    assert marker["generator_version"] == shift.GENERATOR_VERSION and marker["source"] == "six patches"
+    assert np.load(folder / "labels.npy").dtype == np.uint8 and np.load(folder / "fog.npy").shape == (30, 32, 32, 3)
+    assert not list(folder.glob("*.partial"))
+    shift.check_corrupted_files(folder, names)
+    for name in names:
+        for severity in shift.SEVERITIES:
+            read, y = shift.corrupted_split(folder, name, severity)
+            expected = shift.corrupt(images, name, severity, shift.severity_rng(5, name, severity))
+            assert np.array_equal(read.numpy(), expected)
+            assert y.tolist() == labels.tolist()
+    with pytest.raises(DatasetNotFoundError, match="generated set"):
+        shift.check_corrupted_files(folder, ["frost"])
+
+
+def test_a_published_layout_without_the_marker_is_not_generated(tmp_path, patches):
+    write_published(tmp_path / "CIFAR-10-C")
+    assert not shift.is_generated(tmp_path / "CIFAR-10-C")
+    with pytest.raises(FileExistsError, match="published"):
+        shift.write_generated_set(tmp_path / "CIFAR-10-C", patches[:2], np.zeros(2, int), ["fog"])
+    assert not shift.is_generated(tmp_path / "CIFAR-10-C")
+
+
+def test_write_refuses_frost_before_writing_anything(tmp_path, patches):
+    with pytest.raises(ValueError, match="frost cannot be generated"):
+        shift.write_generated_set(tmp_path / "out", patches[:2], np.zeros(2, int), ["fog", "frost"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_generates_from_the_cifar_test_set(tmp_path):
+    from dbsn.data.cifar import CIFAR10DataModule
+
+    root = write_cifar10(tmp_path / "data", n_train=10, n_test=12)
+    out = tmp_path / "CIFAR-10-C-generated"
+    shift.main(["--data", "cifar10", "--root", str(root), "--out", str(out), "--corruptions", "contrast", "snow"])
+    test_images, test_labels = CIFAR10DataModule(root=str(root)).read_split(train=False)
+    assert shift.is_generated(out)
+    assert sorted(p.name for p in out.glob("*.npy")) == ["contrast.npy", "labels.npy", "snow.npy"]
+    images, labels = shift.corrupted_split(out, "contrast", 2)
+    assert torch.equal(labels, test_labels)
+    assert np.array_equal(images.numpy(), shift.corrupt(test_images, "contrast", 2, np.random.default_rng()))
+    assert "CIFAR-10 test set" in json.loads((out / shift.MARKER).read_text())["source"]
