@@ -1,7 +1,9 @@
 """Out-of-distribution detection: AUROC, AUPR, FPR at 95% TPR, and entropy CDFs.
 
 Convention: out-of-distribution (OOD) examples are the POSITIVE class and a HIGHER score
-means MORE likely OOD, as for every score of :func:`dbsn.evaluation.uncertainty.ood_scores`.
+means MORE likely OOD, as for every score of :func:`dbsn.evaluation.uncertainty.ood_scores`;
+so FPR95 is the FPR on in-distribution at 95% TPR on OOD, as in OpenOOD v1.5
+(`fpr_at_95_tpr` also gives the in-distribution-positive one).
 
 The metrics are computed exactly (every distinct score is a threshold) with torchmetrics,
 whose results agree with scikit-learn's ``roc_auc_score``, ``average_precision_score`` and
@@ -25,7 +27,7 @@ from torchmetrics.functional.classification import binary_auroc, binary_average_
 
 from dbsn.evaluation.uncertainty import ood_scores
 
-__all__ = ["OOD_SCORES", "detection_metrics", "entropy_cdf_figure", "ood_report"]
+__all__ = ["OOD_SCORES", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
 
 OOD_SCORES = ("entropy", "mutual_information", "max_probability")
 
@@ -61,22 +63,57 @@ def detection_metrics(scores_in: Tensor, scores_out: Tensor) -> dict[str, float]
       threshold, going down from the highest score, at which at least 95% of the OOD
       examples are flagged (TPR ≥ 0.95). Lower is better.
 
+    FPR95 depends on which class is positive, and both conventions are in use. Here OOD is
+    positive: the FPR on in-distribution at 95% TPR on OOD, which is what OpenOOD v1.5's
+    code computes (``openood/evaluators/metrics.py``, `auc_and_fpr_recall`: "we treat OOD as
+    positive", ``roc_curve(ood_indicator, -conf)``). The other one, in-distribution positive
+    (ODIN, Liang et al., 2018; OpenOOD v1.0's `fpr_recall`), is the FPR on OOD at 95% TPR on
+    in-distribution: ``fpr_at_95_tpr(..., positive="in")``. The two differ whenever the score
+    distributions are not mirror images of each other.
+
     Raises ValueError when a set is empty or holds NaN/inf scores.
     """
     scores_in, scores_out = _as_scores(scores_in, "scores_in"), _as_scores(scores_out, "scores_out")
     scores = torch.cat([scores_in, scores_out])
     is_out = torch.cat([torch.zeros_like(scores_in), torch.ones_like(scores_out)]).long()
     ranked, ranked_neg = _dense_rank(scores), _dense_rank(-scores)
-    fpr, tpr, _ = binary_roc(ranked, is_out)
-    # TPR ≥ 0.95 in exact integer arithmetic: 20 TP ≥ 19 n_out.
-    n_out = scores_out.numel()
-    reached = 20 * (tpr.double() * n_out).round().long() >= 19 * n_out
     return {
         "auroc": binary_auroc(ranked, is_out).item(),
         "aupr": binary_average_precision(ranked, is_out).item(),
         "aupr_in": binary_average_precision(ranked_neg, 1 - is_out).item(),
-        "fpr95": fpr[reached.nonzero()[0, 0]].item(),
+        "fpr95": _fpr95(ranked, is_out),
     }
+
+
+def _fpr95(ranked: Tensor, is_positive: Tensor) -> float:
+    """FPR at the first threshold, going down from the highest (dense-ranked) score, with
+    TPR ≥ 0.95; positives are the examples where `is_positive` is 1."""
+    fpr, tpr, _ = binary_roc(ranked, is_positive)
+    # TPR ≥ 0.95 in exact integer arithmetic: 20 TP ≥ 19 n_positive.
+    n_positive = int(is_positive.sum())
+    reached = 20 * (tpr.double() * n_positive).round().long() >= 19 * n_positive
+    return fpr[reached.nonzero()[0, 0]].item()
+
+
+def fpr_at_95_tpr(scores_in: Tensor | np.ndarray, scores_out: Tensor | np.ndarray, positive: str = "ood") -> float:
+    """FPR at 95% TPR with either class as positive (scores: higher = more OOD, as always).
+
+    * ``positive="ood"`` (this module's convention, `detection_metrics`' ``fpr95``, OpenOOD
+      v1.5): the share of in-distribution examples with a score ≥ t, for the highest threshold
+      t that flags at least 95% of the OOD examples;
+    * ``positive="in"`` (ODIN; OpenOOD v1.0): the share of OOD examples with a score ≤ t, for
+      the lowest threshold t that accepts at least 95% of the in-distribution examples.
+    """
+    scores_in, scores_out = _as_scores(scores_in, "scores_in"), _as_scores(scores_out, "scores_out")
+    if positive == "ood":
+        negatives, positives = scores_in, scores_out
+    elif positive == "in":  # the same computation with the roles swapped and the scores negated
+        negatives, positives = -scores_out, -scores_in
+    else:
+        raise ValueError(f"positive must be 'ood' or 'in', got {positive!r}")
+    scores = torch.cat([negatives, positives])
+    is_positive = torch.cat([torch.zeros_like(negatives), torch.ones_like(positives)]).long()
+    return _fpr95(_dense_rank(scores), is_positive)
 
 
 def ood_report(members_in: Tensor, members_out: Tensor) -> dict[str, dict[str, float]]:
