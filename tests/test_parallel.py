@@ -70,6 +70,114 @@ def test_chunks_without_the_accumulated_batchnorm_update_would_differ(monkeypatc
         _assert_same_state(_one_step(1), grouped)
 
 
+# ---------------------------------------------------------------------- gradients, seen directly
+def _gradients(chunk: int | None, theta_std: float = 1.0, dataset_size: int = 10, weights=None,
+               seed: int = 7) -> dict[str, torch.Tensor]:
+    """Loss, every gradient (θ's included) before any optimiser touches it, and the running
+    statistics of one step, with θ spread about 1 (far from the uniform prior: the KL and its
+    gradient are large) and a small N (KL / N weighs in the loss)."""
+    from steputil import step_state
+
+    torch.manual_seed(1)
+    net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
+    method = DBSN(net, train_samples=4, dataset_size=dataset_size, theta_init_std=theta_std,
+                  train_samples_per_forward=chunk, **({"weights": weights} if weights is not None else {}))
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
+    return step_state(method, x, y, seed=seed)
+
+
+def _kl_on_every_chunk(monkeypatch) -> None:
+    """A wrong chunked step: every chunk adds the whole structure KL / N (counted T / chunk times)."""
+    from dbsn.methods.base import ClassificationMethod
+
+    original = ClassificationMethod.training_losses
+
+    def training_losses(self, x, y):
+        _, kl = self.local_training_structures()
+        for share, last, out in original(self, x, y):
+            if not last:
+                out["loss"] = out["loss"] + kl.mean() / self.dataset_size
+            yield share, last, out
+    monkeypatch.setattr(ClassificationMethod, "training_losses", training_losses)
+
+
+def _theta_gradient_scaled_by_t(monkeypatch) -> None:
+    """A wrong chunked step: θ's gradient summed over the T structures instead of averaged."""
+    from dbsn.methods.base import ClassificationMethod
+
+    original = ClassificationMethod.accumulate_gradients
+
+    def accumulate_gradients(self, *args, **kwargs):
+        logs = original(self, *args, **kwargs)
+        if self.train_samples_per_forward is not None:
+            self.structure.theta.grad.mul_(self.train_samples)
+        return logs
+    monkeypatch.setattr(ClassificationMethod, "accumulate_gradients", accumulate_gradients)
+
+
+def test_chunked_gradients_equal_the_grouped_ones():
+    """Gradients compared directly (not after Adam's sign-like first step), with a KL that
+    matters: every weight gradient, θ's gradient and the running statistics."""
+    from steputil import assert_same
+
+    grouped = _gradients(None)
+    assert grouped["grad/structure.theta"].abs().max() > 1e-3
+    for chunk in (1, 3):
+        kinds = assert_same(grouped, _gradients(chunk), rtol=1e-5, atol=1e-7)
+        assert kinds["theta gradient"] == 1 and kinds["weight gradients"] > 20 and kinds["running statistics"] > 10
+
+
+@pytest.mark.parametrize("mutation", [_kl_on_every_chunk, _theta_gradient_scaled_by_t])
+def test_the_gradient_comparison_sees_a_wrong_kl_weight_and_a_wrong_theta_scale(monkeypatch, mutation):
+    """The comparison above fails for a chunked step that counts the KL on every chunk or scales
+    θ's gradient by T. Comparing states after one step would not: Adam's first step is
+    lr · sign(g), the same for g and T·g; and at θ ≈ 0 (DARTS' 1e-3 init) with N = 50,000 the KL
+    term is ~1e-5 of the loss. Hence gradients, θ spread about 1 and N = 10."""
+    from steputil import assert_same
+
+    grouped = _gradients(None)
+    mutation(monkeypatch)
+    wrong = _gradients(2)
+    with pytest.raises(AssertionError):
+        assert_same(grouped, wrong, rtol=1e-5, atol=1e-7)
+    theta = "grad/structure.theta"
+    assert not torch.allclose(wrong[theta], grouped[theta], rtol=1e-2, atol=1e-4)  # far outside the tolerance
+    if mutation is _theta_gradient_scaled_by_t:  # what Adam's first step would have seen: nothing
+        assert torch.equal(torch.sign(wrong[theta]), torch.sign(grouped[theta]))
+
+
+def test_chunked_fbn_is_the_grouped_step_without_weight_noise():
+    """FBN in chunks draws weight noise per chunk, the grouped step one draw for all T
+    structures: two valid estimators of the same gradient, not the same numbers. What holds
+    exactly: with the noise off (posterior means) the chunked step is the grouped one, weight
+    KL and its gradient (the means' and the scales') included."""
+    from steputil import assert_same
+
+    from dbsn.bayes import set_sampling
+    from dbsn.methods import GaussianWeights
+
+    def fbn_step(chunk, noise: bool):
+        import dbsn.methods.weights as weights_module
+
+        original = weights_module.GaussianWeights.prepare
+
+        def prepare(self, net):
+            return set_sampling(original(self, net), noise)
+        weights_module.GaussianWeights.prepare = prepare
+        try:
+            return _gradients(chunk, weights=GaussianWeights(init_rho=-3.0))
+        finally:
+            weights_module.GaussianWeights.prepare = original
+
+    grouped = fbn_step(None, noise=False)
+    assert any("rho" in k for k in grouped)
+    kinds = assert_same(grouped, fbn_step(2, noise=False), rtol=1e-5, atol=1e-7)
+    assert kinds["theta gradient"] == 1
+    with pytest.raises(AssertionError):  # with noise, each chunk draws its own weights
+        assert_same(fbn_step(None, noise=True), fbn_step(2, noise=True), rtol=1e-5, atol=1e-7)
+
+
 def _fresh_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
