@@ -1,0 +1,394 @@
+"""Post-hoc last-layer Laplace approximation of a finished point-estimate run (MacKay 1992;
+Ritter et al. 2018; Kristiadi et al. 2020; Daxberger et al. 2021, "Laplace Redux").
+
+What it is. A MAP network f(x) = W φ(x) + b (map, map_fixed, or one deep-ensemble member, with
+its one structure α held fixed) gets a Gaussian posterior on its last layer θ = (W, b) only,
+centred at the trained weights θ*:
+
+    q(θ) = N(θ*, Σ),    Σ⁻¹ = P = Σ_n J_nᵀ Λ_n J_n + λ I,
+
+where J_n = ∂f(x_n)/∂θ (which is φ(x_n) ⊗ I for a linear head), Λ_n = ∂²(−log p(y_n | f))/∂f²
+(for softmax: diag(p_n) − p_n p_nᵀ, the generalised Gauss-Newton), and λ the prior precision
+of θ ~ N(0, λ⁻¹ I). The curvature sum runs over the *training* set; it is either kept whole
+(`hessian_structure="full"`, (CD + C)² entries) or Kronecker-factored per layer (`"kron"`,
+KFAC: Σ_n φ_nφ_nᵀ ⊗ Σ_n Λ_n / N for W, with the bias its own factor). The feature map φ (the
+network below the head, BatchNorm in eval mode) stays at the MAP.
+
+The GLM predictive. The linearised network f_lin(x, θ) = f(x, θ*) + J(x)(θ − θ*) gives the
+logits a Gaussian N(f(x, θ*), J(x) Σ J(x)ᵀ). The last layer enters f linearly, so f_lin = f:
+drawing θ_s ~ q(θ) and computing W_s φ(x) + b_s *is* sampling the GLM predictive, exactly (no
+linearisation error). `LaplaceMethod` draws S such last layers once (seeded) and keeps them,
+so that every test batch sees the same S members; its prediction is the Monte Carlo GLM
+predictive p(y | x) ≈ 1/S Σ_s softmax(W_s φ(x) + b_s), the same Bayes-ensemble average that
+every other method here uses, so `predict_log_probs`, the test metrics, the uncertainty
+decomposition and the sample ablation all come from the same S members. (laplace-torch's probit
+approximation, softmax(f / √(1 + π/8 · diag(JΣJᵀ))), is only used to choose λ, see below.)
+
+What is fitted on what. θ* comes from training. P's curvature is summed over every training
+image once, unaugmented, through the network in eval mode (`fit_laplace_on`). The prior
+precision λ is chosen on the *validation* split: `prior_precision="gridsearch"` (default)
+runs laplace-torch's `optimize_prior_precision(method="gridsearch")` over λ ∈ 10^[-4, 4],
+keeping the λ with the smallest validation NLL of the probit-approximated GLM predictive
+(deterministic, unlike an MC criterion; `link_approx="mc"` uses Monte Carlo instead).
+"gridsearch" is the default because it optimises what is evaluated (held-out NLL) and does not
+depend on how well the Laplace evidence of a network trained with augmentation and BatchNorm
+describes its predictive quality (Daxberger et al. 2021 report both ways);
+`prior_precision="marglik"` maximises the Laplace evidence on the training data instead
+(Adam on log λ, a scalar λ), and a number fixes λ. The test set is never touched. For
+reference, SGD's weight decay wd on the mean loss is the prior precision λ = N · wd.
+
+How the network is seen. laplace-torch wants f(x); the networks here take (x, α).
+`FixedStructureNetwork` closes over the method's structure (map_fixed: uniform α; map:
+softmax(θ), exactly what `MAP.prediction_structures` predicts with). Because φ is fixed, the
+fit computes φ(x) once per training and validation image and hands laplace-torch the head
+alone on those features (`last_layer_laplace`): the same posterior as laplace-torch's
+last-layer Laplace on f(x) (tested), without a pass through the whole network for every
+grid point of the prior search.
+
+References: MacKay, "A practical Bayesian framework for backpropagation networks" (1992);
+Ritter, Botev & Barber, "A scalable Laplace approximation for neural networks" (ICLR 2018);
+Kristiadi, Hein & Hennig, "Being Bayesian, even just a bit, fixes overconfidence in ReLU
+networks" (ICML 2020); Daxberger et al., "Laplace Redux: effortless Bayesian deep learning"
+(NeurIPS 2021), whose library laplace-torch computes the curvature and the prior search.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dbsn.data.base import in_memory_loader
+from dbsn.methods.base import ClassificationMethod
+from dbsn.methods.map import MAP
+from dbsn.methods.tasks import Segmentation
+from dbsn.posthoc.temperature import NoValidationSplitError, require_validation
+
+__all__ = [
+    "FixedStructureNetwork",
+    "LaplaceMethod",
+    "fit_laplace",
+    "fit_laplace_on",
+    "last_layer_laplace",
+    "tune_prior_precision",
+]
+
+HESSIAN_STRUCTURES = ("kron", "full", "diag")
+PRIOR_FITS = ("gridsearch", "marglik")
+
+
+def point_estimate_structure(method: ClassificationMethod) -> Tensor:
+    """The one structure α of a point-estimate method, (1, E, K); refuses any method whose
+    prediction is stochastic (DBSN's sampled structures, MC dropout, BBB, a deep ensemble:
+    pass its members one by one) and segmentation."""
+    if not isinstance(method, MAP) or method.is_stochastic:
+        kind = type(method).__name__ + (f" with {type(method.weights).__name__}" if isinstance(method, MAP) else "")
+        raise ValueError(f"post-hoc Laplace/SWAG wrap a point-estimate method (map, map_fixed, or one "
+                         f"deep-ensemble member); got {kind}")
+    if isinstance(method.task, Segmentation):
+        raise ValueError("post-hoc Laplace/SWAG support classification only (the head of a segmentation "
+                         "network is a convolution)")
+    return method.prediction_structures(1).detach().clone()
+
+
+class FixedStructureNetwork(nn.Module):
+    """f(x) = net(x, α) for one fixed structure α: the network as laplace-torch sees it.
+
+    Args:
+        net: a network with `forward(x, alpha, replicate)` and a linear head `head`.
+        alpha: the structure, (1, E, K) or (E, K).
+        channels_last: feed x in the channels-last layout (as the method does).
+        head: name of the last layer, an `nn.Linear` fed by the features φ(x).
+    """
+
+    def __init__(self, net: nn.Module, alpha: Tensor, channels_last: bool = False, head: str = "classifier") -> None:
+        super().__init__()
+        self.net = net
+        self.register_buffer("alpha", alpha.reshape(1, *alpha.shape[-2:]))
+        self.channels_last = channels_last
+        self.head_name = head
+        if not isinstance(self.head, nn.Linear):
+            raise ValueError(f"the last layer {head!r} must be an nn.Linear, got {type(self.head).__name__}")
+
+    @classmethod
+    def of(cls, method: ClassificationMethod, head: str = "classifier") -> FixedStructureNetwork:
+        """The network of a point-estimate `method` at its structure (sharing its weights)."""
+        return cls(method.net, point_estimate_structure(method), method.channels_last, head)
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.net.get_submodule(self.head_name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits (b, C)."""
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.net(x, self.alpha, replicate=True)
+
+    def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(φ(x), logits): the head's input (b, D) and output (b, C)."""
+        captured: list[Tensor] = []
+        handle = self.head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            logits = self(x)
+        finally:
+            handle.remove()
+        return captured[0], logits
+
+
+class _Head(nn.Module):
+    """The head alone, fed with features: laplace-torch's model for a cached-feature fit."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.classifier = head
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.classifier(features)
+
+
+def last_layer_laplace(
+    head: nn.Linear,
+    features: Tensor,
+    targets: Tensor,
+    *,
+    likelihood: str = "classification",
+    hessian_structure: str = "kron",
+    prior_precision: float = 1.0,
+    sigma_noise: float = 1.0,
+    batch_size: int = 512,
+):
+    """laplace-torch's last-layer Laplace of `head` (a copy; the network's is untouched) at its
+    current weights, with the curvature summed over (features, targets).
+
+    For a classification head, targets are class labels (N,); for regression
+    (`likelihood="regression"`, Gaussian noise `sigma_noise`), real values (N, outputs).
+    Returns the fitted `laplace.BaseLaplace` (prior precision `prior_precision` until
+    `tune_prior_precision` changes it)."""
+    from laplace import Laplace
+
+    if hessian_structure not in HESSIAN_STRUCTURES:
+        raise ValueError(f"hessian_structure must be one of {HESSIAN_STRUCTURES}, got {hessian_structure!r}")
+    model = _Head(deepcopy(head)).to(features.device)
+    la = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure=hessian_structure,
+                 sigma_noise=sigma_noise, prior_precision=prior_precision, last_layer_name="classifier")
+    la.fit(DataLoader(TensorDataset(features, targets), batch_size=batch_size))
+    return la
+
+
+def tune_prior_precision(
+    la,
+    val_features: Tensor | None = None,
+    val_targets: Tensor | None = None,
+    *,
+    method: str = "gridsearch",
+    link_approx: str = "probit",
+    log10_range: tuple[float, float] = (-4.0, 4.0),
+    grid_size: int = 100,
+    n_samples: int = 100,
+    batch_size: int = 512,
+) -> float:
+    """Set `la`'s scalar prior precision λ and return it.
+
+    "gridsearch": the λ of the log-spaced grid 10^log10_range (`grid_size` points) with the
+    smallest NLL of the GLM predictive (`link_approx`: "probit" or "mc" with `n_samples`) on
+    the validation features and labels. "marglik": the λ that maximises the Laplace evidence of
+    the training data (no validation data)."""
+    if method not in PRIOR_FITS:
+        raise ValueError(f"prior precision fit must be one of {PRIOR_FITS} or a number, got {method!r}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+        if method == "marglik":
+            la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar",
+                                        link_approx=link_approx)
+        else:
+            if val_features is None or len(val_features) == 0:
+                raise NoValidationSplitError("the prior precision's grid search needs validation data (it is never "
+                                             "fitted on the test set)")
+            # The NLL over the whole validation set at each grid point. laplace-torch 0.3's default
+            # criterion, a running torchmetrics NLL, is never reset between grid points, so it would
+            # rank the cumulative means over the grid so far; an offline loss is computed afresh.
+            la.optimize_prior_precision(
+                pred_type="glm", method="gridsearch", link_approx=link_approx, n_samples=n_samples,
+                val_loader=DataLoader(TensorDataset(val_features, val_targets), batch_size=batch_size),
+                loss=_validation_nll,
+                log_prior_prec_min=log10_range[0], log_prior_prec_max=log10_range[1], grid_size=grid_size,
+            )
+    return float(torch.as_tensor(la.prior_precision).reshape(-1)[0])
+
+
+def _validation_nll(probs: Tensor, targets: Tensor) -> Tensor:
+    """Mean NLL of predictive probabilities (the grid search's criterion)."""
+    return F.nll_loss(probs.clamp_min(torch.finfo(probs.dtype).tiny).log(), targets)
+
+
+@torch.no_grad()
+def head_features(network: FixedStructureNetwork, loader: Iterable, preprocess: Callable[[Tensor], Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """φ(x) of every example of `loader`, (N, D), and the labels (N,), on the network's device;
+    each batch's x goes through `preprocess` first (the data modules' loaders yield uint8)."""
+    device = network.alpha.device
+    features, labels = [], []
+    for x, y in loader:
+        x = x.to(device)
+        phi, _ = network.features(preprocess(x) if preprocess is not None else x)
+        features.append(phi.float())
+        labels.append(y.to(device))
+    if not features:
+        return torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
+    return torch.cat(features), torch.cat(labels)
+
+
+def fit_laplace(
+    method: ClassificationMethod,
+    train_loader: Iterable,
+    val_loader: Iterable | None = None,
+    *,
+    preprocess: Callable[[Tensor], Tensor] | None = None,
+    hessian_structure: str = "kron",
+    prior_precision: str | float = "gridsearch",
+    link_approx: str = "probit",
+    log10_range: tuple[float, float] = (-4.0, 4.0),
+    grid_size: int = 100,
+    n_samples: int = 100,
+    seed: int = 0,
+    head: str = "classifier",
+) -> LaplaceMethod:
+    """A `LaplaceMethod` around the finished point-estimate `method` (see the module docstring).
+
+    The curvature is summed over `train_loader` (every training example once, unaugmented);
+    `prior_precision` is "gridsearch" (on `val_loader`), "marglik" (training data only) or a
+    fixed λ. `preprocess` maps a loader's x to the network's input (`datamodule.preprocess`).
+    `n_samples` last layers are drawn with `seed` and kept as the method's members."""
+    network = FixedStructureNetwork.of(method, head)
+    method.eval()
+    features, labels = head_features(network, train_loader, preprocess)
+    if len(features) == 0:
+        raise ValueError("the training loader yielded no batches")
+    la = last_layer_laplace(network.head, features, labels, hessian_structure=hessian_structure,
+                            prior_precision=prior_precision if isinstance(prior_precision, (int, float)) else 1.0)
+    if not isinstance(prior_precision, (int, float)):
+        val_features, val_labels = (None, None)
+        if prior_precision == "gridsearch":
+            if val_loader is None:
+                raise NoValidationSplitError("prior_precision='gridsearch' needs a validation loader")
+            val_features, val_labels = head_features(network, val_loader, preprocess)
+        tune_prior_precision(la, val_features, val_labels, method=prior_precision, link_approx=link_approx,
+                             log10_range=log10_range, grid_size=grid_size)
+    return LaplaceMethod(method, la, n_samples=n_samples, seed=seed, head=head)
+
+
+def fit_laplace_on(method: ClassificationMethod, datamodule, **kwargs) -> LaplaceMethod:
+    """`fit_laplace` on a data module: the curvature over its whole training split (in order,
+    unaugmented, the last short batch included), λ on its validation split (required for the
+    grid search). Never reads the test split."""
+    if getattr(datamodule, "train_set", None) is None:
+        datamodule.setup("fit")
+    if kwargs.get("prior_precision", "gridsearch") == "gridsearch":
+        require_validation(datamodule)
+    train_loader = in_memory_loader(datamodule, datamodule.train_set, train=False)
+    return fit_laplace(method, train_loader, datamodule.val_dataloader(), preprocess=datamodule.preprocess, **kwargs)
+
+
+class LaplaceMethod(ClassificationMethod):
+    """A point-estimate method with a last-layer Laplace posterior: S fixed last layers
+    θ_s ~ N(θ*, Σ) on the MAP features; prediction 1/S Σ_s softmax(W_s φ(x) + b_s).
+
+    Built by `fit_laplace` / `fit_laplace_on`. The drawn members are a buffer
+    (`member_weights`, (S, P), P = C·D + C in the head's parameter order), so a saved
+    LaplaceMethod predicts again without laplace-torch: build it with `laplace=None` and the
+    same `n_samples`, then load the state dict.
+
+    Args:
+        base: the finished point-estimate method (its network is shared, not copied).
+        laplace: the fitted laplace-torch posterior of `base`'s head (or None, see above).
+        n_samples: S, last layers drawn and kept.
+        seed: seed of the draw.
+        head: name of the network's last layer.
+        temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
+    """
+
+    def __init__(self, base: ClassificationMethod, laplace, n_samples: int = 100, seed: int = 0,
+                 head: str = "classifier", temperature_scaling: bool = False) -> None:
+        alpha = point_estimate_structure(base)
+        super().__init__(
+            base.net, base.optim, None, 1, n_samples, n_samples, base.samples_per_forward, base.dataset_size,
+            temperature_scaling, base.task, channels_last=base.channels_last,
+        )
+        net = self.net
+        del self.net  # kept once, as the network at the MAP
+        self.network_at_map = FixedStructureNetwork(net, alpha, base.channels_last, head)
+        self.laplace = laplace
+        self.hessian_structure = None if laplace is None else str(getattr(type(laplace), "_key", (None, None))[1])
+        self.prior_precision = None if laplace is None else float(torch.as_tensor(laplace.prior_precision).reshape(-1)[0])
+        size = sum(p.numel() for p in self.network_at_map.head.parameters())
+        self.register_buffer("member_weights", torch.zeros(n_samples, size))
+        if laplace is not None:
+            self.draw_members(n_samples, seed)
+
+    def draw_members(self, n_samples: int, seed: int = 0) -> None:
+        """Draw (again) the S = `n_samples` last layers the method predicts with, from `seed`."""
+        if self.laplace is None:
+            raise ValueError("this LaplaceMethod was loaded without its laplace-torch posterior: refit it to draw")
+        la = self.laplace
+        generator = torch.Generator(device=la._device).manual_seed(seed)
+        self.member_weights = la.sample(n_samples, generator=generator).detach().to(self.member_weights.device)
+        self.n_samples = self.val_samples = n_samples
+
+    # ------------------------------------------------------------------ the method
+    @property
+    def is_stochastic(self) -> bool:
+        return True
+
+    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
+        return self.network_at_map.alpha.expand(n, -1, -1)
+
+    def training_structures(self, n: int):
+        raise NotImplementedError("a LaplaceMethod is fitted post hoc, not trained")
+
+    def weight_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def enable_test_noise(self) -> None:
+        """Nothing is stochastic in the network itself (point weights)."""
+
+    def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
+        """Logits of the members first .. first + n - 1, (n, b, C): the features once, then
+        each member's last layer."""
+        if first + n > self.member_weights.shape[0]:
+            raise ValueError(f"{self.member_weights.shape[0]} last layers were drawn; members up to {first + n} "
+                             f"were asked for (call draw_members({first + n}))")
+        head = self.network_at_map.head
+        features, _ = self.network_at_map.features(x)
+        names = [name for name, _ in head.named_parameters()]
+        shapes = [p.shape for _, p in head.named_parameters()]
+
+        def member(weights: Tensor) -> Tensor:
+            parts = weights.split([math.prod(s) for s in shapes])
+            params = {name: part.view(shape) for name, part, shape in zip(names, parts, shapes)}
+            return torch.func.functional_call(head, params, (features,))
+
+        weights = self.member_weights[first:first + n].to(features.dtype)
+        return torch.func.vmap(member)(weights)
+
+    def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
+        """Log-probabilities of members first .. first + S - 1, (S, b, C), from one pass through
+        the network (only the last layer differs between members)."""
+        return self.stochastic_forward(x, n_samples or self.n_samples, first).float().log_softmax(-1)
+
+    def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
+        """The Monte Carlo GLM predictive log 1/S Σ_s softmax(W_s φ(x) + b_s) (then the
+        temperature, when one is fitted)."""
+        members = self.predict_members(x, n_samples, first)
+        log_probs = torch.logsumexp(members, dim=0) - math.log(members.shape[0])
+        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+
+    def run_facts(self) -> dict:
+        return {**super().run_facts(), "posthoc": "last-layer Laplace", "laplace": self.hessian_structure,
+                "prior_precision": self.prior_precision}

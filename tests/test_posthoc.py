@@ -1,0 +1,425 @@
+"""Post-hoc Laplace and SWAG: each checked against a closed form or a reference computed here."""
+
+from __future__ import annotations
+
+import math
+from copy import deepcopy
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dbsn.data.base import in_memory_loader
+from dbsn.data.digits import DigitsDataModule
+from dbsn.methods import MAP, WeightOptimizer
+from dbsn.methods.dbsn import BatchNormRecalibration
+from dbsn.nets import StructureNet
+from dbsn.posthoc.laplace import (
+    FixedStructureNetwork, LaplaceMethod, fit_laplace_on, head_features, last_layer_laplace,
+)
+from dbsn.posthoc.swag import SWAGCollector, SWAGMethod, SWAGMoments, load_swag_state, swag_parameters
+
+
+def _tiny_net(num_classes: int = 10) -> StructureNet:
+    return StructureNet(num_classes=num_classes, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+
+
+# ---------------------------------------------------------------------------------------- Laplace
+def test_laplace_on_bayesian_linear_regression_is_the_closed_form_posterior():
+    """A single linear layer with Gaussian noise σ and prior N(0, λ⁻¹ I): the Laplace posterior
+    is exact, N(θ_MAP, (ΦᵀΦ/σ² + λI)⁻¹) with Φ = [X, 1], and the predictive variance at x is
+    φ(x)ᵀΣφ(x) + σ²."""
+    g = torch.Generator().manual_seed(0)
+    n, d, sigma, lam = 50, 3, 0.3, 2.0
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.7 + sigma * torch.randn(n, generator=g, dtype=torch.float64)
+    Phi = torch.cat([X, torch.ones(n, 1, dtype=torch.float64)], 1)
+    precision = Phi.T @ Phi / sigma**2 + lam * torch.eye(d + 1, dtype=torch.float64)
+    covariance = torch.linalg.inv(precision)
+    theta = covariance @ Phi.T @ y / sigma**2  # the MAP: ridge regression
+    head = nn.Linear(d, 1).double()
+    with torch.no_grad():
+        head.weight.copy_(theta[:d].view(1, d))
+        head.bias.copy_(theta[d:])
+
+    la = last_layer_laplace(head, X, y.unsqueeze(1), likelihood="regression", hessian_structure="full",
+                            prior_precision=lam, sigma_noise=sigma, batch_size=16)
+
+    torch.testing.assert_close(la.mean, theta, rtol=0, atol=1e-12)
+    torch.testing.assert_close(la.posterior_covariance, covariance, rtol=1e-5, atol=1e-5)
+    x_new = torch.randn(7, d, generator=g, dtype=torch.float64)
+    phi_new = torch.cat([x_new, torch.ones(7, 1, dtype=torch.float64)], 1)
+    f_mean, f_var = la(x_new, pred_type="glm")
+    torch.testing.assert_close(f_mean.squeeze(-1), phi_new @ theta, rtol=1e-5, atol=1e-5)
+    predictive_var = f_var.reshape(7) + sigma**2
+    torch.testing.assert_close(predictive_var, (phi_new @ covariance * phi_new).sum(1) + sigma**2, rtol=1e-5, atol=1e-5)
+
+
+def _fit_head_by_logistic_regression(head: nn.Linear, features, labels, weight_decay: float = 0.0) -> None:
+    """The head's optimum on fixed features (full-batch L-BFGS), so the Laplace approximation is
+    taken at a mode, as after training; without weight decay it is overconfident on held-out
+    data, as a network trained to a small loss is, which gives the prior search an optimum."""
+    opt = torch.optim.LBFGS(head.parameters(), max_iter=60, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(head(features), labels) + weight_decay / 2 * sum(p.square().sum() for p in head.parameters())
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+
+
+@pytest.fixture(scope="module")
+def digits_map():
+    """A map_fixed model on 200 digits (100 for validation) whose head is fitted on the network's features."""
+    torch.manual_seed(0)
+    method = MAP(_tiny_net(), learn_structure=False, dataset_size=200).eval()
+    dm = DigitsDataModule(num_workers=0, train_subset=200, val_size=100, batch_size=64, eval_batch_size=128)
+    dm.setup("fit")
+    network = FixedStructureNetwork.of(method)
+    features, labels = head_features(network, in_memory_loader(dm, dm.train_set, train=False), dm.preprocess)
+    _fit_head_by_logistic_regression(network.head, features, labels)
+    return method, dm
+
+
+@pytest.fixture(scope="module")
+def digits_laplace(digits_map):
+    method, dm = digits_map
+    return fit_laplace_on(method, dm, hessian_structure="kron", grid_size=21, n_samples=64, seed=3)
+
+
+def test_the_method_sees_f_of_x_at_the_maps_structure(digits_map):
+    """f(x) = net(x, α) is the method's own prediction, and the features φ(x) are the head's input."""
+    method, dm = digits_map
+    network = FixedStructureNetwork.of(method)
+    x = dm.preprocess(dm.val_set.images[:6])
+    with torch.no_grad():
+        logits = network(x)
+        features, same = network.features(x)
+        torch.testing.assert_close(logits.log_softmax(-1), method.predict_log_probs(x))
+        torch.testing.assert_close(same, logits)
+        torch.testing.assert_close(network.head(features), logits)
+
+
+def test_a_learned_structure_is_held_at_softmax_theta():
+    """map: laplace-torch's f(x) uses α = softmax(θ), the structure MAP predicts with."""
+    torch.manual_seed(1)
+    method = MAP(_tiny_net(num_classes=4), dataset_size=10).eval()
+    with torch.no_grad():
+        method.theta.normal_()
+    network = FixedStructureNetwork.of(method)
+    torch.testing.assert_close(network.alpha[0], torch.softmax(method.theta, -1))
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(network(x).log_softmax(-1), method.predict_log_probs(x))
+
+
+def test_laplace_method_members(digits_map, digits_laplace):
+    method, dm = digits_map
+    lm = digits_laplace
+    x = dm.preprocess(dm.val_set.images[:8])
+    with torch.no_grad():
+        members = lm.predict_members(x)
+        again = lm.predict_members(x)
+        tail = lm.predict_members(x, 10, first=5)
+        log_probs = lm.predict_log_probs(x)
+    assert members.shape == (64, 8, 10) and lm.num_members == 64
+    torch.testing.assert_close(members.logsumexp(-1), torch.zeros(64, 8), rtol=0, atol=1e-5)
+    assert (members[1:] - members[:1]).abs().amax() > 1e-2  # the members differ
+    torch.testing.assert_close(again, members, rtol=0, atol=0)  # fixed members: every batch sees the same
+    torch.testing.assert_close(tail, members[5:15], rtol=0, atol=1e-6)
+    torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(64), rtol=0, atol=1e-6)
+    # the posterior is centred at the trained head, and the network's weights are untouched
+    head = method.net.classifier
+    torch.testing.assert_close(lm.laplace.mean, torch.cat([head.weight.detach().flatten(), head.bias.detach()]))
+    with pytest.raises(ValueError, match="drawn"):
+        lm.predict_members(x, 65)
+
+
+def test_the_last_layer_members_sample_the_glm_predictive(digits_map, digits_laplace):
+    """f is linear in the last layer, so the members' logits are distributed as laplace-torch's
+    GLM predictive N(f(x, θ*), J Σ Jᵀ): Monte Carlo mean and covariance of 4,000 members."""
+    method, dm = digits_map
+    lm = deepcopy(digits_laplace)
+    lm.laplace = digits_laplace.laplace
+    S = 4000
+    lm.draw_members(S, seed=1)
+    x = dm.preprocess(dm.val_set.images[:3])
+    with torch.no_grad():
+        logits = lm.stochastic_forward(x, S).double()  # (S, 3, C)
+        features, _ = FixedStructureNetwork.of(method).features(x)
+        f_mu, f_var = lm.laplace._glm_predictive_distribution(features)
+    mean = logits.mean(0)
+    centred = logits - mean
+    cov = torch.einsum("sbi,sbj->bij", centred, centred) / (S - 1)
+    f_var = f_var.double()
+    sd = f_var.diagonal(dim1=1, dim2=2).sqrt()
+    assert ((mean - f_mu.double()).abs() / sd).max() < 5 / math.sqrt(S)
+    # each covariance entry's Monte Carlo s.e. is sqrt((Σii Σjj + Σij²) / S)
+    se = ((sd[:, :, None] * sd[:, None, :]) ** 2 + f_var**2).sqrt() / math.sqrt(S)
+    assert ((cov - f_var).abs() / se).max() < 5
+
+
+@pytest.mark.parametrize("structure", ["kron", "full"])
+def test_the_cached_features_give_laplace_torch_on_the_whole_network(digits_map, structure):
+    """The posterior from the head on cached features equals laplace-torch's last-layer Laplace
+    of f(x) = net(x, α) fitted on the (preprocessed) images themselves."""
+    from laplace import Laplace
+
+    method, dm = digits_map
+    network = FixedStructureNetwork.of(method)
+    images = TensorDataset(dm.preprocess(dm.train_set.images[:64]), dm.train_set.labels[:64])
+    features, labels = head_features(network, DataLoader(images, batch_size=32))
+    ours = last_layer_laplace(network.head, features, labels, hessian_structure=structure, prior_precision=3.0)
+
+    theirs = Laplace(network, "classification", subset_of_weights="last_layer", hessian_structure=structure,
+                     prior_precision=3.0, last_layer_name="net.classifier")
+    theirs.fit(DataLoader(images, batch_size=32))
+
+    def matrix(la):
+        p = la.posterior_precision
+        return p if isinstance(p, torch.Tensor) else p.to_matrix()
+
+    torch.testing.assert_close(ours.mean, theirs.mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(matrix(ours), matrix(theirs), rtol=1e-4, atol=1e-4)
+
+
+def test_the_prior_precision_is_the_validation_grid_minimum_and_the_test_split_is_never_read(digits_map):
+    """λ minimises the validation NLL of the probit GLM predictive, computed here from the
+    closed-form GGN of a linear softmax head, H = Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n with
+    J_n = [I_C ⊗ φ_nᵀ, I_C]; the data module's test loader is poisoned."""
+    method, dm = digits_map
+    poisoned = deepcopy(dm)
+
+    def no_test(*args, **kwargs):
+        raise AssertionError("the Laplace fit read the test split")
+
+    poisoned.test_dataloader = no_test
+    grid = torch.logspace(-4, 4, 17, dtype=torch.float64)
+    lm = fit_laplace_on(method, poisoned, hessian_structure="full", grid_size=17, n_samples=8)
+
+    network = FixedStructureNetwork.of(method)
+    phi, y = head_features(network, in_memory_loader(dm, dm.train_set, train=False), dm.preprocess)
+    phi_val, y_val = head_features(network, dm.val_dataloader(), dm.preprocess)
+    C, D = 10, phi.shape[1]
+
+    def jacobians(features):  # (n, C, C·D + C), parameters ordered as (W row-major, b)
+        eye = torch.eye(C, dtype=torch.float64)
+        return torch.cat([torch.einsum("ij,nd->nijd", eye, features.double()).reshape(len(features), C, C * D),
+                          eye.expand(len(features), C, C)], dim=2)
+
+    head = network.head
+    with torch.no_grad():
+        p = head(phi).double().softmax(-1)
+        J = jacobians(phi)
+        lam_n = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        H = torch.einsum("nci,ncd,ndj->ij", J, lam_n, J)
+        torch.testing.assert_close(lm.laplace.H.double(), H, rtol=1e-4, atol=1e-4)
+        f_mu = head(phi_val).double()
+        J_val = jacobians(phi_val)
+        nll = []
+        for lam in grid:
+            sigma = torch.linalg.inv(H + lam * torch.eye(H.shape[0], dtype=torch.float64))
+            f_var = torch.einsum("nci,ij,ncj->nc", J_val, sigma, J_val)
+            kappa = 1 / torch.sqrt(1 + math.pi / 8 * f_var)
+            nll.append(F.cross_entropy(kappa * f_mu, y_val).item())
+    nll = torch.tensor(nll)
+    chosen = torch.argmin((grid - lm.prior_precision).abs())
+    assert abs(grid[chosen] - lm.prior_precision) / lm.prior_precision < 1e-5
+    assert nll[chosen] <= nll.min() + 1e-4, (lm.prior_precision, nll)
+    assert 0 < chosen < len(grid) - 1, ("the test wants an optimum inside the grid", nll)
+
+
+def test_laplace_refuses_stochastic_methods_and_reloads_without_laplace_torch(digits_map, digits_laplace):
+    from dbsn.methods import DBSN, MCDropoutWeights
+
+    with pytest.raises(ValueError, match="point-estimate"):
+        LaplaceMethod(DBSN(_tiny_net(), dataset_size=10), None)
+    with pytest.raises(ValueError, match="point-estimate"):
+        LaplaceMethod(MAP(_tiny_net(), weights=MCDropoutWeights(), dataset_size=10), None)
+    method, dm = digits_map
+    reloaded = LaplaceMethod(method, None, n_samples=64)
+    reloaded.load_state_dict(digits_laplace.state_dict())
+    x = dm.preprocess(dm.val_set.images[:4])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.predict_members(x), digits_laplace.predict_members(x))
+
+
+# ------------------------------------------------------------------------------------------- SWAG
+def test_swag_moments_are_those_of_the_stored_iterates():
+    rng = np.random.default_rng(0)
+    iterates = rng.normal(size=(6, 7)) * rng.uniform(0.1, 2, size=7) + rng.normal(size=7)
+    moments = SWAGMoments(7, max_rank=4)
+    running_means = []
+    for i, w in enumerate(iterates):
+        moments.update(torch.tensor(w, dtype=torch.float32))
+        running_means.append(iterates[: i + 1].astype(np.float32).astype(np.float64).mean(0))
+    w = iterates.astype(np.float32).astype(np.float64)  # what the network holds
+    mean = w.mean(0)
+    np.testing.assert_allclose(moments.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(moments.variance().numpy(), np.maximum((w**2).mean(0) - mean**2, 1e-30), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(moments.variance().numpy(), w.var(0), rtol=1e-9, atol=1e-12)
+    # D: the last K = 4 deviations from the running mean after each update, oldest first
+    expected_d = np.stack([w[i] - running_means[i] for i in range(2, 6)])
+    assert moments.rank == 4 and int(moments.count) == 6
+    np.testing.assert_allclose(moments.deviation_matrix().numpy(), expected_d, rtol=1e-6, atol=1e-6)
+
+
+def test_swag_sampler_has_the_swag_mean_and_covariance():
+    rng = np.random.default_rng(1)
+    iterates = rng.normal(size=(5, 4)) * np.array([0.1, 1.0, 0.5, 2.0]) + np.array([1.0, -1.0, 0.0, 3.0])
+    moments = SWAGMoments(4, max_rank=3)
+    for w in iterates:
+        moments.update(torch.tensor(w))
+    mean = iterates.mean(0)
+    running = [iterates[: i + 1].mean(0) for i in range(5)]
+    D = np.stack([iterates[i] - running[i] for i in range(2, 5)])  # K = 3 rows
+    covariance = 0.5 * (np.diag(iterates.var(0)) + D.T @ D / (3 - 1))
+    np.testing.assert_allclose(moments.covariance().numpy(), covariance, rtol=1e-6, atol=1e-9)
+
+    n = 40000
+    draws = moments.sample(torch.Generator().manual_seed(0), n=n).numpy()
+    sd = np.sqrt(np.diag(covariance))
+    assert np.all(np.abs(draws.mean(0) - mean) < 5 * sd / math.sqrt(n))
+    se = np.sqrt(np.outer(sd, sd) ** 2 + covariance**2) / math.sqrt(n)
+    assert np.all(np.abs(np.cov(draws.T) - covariance) < 5 * se)
+    same = moments.sample(torch.Generator().manual_seed(0), n=n).numpy()  # a seed fixes the draws
+    np.testing.assert_array_equal(same, draws)
+
+
+class _Recorder(pl.Callback):
+    """Stores the network's flattened weights at the end of every training epoch."""
+
+    def __init__(self):
+        self.iterates = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.iterates.append(torch.cat([p.detach().flatten() for p in pl_module.net.parameters()]).double().clone())
+
+
+def test_swag_collector_over_a_lightning_run_and_its_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    method = MAP(_tiny_net(num_classes=3), dataset_size=8, optim=WeightOptimizer(lr=0.05))  # learned θ
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
+    recorder, collector = _Recorder(), SWAGCollector(start=0.5, max_rank=20)  # ⌊0.5 · 4⌋ = epoch 2
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, collector, checkpoints])
+    trainer.fit(method, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+
+    assert collector.epochs == [2, 3]
+    w = torch.stack(recorder.iterates[2:]).numpy()
+    assert np.abs(w[1] - w[0]).max() > 1e-4  # training moved the weights
+    m = collector.moments
+    np.testing.assert_allclose(m.mean.numpy(), w.mean(0), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(m.variance().numpy(), np.maximum(w.var(0), 1e-30), rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(m.deviation_matrix().numpy(), np.stack([w[0] - w[0], w[1] - w.mean(0)]), atol=1e-6)
+    # the network's parameters only: no BatchNorm buffers, no θ
+    names = [name for name, _ in method.net.named_parameters()]
+    assert collector.names == names and not any("running" in n or "theta" in n for n in collector.names)
+    assert m.mean.numel() == sum(p.numel() for p in method.net.parameters())
+    assert method.theta.numel() > 0 and all(p is not method.theta for _, p in swag_parameters(method))
+    # the last checkpoint holds both snapshots
+    state = load_swag_state(tmp_path / "last.ckpt")
+    assert state["epochs"] == [2, 3]
+    torch.testing.assert_close(state["moments"]["mean"], m.mean)
+    torch.testing.assert_close(state["moments"]["deviations"], m.deviations)
+
+
+def test_swag_collection_starts_where_asked_and_only_on_point_estimates():
+    from dbsn.methods import DBSN
+
+    assert SWAGCollector(start=0.75).first_epoch(300) == 225 and SWAGCollector(start=0.5).first_epoch(5) == 2
+    assert SWAGCollector(start=7).first_epoch(300) == 7
+    for bad in (1.0, -1, True, "0.5"):
+        with pytest.raises(ValueError, match="start"):
+            SWAGCollector(start=bad)
+    with pytest.raises(ValueError, match="collect"):
+        SWAGCollector(collect="batch")
+    with pytest.raises(ValueError, match="point-estimate"):
+        swag_parameters(DBSN(_tiny_net(), dataset_size=10))
+    with pytest.raises(ValueError, match="at least 2"):
+        moments = SWAGMoments(3)
+        moments.update(torch.zeros(3))
+        moments.sample()
+
+
+def _swag_of(method: MAP, spreads=(0.0, 0.05, -0.03, 0.08)) -> dict:
+    """A collector state from hand-made snapshots around the network's weights."""
+    collector = SWAGCollector(start=0, max_rank=5)
+    g = torch.Generator().manual_seed(2)
+    originals = [p.detach().clone() for p in method.net.parameters()]
+    for spread in spreads:
+        with torch.no_grad():
+            for p, p0 in zip(method.net.parameters(), originals):
+                p.copy_(p0 + spread * torch.randn(p.shape, generator=g))
+        collector.collect_from(method)
+    with torch.no_grad():
+        for p, p0 in zip(method.net.parameters(), originals):
+            p.copy_(p0)
+    return collector.state_dict()
+
+
+def test_swag_members_have_their_own_batchnorm_statistics():
+    """Member s = the network with weights w_s whose BatchNorm layers were reset and run, with
+    momentum=None, over the calibration batches in training mode (SWAG's bn_update)."""
+    torch.manual_seed(0)
+    method = MAP(_tiny_net(num_classes=4), learn_structure=False, dataset_size=10).eval()
+    swag = SWAGMethod(method, _swag_of(method), n_samples=4, bn_recalibration=BatchNormRecalibration(enabled=True)).eval()
+    g = torch.Generator().manual_seed(3)
+    calibration = [torch.randn(12, 3, 8, 8, generator=g), torch.randn(12, 3, 8, 8, generator=g) + 0.5]
+    swag.use_calibration_images(calibration)
+    x = torch.randn(6, 3, 8, 8, generator=g)
+    before = [p.detach().clone() for p in method.net.parameters()]
+    with torch.no_grad():
+        members = swag.predict_members(x)
+        again = swag.predict_members(x)
+        tail = swag.predict_members(x, 2, first=2)
+        log_probs = swag.predict_log_probs(x)
+    assert members.shape == (4, 6, 4) and swag.num_members == 4
+    torch.testing.assert_close(members.logsumexp(-1), torch.zeros(4, 6), rtol=0, atol=1e-5)
+    assert (members[1:] - members[:1]).abs().amax() > 1e-3
+    torch.testing.assert_close(again, members, rtol=0, atol=0)
+    torch.testing.assert_close(tail, members[2:4], rtol=0, atol=1e-6)
+    torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(4), rtol=0, atol=1e-6)
+    assert all(torch.equal(a, p) for a, p in zip(before, method.net.parameters()))  # members are functional
+
+    for s in (0, 3):
+        reference = deepcopy(method.net)
+        weights = swag.member_weights(s)
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(weights[f"net.{name}"])
+            for m in reference.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.reset_running_stats()
+                    m.momentum = None
+            reference.train()
+            for batch in calibration:
+                reference(batch, method.alpha().unsqueeze(0), replicate=True)
+            reference.eval()
+            expected = reference(x, method.alpha().unsqueeze(0), replicate=True).log_softmax(-1)
+        torch.testing.assert_close(members[s], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_swag_method_takes_its_batchnorm_images_from_the_training_split():
+    torch.manual_seed(0)
+    method = MAP(_tiny_net(), learn_structure=False, dataset_size=10).eval()
+    swag = SWAGMethod(method, _swag_of(method), n_samples=2,
+                      bn_recalibration=BatchNormRecalibration(enabled=True, images=24, batch_size=16)).eval()
+    dm = DigitsDataModule(num_workers=0, train_subset=100, val_size=20)
+    with pytest.raises(ValueError, match="prepare_prediction"):
+        swag.predict_members(torch.zeros(1, 3, 32, 32))
+    swag.prepare_prediction(dm)
+    assert [len(b) for b in swag._calibration] == [16, 8]
+    torch.testing.assert_close(torch.cat(swag._calibration), dm.preprocess(dm.training_images(24, seed=0)))
+    with torch.no_grad():
+        assert swag.predict_members(dm.preprocess(dm.val_set.images[:3])).shape == (2, 3, 10)
+    with pytest.raises(ValueError, match="do not belong"):
+        SWAGMethod(MAP(_tiny_net(num_classes=4), learn_structure=False, dataset_size=10), _swag_of(method))
