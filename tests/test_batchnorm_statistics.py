@@ -89,8 +89,26 @@ def test_members_are_fixed_and_grow_on_demand_while_recalibrated():
     assert torch.equal(method.prediction_structures(2, first=1), first[1:3])
     more = method.prediction_structures(4, first=3)  # members 3..6 are drawn now
     assert torch.equal(method.prediction_structures(7)[:3], first) and torch.equal(method.prediction_structures(7)[3:], more)
-    method.prepare_prediction(data)  # a new test pass: a new set of members
-    assert not torch.equal(method.prediction_structures(3), first)
+    method.prepare_prediction(data)  # a new test pass: the same members, drawn from the setting's seed
+    torch.manual_seed(123)  # whatever the global stream
+    assert torch.equal(method.prediction_structures(3), first)
+
+
+def test_data_parallel_ranks_predict_with_the_same_members():
+    """Each data-parallel rank's random stream is its own (the seed is offset per rank), yet the
+    fixed members (and their statistics) are the same on every rank: one ensemble scores the
+    whole test set. Two ranks emulated by two copies of the trained method with different global
+    streams."""
+    data = _Images()
+    ranks = []
+    for rank in range(2):
+        method = _method()
+        torch.manual_seed(1000 + 104729 * rank)  # as ClassificationMethod.on_fit_start offsets ranks
+        method.prepare_prediction(data)
+        ranks.append(method._fixed_members(5))
+    assert torch.equal(ranks[0][0], ranks[1][0])
+    for name in ranks[0][1]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][1][name], ranks[1][1][name]))
 
 
 def test_without_recalibration_every_call_draws_fresh_structures_with_running_statistics():

@@ -260,7 +260,11 @@ class DBSN(ClassificationMethod):
         BatchNorm statistics on the calibration images."""
         have = 0 if self._members is None else self._members[0].shape[0]
         if count > have:
-            alpha = self.sample_structures(count - have)
+            # from their own seed, not the rank's stream: data-parallel ranks (whose streams differ)
+            # test their shards with the same members, one ensemble for the run's metrics
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(self.bn_recalibration.seed + 7919 * (have + 1))
+                alpha = self.sample_structures(count - have)
             parts = [structure_statistics(lambda x, a=a: self.network(x, a), self.net, self._calibration,
                                           a.shape[0]) for a in alpha.split(self.samples_per_forward)]
             if self._members is not None:
