@@ -77,3 +77,22 @@ def test_restored_random_state_is_shared_by_structure_parallel_ranks_and_split_f
             draws[parallel, rank] = torch.rand(3)
     assert torch.equal(draws["structure", 0], draws["structure", 1])
     assert not torch.equal(draws["data", 0], draws["data", 1])
+
+
+def test_checkpoints_written_before_classes_moved_still_load(tmp_path):
+    """A run config naming a class by the module it used to live in (dbsn.schedules.TauSchedule,
+    dbsn.tracking.WandbLogger) is read with the class's new path."""
+    import torch
+
+    from dbsn.runtime.checkpoint import CONFIG_KEY, load_checkpoint, upgrade_config
+
+    old = {"model": {"tau": {"_target_": "dbsn.schedules.TauSchedule", "decay": 1e-3},
+                     "beta": {"_target_": "dbsn.structure.schedules.BetaSchedule"}},
+           "logger": {"wandb": {"_target_": "dbsn.tracking.WandbLogger"}}, "members": [{"_target_": "dbsn.schedules.X"}]}
+    new = upgrade_config(old)
+    assert new["model"]["tau"] == {"_target_": "dbsn.structure.schedules.TauSchedule", "decay": 1e-3}
+    assert new["model"]["beta"]["_target_"] == "dbsn.structure.schedules.BetaSchedule"  # already new: unchanged
+    assert new["logger"]["wandb"]["_target_"] == "dbsn.evaluation.tracking.WandbLogger"
+    assert new["members"][0]["_target_"] == "dbsn.structure.schedules.X"
+    torch.save({"state_dict": {}, CONFIG_KEY: old}, tmp_path / "old.ckpt")
+    assert load_checkpoint(tmp_path / "old.ckpt")[CONFIG_KEY]["model"]["tau"]["_target_"] == "dbsn.structure.schedules.TauSchedule"

@@ -115,6 +115,31 @@ class RandomStateCallback(pl.Callback):
             torch.manual_seed(seed % 2**63)
 
 
+#: `_target_` prefixes of classes that moved; checkpoints written before keep loading
+MOVED_TARGETS = {
+    "dbsn.schedules.": "dbsn.structure.schedules.",
+    "dbsn.tracking.": "dbsn.evaluation.tracking.",
+    "dbsn.calibration.": "dbsn.posthoc.temperature.",
+    "dbsn.ensemble.": "dbsn.methods.predictive.",
+}
+
+
+def upgrade_config(node: Any) -> Any:
+    """A run config with every `_target_` of a moved class renamed (`MOVED_TARGETS`)."""
+    if isinstance(node, dict):
+        out = {key: upgrade_config(value) for key, value in node.items()}
+        target = out.get("_target_")
+        if isinstance(target, str):
+            for old, new in MOVED_TARGETS.items():
+                if target.startswith(old) and not target.startswith(new):
+                    out["_target_"] = new + target[len(old):]
+                    break
+        return out
+    if isinstance(node, list):
+        return [upgrade_config(item) for item in node]
+    return node
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint written by `train.py`, or raise `CheckpointError` saying why not."""
     path = Path(path).expanduser()
@@ -140,6 +165,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is a Lightning checkpoint that dbsn's train.py did not write: it carries no "
             f"'{CONFIG_KEY}' (the run config needed to rebuild data and model)."
         )
+    checkpoint[CONFIG_KEY] = upgrade_config(checkpoint[CONFIG_KEY])
     return checkpoint
 
 
