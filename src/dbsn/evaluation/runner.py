@@ -9,7 +9,14 @@ its own sub-folder of the evaluation folder:
 - `adversarial/`: accuracy and mean entropy per attack and ε (`results.csv`, `results.json`),
   and their plot (`adversarial.png`);
 - `ablation/`: the MC-sample ablation (`results.csv`, `results.json`, `ablation.png`);
-- `structure/`: the learned structure posterior (`final.json`, `final.txt`, `final.png`).
+- `structure/`: the learned structure posterior (`final.json`, `final.txt`, `final.png`);
+- `shift/`: dataset shift (`dbsn.evaluation.shift`): each corruption at each severity
+  (`metrics.json`, `shift.csv`) and Ovadia et al.'s box plots (`shift_boxplots.png`).
+
+The test pass's own report (every training and evaluation run) adds calibration beyond the
+equal-width ECE (`test/adaptive_ece`, `test/classwise_ece`) and selective prediction for each
+uncertainty score (`selective/<score>/{aurc,eaurc,augrc,risk@80}`, `selective/optimal_aurc`,
+`risk_coverage.png`): `prediction_quality`.
 
 Every number also goes to W&B when that logger is on (`dbsn.evaluation.tracking.log_to_wandb`): OOD metrics
 as `ood/<set>/<score>/<metric>`, attack results against their own x axis `adversarial/epsilon`,
@@ -37,9 +44,55 @@ from dbsn.evaluation.attacks import adversarial_evaluation, adversarial_figure, 
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
 from dbsn.evaluation.uncertainty import detection_scores
+from dbsn.metrics.calibration import calibration_metrics
 from dbsn.metrics.classification import reliability_bins
+from dbsn.metrics.selective import score_as_uncertainty, risk_coverage_curve, risk_coverage_figure, selective_metrics
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.tracking import log_to_wandb
+
+
+#: the uncertainty scores whose ranking of errors selective prediction measures
+SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
+
+
+def _errors_and_scores(model) -> tuple[Tensor, dict[str, Tensor]] | None:
+    if model.test_predictions is None or model.test_scores is None:
+        return None
+    log_probs, targets = model.test_predictions
+    errors = (log_probs.argmax(-1) != targets).double()
+    return errors, {k: model.test_scores[k] for k in SELECTIVE_SCORES if k in model.test_scores}
+
+
+def prediction_quality(model) -> dict[str, float]:
+    """Of the test pass's Bayes ensemble (classification; {} otherwise): the equal-mass and
+    classwise ECE beside the logged equal-width one, and the selective-prediction metrics of each
+    uncertainty score (accepting the most certain predictions first)."""
+    found = _errors_and_scores(model)
+    if found is None:
+        return {}
+    log_probs, targets = model.test_predictions
+    calibration = calibration_metrics(log_probs.exp(), targets)
+    out = {f"test/{k}": v for k, v in calibration.items() if k != "ece"}  # test/ece is the test pass's own
+    out.update(selective_metrics(*found))
+    return out
+
+
+def write_risk_coverage(model, folder: Path, title: str, loggers=()) -> Path | None:
+    """The risk–coverage curves of the test pass (`risk_coverage.png`, W&B image and table)."""
+    found = _errors_and_scores(model)
+    if found is None:
+        return None
+    errors, scores = found
+    path = save_figure(risk_coverage_figure(errors, scores, title=f"{title}: selective prediction"),
+                       folder / "risk_coverage.png")
+    rows = []
+    for name, score in scores.items():
+        coverage, risk = risk_coverage_curve(errors, score_as_uncertainty(name, score))
+        keep = np.unique(np.linspace(0, len(coverage) - 1, min(len(coverage), 101)).round().astype(int))
+        rows += [[name, float(coverage[i]), float(risk[i])] for i in keep]
+    log_to_wandb(loggers, images={"selective/risk_coverage": path},
+                 tables={"selective/risk_coverage_curve": (["score", "coverage", "risk"], rows)})
+    return path
 
 
 def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:

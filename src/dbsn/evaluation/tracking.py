@@ -4,9 +4,11 @@ Names are stable and shared with `metrics.json` and the dashboard (`dbsn.tools.d
 
 - per-epoch metrics (`val/*`, `structure/*`, `posterior/*`, `*_epoch`) use the epoch as their
   x axis (`define_metric(step_metric="epoch")`);
-- summaries mean what they say: the summary of an error, NLL, Brier score, ECE or FPR95 is its
+- summaries mean what they say: the summary of an error, NLL, Brier score, ECE (equal-width,
+  equal-mass or classwise), FPR95, AURC, excess AURC, AUGRC or risk at 80 % coverage is its
   minimum (`<name>.min` on W&B), that of an AUROC, AUPR, mIoU, global or per-class IoU its
-  maximum (`<name>.max`); everything else keeps W&B's default, the last value;
+  maximum (`<name>.max`), under `val/`, `test/`, `ood/`, `selective/` and `shift/`; everything
+  else keeps W&B's default, the last value;
 - curves over another variable get that variable as their own step metric, so W&B draws them
   against it: attacks against `adversarial/epsilon`, the MC-sample ablation against
   `ablation/n_samples` (`log_curve`);
@@ -26,9 +28,10 @@ from typing import Any
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-MINIMISED = frozenset({"error", "nll", "brier", "ece", "fpr95"})
+MINIMISED = frozenset({"error", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "fpr95",
+                       "aurc", "eaurc", "augrc", "risk@80"})
 MAXIMISED = frozenset({"auroc", "aupr", "aupr_in", "miou", "global_acc"})
-SUMMARISED_PREFIXES = ("val/", "test/", "ood/")
+SUMMARISED_PREFIXES = ("val/", "test/", "ood/", "selective/", "shift/")
 PER_EPOCH_PREFIXES = ("val/", "structure/", "posterior/")
 EPOCH = "epoch"  # Lightning logs the epoch with every row
 

@@ -57,6 +57,7 @@ from torch import Tensor
 
 __all__ = [
     "CONFIDENCE_SCORES",
+    "score_as_uncertainty",
     "augrc",
     "aurc",
     "optimal_aurc",
@@ -191,7 +192,7 @@ def optimal_aurc(errors: Tensor | float) -> float:
     return rate + (correct * math.log(correct) if correct > 0 else 0.0)
 
 
-def _as_uncertainty_score(name: str, score: Tensor) -> Tensor:
+def score_as_uncertainty(name: str, score: Tensor) -> Tensor:
     """The score as an uncertainty: confidences (:data:`CONFIDENCE_SCORES`) negated."""
     score = torch.as_tensor(score).detach()
     return -score if name in CONFIDENCE_SCORES else score
@@ -217,7 +218,7 @@ def selective_metrics(errors: Tensor, scores: dict[str, Tensor]) -> dict[str, fl
     optimal = optimal_aurc(errors)
     out = {"selective/optimal_aurc": optimal}
     for name, score in scores.items():
-        uncertainty = _as_uncertainty_score(name, score)
+        uncertainty = score_as_uncertainty(name, score)
         area = aurc(errors, uncertainty)
         out[f"selective/{name}/aurc"] = area
         out[f"selective/{name}/eaurc"] = area - optimal
@@ -241,7 +242,7 @@ def risk_coverage_figure(errors: Tensor, scores: dict[str, Tensor], title: str |
     ax = fig.subplots()
     top = 0.0
     for name, score in scores.items():
-        uncertainty = _as_uncertainty_score(name, score)
+        uncertainty = score_as_uncertainty(name, score)
         coverage, risk = risk_coverage_curve(errors, uncertainty)
         x = np.concatenate([[0.0], coverage.numpy()])
         y = np.concatenate([risk[:1].numpy(), risk.numpy()])

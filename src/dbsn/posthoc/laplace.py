@@ -390,5 +390,5 @@ class LaplaceMethod(ClassificationMethod):
         return self.temperature(log_probs) if self.temperature_scaling else log_probs
 
     def run_facts(self) -> dict:
-        return {**super().run_facts(), "posthoc": "last-layer Laplace", "laplace": self.hessian_structure,
+        return {**super().run_facts(), "posterior": "last-layer Laplace", "laplace": self.hessian_structure,
                 "prior_precision": self.prior_precision}

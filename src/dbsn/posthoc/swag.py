@@ -317,7 +317,7 @@ class SWAGMethod(ClassificationMethod):
 
     def run_facts(self) -> dict:
         images = "running" if not self.bn_recalibration.enabled else f"per member, {self.bn_recalibration.images} images"
-        return {**super().run_facts(), "posthoc": "SWAG", "swag_snapshots": int(self.moments.count),
+        return {**super().run_facts(), "posterior": "SWAG", "swag_snapshots": int(self.moments.count),
                 "swag_rank": self.moments.rank, "bn_statistics": images}
 
     # ------------------------------------------------------------------ members

@@ -56,6 +56,8 @@ def infer_dataset(data: dict) -> str:
 
 def method_and_dataset(run_dir: str | Path, config: dict) -> tuple[str, str]:
     """The run's method and dataset by their config names: Hydra's choices, else from the config."""
+    if config.get("posthoc"):  # <run>/posthoc/<name>: a post-hoc posterior of the run (laplace, swag)
+        return str(config["posthoc"]), infer_dataset(config.get("data") or {})
     choices = hydra_choices(run_dir)
     return (choices.get("model") or infer_method(config.get("model") or {}),
             choices.get("data") or infer_dataset(config.get("data") or {}))

@@ -8,6 +8,7 @@ on a composed config without Hydra's runtime.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import replace
 from datetime import timedelta
@@ -28,7 +29,7 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointE
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
-from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint
+from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint, method_and_dataset
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.progress import LineProgress
 from dbsn.runtime.rank import is_rank_zero
@@ -37,14 +38,19 @@ from dbsn.runtime.wandb_run import (configured_group, logged_to_wandb, run_facts
                                     stable_wandb_id, with_identity)
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
-from dbsn.evaluation.runner import (adversarial, ood_evaluation, print_table, reliability_table, write_sample_ablation,
-                                   write_structure)
+from dbsn.data.shift import CORRUPTIONS, GENERATED_CORRUPTIONS, SEVERITIES, is_generated, write_generated_set
+from dbsn.evaluation.ood_groups import group_means, openood_groups, per_set_metrics
+from dbsn.evaluation.shift import shift_evaluation
+from dbsn.evaluation.runner import (adversarial, ood_evaluation, prediction_quality, print_table, reliability_table,
+                                   write_risk_coverage, write_sample_ablation, write_structure)
 from dbsn.evaluation.plots import reliability_diagram, save_figure
 from dbsn.evaluation.tracking import log_to_wandb
 
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
                 "mutual_information")
-EVALUATIONS = ("ood", "adversarial")  # beyond the test pass, which always runs
+EVALUATIONS = ("ood", "adversarial", "shift")  # beyond the test pass, which always runs
+#: the standard corruptions the generator can make (all but frost)
+GENERATED_STANDARD = tuple(c for c in CORRUPTIONS if c in GENERATED_CORRUPTIONS)
 
 
 # ---------------------------------------------------------------------- builders
@@ -147,6 +153,7 @@ def write_test_report(model: ClassificationMethod, metrics: dict[str, float], ou
         path = save_figure(figure, output_dir / "reliability_diagram.png")
         log_to_wandb(loggers, images={"test/reliability_diagram": path},
                      tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)})
+        write_risk_coverage(model, output_dir, title, loggers)
     if model.test_maps and datamodule is not None:
         path = save_figure(uncertainty_maps(model.test_maps, datamodule, title), output_dir / "uncertainty_maps.png")
         log_to_wandb(loggers, images={"test/uncertainty_maps": path})
@@ -260,7 +267,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         return {}
     attach_sample_ablation(model)
     trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = _test_metrics(trainer)
+    metrics = {**_test_metrics(trainer), **prediction_quality(model)}
     write_test_report(
         model, metrics, output_dir, _title(type(model).__name__, plain["data"], model.n_samples), loggers,
         structure=False, datamodule=datamodule,
@@ -312,13 +319,58 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     paths = [Path(p) for p in (list(cfg.ckpt_path) if OmegaConf.is_list(cfg.ckpt_path) else [cfg.ckpt_path])]
     if len(paths) == 1 and paths[0].is_dir():
         return evaluate_folder(cfg, paths[0])
+    posthoc = _posthoc_name(cfg)
     if cfg.get("output_dir"):
         out = Path(cfg.output_dir)
     elif len(paths) == 1 and (run_dir := paths[0].parent.parent).joinpath(CONFIG_FILE).is_file():
-        out = run_dir / "evaluation"
+        out = run_dir / "posthoc" / posthoc / "evaluation" if posthoc else run_dir / "evaluation"
     else:
         out = Path(output_dir)
     return evaluate_checkpoints(cfg, paths, out)
+
+
+POSTHOC = ("laplace", "swag")
+
+
+def _posthoc_name(cfg: DictConfig) -> str | None:
+    name = cfg.get("posthoc")
+    if name is not None and name not in POSTHOC:
+        raise ConfigError(f"posthoc={name}: choose one of {list(POSTHOC)} (or null: the run's own predictive).")
+    return name
+
+
+def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, datamodule, path: Path,
+                   device: torch.device) -> ClassificationMethod:
+    """The finished point-estimate run `model` with a post-hoc posterior: a last-layer Laplace
+    (fitted now: curvature on the training split, prior precision on the validation split, or by
+    the marginal likelihood on the training split where the run has none) or SWAG (from the
+    moments its run collected, `callbacks=swag`)."""
+    if isinstance(model, DeepEnsemble) or model.is_stochastic or not model.task.keeps_test_outputs:
+        raise ConfigError(f"posthoc={name} works on a point-estimate classifier (map, map_fixed, a deep-ensemble "
+                          f"member's run); this checkpoint is {type(model).__name__}.")
+    settings = dict(cfg.get(name) or {})
+    model.to(device)
+    if name == "laplace":
+        from dbsn.posthoc.laplace import fit_laplace_on
+
+        datamodule.setup("fit")
+        prior = settings.get("prior_precision") or ("gridsearch" if datamodule.has_val else "marglik")
+        if prior == "gridsearch" and not datamodule.has_val:
+            raise ConfigError("posthoc=laplace with laplace.prior_precision=gridsearch fits the prior precision on the "
+                              "validation split, and this run has none (data.val_size=0): use "
+                              "laplace.prior_precision=marglik (training data only), or train with data.val_size.")
+        Console().print(f"Fitting a last-layer Laplace ({settings.get('hessian', 'kron')} Hessian, prior precision: {prior})")
+        return fit_laplace_on(model, datamodule, hessian_structure=settings.get("hessian", "kron"), prior_precision=prior,
+                              n_samples=int(cfg.get("n_samples") or settings.get("n_samples") or 30))
+    from dbsn.posthoc.swag import SWAGMethod, load_swag_state
+
+    try:
+        state = load_swag_state(path)
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"posthoc=swag needs the SWAG moments its run collected, and {path} has none ({err}): train "
+                          "with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag).") from err
+    return SWAGMethod(model, state, n_samples=int(cfg.get("n_samples") or settings.get("n_samples") or 30),
+                      scale=float(settings.get("scale", 0.5)))
 
 
 def _evaluations(cfg: DictConfig) -> list[str]:
@@ -344,6 +396,9 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
 
     members = [_load_method(p, datamodule.num_classes, first[CONFIG_KEY]["data"]["_target_"]) for p in paths]
     model = members[0] if len(members) == 1 else DeepEnsemble(members)
+    posthoc = _posthoc_name(cfg)
+    if posthoc:
+        model = _posthoc_model(cfg, posthoc, model, datamodule, paths[0], _device(cfg.trainer))
     if _evaluations(cfg) and not model.task.keeps_test_outputs:
         raise ConfigError(f"evaluations={_evaluations(cfg)} are defined for classifiers; this is a segmentation model.")
     for method in model.modules():  # evaluation-time overrides reach ensemble members too
@@ -360,7 +415,10 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
 
     name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
     title = _title(name, data_cfg, model.num_members)
-    facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch")}
+    facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),
+             **({"posthoc": posthoc, "seed": first[CONFIG_KEY].get("seed")} if posthoc else {})}
+    if posthoc and out.name == "evaluation" and out.parent.parent.name == "posthoc":
+        _write_posthoc_run(out.parent, first[CONFIG_KEY], posthoc)
     loggers = _evaluation_loggers(cfg, paths, first[CONFIG_KEY], out, model)
     try:
         results = _run_evaluations(cfg, model, datamodule, ood_sets, out, title, loggers, facts)
@@ -369,6 +427,30 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
         raise
     _close_loggers(loggers, "success")
     return results
+
+
+def _posthoc_applies(posthoc: str, run_dir: Path, ckpt: Path) -> bool:
+    """Whether a run of a sweep gets the post-hoc posterior: point-estimate classifiers (Laplace),
+    runs that collected SWAG moments (SWAG)."""
+    config = _load_run_config(run_dir)
+    method, _ = method_and_dataset(run_dir, config)
+    if posthoc == "laplace":
+        return method in ("map", "map_fixed")
+    from dbsn.posthoc.swag import load_swag_state
+
+    try:
+        load_swag_state(ckpt)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+def _write_posthoc_run(folder: Path, run_config: dict, posthoc: str) -> None:
+    """`<run>/posthoc/<name>/` reads as a run of its own to the report: the training run's config
+    with `posthoc: <name>` (its method), and the test pass's metrics.json beside it (copied when
+    the evaluation has written it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create({**run_config, "posthoc": posthoc}), folder / CONFIG_FILE)
 
 
 def _close_loggers(loggers, status: str, finish_wandb: bool = True) -> None:
@@ -385,8 +467,10 @@ def _run_evaluations(cfg: DictConfig, model: ClassificationMethod, datamodule, o
     trainer = build_trainer(cfg.trainer, out, callbacks=_instantiate_group(cfg.get("callbacks")), loggers=loggers)
     attach_sample_ablation(model, (cfg.get("ablation") or {}).get("sizes"))
     trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = _test_metrics(trainer)
+    metrics = {**_test_metrics(trainer), **prediction_quality(model)}
     write_test_report(model, metrics, out, title, loggers, datamodule=datamodule, extra={**facts, **model.run_facts()})
+    if facts.get("posthoc") and (out.parent / CONFIG_FILE).is_file():
+        shutil.copyfile(out / "metrics.json", out.parent / "metrics.json")  # the post-hoc method's own run record
     results = dict(metrics)  # flat names (on W&B the same, but attacks are curves against adversarial/epsilon)
     device, progress = _device(cfg.trainer), cfg.trainer.get("enable_progress_bar", True) is not False
     model.to(device)
@@ -394,12 +478,57 @@ def _run_evaluations(cfg: DictConfig, model: ClassificationMethod, datamodule, o
         ood = ood_evaluation(model, datamodule, ood_datamodule, model.test_scores, out / "ood" / name, device,
                              title, loggers, progress, set_name=name)
         results.update({f"ood/{name}/{score}/{k}": v for score, m in ood["scores"].items() for k, v in m.items()})
+    if ood_sets:
+        results.update(_ood_group_means(cfg, datamodule, results, out, loggers))
+    if "shift" in _evaluations(cfg):
+        results.update(_shift(cfg, model, datamodule, out, device, title, loggers, progress))
     if "adversarial" in _evaluations(cfg):
         settings = OmegaConf.to_container(cfg.adversarial, resolve=True)
         rows = adversarial(model, datamodule, settings, out / "adversarial", device, title, loggers, progress)
         results.update({f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k] for r in rows
                         for k in ("accuracy", "mean_entropy")})
     return results
+
+
+def _ood_group_means(cfg: DictConfig, datamodule, results: dict, out: Path, loggers) -> dict[str, float]:
+    """Near- and far-OOD means (`ood/near/...`, `ood/far/...`) over the evaluated sets of each
+    group: `ood_groups` where the config gives them, else OpenOOD v1.5's for CIFAR-10 / -100."""
+    given = cfg.get("ood_groups")
+    if given:
+        groups = {str(k): list(v) for k, v in given.items()}
+    else:
+        try:
+            groups = openood_groups(datamodule.name)
+        except KeyError:  # no standard grouping for this in-distribution set
+            return {}
+    per_set = per_set_metrics(results)
+    groups = {name: [s for s in sets if s in per_set] for name, sets in groups.items()}
+    groups = {name: sets for name, sets in groups.items() if sets}
+    if not groups:
+        return {}
+    means = group_means(per_set, groups)
+    (out / "ood").mkdir(parents=True, exist_ok=True)
+    (out / "ood" / "groups.json").write_text(json.dumps({"groups": groups, "metrics": means}, indent=2) + "\n")
+    log_to_wandb(loggers, means)
+    return means
+
+
+def _shift(cfg: DictConfig, model, datamodule, out: Path, device, title: str, loggers, progress: bool) -> dict[str, float]:
+    """Dataset shift on the published CIFAR-10-C / -100-C files, or on a generated set
+    (`shift.generate=true` writes one from the test set where the folder has none)."""
+    settings = cfg.get("shift") or {}
+    folder = Path(settings.get("root") or Path(datamodule.root) / f"{datamodule.name}-C")
+    corruptions = list(settings.get("corruptions") or (GENERATED_STANDARD if is_generated(folder) or
+                                                       settings.get("generate") else CORRUPTIONS))
+    if settings.get("generate") and not (folder / "labels.npy").is_file():
+        datamodule.setup("test")
+        Console().print(f"Generating {len(corruptions)} corruptions of the {datamodule.name} test set into {folder} "
+                        "(labelled as generated; not the published files)")
+        write_generated_set(folder, datamodule.test_set.images, datamodule.test_set.labels, corruptions,
+                            seed=int(settings.get("seed", 0)), source=f"{datamodule.name} test set")
+    record = shift_evaluation(model, datamodule, folder, corruptions, list(settings.get("severities") or SEVERITIES),
+                              out / "shift", device, title, loggers, progress, int(settings.get("batch_size") or 500))
+    return {**record["metrics"], "shift/generated": float(record["generated"])}
 
 
 def _ood_sets(cfg: DictConfig) -> dict[str, Any]:
@@ -457,18 +586,22 @@ def evaluate_folder(cfg: DictConfig, root: Path) -> dict:
     """Evaluate every training run under `root` (e.g. a multirun folder) into its own
     `evaluation/`, then write the report (Tables 1 and 2, OOD and adversarial summaries) into
     `<root>/report`. Runs without a checkpoint, or whose evaluation fails, are listed."""
-    runs = sorted(p.parent for p in root.rglob(CONFIG_FILE) if "evaluation" not in p.parts)
+    runs = sorted(p.parent for p in root.rglob(CONFIG_FILE) if "evaluation" not in p.parts and "posthoc" not in p.parts)
     if not runs:
         raise FileNotFoundError(f"No training runs (folders with {CONFIG_FILE}) under {root}.")
+    posthoc = _posthoc_name(cfg)
     problems: dict[str, str] = {}
     for run_dir in runs:
         ckpt = _run_checkpoint(run_dir)
         if ckpt is None:
             problems[str(run_dir)] = "no checkpoint (failed or unfinished run)"
             continue
-        Console().print(f"[bold]Evaluating {ckpt}[/bold]")
+        if posthoc and not _posthoc_applies(posthoc, run_dir, ckpt):
+            continue  # e.g. a DBSN run in a sweep evaluated with posthoc=laplace: only its point-estimate runs
+        Console().print(f"[bold]Evaluating {ckpt}{f' with posthoc={posthoc}' if posthoc else ''}[/bold]")
         try:
-            evaluate_checkpoints(cfg, [ckpt], run_dir / "evaluation")
+            out = run_dir / "posthoc" / posthoc / "evaluation" if posthoc else run_dir / "evaluation"
+            evaluate_checkpoints(cfg, [ckpt], out)
         except Exception as err:  # one bad run must not stop the others; it is listed below
             problems[str(run_dir)] = f"{type(err).__name__}: {err}"
     for run, problem in problems.items():

@@ -1,6 +1,7 @@
 """Gather training runs into the paper's tables: `python -m dbsn.tools.report DIR [DIR ...] [--out OUT]`.
 
-A run folder is any folder below the DIRs with `resolved_config.yaml` (or a Hydra train job
+A run folder is any folder below the DIRs with `resolved_config.yaml` (post-hoc posteriors of a
+run, `<run>/posthoc/<name>/`, are runs of method <name>: laplace, swag; or a Hydra train job
 folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
 did not finish is listed with its SLURM log). Its status is `ok` when `metrics.json` exists, else
 `failed`; for every Hydra sweep root (a folder with `multirun.yaml`) the expected jobs (the
@@ -9,9 +10,11 @@ as `missing`. Every run is in runs.csv; only `ok` runs enter the tables, the oth
 in report.md's "Runs not included".
 
 Writes into OUT (default outputs/report): report.md, runs.csv, table1_error.{md,csv},
-table2_ece.{md,csv}, table_nll.{md,csv} and, where runs have evaluation outputs, ood.{md,csv}
-with one entropy-CDF figure per (dataset, OOD set), adversarial.{md,csv} with one figure per
-dataset, ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
+table2_ece.{md,csv}, table_nll.{md,csv}, calibration.{md,csv} (equal-width, equal-mass and
+classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
+have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
+ood_groups.csv (near / far OOD means), shift.{md,csv} with Ovadia et al.'s box plots per
+dataset, adversarial.{md,csv} with one figure per dataset, ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
 metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
 of runs in parentheses.
 """
@@ -36,9 +39,11 @@ from dbsn.runtime.layout import CONFIG_FILE, SLURM_FILE, hydra_choices as _choic
 from dbsn.evaluation.attacks import adversarial_figure
 from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
 from dbsn.evaluation.plots import save_figure
+from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
 
-SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}
-METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "vogn", "vogn_fbn", "nekfac")
+SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}  # <run>/posthoc/<name> is a run of its own
+METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "laplace", "swag", "vogn", "vogn_fbn",
+                "nekfac")
 DATASET_ORDER = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
 OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
@@ -311,6 +316,128 @@ def ood_section(report: Report, ok: list[Run]) -> str:
     return text
 
 
+def _per_method_table(report: Report, ok: list[Run], stem: str, title: str, explanation: str,
+                      columns: list[tuple[str, str, float, int]]) -> str:
+    """One row per (method, dataset), one column per (label, metric key, scale, digits) read from
+    each run's test-pass metrics; "" when no run has any of them."""
+    values = defaultdict(list)
+    for r in ok:
+        for label, key, scale, _ in columns:
+            if key in r.metrics:
+                values[r.method, r.dataset, label].append(scale * r.metrics[key])
+    if not values:
+        return ""
+    cells = sorted({k[:2] for k in values}, key=lambda k: (_order({k[1]}, DATASET_ORDER), METHOD_ORDER.index(k[0])
+                                                            if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0]))
+    rows, csv_rows = [], []
+    for method, dataset in cells:
+        stats = {label: mean_std(values[method, dataset, label]) for label, *_ in columns if values[method, dataset, label]}
+        rows.append([method, dataset, *(fmt(stats.get(label), digits) for label, _, _, digits in columns)])
+        csv_rows += [[method, dataset, label, *stats[label]] for label, *_ in columns if label in stats]
+    table = md_table(["method", "dataset", *(label for label, *_ in columns)], rows)
+    _write(report, f"{stem}.md", f"# {title}\n\n{table}")
+    _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", "mean", "std", "n"], csv_rows)
+    return f"## {title}\n\n{explanation} Mean ± std over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n"
+
+
+def calibration_section(report: Report, ok: list[Run]) -> str:
+    return _per_method_table(
+        report, ok, "calibration", "Calibration beyond equal-width ECE",
+        "Three ECEs of the test pass's Bayes ensemble, 15 bins each: equal-width (Table 2's), equal-mass (bins "
+        "of equal counts, which equal-width ECE's empty high-confidence bins hide) and classwise (every class's "
+        "probability against its indicator, averaged over classes; Kull et al. 2019). Lower is better.",
+        [("ECE", "test/ece", 1.0, 4), ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
+         ("classwise ECE", "test/classwise_ece", 1.0, 4)])
+
+
+def selective_section(report: Report, ok: list[Run]) -> str:
+    scores = (("max_probability", "MSP"), ("predictive_entropy", "entropy"), ("mutual_information", "MI"))
+    columns = [(f"AURC ({short})", f"selective/{score}/aurc", 1000.0, 2) for score, short in scores]
+    columns += [(f"E-AURC ({short})", f"selective/{score}/eaurc", 1000.0, 2) for score, short in scores[:2]]
+    columns += [("AUGRC (MSP)", "selective/max_probability/augrc", 1000.0, 2),
+                ("risk@80 % (MSP, %)", "selective/max_probability/risk@80", 100.0, 2)]
+    return _per_method_table(
+        report, ok, "selective", "Selective prediction",
+        "How well each uncertainty score ranks the errors, accepting the most certain predictions first: AURC "
+        "(area under the risk–coverage curve), E-AURC (its excess over the oracle's, which depends only on the "
+        "error rate), AUGRC (Traub et al. 2024) in units of 1e-3, and the error rate of the 80 % most certain "
+        "predictions. Lower is better; tied scores are accepted together.", columns)
+
+
+def shift_section(report: Report, ok: list[Run]) -> str:
+    per_method: dict[tuple[str, str], dict[tuple[str, int], dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    sources = set()
+    for r in ok:
+        path = r.path / "evaluation" / "shift" / "metrics.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        sources.add(record.get("source", "published"))
+        for row in record["rows"]:
+            for metric in SHIFT_METRICS:
+                per_method[r.dataset, r.method][row["corruption"], int(row["severity"])][metric].append(row[metric])
+    if not per_method:
+        return ""
+    generated = any(source != "published" for source in sources)
+    text, csv_rows = "", []
+    for dataset in _order({d for d, _ in per_method}, DATASET_ORDER):
+        methods = _order({m for d, m in per_method if d == dataset}, METHOD_ORDER)
+        # each corruption x severity averaged over the method's seeds, then boxes over corruptions
+        rows_of = {m: [{"corruption": c, "severity": sv, **{k: float(np.mean(v)) for k, v in metrics.items()}}
+                       for (c, sv), metrics in per_method[dataset, m].items()] for m in methods}
+        severities = sorted({row["severity"] for rows in rows_of.values() for row in rows})
+        table = []
+        for m in methods:
+            for metric in ("error", "ece", "nll"):
+                means = [np.mean([row[metric] for row in rows_of[m] if row["severity"] == sv]) for sv in severities]
+                overall = float(np.mean([row[metric] for row in rows_of[m]]))
+                table.append([m, metric, *(f"{v:.4f}" for v in means), f"{overall:.4f}"])
+                csv_rows += [[m, dataset, metric, sv, float(v)] for sv, v in zip(severities, means)]
+        name = _slug(f"shift_boxplots_{dataset}") + ".png"
+        label = "generated corruptions, not the published files" if generated else "published files"
+        _figure(report, shift_boxplots(rows_of, title=f"{dataset}: dataset shift ({label})"), name)
+        text += (f"### {dataset}\n\n" + md_table(["method", "metric", *(f"severity {sv}" for sv in severities), "mean"], table)
+                 + f"\n![dataset shift]({name})\n\n")
+    _write_csv(report, "shift.csv", ["method", "dataset", "metric", "severity", "mean over corruptions"], csv_rows)
+    text = ("## Dataset shift\n\nEvery corruption of the test set at every severity (CIFAR-10-C's "
+            f"{'generated' if generated else 'published'} corruptions"
+            + (": made by `dbsn.data.shift`'s generator, NOT the published CIFAR-10-C files" if generated else "")
+            + "), as in Ovadia et al. (2019): each severity's mean over corruptions (each corruption averaged over "
+            "seeds first), and box plots over corruptions of ECE and error, one box per method. Files: `shift.md`, "
+            "`shift.csv`.\n\n" + text)
+    _write(report, "shift.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def ood_groups_section(report: Report, ok: list[Run]) -> str:
+    values = defaultdict(list)
+    groups_seen: dict[str, list[str]] = {}
+    for r in ok:
+        path = r.path / "evaluation" / "ood" / "groups.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        groups_seen.update(record.get("groups", {}))
+        for key, value in record["metrics"].items():
+            _, group, score, metric = key.split("/")
+            values[r.dataset, r.method, group, score, metric].append(value)
+    if not values:
+        return ""
+    table, csv_rows = [], []
+    for dataset, method, group, score in sorted({k[:4] for k in values}, key=lambda k: (k[0], METHOD_ORDER.index(k[1])
+                                                if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3])):
+        cell = {m: mean_std(values[dataset, method, group, score, m]) for m, _ in OOD_METRICS
+                if values[dataset, method, group, score, m]}
+        table.append([method, dataset, group, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
+        csv_rows += [[method, dataset, group, score, m, *st] for m, st in cell.items()]
+    _write_csv(report, "ood_groups.csv", ["method", "dataset", "group", "score", "metric", "mean", "std", "n"], csv_rows)
+    described = "; ".join(f"{g}: {', '.join(sets)}" for g, sets in groups_seen.items())
+    text = ("## Near and far OOD\n\nMeans over the OOD sets of each group (" + described + "), as OpenOOD v1.5 "
+            "reports them; OOD is the positive class of AUROC, AUPR and FPR95. Files: `ood_groups.csv`.\n\n"
+            + md_table(["method", "dataset", "group", "score", *(label for _, label in OOD_METRICS)], table) + "\n")
+    return text
+
+
 def _read_rows(path: Path) -> list[dict]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
@@ -461,8 +588,9 @@ def build_report(dirs: list[Path], out: Path) -> Report:
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
-        text += main_tables(report, ok)
-        text += ood_section(report, ok) + adversarial_section(report, ok) + ablation_section(report, ok)
+        text += main_tables(report, ok) + calibration_section(report, ok) + selective_section(report, ok)
+        text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)
+        text += adversarial_section(report, ok) + ablation_section(report, ok)
         text += time_section(report, ok)
     else:
         text += "No finished runs.\n\n"
