@@ -15,6 +15,9 @@ LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end 
 WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run continues the same W&B run
 SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
 
+# The Hydra config tree (conf/ at the checkout's root), for tools that compose configs themselves.
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
 
 def last_checkpoint(run_dir: str | Path) -> Path:
     """`<run_dir>/checkpoints/last.ckpt`: what a resumed or requeued run continues from."""

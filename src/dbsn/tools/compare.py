@@ -37,12 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from dbsn.runtime.layout import CONF_DIR
 from dbsn.structure.schedules import REFERENCE_BATCH
 
 METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn")
 STRUCTURE_SAMPLING = ("dbsn", "fbn", "vogn_fbn")
 VOGN_METHODS = ("vogn", "vogn_fbn")
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def data_choices() -> list[str]:
@@ -51,7 +51,7 @@ def data_choices() -> list[str]:
 
     from dbsn.data import ImageClassificationDataModule
 
-    return sorted(path.stem for path in (CONF / "data").glob("*.yaml")
+    return sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")
                   if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule))
 
 
@@ -119,13 +119,13 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     from dbsn.runtime.run import train
 
     shared = [*shared_overrides(data, batch_size, subset), *(extra or [])]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         data_cfg = compose("train", overrides=[f"model={methods[0]}", *shared]).data
     num_train, steps_per_epoch = epoch_size(data_cfg)
     results = {}
     for method in methods:
         run_dir = Path(output_dir) / method
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[
                 *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size),
                 *shared, f"paths.output_dir={run_dir}", "task_name=compare"])

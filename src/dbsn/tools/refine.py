@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn.runtime.checkpoint import CONFIG_KEY, CheckpointError, load_checkpoint
+from dbsn.runtime.layout import CONF_DIR
 
 
 def sample_discrete_structures(theta: torch.Tensor, beta: float, n: int, seed: int) -> torch.Tensor:
@@ -53,8 +54,7 @@ def structures_from_checkpoint(path, n: int, seed: int) -> tuple[torch.Tensor, d
 def _compose(overrides: list[str], output_dir: Path):
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=[*overrides, f"paths.output_dir={output_dir}"])
 
 
@@ -110,8 +110,7 @@ def refine(dbsn_ckpt, members: int = 10, seed: int = 0, output_dir: Path | None 
 def _compose_evaluate(overrides: list[str], output_dir: Path):
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="evaluate", overrides=[*overrides, f"paths.output_dir={output_dir}"])
 
 
