@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,11 +156,18 @@ def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, t
     assert facts["restarts"] >= 1  # SLURM_RESTART_COUNT of the run that finished
     log = Path(facts["stdout"]).read_text()
     before, resumed_part = log.split(f"Resuming from this run's own checkpoint {requeued / 'checkpoints' / 'last.ckpt'}")
+    # progress lines count epochs from 1; the checkpoint's "epoch" from 0
+    first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
+    last_epoch_before = max(int(line.split("/", 1)[0].removeprefix("epoch ")) for line in before.splitlines()
+                            if line.startswith("epoch "))
     if stop == "preemption signal":
         assert "Preemption signal SIGUSR2: requeueing after this epoch's checkpoint" in before
         # the epoch in progress at the signal was finished and saved before the job stopped
-        first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
         assert first_resumed_epoch >= epoch_at_stop + 3, (epoch_at_stop, first_resumed_epoch)
+    else:
+        # continued, not restarted: the first epoch after the requeue follows the checkpointed
+        # one (a run from scratch ends bit-identical too, so the final state alone cannot tell)
+        assert epoch_at_stop + 2 <= first_resumed_epoch <= last_epoch_before + 1, (epoch_at_stop, first_resumed_epoch)
     through = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")
     resumed = load_checkpoint(requeued / "checkpoints" / "last.ckpt")
     assert through["epoch"] == resumed["epoch"] == epochs - 1 and through["global_step"] == resumed["global_step"]
@@ -179,3 +187,49 @@ def test_a_launcher_request_that_contradicts_the_trainer_is_refused_before_submi
     assert "Traceback" not in done.stderr  # the user's mistake, said plainly
     queue = subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout
     assert not queue.strip() and not (sweep / ".submitit").exists()
+
+
+def test_a_request_no_node_can_satisfy_is_refused_with_the_numbers_and_the_fix(cluster, tmp_path):
+    """The launcher's defaults (8 CPUs per task, 32 GB) on this cluster's 2-CPU, 4000 MB nodes
+    would pend forever: refused before submission, with what the nodes have and the overrides
+    that fit."""
+    sweep = tmp_path / "sweep"
+    done = _run(cluster, _train("-m", *[o for o in LAUNCHER if "cpus_per_task" not in o and "mem_gb" not in o],
+                                *TINY_RUN, f"hydra.sweep.dir={sweep}"), timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: ") and "would pend forever" in line and "Traceback" not in done.stderr
+    assert "8 CPUs" in line and "32768 MB" in line and f"largest: {cluster.cpus} CPUs, 4000 MB" in line, line
+    assert f"hydra.launcher.cpus_per_task={cluster.cpus}" in line and "hydra.launcher.mem_gb=3" in line, line
+    assert "Nothing was submitted" in line
+    assert not subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_job_pending_for_a_reason_that_never_clears_is_reported_while_waiting(cluster, tmp_path):
+    """With the check off, the same request is submitted and pends; the waiting sweep says so,
+    with the reason and what to do, instead of waiting without a word. The test then cancels it."""
+    sweep = tmp_path / "sweep"
+    command = _train("-m", *[o for o in LAUNCHER if "cpus_per_task" not in o], "hydra.launcher.cpus_per_task=8",
+                     "hydra.launcher.check_partition=false", "hydra.launcher.poll_s=1", *TINY_RUN,
+                     f"hydra.sweep.dir={sweep}")
+    env = {**cluster.env, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    sweeping = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, rest = [], ""
+    watchdog = threading.Timer(180, sweeping.kill)  # a sweep that never says it stays stuck here otherwise
+    watchdog.start()
+    try:
+        for line in sweeping.stdout:
+            lines.append(line)
+            if " is pending (" in line:
+                break
+        subprocess.run(["scancel", "-u", os.environ.get("USER", "root")], env=cluster.env, capture_output=True)
+        rest, _ = sweeping.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        if sweeping.poll() is None:
+            sweeping.kill()
+    output = "".join(lines) + (rest or "")
+    assert "Submitted 1 SLURM job(s)" in output, output
+    pending = next(line for line in output.splitlines() if " is pending (" in line)
+    assert "will not start" in pending and "scancel" in pending, pending
+    assert sweeping.returncode != 0 and "0 of 1 jobs finished" in output, output

@@ -111,6 +111,154 @@ def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict
     return requests[0]
 
 
+# ---------------------------------------------------------------------- what the partition offers
+#: why a pending job will never start, by squeue's reason code
+NEVER_CLEARS = {
+    "PartitionConfig": "its request exceeds what the partition allows or its nodes have",
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
+    "PartitionTimeLimit": "its time limit exceeds the partition's",
+    "BadConstraints": "no node has the requested features",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "QOSMaxCpuPerJobLimit": "it asks for more CPUs than its QOS allows",
+    "QOSMaxGRESPerJob": "it asks for more GPUs than its QOS allows",
+    "QOSMaxMemoryPerJob": "it asks for more memory than its QOS allows",
+    "QOSMaxWallDurationPerJobLimit": "its time limit exceeds its QOS's",
+}
+
+
+def _command(*args: str) -> str | None:
+    """A SLURM command's stdout, or None where it cannot run."""
+    import subprocess
+
+    try:
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _gpu_count(gres: str) -> int:
+    """GPUs in a gres string like 'gpu:a100:4(S:0-1),gpu:2' (0 for '(null)')."""
+    return sum(int(m.group(1)) for m in re.finditer(r"gpu(?::[\w-]+)?:(\d+)", gres or ""))
+
+
+def partition_nodes(partition: str | None) -> tuple[str, list[dict[str, Any]], dict[str, str]] | None:
+    """(partition, its nodes' CPUs / memory (MB) / GPUs / features, its limits) from sinfo and
+    scontrol; None where SLURM does not answer."""
+    if partition is None:
+        listing = _command("sinfo", "-h", "-o", "%P")
+        defaults = [p.strip().rstrip("*") for p in (listing or "").split() if p.strip().endswith("*")]
+        if not defaults:
+            return None
+        partition = defaults[0]
+    rows = _command("sinfo", "-h", "-N", "-p", partition, "-o", "%N|%c|%m|%G|%f")
+    if not rows:
+        return None
+    nodes = {}
+    for row in rows.splitlines():
+        name, cpus, memory, gres, features = (row.split("|") + [""] * 5)[:5]
+        if not cpus.strip().isdigit():
+            continue
+        nodes[name.strip()] = {"name": name.strip(), "cpus": int(cpus), "memory_mb": int(re.sub(r"\D", "", memory) or 0),
+                               "gpus": _gpu_count(gres), "features": set(features.strip().split(","))}
+    described = _command("scontrol", "show", "partition", partition, "-o") or ""
+    limits = dict(item.split("=", 1) for item in described.split() if "=" in item)
+    return partition, list(nodes.values()), limits
+
+
+def _minutes(limit: str) -> float | None:
+    """A SLURM time limit ([days-]hours:minutes:seconds, or minutes) in minutes; None for INFINITE."""
+    if not limit or limit.upper() in ("INFINITE", "UNLIMITED"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if len(parts) == 1:
+        return float(parts[0]) + 1440 * int(days or 0)
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return 1440 * int(days or 0) + 60 * parts[0] + parts[1] + parts[2] / 60
+
+
+def check_partition(params: dict[str, Any]) -> None:
+    """Refuse a request that no node of the partition can satisfy (it would pend forever,
+    `PENDING (PartitionConfig)`), naming what is asked, what the nodes have, and the overrides
+    that fit. Nothing is checked where sinfo does not answer (say, a login node without it)."""
+    found = partition_nodes(params.get("partition"))
+    if found is None:
+        print("Note: sinfo did not answer; the SLURM request was not checked against the partition.", flush=True)
+        return
+    partition, nodes, limits = found
+    tasks = int(params.get("tasks_per_node") or 1)
+    gpus = int(params.get("gpus_per_node") or 0) or _gpu_count(str(params.get("gres") or ""))
+    if params.get("cpus_per_task"):
+        cpus = tasks * int(params["cpus_per_task"])
+    elif params.get("cpus_per_gpu") and gpus:
+        cpus = gpus * int(params["cpus_per_gpu"])
+    else:
+        cpus = tasks
+    if params.get("mem_gb") is not None:
+        memory = int(float(params["mem_gb"]) * 1024)
+    elif params.get("mem_per_cpu") is not None:
+        memory = int(float(re.sub(r"[^\d.]", "", str(params["mem_per_cpu"])) or 0)) * cpus
+    else:
+        memory = 0
+    wanted = int(params.get("nodes") or 1)
+    constraint = params.get("constraint")
+    usable = [n for n in nodes if not constraint or constraint in n["features"]]
+    fitting = [n for n in usable if n["cpus"] >= cpus and n["memory_mb"] >= memory and n["gpus"] >= gpus]
+    problems = []
+    if len(fitting) < wanted:
+        biggest = max(usable or nodes, key=lambda n: (n["gpus"] >= gpus, n["cpus"], n["memory_mb"]))
+        fixes = []
+        if cpus > biggest["cpus"] and params.get("cpus_per_task"):
+            fixes.append(f"hydra.launcher.cpus_per_task={max(biggest['cpus'] // tasks, 1)}")
+        if memory > biggest["memory_mb"]:
+            fixes.append(f"hydra.launcher.mem_gb={max(biggest['memory_mb'] // 1024, 1) if biggest['memory_mb'] >= 1024 else 'null'}")
+        if gpus > biggest["gpus"]:
+            fixes.append(f"trainer.devices={biggest['gpus']}" if biggest["gpus"] else "another partition (hydra.launcher.partition=...) with GPUs")
+        if len(usable) < wanted:
+            fixes.append(f"trainer.num_nodes={len(usable)}")
+        problems.append(
+            f"each job asks for {wanted} node(s) with {cpus} CPUs ({tasks} task(s) x {cpus // max(tasks, 1)}), "
+            f"{memory} MB of memory and {gpus} GPU(s) each, but {'only ' + str(len(fitting)) if fitting else 'none'} of "
+            f"the {len(usable)} node(s) of partition '{partition}'{' with feature ' + constraint if constraint else ''} "
+            f"can give that (the largest: {biggest['cpus']} CPUs, {biggest['memory_mb']} MB, {biggest['gpus']} GPUs)."
+            + (f" Fits with: {' '.join(fixes)}." if fixes else ""))
+    max_minutes = _minutes(limits.get("MaxTime", ""))
+    if max_minutes is not None and float(params.get("timeout_min") or 0) > max_minutes:
+        problems.append(f"hydra.launcher.timeout_min={params.get('timeout_min')} exceeds partition '{partition}''s "
+                        f"MaxTime of {limits['MaxTime']}. Fits with: hydra.launcher.timeout_min={int(max_minutes)}.")
+    if problems:
+        raise ConfigError("The SLURM request would pend forever: " + " ".join(problems) + " Nothing was submitted.")
+
+
+def pending_reasons(job_ids: Sequence[str]) -> dict[str, str]:
+    """squeue's reason for every pending job of `job_ids` ({} where squeue does not answer)."""
+    listing = _command("squeue", "-h", "-t", "PENDING", "-r", "-o", "%i|%r", "-j", ",".join(sorted(
+        {job_id.split("_")[0] for job_id in job_ids}))) or ""
+    reasons = {}
+    for line in listing.splitlines():
+        job_id, _, reason = line.partition("|")
+        if job_id.strip() in job_ids:
+            reasons[job_id.strip()] = reason.strip()
+    return reasons
+
+
+def wait_for(jobs: list, poll_s: float = 30.0, say: Callable[[str], None] = print) -> None:
+    """Wait until every job has ended; say once about each job pending for a reason that will
+    never clear (it would otherwise hold the sweep forever without a word)."""
+    said: set[tuple[str, str]] = set()
+    while not all(job.done() for job in jobs):
+        for job_id, reason in pending_reasons([job.job_id for job in jobs]).items():
+            code = reason.strip("()").split(",")[0]
+            if code in NEVER_CLEARS and (job_id, code) not in said:
+                said.add((job_id, code))
+                say(f"Job {job_id} is pending ({code}): {NEVER_CLEARS[code]}; it will not start. Cancel it "
+                    f"(scancel {job_id.split('_')[0]}) and submit with a request that fits (`sinfo -N -l` shows the nodes).")
+        time.sleep(poll_s)
+
+
 # ---------------------------------------------------------------------- submission
 def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     """The body of the `slurm` launcher's `launch` (see the module docstring)."""
@@ -137,6 +285,9 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         params.update(check_sweep(configs, params))
     finally:
         HydraConfig.instance().cfg = hydra_config
+    poll_s = float(params.pop("poll_s", None) or 30.0)
+    if params.pop("check_partition", True):
+        check_partition(params)
 
     executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
                                      slurm_max_num_timeout=params.pop("max_num_timeout"))
@@ -153,6 +304,7 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     print(f"Submitted {len(jobs)} SLURM job(s) ({jobs[0].job_id.split('_')[0]}, array of {len(jobs)}); "
           f"sweep folder {sweep_dir}; SLURM logs in {executor.folder}", flush=True)
 
+    wait_for(jobs, poll_s, lambda line: print(line, flush=True))
     results, failures = [], []
     for job, overrides, run_dir in zip(jobs, job_overrides, run_dirs):
         try:
