@@ -4,8 +4,10 @@ All three must leave the same weights, θ and BatchNorm running statistics."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -202,26 +204,64 @@ def test_structure_parallel_refuses_t_not_divisible_by_devices(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("train_samples, chunk, steps", [(2, "null", 1), (2, "null", 2), (4, "1", 2)])
-def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_samples, chunk, steps):
-    """python train.py ... trainer.devices=2 (structure-parallel: T / 2 structures per rank,
-    and with T = 4 one structure after the other on each rank) against the grouped step on one
-    device: two steps on the same batches with the same structures leave the same weights, θ and
-    running statistics."""
+def _ddp_runs(tmp_path, train_samples: int, chunk: str, steps: int, wrong_kl: bool = False) -> dict:
+    """One device and two structure-parallel ranks (`train.py trainer.devices=...` in a
+    subprocess): each run's final state and the gradients of its first step, with θ spread about 1
+    and N = 10 (the KL and its gradient weigh in)."""
     common = ["data=digits", *TINY, f"model.train_samples={train_samples}", "model.parallel=structure",
               "data.batch_size=16", "trainer.max_epochs=1", f"trainer.limit_train_batches={steps}", "test=false",
-              "callbacks.structure_posterior=null"]
-    states = {}
+              "callbacks.structure_posterior=null", "model.theta_init_std=1.0", "model.dataset_size=10",
+              "model.optim.grad_clip_norm=null"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    runs = {}
     for devices in (1, 2):
         run_dir = tmp_path / f"devices{devices}"
         extra = ["trainer.strategy=ddp", f"model.train_samples_per_forward={chunk}"] if devices > 1 else []
+        if wrong_kl and devices > 1:
+            extra.append("+callbacks.wrong._target_=grad_probe.KLOnEveryRank")
         result = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *common, f"trainer.devices={devices}", *extra,
-             f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+             "+callbacks.grads._target_=grad_probe.SaveFirstGradients", f"+callbacks.grads.folder={run_dir / 'grads'}",
+             f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        states[devices] = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    assert int(states[2]["examples_seen"]) == steps * 16  # a shared batch counts once
+        runs[devices] = {"state": load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"],
+                         "grads": {int(p.stem[4:]): torch.load(p) for p in (run_dir / "grads").glob("rank*.pt")}}
+    return runs
+
+
+def _assert_same_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 2e-6) -> None:
+    assert a.keys() == b.keys() and "structure.theta" in a and len(a) > 20
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=atol, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train_samples, chunk, steps", [(2, "null", 1), (4, "1", 2)])
+def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_samples, chunk, steps):
+    """python train.py ... trainer.devices=2 (structure-parallel: T / 2 structures per rank,
+    and with T = 4 one structure after the other on each rank) against the grouped step on one
+    device: the first step's gradients (weights and θ, after the all-reduce) are the one
+    device's on both ranks, and the steps leave the same weights, θ and running statistics."""
+    runs = _ddp_runs(tmp_path, train_samples, chunk, steps)
+    single, ranks = runs[1]["grads"][0], runs[2]["grads"]
+    assert sorted(ranks) == [0, 1]
+    assert single["structure.theta"].abs().max() > 1e-3
+    for rank in (0, 1):
+        _assert_same_gradients(single, ranks[rank])
+    assert int(runs[2]["state"]["examples_seen"]) == steps * 16  # a shared batch counts once
     # float32 round-off of the all-reduce's summation order: a few 1e-6 after two steps at lr 0.1
     # (data-parallel ranks, or a wrong share of the structures, differ by ~1e-2)
-    _assert_same_state(states[2], states[1], atol=2e-5)
+    _assert_same_state(runs[2]["state"], runs[1]["state"], atol=2e-5)
+
+
+@pytest.mark.slow
+def test_the_rank_comparison_sees_a_kl_counted_on_every_rank(tmp_path):
+    """Guards the test above: ranks that each count the KL world-size times give another θ
+    gradient (the weight gradients, which the KL does not touch, stay equal)."""
+    runs = _ddp_runs(tmp_path, 2, "null", 1, wrong_kl=True)
+    single, rank0 = runs[1]["grads"][0], runs[2]["grads"][0]
+    with pytest.raises(AssertionError, match="structure.theta"):
+        _assert_same_gradients(single, rank0)
+    weights = [k for k in single if k != "structure.theta"]
+    for key in weights:
+        torch.testing.assert_close(rank0[key], single[key], rtol=1e-4, atol=2e-6, msg=key)
