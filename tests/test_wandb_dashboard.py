@@ -1,5 +1,5 @@
 """W&B end to end, offline: a digits sweep through train.py -m with logger=wandb, its evaluation
-through evaluate.py (two OOD sets, attacks) and a CamVid training, read back from the runs' own
+through evaluate.py (two OOD sets as near and far, a generated shift set, attacks) and a CamVid training, read back from the runs' own
 record files (`wandb_records`); then the dashboard's specification is checked against what those
 runs logged: a panel that names a metric no run logs fails here."""
 
@@ -47,8 +47,10 @@ def logged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb")
     sweep = tmp / "sweep"
     _run([str(ROOT / "train.py"), "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}"], cwd=tmp)
-    _run([str(ROOT / "evaluate.py"), f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial]",
+    _run([str(ROOT / "evaluate.py"), f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift]",
           f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
+          "ood_groups={near:[photos],far:[noise]}", f"shift.root={tmp / 'digits-C'}", "shift.generate=true",
+          "shift.corruptions=[contrast]",
           "adversarial.epsilons=[0.0,0.05]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
           "adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
     # a deep ensemble of finished runs (point-structure members: map_fixed; one run twice keeps it short)
@@ -113,6 +115,34 @@ def test_figures_go_in_as_tables_too(logged):
     assert [row["ablation/n_samples"] for row in history(path) if "ablation/error" in row] == [1, 2, 3, 4]
     per_class = table(logged["camvid"], "test/per_class_iou")
     assert per_class["columns"] == ["class", "iou"] and len(per_class["data"]) == 11
+
+
+def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
+    """Equal-mass / classwise ECE and selective prediction from the training run's test pass,
+    near / far OOD means and dataset shift from the evaluation: W&B's summaries equal the run's
+    own metrics files, and the risk-coverage and shift tables are there with their columns."""
+    for run_dir, train_path, path in zip(logged["runs"], logged["train"], logged["evaluate"]):
+        metrics = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+        stored = summary(train_path)
+        for key in ("test/adaptive_ece", "test/classwise_ece", "selective/max_probability/aurc",
+                    "selective/mutual_information/eaurc", "selective/predictive_entropy/risk@80"):
+            assert stored[key] == {"min": pytest.approx(metrics[key], rel=1e-6)}, key
+        curve = table(train_path, "selective/risk_coverage_curve")
+        assert curve["columns"] == ["score", "coverage", "risk"]
+        assert {row[0] for row in curve["data"]} >= {"max_probability", "mutual_information"}
+        assert all(0.0 < row[1] <= 1.0 and 0.0 <= row[2] <= 1.0 for row in curve["data"])
+        stored = summary(path)
+        groups = json.loads((run_dir / "evaluation" / "ood" / "groups.json").read_text())
+        assert groups["groups"] == {"near": ["photos"], "far": ["noise"]}
+        for key in ("ood/near/entropy/auroc", "ood/far/mutual_information/auroc"):
+            assert stored[key] == {"max": pytest.approx(groups["metrics"][key], rel=1e-6)}, key
+        shift = json.loads((run_dir / "evaluation" / "shift" / "metrics.json").read_text())
+        assert shift["generated"] and stored["shift/generated"] == 1.0
+        for key in ("shift/mean/error", "shift/mean/3/ece", "shift/contrast/5/nll"):
+            assert stored[key] == {"min": pytest.approx(shift["metrics"][key], rel=1e-6)}, key
+        rows = table(path, "shift/table")
+        assert rows["columns"] == ["corruption", "severity", "error", "nll", "brier", "ece"]
+        assert [(r[0], r[1]) for r in rows["data"]] == [("contrast", s) for s in (1, 2, 3, 4, 5)]
 
 
 def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsilon(logged):
@@ -187,8 +217,8 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
                          capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
     assert dry.returncode == 0, dry.stderr
     spec = json.loads(dry.stdout)
-    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Accuracy", "OOD", "Adversarial", "Segmentation",
-                                                     "Structure posterior"]
+    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Accuracy", "Selective prediction", "OOD",
+                                                     "Dataset shift", "Adversarial", "Segmentation", "Structure posterior"]
     dashboard = sections(OOD_SETS)
     assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
     logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"]]),
@@ -214,3 +244,56 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         text = json.dumps(stored)
         names = [summary_key(m) for m in panel.metrics] if panel.kind == "bar" else list(panel.metrics)
         assert all(json.dumps(name) in text for name in names), (panel.title, text[:400])
+    assert_stored_axes(panels, specs, logged_by_job, _step_metrics([*logged["train"], logged["camvid"], *logged["evaluate"]]))
+
+
+def _step_metrics(paths: list[Path]) -> dict[str, str]:
+    """metric -> the step metric its runs defined for it (W&B's x axis for it)."""
+    steps = {}
+    for path in paths:
+        steps.update({name: d.step_metric for name, d in metric_definitions(path).items() if d.step_metric})
+    return steps
+
+
+def assert_stored_axes(panels, specs, logged_by_job, step_metrics) -> None:
+    """What the saved W&B panels plot against: a line panel's stored x axis is the panel's x, which
+    is the step metric its runs defined for every metric it draws; a table chart's stored Vega
+    preset and field mapping are the panel's, and name columns the logged table has."""
+    columns = set().union(*(found["column"] for found in logged_by_job.values()))
+    for panel, stored in zip(panels, specs):
+        config = stored["config"]
+        if panel.kind == "line":
+            assert config["xAxis"] == panel.x and config["metrics"] == list(panel.metrics), (panel.title, config)
+            for metric in panel.metrics:
+                assert step_metrics.get(metric, panel.x) == panel.x, (panel.title, metric, step_metrics.get(metric))
+        elif panel.kind == "table":
+            fields = panel.fields()
+            assert config["panelDefId"] == panel.chart and config["fieldSettings"] == fields, (panel.title, config)
+            table_keys = [arg["value"] for field_ in config["userQuery"]["queryFields"][0]["fields"]
+                          for arg in field_.get("args", []) if arg.get("name") == "tableKey"]
+            assert table_keys == [panel.metrics[0]], (panel.title, table_keys)
+            assert {f"{panel.metrics[0]}:{c}" for c in fields.values()} <= columns, (panel.title, fields)
+
+
+def test_the_stored_axes_check_sees_a_wrong_x_axis_and_swapped_fields():
+    """Guards the check above: a line panel stored against the global step instead of the epoch,
+    and a table chart whose x and y fields are swapped, both fail it."""
+    from dataclasses import replace
+
+    line = Panel("line", "Validation ECE per epoch", ("val/ece",), x="epoch")
+    chart = Panel("table", "Reliability", ("test/reliability_bins",), x="confidence", y="accuracy", chart="wandb/line/v0")
+    logged = {"train": {"column": {"test/reliability_bins:confidence", "test/reliability_bins:accuracy"}}}
+    steps = {"val/ece": "epoch"}
+    good = [{"config": {"xAxis": "epoch", "metrics": ["val/ece"]}},
+            {"config": {"panelDefId": "wandb/line/v0", "fieldSettings": {"x": "confidence", "y": "accuracy"},
+                        "userQuery": {"queryFields": [{"fields": [{"args": [{"name": "tableKey",
+                                                                              "value": "test/reliability_bins"}]}]}]}}}]
+    assert_stored_axes([line, chart], good, logged, steps) is None
+    with pytest.raises(AssertionError):
+        assert_stored_axes([replace(line, x="_step")], [{"config": {"xAxis": "_step", "metrics": ["val/ece"]}}], logged, steps)
+    swapped = {"config": {**good[1]["config"], "fieldSettings": {"x": "accuracy", "y": "confidence"}}}
+    with pytest.raises(AssertionError):
+        assert_stored_axes([chart], [swapped], logged, steps)
+    with pytest.raises(AssertionError):  # a field the table does not have
+        assert_stored_axes([replace(chart, y="acc")], [{"config": {**good[1]["config"], "fieldSettings": {
+            "x": "confidence", "y": "acc"}}}], logged, steps)

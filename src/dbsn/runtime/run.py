@@ -267,7 +267,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         return {}
     attach_sample_ablation(model)
     trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = {**_test_metrics(trainer), **prediction_quality(model)}
+    quality = prediction_quality(model)  # not logged by the test pass itself
+    log_to_wandb(loggers, quality)
+    metrics = {**_test_metrics(trainer), **quality}
     write_test_report(
         model, metrics, output_dir, _title(type(model).__name__, plain["data"], model.n_samples), loggers,
         structure=False, datamodule=datamodule,
@@ -467,7 +469,9 @@ def _run_evaluations(cfg: DictConfig, model: ClassificationMethod, datamodule, o
     trainer = build_trainer(cfg.trainer, out, callbacks=_instantiate_group(cfg.get("callbacks")), loggers=loggers)
     attach_sample_ablation(model, (cfg.get("ablation") or {}).get("sizes"))
     trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = {**_test_metrics(trainer), **prediction_quality(model)}
+    quality = prediction_quality(model)  # not logged by the test pass itself
+    log_to_wandb(loggers, quality)
+    metrics = {**_test_metrics(trainer), **quality}
     write_test_report(model, metrics, out, title, loggers, datamodule=datamodule, extra={**facts, **model.run_facts()})
     if facts.get("posthoc") and (out.parent / CONFIG_FILE).is_file():
         shutil.copyfile(out / "metrics.json", out.parent / "metrics.json")  # the post-hoc method's own run record

@@ -1,7 +1,8 @@
 """The W&B dashboard as code: `python -m dbsn.tools.dashboard --entity E --project P [--group G] [--dry-run]`.
 
 Builds a W&B report (with `wandb-workspaces`, W&B's own API for reports and workspaces) with the
-sections Calibration, Accuracy, OOD, Adversarial, Segmentation and Structure posterior. Every
+sections Calibration, Accuracy, Selective prediction, OOD, Dataset shift, Adversarial, Segmentation
+and Structure posterior. Every
 panel points at names our runs log (`dbsn.evaluation.tracking`); runs are grouped by `config.method`, so a
 bar or curve is a method's mean over seeds with its standard deviation as the band. Sections
 about training read the `train` runs, OOD and attacks the `evaluate` runs (`evaluate.py
@@ -24,7 +25,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from dbsn.data.shift import SEVERITIES
 from dbsn.evaluation.ood import OOD_SCORES
+from dbsn.evaluation.runner import SELECTIVE_SCORES
+from dbsn.evaluation.shift import SHIFT_METRICS
 from dbsn.evaluation.tracking import EPOCH, summary_key
 
 PanelKind = Literal["bar", "line", "table", "images"]
@@ -37,7 +41,8 @@ DEFAULT_OOD_SETS = ("svhn",)  # the paper's OOD set for CIFAR models; digits: ph
 class Panel:
     """One panel. `metrics`: what it plots (history keys for bar and line panels, the table's
     key for a table panel, image keys for an image panel); `x`: the x-axis metric of a line
-    panel or the x column of a table panel; `y`: the y column of a table panel."""
+    panel or the x column of a table panel; `y`: the y column of a table panel; `series`: the
+    column that splits a table line chart into one line per value (W&B's `stroke`)."""
 
     kind: PanelKind
     title: str
@@ -45,12 +50,19 @@ class Panel:
     x: str | None = None
     y: str | None = None
     chart: str | None = None  # table panels: the W&B Vega preset
+    series: str | None = None
+
+    def fields(self) -> dict[str, str]:
+        """A table panel's Vega field mapping (preset field -> table column)."""
+        if self.chart == "wandb/bar/v0":
+            return {"label": self.x, "value": self.y}
+        return {"x": self.x, "y": self.y, **({"stroke": self.series} if self.series else {})}
 
     def reads(self) -> list[tuple[str, str]]:
         """(key, what) pairs a run must log for this panel to show something: what is 'scalar',
         'table' or 'image'; a table's columns as ('<table>:<column>', 'column')."""
         if self.kind == "table":
-            return [(self.metrics[0], "table"), *((f"{self.metrics[0]}:{c}", "column") for c in (self.x, self.y))]
+            return [(self.metrics[0], "table"), *((f"{self.metrics[0]}:{c}", "column") for c in self.fields().values())]
         if self.kind == "images":
             return [(m, "image") for m in self.metrics]
         return [(m, "scalar") for m in (*((self.x,) if self.x else ()), *self.metrics)]
@@ -83,10 +95,19 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                   x="entropy", y="cdf", chart="wandb/line/v0"),
             Panel("images", f"Entropy CDFs, in-distribution vs {name}", (f"ood/{name}/entropy_cdf",)),
         ]
+    groups = [
+        _bar(f"AUROC, {group}-OOD mean (↑)", *(f"ood/{group}/{score}/auroc" for score in OOD_SCORES))
+        for group in ("near", "far")
+    ] + [
+        _bar(f"FPR at 95 % TPR, {group}-OOD mean (↓)", *(f"ood/{group}/{score}/fpr95" for score in OOD_SCORES))
+        for group in ("near", "far")
+    ]
     return [
         Section("Calibration", "train", "Test-set calibration of the Bayes ensemble (S members), per method: mean ± std "
                 "over seeds. Reliability bins overlay runs; the PNG diagrams are below.", (
                     _bar("ECE, 15 bins (↓)", "test/ece"),
+                    _bar("Equal-mass ECE, 15 bins (↓)", "test/adaptive_ece"),
+                    _bar("Classwise ECE, 15 bins (↓)", "test/classwise_ece"),
                     _bar("Test NLL, nats (↓)", "test/nll"),
                     _bar("Brier score (↓)", "test/brier"),
                     Panel("table", "Reliability: accuracy against confidence (10 bins)", ("test/reliability_bins",),
@@ -106,9 +127,32 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                     Panel("line", "Test NLL against the number of MC samples S", ("ablation/nll",),
                           x="ablation/n_samples"),
                 )),
+        Section("Selective prediction", "train", "Rejecting the least certain test predictions first, by each "
+                "uncertainty score: area under the risk–coverage curve (AURC), its excess over the oracle's (E-AURC), "
+                "the area under the generalised risk–coverage curve (AUGRC) and the error at 80 % coverage.", (
+                    _bar("AURC (↓)", *(f"selective/{score}/aurc" for score in SELECTIVE_SCORES)),
+                    _bar("Excess AURC (↓)", *(f"selective/{score}/eaurc" for score in SELECTIVE_SCORES)),
+                    _bar("AUGRC (↓)", *(f"selective/{score}/augrc" for score in SELECTIVE_SCORES)),
+                    _bar("Risk at 80 % coverage (↓)", *(f"selective/{score}/risk@80" for score in SELECTIVE_SCORES)),
+                    Panel("table", "Risk against coverage, one line per score", ("selective/risk_coverage_curve",),
+                          x="coverage", y="risk", chart="wandb/line/v0", series="score"),
+                    Panel("images", "Risk–coverage curves", ("selective/risk_coverage",)),
+                )),
         Section("OOD", "evaluate", "Out-of-distribution detection (evaluate.py evaluations=[ood] ood=[...]): OOD "
-                "is the positive class; scores are predictive entropy, mutual information and 1 − max probability.",
-                tuple(ood)),
+                "is the positive class; scores are predictive entropy, mutual information and 1 − max probability. "
+                "Near / far: the means over each group's sets (OpenOOD's for CIFAR, `ood_groups=` otherwise).",
+                tuple(groups + ood)),
+        Section("Dataset shift", "evaluate", "Corrupted test sets (evaluate.py evaluations=[shift]; CIFAR-10-C / "
+                "-100-C, or generated ones, which the run's `shift/generated` flags): means over the corruptions, "
+                "overall and per severity, and Ovadia et al.'s box plots.", (
+                    *(_bar(f"Mean {metric} over corruptions and severities (↓)", f"shift/mean/{metric}")
+                      for metric in SHIFT_METRICS),
+                    *(_bar(f"Mean {metric} per severity {SEVERITIES[0]}–{SEVERITIES[-1]} (↓)",
+                           *(f"shift/mean/{severity}/{metric}" for severity in SEVERITIES)) for metric in ("error", "ece")),
+                    Panel("table", "Every corruption and severity: ECE against error", ("shift/table",),
+                          x="error", y="ece", chart="wandb/scatter/v0"),
+                    Panel("images", "Box plots over corruptions, per severity", ("shift/boxplots",)),
+                )),
         Section("Adversarial", "evaluate", "FGSM and BIM against the posterior predictive (evaluate.py "
                 "evaluations=[adversarial]), evaluated by members other than the attacked ones; ε in [0, 1] pixels.", (
                     Panel("line", "Accuracy against ε", tuple(f"adversarial/{a}/accuracy" for a in ATTACKS),
@@ -153,8 +197,8 @@ def _wandb_panel(panel: Panel):
     if panel.kind == "line":
         return wr.LinePlot(title=panel.title, x=panel.x, y=list(panel.metrics), **band)
     if panel.kind == "table":
-        fields = {"label": panel.x, "value": panel.y} if panel.chart == "wandb/bar/v0" else {"x": panel.x, "y": panel.y}
-        chart = wr.CustomChart.from_table(panel.metrics[0], chart_fields=fields, chart_strings={"title": panel.title})
+        chart = wr.CustomChart.from_table(panel.metrics[0], chart_fields=panel.fields(),
+                                          chart_strings={"title": panel.title})
         chart.chart_name = panel.chart
         return chart
     return wr.MediaBrowser(title=panel.title, media_keys=list(panel.metrics), num_columns=3)
@@ -176,8 +220,8 @@ def build_report(entity: str, project: str, group: str | None = None,
         blocks += [wr.H2(section.name), wr.P(section.note),
                    wr.PanelGrid(runsets=[runset], panels=[_wandb_panel(p) for p in section.panels])]
     return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
-                     description="Calibration, accuracy, OOD detection, adversarial robustness, segmentation and "
-                                 "the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
+                     description="Calibration, accuracy, selective prediction, near / far OOD detection, dataset "
+                                 "shift, adversarial robustness, segmentation and the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
 
 
 def runsets(report) -> list:
