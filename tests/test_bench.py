@@ -1,4 +1,4 @@
-"""The benchmark's segmentation cases run and report what the README quotes."""
+"""The benchmark's segmentation cases (`python -m dbsn.tools.bench`, docs/performance.md) run and report every case."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from configs import compose_config
 from lightning.pytorch.callbacks import RichProgressBar
 from omegaconf import OmegaConf
 
-from dbsn.runtime.cluster import (PreemptionRequeue, check_sweep, error_line, install_preemption_handler,
+from dbsn.runtime.cluster import (PreemptionRequeue, _has_features, _minutes, check_sweep, error_line, install_preemption_handler,
                                   job_overrides_with_resume, slurm_request)
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.progress import LineProgress
@@ -64,6 +64,18 @@ def test_the_sweep_is_checked_job_by_job_before_submission(tmp_path):
     two = compose_config("train", ["experiment=quick", "trainer.devices=2"], tmp_path)
     with pytest.raises(ConfigError, match="share one SLURM request.*separate sweeps"):
         check_sweep([good, two], UNSET)
+
+
+@pytest.mark.parametrize("constraint, fits", [(None, True), ("a100", True), ("v100", False), ("a100&ib", True),
+                                              ("a100&v100", False), ("v100|a100&ib", True), ("v100|h100", False),
+                                              ("[a100|v100]", True)])  # brackets: not checked, SLURM decides
+def test_a_constraint_is_matched_against_a_nodes_features(constraint, fits):
+    assert _has_features({"a100", "ib"}, constraint) is fits
+
+
+def test_slurm_time_limits_read_as_minutes():
+    assert [_minutes(t) for t in ("30", "1:30:00", "2-00:00:00", "1-12", "2-12:30", "45:30", "INFINITE")] == [
+        30.0, 90.0, 2880.0, 2160.0, 3630.0, 45.5, None]
 
 
 def test_training_jobs_resume_from_their_own_checkpoint():

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 from configs import compose_config, tiny_for
 
@@ -117,6 +118,15 @@ def test_a_post_hoc_posterior_the_run_cannot_have_is_refused(tmp_path, map_run):
         _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=swag"])
     with pytest.raises(ConfigError, match="marglik"):  # no validation split for the grid search
         _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=gridsearch"])
+    with pytest.raises(ConfigError, match="must be positive"):
+        _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=0"])
+    # one snapshot: no covariance to sample from, said before anything is predicted
+    checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = next(v for k, v in checkpoint["callbacks"].items() if "SWAG" in k)
+    state["moments"]["count"].fill_(1)
+    torch.save(checkpoint, tmp_path / "one_snapshot.ckpt")
+    with pytest.raises(ConfigError, match="at least 2 collected snapshots.*has 1: .*callbacks.swag.collect=step"):
+        _evaluate(tmp_path / "one_snapshot.ckpt", tmp_path, ["posthoc=swag"])
 
 
 def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and_swag(evaluated, tmp_path):
@@ -131,7 +141,7 @@ def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and
     for section in ("## Calibration beyond equal-width ECE", "## Selective prediction", "## Near and far OOD",
                     "## Dataset shift"):
         assert section in text, section
-    assert "NOT the published CIFAR-10-C files" in text
+    assert "NOT the published CIFAR-10-C / -100-C files" in text
     methods = {r.method for r in report.with_status("ok")}
     assert methods == {"map_fixed", "laplace", "swag"}
     selective = (tmp_path / "report" / "selective.md").read_text()

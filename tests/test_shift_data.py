@@ -329,3 +329,19 @@ def test_command_line_generates_from_the_cifar_test_set(tmp_path):
     assert torch.equal(labels, test_labels)
     assert np.array_equal(images.numpy(), shift.corrupt(test_images, "contrast", 2, np.random.default_rng()))
     assert "CIFAR-10 test set" in json.loads((out / shift.MARKER).read_text())["source"]
+
+
+def test_published_files_win_over_generate_and_keep_all_fifteen_corruptions(tmp_path):
+    """`shift.generate=true` generates only where the folder has no files; on the published files
+    the default is the 15 standard corruptions (frost included), on a generated set the 14 the
+    generator makes."""
+    from dbsn.runtime.run import shift_plan
+    from dbsn.data.shift import CORRUPTIONS, GENERATED_STANDARD
+
+    published = tmp_path / "CIFAR-10-C"
+    write_published(published)
+    assert shift_plan({"generate": True}, published) == (False, list(CORRUPTIONS))
+    assert "frost" in CORRUPTIONS and "frost" not in GENERATED_STANDARD and len(GENERATED_STANDARD) == 14
+    assert shift_plan({"generate": True}, tmp_path / "empty") == (True, list(GENERATED_STANDARD))
+    assert shift_plan({"generate": False}, tmp_path / "empty") == (False, list(CORRUPTIONS))  # then refused, naming files
+    assert shift_plan({"generate": True, "corruptions": ["fog"]}, published) == (False, ["fog"])

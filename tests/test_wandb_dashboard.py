@@ -18,7 +18,7 @@ from fakedata import write_camvid
 from wandb_records import config, history, logged_values, metric_definitions, run_record, summary, table
 
 from dbsn.tools.dashboard import Panel, Section, build_report, panel_specs, runsets, sections
-from dbsn.evaluation.tracking import summary_key, summary_of
+from dbsn.evaluation.tracking import EPOCH, summary_key, summary_of
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +55,12 @@ def logged(tmp_path_factory):
           "adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
     # a deep ensemble of finished runs (point-structure members: map_fixed; one run twice keeps it short)
     _run([str(ROOT / "train.py"), "model=map_fixed", "data=digits", "data.train_subset=256", *tiny_for("map_fixed"),
-          "trainer.max_epochs=1", "model.n_samples=1", "logger=wandb", f"hydra.run.dir={tmp / 'map'}"], cwd=tmp)
+          "trainer.max_epochs=1", "model.n_samples=1", "logger=wandb", "callbacks=swag", "callbacks.swag.start=0", "callbacks.swag.collect=step",
+          f"hydra.run.dir={tmp / 'map'}"], cwd=tmp)
     member = str(tmp / "map" / "checkpoints" / "last.ckpt")
+    # its post-hoc SWAG posterior, a method of its own
+    _run([str(ROOT / "evaluate.py"), f"ckpt_path={member}", "posthoc=swag", "n_samples=2", "logger=wandb",
+          "ablation.sizes=[]", "trainer.enable_progress_bar=false"], cwd=tmp)
     _run([str(ROOT / "evaluate.py"), f"ckpt_path=[{member},{member}]", "logger=wandb", "ablation.sizes=[]",
           "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'ensemble'}"], cwd=tmp)
     camvid = tmp / "camvid"
@@ -69,7 +73,8 @@ def logged(tmp_path_factory):
     runs = [sweep / "0", sweep / "1"]
     return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
             "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg"),
-            "ensemble": tmp / "ensemble", "map": _run_file(tmp / "map")}
+            "ensemble": tmp / "ensemble", "map": _run_file(tmp / "map"),
+            "posthoc": _run_file(tmp / "map" / "posthoc" / "swag" / "evaluation")}
 
 
 def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
@@ -143,6 +148,18 @@ def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
         rows = table(path, "shift/table")
         assert rows["columns"] == ["corruption", "severity", "error", "nll", "brier", "ece"]
         assert [(r[0], r[1]) for r in rows["data"]] == [("contrast", s) for s in (1, 2, 3, 4, 5)]
+
+
+def test_a_post_hoc_evaluation_is_a_method_of_its_own_on_wandb(logged):
+    """`evaluate.py posthoc=swag` on a map_fixed run: its W&B run is method swag (so the dashboard,
+    grouping by method, does not average it into map_fixed), linked to the training run, in its group."""
+    train, run = run_record(logged["map"]), run_record(logged["posthoc"])
+    facts = config(logged["posthoc"])
+    assert {k: facts[k] for k in ("method", "posthoc", "base_method", "job_type")} == {
+        "method": "swag", "posthoc": "swag", "base_method": "map_fixed", "job_type": "evaluate"}
+    assert facts["train_run_id"] == train.run_id and run.run_group == train.run_group
+    assert run.display_name.startswith("swag digits") and run.job_type == "evaluate"
+    assert "test/ece" in summary(logged["posthoc"]) and "selective/max_probability/aurc" in summary(logged["posthoc"])
 
 
 def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsilon(logged):
@@ -232,11 +249,20 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
     # the W&B report that is saved names the same metrics, in the same panels, and each section
     # reads the runs of its job type in the group, grouped by method
     report = build_report("lab", "dbsn", f"quick {logged['sweep'].name}", OOD_SETS)
-    for section, runset in zip(dashboard, runsets(report)):
-        leaves = expr.expr_to_filters(runset.filters).filters  # the AND of two conditions
-        assert {(f.key.name, f.op, f.value) for f in leaves} == {
-            ("jobType", "=", section.job_type), ("group", "=", f"quick {logged['sweep'].name}")}
-        assert runset.groupby == ["config.method"] and (runset.entity, runset.project) == ("lab", "dbsn")
+    group = ("group", "=", f"quick {logged['sweep'].name}")
+    for section, sets in zip(dashboard, runsets(report), strict=True):
+        assert len(sets) == (2 if section.posthoc else 1)
+        leaves = [{(f.key.name, f.op, str(f.value)) for f in expr.expr_to_filters(s.filters).filters} for s in sets]
+        assert leaves[0] == {("jobType", "=", section.job_type), group}
+        if section.posthoc:  # and the post-hoc methods' evaluate runs
+            assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['laplace', 'swag']"), group}
+        assert all(s.groupby == ["config.method"] and (s.entity, s.project) == ("lab", "dbsn") for s in sets)
+    assert [s.name for s in dashboard if s.posthoc] == ["Calibration", "Selective prediction"]
+    # what those sections read of a training run, a post-hoc evaluation logs too (not per-epoch curves)
+    posthoc_reads = _logged_reads([logged["posthoc"]])
+    for section in (s for s in dashboard if s.posthoc):
+        per_run = [p for p in section.panels if not (p.kind == "line" and p.x in (EPOCH, "ablation/n_samples"))]
+        assert missing_reads([Section(section.name, "train", "", tuple(per_run))], {"train": posthoc_reads}) == []
     specs = panel_specs(report)
     panels = [p for s in dashboard for p in s.panels]
     assert len(specs) == len(panels)

@@ -62,6 +62,7 @@ NOT_GENERATED = {
 }
 #: Corruptions that `corrupt` makes, in the published order.
 GENERATED_CORRUPTIONS = tuple(name for name in ALL_CORRUPTIONS if name not in NOT_GENERATED)
+GENERATED_STANDARD = tuple(name for name in CORRUPTIONS if name in GENERATED_CORRUPTIONS)  # the 15 less frost
 
 #: The file in a generated folder that marks it as generated (absent from the published ones).
 MARKER = "GENERATED.json"

@@ -3,7 +3,8 @@
 `evaluate.py` (through `dbsn.runtime.run.evaluate`) calls these after the test pass; each writes into
 its own sub-folder of the evaluation folder:
 
-- `ood/<set>/`, one folder per OOD set: AUROC, AUPR and FPR95 of three scores (`metrics.json`),
+- `ood/<set>/`, one folder per OOD set: AUROC, AUPR (OOD and in-distribution as positive) and
+  FPR95 of three scores (`metrics.json`),
   per-example scores of both sets (`scores.npz`), the empirical CDF of predictive entropy
   (`entropy_cdf.png`);
 - `adversarial/`: accuracy and mean entropy per attack and ε (`results.csv`, `results.json`),

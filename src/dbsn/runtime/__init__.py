@@ -3,7 +3,9 @@
 - `run`: the bodies of `train.py` and `evaluate.py` (build, fit, test, report);
 - `config`: checks of a composed config (unknown keys, wrong types, launcher mismatches);
 - `checkpoint`: atomic checkpoints, the run config and random state inside them, clear errors;
-- `ddp`, `rank`: single-node DDP whose extra ranks start from the run's saved config;
+- `ddp`, `child`: single-node DDP whose extra ranks start from the run's saved config
+  (`ddp` launches them; each runs `python -m dbsn.runtime.child`);
+- `rank`: `is_rank_zero`, which rank this process is;
 - `cluster`: SLURM jobs (requeue, the job's facts, resume from the run folder);
 - `progress`: progress lines for logs without a terminal;
 - `layout`: the names of the files in a run folder.

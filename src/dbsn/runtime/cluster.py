@@ -168,16 +168,30 @@ def partition_nodes(partition: str | None) -> tuple[str, list[dict[str, Any]], d
 
 
 def _minutes(limit: str) -> float | None:
-    """A SLURM time limit ([days-]hours:minutes:seconds, or minutes) in minutes; None for INFINITE."""
+    """A SLURM time limit in minutes; None for INFINITE. SLURM's forms: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds."""
     if not limit or limit.upper() in ("INFINITE", "UNLIMITED"):
         return None
-    days, _, clock = limit.rpartition("-")
+    days, dash, clock = limit.rpartition("-")
     parts = [int(p) for p in clock.split(":")]
-    if len(parts) == 1:
-        return float(parts[0]) + 1440 * int(days or 0)
-    while len(parts) < 3:
-        parts.insert(0, 0)
-    return 1440 * int(days or 0) + 60 * parts[0] + parts[1] + parts[2] / 60
+    if dash:  # hours first
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return 1440 * int(days or 0) + 60 * hours + minutes + seconds / 60
+
+
+def _has_features(features: set[str], constraint: str | None) -> bool:
+    """Whether a node with `features` satisfies `--constraint`: a feature, or features joined by
+    `&` (all) and `|` (any, `&` binding tighter). Other syntax (brackets, counts) is not
+    checked: every node is taken to satisfy it, and SLURM decides."""
+    if not constraint:
+        return True
+    if not re.fullmatch(r"[\w.:-]+(?:[&|][\w.:-]+)*", constraint):
+        return True
+    return any(all(f in features for f in alternative.split("&")) for alternative in constraint.split("|"))
 
 
 def check_partition(params: dict[str, Any]) -> None:
@@ -205,7 +219,7 @@ def check_partition(params: dict[str, Any]) -> None:
         memory = 0
     wanted = int(params.get("nodes") or 1)
     constraint = params.get("constraint")
-    usable = [n for n in nodes if not constraint or constraint in n["features"]]
+    usable = [n for n in nodes if _has_features(n["features"], constraint)]
     fitting = [n for n in usable if n["cpus"] >= cpus and n["memory_mb"] >= memory and n["gpus"] >= gpus]
     problems = []
     if len(fitting) < wanted:
@@ -285,7 +299,8 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         params.update(check_sweep(configs, params))
     finally:
         HydraConfig.instance().cfg = hydra_config
-    poll_s = float(params.pop("poll_s", None) or 30.0)
+    poll_s = params.pop("poll_s", None)
+    poll_s = 30.0 if poll_s is None else max(float(poll_s), 0.1)
     if params.pop("check_partition", True):
         check_partition(params)
 

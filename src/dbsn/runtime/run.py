@@ -38,19 +38,18 @@ from dbsn.runtime.wandb_run import (configured_group, logged_to_wandb, run_facts
                                     stable_wandb_id, with_identity)
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
-from dbsn.data.shift import CORRUPTIONS, GENERATED_CORRUPTIONS, SEVERITIES, is_generated, write_generated_set
+from dbsn.data.shift import CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, is_generated, write_generated_set
 from dbsn.evaluation.ood_groups import group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.shift import shift_evaluation
 from dbsn.evaluation.runner import (adversarial, ood_evaluation, prediction_quality, print_table, reliability_table,
                                    write_risk_coverage, write_sample_ablation, write_structure)
 from dbsn.evaluation.plots import reliability_diagram, save_figure
 from dbsn.evaluation.tracking import log_to_wandb
+from dbsn.posthoc import POSTHOC
 
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
                 "mutual_information")
 EVALUATIONS = ("ood", "adversarial", "shift")  # beyond the test pass, which always runs
-#: the standard corruptions the generator can make (all but frost)
-GENERATED_STANDARD = tuple(c for c in CORRUPTIONS if c in GENERATED_CORRUPTIONS)
 
 
 # ---------------------------------------------------------------------- builders
@@ -307,8 +306,11 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     Returns the numbers under flat, stable names: `test/*`, `ood/<set>/<score>/<metric>`,
     `adversarial/<attack>/<accuracy|mean_entropy>@<ε>` (for a folder: which runs were evaluated).
 
-    The test pass always runs (metrics, reliability diagram, uncertainty decomposition, the
-    MC-sample ablation, the structure posterior); `evaluations` adds `ood` and `adversarial`.
+    The test pass always runs (metrics, equal-mass and classwise ECE, selective prediction,
+    reliability diagram, uncertainty decomposition, the MC-sample ablation, the structure
+    posterior); `evaluations` adds `ood` (with near / far means where `ood_groups` or OpenOOD's
+    CIFAR groups apply), `adversarial` and `shift`; `posthoc` evaluates a point-estimate run's
+    Laplace or SWAG posterior instead of the run's own predictive.
     A single checkpoint inside a training run folder is evaluated into `<run>/evaluation`
     (so the report finds it next to the run); otherwise into `output_dir`, unless
     `cfg.output_dir` says where.
@@ -331,7 +333,6 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     return evaluate_checkpoints(cfg, paths, out)
 
 
-POSTHOC = ("laplace", "swag")
 
 
 def _posthoc_name(cfg: DictConfig) -> str | None:
@@ -356,7 +357,12 @@ def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, data
         from dbsn.posthoc.laplace import fit_laplace_on
 
         datamodule.setup("fit")
-        prior = settings.get("prior_precision") or ("gridsearch" if datamodule.has_val else "marglik")
+        prior = settings.get("prior_precision")
+        if prior is None:
+            prior = "gridsearch" if datamodule.has_val else "marglik"
+        elif not isinstance(prior, str) and not float(prior) > 0:
+            raise ConfigError(f"laplace.prior_precision={prior}: a prior precision must be positive (or gridsearch, "
+                              "marglik, null).")
         if prior == "gridsearch" and not datamodule.has_val:
             raise ConfigError("posthoc=laplace with laplace.prior_precision=gridsearch fits the prior precision on the "
                               "validation split, and this run has none (data.val_size=0): use "
@@ -371,6 +377,11 @@ def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, data
     except (KeyError, ValueError) as err:
         raise ConfigError(f"posthoc=swag needs the SWAG moments its run collected, and {path} has none ({err}): train "
                           "with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag).") from err
+    snapshots = int(state["moments"]["count"])
+    if snapshots < 2:
+        raise ConfigError(f"posthoc=swag needs at least 2 collected snapshots of the weights, and {path} has "
+                          f"{snapshots}: collect over more epochs (callbacks.swag.start earlier, or more epochs) or "
+                          "after every step (callbacks.swag.collect=step).")
     return SWAGMethod(model, state, n_samples=int(cfg.get("n_samples") or settings.get("n_samples") or 30),
                       scale=float(settings.get("scale", 0.5)))
 
@@ -517,14 +528,23 @@ def _ood_group_means(cfg: DictConfig, datamodule, results: dict, out: Path, logg
     return means
 
 
+def shift_plan(settings, folder: Path) -> tuple[bool, list[str]]:
+    """Whether `evaluations=[shift]` generates a corrupted set into `folder`, and the corruptions it
+    evaluates: files already there win over `shift.generate=true` (published or generated, never
+    overwritten); without `shift.corruptions`, the 15 standard ones, or the 14 of them the generator
+    makes (not frost) for a generated set."""
+    generate = bool(settings.get("generate")) and not (Path(folder) / "labels.npy").is_file()
+    default = GENERATED_STANDARD if generate or is_generated(folder) else CORRUPTIONS
+    return generate, list(settings.get("corruptions") or default)
+
+
 def _shift(cfg: DictConfig, model, datamodule, out: Path, device, title: str, loggers, progress: bool) -> dict[str, float]:
     """Dataset shift on the published CIFAR-10-C / -100-C files, or on a generated set
     (`shift.generate=true` writes one from the test set where the folder has none)."""
     settings = cfg.get("shift") or {}
     folder = Path(settings.get("root") or Path(datamodule.root) / f"{datamodule.name}-C")
-    corruptions = list(settings.get("corruptions") or (GENERATED_STANDARD if is_generated(folder) or
-                                                       settings.get("generate") else CORRUPTIONS))
-    if settings.get("generate") and not (folder / "labels.npy").is_file():
+    generate, corruptions = shift_plan(settings, folder)
+    if generate:
         datamodule.setup("test")
         Console().print(f"Generating {len(corruptions)} corruptions of the {datamodule.name} test set into {folder} "
                         "(labelled as generated; not the published files)")
@@ -556,6 +576,9 @@ def _evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, 
     facts = {**run_facts(train_config, run_dir), "S": model.num_members}
     if len(paths) > 1:
         facts.update(method="deep_ensemble", members=f"{len(paths)} x {facts['method']}", seed=None)
+    posthoc = _posthoc_name(cfg)
+    if posthoc:  # a method of its own (as in the report), on top of the run's
+        facts.update(method=posthoc, posthoc=posthoc, base_method=facts["method"])
     name = run_name(facts) if len(paths) == 1 else f"deep_ensemble {facts['dataset']} {facts['members']}"
     group = (configured_group(train_config) or run_group(run_dir, train_config.get("task_name")) if in_runs
              else run_group(out, cfg.get("task_name")))

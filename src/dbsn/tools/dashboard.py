@@ -30,6 +30,7 @@ from dbsn.evaluation.ood import OOD_SCORES
 from dbsn.evaluation.runner import SELECTIVE_SCORES
 from dbsn.evaluation.shift import SHIFT_METRICS
 from dbsn.evaluation.tracking import EPOCH, summary_key
+from dbsn.posthoc import POSTHOC
 
 PanelKind = Literal["bar", "line", "table", "images"]
 JobType = Literal["train", "evaluate"]
@@ -70,10 +71,15 @@ class Panel:
 
 @dataclass(frozen=True)
 class Section:
+    """Panels over the runs of one job type in the group. `posthoc`: the section's panels also
+    read the post-hoc evaluations (`evaluate.py posthoc=laplace|swag`: evaluate runs whose method
+    is laplace or swag), whose test pass is the only one those methods have."""
+
     name: str
     job_type: JobType
     note: str
     panels: tuple[Panel, ...] = field(default_factory=tuple)
+    posthoc: bool = False
 
 
 def _bar(title: str, *metrics: str) -> Panel:
@@ -104,7 +110,8 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
     ]
     return [
         Section("Calibration", "train", "Test-set calibration of the Bayes ensemble (S members), per method: mean ± std "
-                "over seeds. Reliability bins overlay runs; the PNG diagrams are below.", (
+                "over seeds; post-hoc Laplace and SWAG (their evaluate runs) beside the trained methods. Reliability bins "
+                "overlay runs; the PNG diagrams are below.", (
                     _bar("ECE, 15 bins (↓)", "test/ece"),
                     _bar("Equal-mass ECE, 15 bins (↓)", "test/adaptive_ece"),
                     _bar("Classwise ECE, 15 bins (↓)", "test/classwise_ece"),
@@ -115,7 +122,7 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                     _per_epoch("Validation ECE per epoch", "val/ece"),
                     Panel("line", "ECE against the number of MC samples S", ("ablation/ece",), x="ablation/n_samples"),
                     Panel("images", "Reliability diagrams", ("test/reliability_diagram",)),
-                )),
+                ), posthoc=True),
         Section("Accuracy", "train", "Test error and NLL of the Bayes ensemble, training curves, and the MC-sample "
                 "ablation (the first s of the S test members).", (
                     _bar("Test error (↓)", "test/error"),
@@ -137,7 +144,7 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                     Panel("table", "Risk against coverage, one line per score", ("selective/risk_coverage_curve",),
                           x="coverage", y="risk", chart="wandb/line/v0", series="score"),
                     Panel("images", "Risk–coverage curves", ("selective/risk_coverage",)),
-                )),
+                ), posthoc=True),
         Section("OOD", "evaluate", "Out-of-distribution detection (evaluate.py evaluations=[ood] ood=[...]): OOD "
                 "is the positive class; scores are predictive entropy, mutual information and 1 − max probability. "
                 "Near / far: the means over each group's sets (OpenOOD's for CIFAR, `ood_groups=` otherwise).",
@@ -214,21 +221,25 @@ def build_report(entity: str, project: str, group: str | None = None,
                    "method (config.method): each bar and curve is the mean over seeds, the band ± one standard "
                    "deviation. Made by `python -m dbsn.tools.dashboard`.")]
     for section in sections(ood_sets):
-        filters = [expr.Metric("JobType") == section.job_type, *([expr.Metric("Group") == group] if group else [])]
-        runset = wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", filters=filters,
-                           groupby=["config.method"])
+        in_group = [expr.Metric("Group") == group] if group else []
+        sets = [wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", groupby=["config.method"],
+                          filters=[expr.Metric("JobType") == section.job_type, *in_group])]
+        if section.posthoc:
+            sets.append(wr.Runset(entity=entity, project=project, name="post-hoc evaluations", groupby=["config.method"],
+                                  filters=[expr.Metric("JobType") == "evaluate",
+                                           expr.Config("posthoc").isin(list(POSTHOC)), *in_group]))
         blocks += [wr.H2(section.name), wr.P(section.note),
-                   wr.PanelGrid(runsets=[runset], panels=[_wandb_panel(p) for p in section.panels])]
+                   wr.PanelGrid(runsets=sets, panels=[_wandb_panel(p) for p in section.panels])]
     return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
                      description="Calibration, accuracy, selective prediction, near / far OOD detection, dataset "
                                  "shift, adversarial robustness, segmentation and the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
 
 
-def runsets(report) -> list:
-    """The run sets of `report`'s panel grids, one per section."""
+def runsets(report) -> list[list]:
+    """The run sets of `report`'s panel grids, a list per section."""
     import wandb_workspaces.reports.v2 as wr
 
-    return [runset for block in report.blocks if isinstance(block, wr.PanelGrid) for runset in block.runsets]
+    return [list(block.runsets) for block in report.blocks if isinstance(block, wr.PanelGrid)]
 
 
 def panel_specs(report) -> list[dict]:

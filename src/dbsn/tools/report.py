@@ -399,9 +399,9 @@ def shift_section(report: Report, ok: list[Run]) -> str:
         text += (f"### {dataset}\n\n" + md_table(["method", "metric", *(f"severity {sv}" for sv in severities), "mean"], table)
                  + f"\n![dataset shift]({name})\n\n")
     _write_csv(report, "shift.csv", ["method", "dataset", "metric", "severity", "mean over corruptions"], csv_rows)
-    text = ("## Dataset shift\n\nEvery corruption of the test set at every severity (CIFAR-10-C's "
-            f"{'generated' if generated else 'published'} corruptions"
-            + (": made by `dbsn.data.shift`'s generator, NOT the published CIFAR-10-C files" if generated else "")
+    text = ("## Dataset shift\n\nEvery corruption of the test set at every severity ("
+            + ("generated corruptions, made by `dbsn.data.shift`'s generator with CIFAR-10-C's parameters: NOT the "
+               "published CIFAR-10-C / -100-C files" if generated else "the published CIFAR-10-C / -100-C files")
             + "), as in Ovadia et al. (2019): each severity's mean over corruptions (each corruption averaged over "
             "seeds first), and box plots over corruptions of ECE and error, one box per method. Files: `shift.md`, "
             "`shift.csv`.\n\n" + text)

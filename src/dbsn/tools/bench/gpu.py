@@ -272,7 +272,7 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
 
 
 def markdown(result: dict) -> str:
-    """The suite's result as the README's markdown table."""
+    """The suite's result as the markdown table of docs/performance.md."""
     lines = [f"Measured {result['date']} on {result['device']}, torch {result['torch']}: the {result['net']} "
              f"network, T = {result['train_samples']}, batch {result['batch']}, median of {result['steps']} steps "
              f"(`python -m dbsn.tools.bench --suite gpu`).", "",
