@@ -38,7 +38,8 @@ def test_multirun_writes_one_folder_per_job(tmp_path):
 def test_ddp_two_cpu_processes_one_run_folder(tmp_path):
     run_dir = tmp_path / "outputs" / "ddp"
     _run(
-        [str(ROOT / "train.py"), *QUICK, "trainer.devices=2", "trainer.strategy=ddp", f"hydra.run.dir={run_dir}"],
+        [str(ROOT / "train.py"), *QUICK, "trainer.devices=2", "trainer.strategy=ddp", "trainer.limit_train_batches=3",
+         f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
     )
     record = json.loads((run_dir / "metrics.json").read_text())

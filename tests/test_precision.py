@@ -200,23 +200,38 @@ def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
 @pytest.mark.slow
 def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
     """`make train`'s DBSN (15 epochs on digits), at half its width (growth 8: the test's time),
-    trained in float32 and in bf16-mixed from the same seed. The bound is two standard errors of
-    the difference of two error rates on the 450 test images (about 2.5 points at a 4 % error),
-    not one point: on this short run the final error moves by more than a point under any
-    perturbation of the arithmetic. Measured on the 2-core machine (2026-11-25): at full width
-    (S = 100) float32 with one thread instead of two (only the order of the sums differs) 2.00 %
-    against 0.89 %; over seeds 0-2 float32 0.89-1.56 %, bf16-mixed 1.11-2.89 %; at growth 8
-    (S = 30) float32 3.11 %, bf16-mixed 4.44 %."""
-    from configs import compose_config
+    trained in float32 and in bf16-mixed from the same seed, side by side with one thread each
+    (`train.py` in two processes). The bound is two standard errors of the difference of two error
+    rates on the 450 test images (about 2.5 points at a 4 % error), not one point: on this short
+    run the final error moves by more than a point under any perturbation of the arithmetic.
+    Measured on the 2-core machine (2026-11-25): at full width (S = 100) float32 with one thread
+    instead of two (only the order of the sums differs) 2.00 % against 0.89 %; over seeds 0-2
+    float32 0.89-1.56 %, bf16-mixed 1.11-2.89 %; at growth 8 (S = 30) with two threads float32
+    3.11 %, bf16-mixed 4.44 %, with one thread each 2.44 % and 4.00 %."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from dbsn.runtime.run import train
+    from configs import ROOT
 
-    errors = {}
+    runs = {}
     for precision in ("32-true", "bf16-mixed"):
-        out = tmp_path / precision
-        overrides = ["experiment=quick", "model.net.growth=8", "model.n_samples=30", f"trainer.precision={precision}",
-                     "trainer.enable_progress_bar=false", "callbacks.structure_posterior.save_figures=false"]
-        errors[precision] = train(compose_config("train", overrides, out), out)["test/error"]
+        command = [sys.executable, str(ROOT / "train.py"), "experiment=quick", "model.net.growth=8", "model.n_samples=30",
+                   f"trainer.precision={precision}", "trainer.enable_progress_bar=false",
+                   "callbacks.structure_posterior.save_figures=false", f"hydra.run.dir={tmp_path / precision}"]
+        runs[precision] = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = {}
+    try:
+        for precision, process in runs.items():
+            output, _ = process.communicate(timeout=900)
+            assert process.returncode == 0, output[-4000:]
+            errors[precision] = json.loads((tmp_path / precision / "metrics.json").read_text())["metrics"]["test/error"]
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
     n_test = 450
     p = sum(errors.values()) / 2
     bound = max(0.01, 2 * math.sqrt(2 * p * (1 - p) / n_test))
