@@ -40,7 +40,7 @@ from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.data.shift import CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, is_generated, write_generated_set
 from dbsn.evaluation.ood_groups import group_means, openood_groups, per_set_metrics
-from dbsn.evaluation.shift import shift_evaluation
+from dbsn.evaluation.shift import SHIFT_METRICS, shift_evaluation
 from dbsn.evaluation.runner import (adversarial, ood_evaluation, prediction_quality, print_table, reliability_table,
                                    write_risk_coverage, write_sample_ablation, write_structure)
 from dbsn.evaluation.plots import reliability_diagram, save_figure
@@ -368,8 +368,10 @@ def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, data
                               "validation split, and this run has none (data.val_size=0): use "
                               "laplace.prior_precision=marglik (training data only), or train with data.val_size.")
         Console().print(f"Fitting a last-layer Laplace ({settings.get('hessian', 'kron')} Hessian, prior precision: {prior})")
-        return fit_laplace_on(model, datamodule, hessian_structure=settings.get("hessian", "kron"), prior_precision=prior,
-                              n_samples=int(cfg.get("n_samples") or settings.get("n_samples") or 30))
+        fitted = fit_laplace_on(model, datamodule, hessian_structure=settings.get("hessian", "kron"),
+                                prior_precision=prior, n_samples=int(cfg.get("n_samples") or settings.get("n_samples") or 30))
+        Console().print(f"Prior precision λ = {fitted.prior_precision:.4g}")
+        return fitted
     from dbsn.posthoc.swag import SWAGMethod, load_swag_state
 
     try:
@@ -552,7 +554,12 @@ def _shift(cfg: DictConfig, model, datamodule, out: Path, device, title: str, lo
                             seed=int(settings.get("seed", 0)), source=f"{datamodule.name} test set")
     record = shift_evaluation(model, datamodule, folder, corruptions, list(settings.get("severities") or SEVERITIES),
                               out / "shift", device, title, loggers, progress, int(settings.get("batch_size") or 500))
-    return {**record["metrics"], "shift/generated": float(record["generated"])}
+    means = record["metrics"]
+    print_table(f"Shift, {'generated' if record['generated'] else 'published'}: mean of {len(corruptions)} corruptions",
+                ["severity", *SHIFT_METRICS],
+                [[str(sv), *(means[f"shift/mean/{sv}/{m}"] for m in SHIFT_METRICS)] for sv in record["severities"]]
+                + [["all", *(means[f"shift/mean/{m}"] for m in SHIFT_METRICS)]])
+    return {**means, "shift/generated": float(record["generated"])}
 
 
 def _ood_sets(cfg: DictConfig) -> dict[str, Any]:
