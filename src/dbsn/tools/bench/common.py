@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 
 import torch
 
@@ -16,6 +17,15 @@ NETS = {
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_call(run, device: torch.device) -> float:
+    """Seconds of one call of `run`, the device synchronised before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _device_name(dev: torch.device) -> str:

@@ -64,7 +64,7 @@ from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights, MCDropoutWeigh
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory
-from dbsn.tools.bench.common import NETS, _device_name, _sync
+from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 
 CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "dbsn_t4_chunked", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn",
          "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100", "dbsn_t1_channels_last")
@@ -208,13 +208,7 @@ def run_segmentation(size: tuple[int, int] = (360, 480), repeats: int = 3, devic
     for name in SEG_CASES:
         predict = build_seg_case(name, size, dev, spf, net_kwargs)
         predict()  # warm-up
-        times = []
-        for _ in range(repeats):
-            _sync(dev)
-            start = time.perf_counter()
-            predict()
-            _sync(dev)
-            times.append(time.perf_counter() - start)
+        times = [timed_call(predict, dev) for _ in range(repeats)]
         result["images_per_second"][name] = 1.0 / statistics.median(times)
     if memory:
         result["peak_memory_mib"] = {name: _peak_memory(("seg", name, size, str(dev), spf)) for name in SEG_CASES}
@@ -281,11 +275,7 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
     times = {name: [] for name in cases}
     for _ in range(repeats):  # interleaved, so drifts in machine load hit every case alike
         for name, step in steps.items():
-            _sync(dev)
-            start = time.perf_counter()
-            step()
-            _sync(dev)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed_call(step, dev))
     median = {name: statistics.median(ts) for name, ts in times.items()}
     result = {
         "date": date.today().isoformat(),
@@ -340,13 +330,7 @@ def machine_fraction(step, seconds: float, device: torch.device, matmul_size: in
     flops = counter.get_total_flops()
     a, b = (torch.randn(matmul_size, matmul_size, device=device) for _ in range(2))
     a @ b
-    times = []
-    for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times = [timed_call(lambda: a @ b, device) for _ in range(5)]
     peak = 2 * matmul_size**3 / statistics.median(times)
     return {"flops_per_step": flops, "flops_per_second": flops / seconds, "matmul_flops_per_second": peak,
             "fraction": flops / seconds / peak}

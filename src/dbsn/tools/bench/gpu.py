@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dbsn.tools.bench.common import NETS, _device_name, _sync
+from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
 from dbsn.methods import DBSN, Compilation
 from dbsn.nets import StructureNet
@@ -107,13 +107,7 @@ def _timed(run, device: torch.device, steps: int) -> tuple[float, float]:
     """(median seconds per call, peak memory in MiB over the timed calls)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times = [timed_call(run, device) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     return statistics.median(times), peak
 
