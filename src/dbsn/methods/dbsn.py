@@ -61,6 +61,17 @@ class BatchNormRecalibration:
         if self.images < 1 or self.batch_size < 1:
             raise ValueError(f"bn_recalibration: images and batch_size must be >= 1, got {self.images}, {self.batch_size}")
 
+    def calibration_batches(self, datamodule, device: torch.device, what: str, fix: str = "") -> list[Tensor]:
+        """The `images` seeded training images on `device`, preprocessed (augmented if asked,
+        with the setting's seed) in batches of `batch_size`; `what` and `fix` word the error
+        for a data module without training images."""
+        if not hasattr(datamodule, "training_images"):
+            raise ValueError(f"{what} needs training images; {type(datamodule).__name__} does not provide them{fix}")
+        images = datamodule.training_images(self.images, seed=self.seed).to(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed)  # the augmentation, if any, is part of the setting
+            return [datamodule.preprocess(batch, train=self.augment) for batch in images.split(self.batch_size)]
+
 
 def _outside_inference(t: Tensor) -> Tensor:
     """The members are fixed during the test pass, under inference mode; the attacks that
@@ -238,17 +249,9 @@ class DBSN(ClassificationMethod):
         """With `bn_recalibration.enabled`: take the calibration images from the training split
         and start a new fixed set of prediction members (their statistics come on demand)."""
         self._calibration = self._members = None
-        settings = self.bn_recalibration
-        if not settings.enabled:
-            return
-        if not hasattr(datamodule, "training_images"):
-            raise ValueError(f"bn_recalibration needs training images; {type(datamodule).__name__} does not provide "
-                             "them. Set model.bn_recalibration.enabled=false.")
-        images = datamodule.training_images(settings.images, seed=settings.seed).to(self.device)
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(settings.seed)  # the augmentation, if any, is part of the setting
-            self.use_calibration_images([datamodule.preprocess(batch, train=settings.augment)
-                                         for batch in images.split(settings.batch_size)])
+        if self.bn_recalibration.enabled:
+            self.use_calibration_images(self.bn_recalibration.calibration_batches(
+                datamodule, self.device, "bn_recalibration", ". Set model.bn_recalibration.enabled=false."))
 
     def use_calibration_images(self, batches: list[Tensor]) -> None:
         """Predict from now on with a fixed set of members, each normalised with its own

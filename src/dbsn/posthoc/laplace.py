@@ -142,6 +142,46 @@ class FixedStructureNetwork(nn.Module):
         return captured[0], logits
 
 
+class FixedStructurePosterior(ClassificationMethod):
+    """What the post-hoc posteriors (Laplace, SWAG) share: a finished point-estimate method's
+    network held at its structure (`network_fixed`, its weights shared, not copied), nothing to
+    train, and members that differ only in their weights.
+
+    Args:
+        base: the finished point-estimate method.
+        n_samples: S, the members it predicts with.
+        head: name of the network's last layer.
+        temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
+    """
+
+    def __init__(self, base: ClassificationMethod, n_samples: int, head: str = "classifier",
+                 temperature_scaling: bool = False) -> None:
+        alpha = point_estimate_structure(base)
+        super().__init__(
+            base.net, base.optim, None, 1, n_samples, n_samples, base.samples_per_forward, base.dataset_size,
+            temperature_scaling, base.task, channels_last=base.channels_last,
+        )
+        net = self.net
+        del self.net  # kept once, inside the network at the fixed structure
+        self.network_fixed = FixedStructureNetwork(net, alpha, base.channels_last, head)
+
+    @property
+    def is_stochastic(self) -> bool:
+        return True
+
+    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
+        return self.network_fixed.alpha.expand(n, -1, -1)
+
+    def training_structures(self, n: int):
+        raise NotImplementedError(f"a {type(self).__name__} is built post hoc from a finished run, not trained")
+
+    def weight_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def enable_test_noise(self) -> None:
+        """Nothing is stochastic in the network itself (point weights)."""
+
+
 class _Head(nn.Module):
     """The head alone, fed with features: laplace-torch's model for a cached-feature fit."""
 
@@ -296,7 +336,7 @@ def fit_laplace_on(method: ClassificationMethod, datamodule, **kwargs) -> Laplac
     return fit_laplace(method, train_loader, datamodule.val_dataloader(), preprocess=datamodule.preprocess, **kwargs)
 
 
-class LaplaceMethod(ClassificationMethod):
+class LaplaceMethod(FixedStructurePosterior):
     """A point-estimate method with a last-layer Laplace posterior: S fixed last layers
     θ_s ~ N(θ*, Σ) on the MAP features; prediction 1/S Σ_s softmax(W_s φ(x) + b_s).
 
@@ -316,18 +356,11 @@ class LaplaceMethod(ClassificationMethod):
 
     def __init__(self, base: ClassificationMethod, laplace, n_samples: int = 100, seed: int = 0,
                  head: str = "classifier", temperature_scaling: bool = False) -> None:
-        alpha = point_estimate_structure(base)
-        super().__init__(
-            base.net, base.optim, None, 1, n_samples, n_samples, base.samples_per_forward, base.dataset_size,
-            temperature_scaling, base.task, channels_last=base.channels_last,
-        )
-        net = self.net
-        del self.net  # kept once, as the network at the MAP
-        self.network_at_map = FixedStructureNetwork(net, alpha, base.channels_last, head)
+        super().__init__(base, n_samples, head, temperature_scaling)
         self.laplace = laplace
         self.hessian_structure = None if laplace is None else str(getattr(type(laplace), "_key", (None, None))[1])
         self.prior_precision = None if laplace is None else float(torch.as_tensor(laplace.prior_precision).reshape(-1)[0])
-        size = sum(p.numel() for p in self.network_at_map.head.parameters())
+        size = sum(p.numel() for p in self.network_fixed.head.parameters())
         self.register_buffer("member_weights", torch.zeros(n_samples, size))
         if laplace is not None:
             self.draw_members(n_samples, seed)
@@ -342,30 +375,14 @@ class LaplaceMethod(ClassificationMethod):
         self.n_samples = self.val_samples = n_samples
 
     # ------------------------------------------------------------------ the method
-    @property
-    def is_stochastic(self) -> bool:
-        return True
-
-    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
-        return self.network_at_map.alpha.expand(n, -1, -1)
-
-    def training_structures(self, n: int):
-        raise NotImplementedError("a LaplaceMethod is fitted post hoc, not trained")
-
-    def weight_parameters(self) -> list[nn.Parameter]:
-        return []
-
-    def enable_test_noise(self) -> None:
-        """Nothing is stochastic in the network itself (point weights)."""
-
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """Logits of the members first .. first + n - 1, (n, b, C): the features once, then
         each member's last layer."""
         if first + n > self.member_weights.shape[0]:
             raise ValueError(f"{self.member_weights.shape[0]} last layers were drawn; members up to {first + n} "
                              f"were asked for (call draw_members({first + n}))")
-        head = self.network_at_map.head
-        features, _ = self.network_at_map.features(x)
+        head = self.network_fixed.head
+        features, _ = self.network_fixed.features(x)
         names = [name for name, _ in head.named_parameters()]
         shapes = [p.shape for _, p in head.named_parameters()]
 

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from dbsn.methods.base import ClassificationMethod
 from dbsn.methods.dbsn import BatchNormRecalibration
 from dbsn.nets.batchnorm import GroupBatchNorm2d, Statistics, structure_statistics, using_statistics
-from dbsn.posthoc.laplace import FixedStructureNetwork, point_estimate_structure
+from dbsn.posthoc.laplace import FixedStructurePosterior, point_estimate_structure
 
 __all__ = ["SWAGCollector", "SWAGMethod", "SWAGMoments", "load_swag_state", "swag_parameters"]
 
@@ -254,7 +254,7 @@ def load_swag_state(checkpoint_path: str | Path) -> dict:
     return state
 
 
-class SWAGMethod(ClassificationMethod):
+class SWAGMethod(FixedStructurePosterior):
     """A point-estimate method's SWAG posterior: S fixed weight samples, each with its own
     BatchNorm statistics; prediction 1/S Σ_s softmax(f(x; w_s)).
 
@@ -273,18 +273,12 @@ class SWAGMethod(ClassificationMethod):
     def __init__(self, base: ClassificationMethod, state: dict, n_samples: int = 30, scale: float = 0.5,
                  bn_recalibration: BatchNormRecalibration | None = None, seed: int = 0,
                  temperature_scaling: bool = False) -> None:
-        alpha = point_estimate_structure(base)
         params = swag_parameters(base)
         names, shapes = [name for name, _ in params], [tuple(p.shape) for _, p in params]
+        super().__init__(base, n_samples, "classifier", temperature_scaling)
         if "moments" not in state or list(state["names"]) != names or [tuple(s) for s in state["shapes"]] != shapes:
             raise ValueError("the SWAG statistics do not belong to this network (its parameters' names or shapes differ)")
-        super().__init__(
-            base.net, base.optim, None, 1, n_samples, n_samples, base.samples_per_forward, base.dataset_size,
-            temperature_scaling, base.task, channels_last=base.channels_last,
-        )
-        net = self.net
-        del self.net  # kept once, inside the network at the fixed structure
-        self.network_fixed = FixedStructureNetwork(net, alpha, base.channels_last, head="classifier")
+        net = self.network_fixed.net
         plain = [n for n, m in net.named_modules()
                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, GroupBatchNorm2d)]
         if plain:
@@ -298,22 +292,6 @@ class SWAGMethod(ClassificationMethod):
             enabled=True, images=1024, batch_size=256)
         self._calibration: list[Tensor] | None = None
         self._statistics: dict[int, Statistics] = {}
-
-    @property
-    def is_stochastic(self) -> bool:
-        return True
-
-    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
-        return self.network_fixed.alpha.expand(n, -1, -1)
-
-    def training_structures(self, n: int):
-        raise NotImplementedError("a SWAGMethod is built from a finished run, not trained")
-
-    def weight_parameters(self) -> list[nn.Parameter]:
-        return []
-
-    def enable_test_noise(self) -> None:
-        """Nothing is stochastic in the network itself (point weights)."""
 
     def run_facts(self) -> dict:
         images = "running" if not self.bn_recalibration.enabled else f"per member, {self.bn_recalibration.images} images"
@@ -336,17 +314,9 @@ class SWAGMethod(ClassificationMethod):
         """With `bn_recalibration.enabled`: take its images from the training split (seeded,
         preprocessed; augmented if asked) and forget earlier members' statistics."""
         self._calibration, self._statistics = None, {}
-        settings = self.bn_recalibration
-        if not settings.enabled:
-            return
-        if not hasattr(datamodule, "training_images"):
-            raise ValueError(f"SWAG's BatchNorm refresh needs training images; {type(datamodule).__name__} does not "
-                             "provide them")
-        images = datamodule.training_images(settings.images, seed=settings.seed).to(self.moments.mean.device)
-        with torch.random.fork_rng(devices=[images.device] if images.device.type == "cuda" else []):
-            torch.manual_seed(settings.seed)
-            self.use_calibration_images([datamodule.preprocess(batch, train=settings.augment)
-                                         for batch in images.split(settings.batch_size)])
+        if self.bn_recalibration.enabled:
+            self.use_calibration_images(self.bn_recalibration.calibration_batches(
+                datamodule, self.moments.mean.device, "SWAG's BatchNorm refresh"))
 
     def use_calibration_images(self, batches: list[Tensor]) -> None:
         """Each member's BatchNorm statistics from now on come from these (preprocessed) batches."""
