@@ -208,31 +208,29 @@ def _load(path: Path) -> np.ndarray:
 def _image_file(path: Path, n_rows: int | None = None) -> np.ndarray:
     """The memory-mapped uint8 (5n, 32, 32, 3) array of a corruption file, checked."""
     images = _load(path)
-    problem = None
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3):
-        problem = f"should be uint8 (5n, 32, 32, 3) HWC, got {images.dtype} {images.shape}"
-    elif len(images) == 0 or len(images) % len(SEVERITIES):
-        problem = f"{len(images)} rows is not a positive multiple of the {len(SEVERITIES)} severities"
-    elif n_rows is not None and len(images) != n_rows:
-        problem = f"{len(images)} rows but labels.npy has {n_rows}"
-    if problem:
-        raise CorruptDatasetError(f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again")
-    return images
+    wrong = images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3)
+    return _checked(path, images, f"should be uint8 (5n, 32, 32, 3) HWC, got {images.dtype} {images.shape}" if wrong
+                    else None, n_rows, f"{len(images)} rows but labels.npy has {n_rows}")
 
 
 def _label_file(path: Path, n_rows: int | None = None) -> np.ndarray:
     """The memory-mapped integer labels (5n,) of ``labels.npy``, checked."""
     labels = _load(path)
-    problem = None
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        problem = f"should be integer labels (5n,), got {labels.dtype} {labels.shape}"
-    elif len(labels) == 0 or len(labels) % len(SEVERITIES):
-        problem = f"{len(labels)} rows is not a positive multiple of the {len(SEVERITIES)} severities"
-    elif n_rows is not None and len(labels) != n_rows:
-        problem = f"{len(labels)} labels for {n_rows} images"
+    wrong = labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer)
+    return _checked(path, labels, f"should be integer labels (5n,), got {labels.dtype} {labels.shape}" if wrong
+                    else None, n_rows, f"{len(labels)} labels for {n_rows} images")
+
+
+def _checked(path: Path, rows: np.ndarray, problem: str | None, n_rows: int | None, mismatch: str) -> np.ndarray:
+    """`rows` if its layout is right (`problem` None) and it holds a positive multiple of the
+    severities' rows, `n_rows` of them where given; else the error that names the file."""
+    if problem is None and (len(rows) == 0 or len(rows) % len(SEVERITIES)):
+        problem = f"{len(rows)} rows is not a positive multiple of the {len(SEVERITIES)} severities"
+    elif problem is None and n_rows is not None and len(rows) != n_rows:
+        problem = mismatch
     if problem:
         raise CorruptDatasetError(f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again")
-    return labels
+    return rows
 
 
 def _check_corruption(name: str) -> None:
