@@ -83,14 +83,12 @@ def _read_image_file(path: Path) -> np.ndarray:
         ) from error
 
 
-def read_image_files(paths: list[Path], threads: int | None = None) -> Tensor:
+def read_image_files(paths: list[Path]) -> Tensor:
     """uint8 (N, 3, 32, 32) images of the given files, each decoded and resized by
-    `openood_resize`, in order. Decoded by a pool of `threads` threads (default: up to 8, one
-    per CPU): PIL releases the GIL while it decodes and resizes, and a set like Places365
-    holds tens of thousands of JPEGs."""
+    `openood_resize`, in order. Decoded by a pool of up to 8 threads, one per CPU: PIL releases
+    the GIL while it decodes and resizes, and a set like Places365 holds tens of thousands of JPEGs."""
     out = np.empty((len(paths), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.uint8)
-    threads = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=threads) as pool:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for i, image in enumerate(pool.map(_read_image_file, paths)):
             out[i] = image
     return torch.from_numpy(out)

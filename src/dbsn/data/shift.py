@@ -143,11 +143,9 @@ def corrupted_split(folder: str | Path, corruption: str, severity: int) -> tuple
     severity (n = 10,000 for the published files); only the severity's rows are read (the
     arrays are memory-mapped).
     """
-    check_corrupted_files(folder, [corruption])
+    labels, found = check_corrupted_files(folder, [corruption])
     _check_severity(severity)
-    folder = Path(folder)
-    images = _image_file(folder / f"{corruption}.npy")
-    labels = _label_file(folder / "labels.npy", len(images))
+    images = found[corruption]
     n = len(images) // len(SEVERITIES)
     rows = slice((severity - 1) * n, severity * n)
     return (
@@ -156,8 +154,10 @@ def corrupted_split(folder: str | Path, corruption: str, severity: int) -> tuple
     )
 
 
-def check_corrupted_files(folder: str | Path, corruptions: Sequence[str] = CORRUPTIONS) -> None:
-    """Fail before any evaluation if `folder` cannot serve these corruptions.
+def check_corrupted_files(folder: str | Path, corruptions: Sequence[str] = CORRUPTIONS
+                          ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Fail before any evaluation if `folder` cannot serve these corruptions; else the
+    memory-mapped labels and images by corruption, checked.
 
     Raises `DatasetNotFoundError` naming every missing file (``labels.npy`` and each
     ``<corruption>.npy``) with how to get them, then `CorruptDatasetError` if a file that is
@@ -173,9 +173,8 @@ def check_corrupted_files(folder: str | Path, corruptions: Sequence[str] = CORRU
         raise DatasetNotFoundError(
             f"corrupted CIFAR: {len(missing)} file(s) missing in {folder}:\n{listing}\n{_how_to_get(folder)}"
         )
-    n_rows = len(_label_file(expected[0]))
-    for path in expected[1:]:
-        _image_file(path, n_rows)
+    labels = _label_file(expected[0])
+    return labels, {path.stem: _image_file(path, len(labels)) for path in expected[1:]}
 
 
 def _how_to_get(folder: Path) -> str:

@@ -45,7 +45,7 @@ from dbsn.evaluation.attacks import adversarial_evaluation, adversarial_figure, 
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
 from dbsn.evaluation.uncertainty import detection_scores
-from dbsn.metrics.calibration import calibration_metrics
+from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
 from dbsn.metrics.classification import reliability_bins
 from dbsn.metrics.selective import score_as_uncertainty, risk_coverage_curve, risk_coverage_figure, selective_metrics
 from dbsn.evaluation.plots import save_figure
@@ -72,9 +72,10 @@ def prediction_quality(model) -> dict[str, float]:
     if found is None:
         return {}
     log_probs, targets = model.test_predictions
-    calibration = calibration_metrics(log_probs.exp(), targets)
-    out = {f"test/{k}": v for k, v in calibration.items() if k != "ece"}  # test/ece is the test pass's own
-    out.update(selective_metrics(*found))
+    probs = log_probs.exp()
+    out = {"test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15).item(),
+           "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15).item()}
+    out.update(selective_metrics(*found))  # test/ece is the test pass's own
     return out
 
 

@@ -63,7 +63,7 @@ def _predict(model, datamodule, images: torch.Tensor, device: torch.device, batc
 
 def shift_evaluation(model, datamodule, folder: Path, corruptions: Sequence[str], severities: Sequence[int],
                      out: Path, device: torch.device, title: str, loggers=(), progress: bool = True,
-                     batch_size: int = 500, method: str | None = None) -> dict:
+                     batch_size: int = 500) -> dict:
     """Predict every corruption of `folder` (the published layout) at every severity with
     `model`'s Bayes ensemble; write `out/metrics.json`, `out/shift.csv` and `out/shift_boxplots.png`
     and log them. The files are checked (and every missing one named) before anything is predicted."""
@@ -89,8 +89,7 @@ def shift_evaluation(model, datamodule, folder: Path, corruptions: Sequence[str]
         writer = csv.DictWriter(f, ["corruption", "severity", *SHIFT_METRICS])
         writer.writeheader()
         writer.writerows(rows)
-    label = method or title
-    figure = shift_boxplots({label: rows}, title=f"{title}: dataset shift ({'generated corruptions' if generated else 'published files'})")
+    figure = shift_boxplots({title: rows}, title=f"{title}: dataset shift ({'generated corruptions' if generated else 'published files'})")
     path = save_figure(figure, out / "shift_boxplots.png")
     log_to_wandb(loggers, {**results, "shift/generated": float(generated)}, images={"shift/boxplots": path},
                  tables={"shift/table": (["corruption", "severity", *SHIFT_METRICS],

@@ -30,7 +30,7 @@ confidences with ``tensor_split`` after a sort, so which of the tied examples go
 bin, and the value, depend on the order they are stored in; it casts to float32; and installing it would
 add seaborn, pandas and einops to the environment. The equal-mass ECE is therefore
 implemented here (sort + ``index_add``). The classwise ECE is one torchmetrics
-``binary_calibration_error`` per class (its ``ClasswiseCalibrationError`` does the same),
+``binary_calibration_error`` per class,
 with the binning convention of the logged ``ece`` (bins ``[b/M, (b+1)/M)`` with the float
 edges of ``torch.linspace``, a probability of exactly 1 in a bin of its own).
 """
@@ -106,7 +106,7 @@ def calibration_metrics(probs: Tensor, target: Tensor, n_bins: int = 15) -> dict
     """The three calibration errors under stable names (the caller adds ``test/`` etc.).
 
     ``ece``: equal-width top-label ECE, :func:`~dbsn.metrics.classification.expected_calibration_error`
-    (the same number as the logged ``ece``); ``adaptive_ece``:
+    (the logged ``ece``, up to float rounding); ``adaptive_ece``:
     :func:`adaptive_expected_calibration_error`; ``classwise_ece``:
     :func:`classwise_expected_calibration_error`; all with ``n_bins`` bins.
     """

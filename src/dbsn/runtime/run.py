@@ -39,7 +39,7 @@ from dbsn.runtime.wandb_run import (configured_group, logged_to_wandb, run_facts
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
 from dbsn.evaluation.ablation import SampleAblation
 from dbsn.data.shift import CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, is_generated, write_generated_set
-from dbsn.evaluation.ood_groups import group_means, openood_groups, per_set_metrics
+from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_evaluation
 from dbsn.evaluation.runner import (adversarial, ood_evaluation, prediction_quality, print_table, reliability_table,
                                    write_risk_coverage, write_sample_ablation, write_structure)
@@ -401,7 +401,7 @@ def _device(trainer_cfg) -> torch.device:
 def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[str, float]:
     """The test pass and the chosen evaluations of one model (several paths: a deep ensemble)."""
     first = load_checkpoint(paths[0])
-    ood_sets = _ood_sets(cfg) if "ood" in _evaluations(cfg) else {}  # checked before anything is predicted
+    ood_sets = _ood_sets(cfg) if "ood" in _evaluations(cfg) else {}  # built (names checked) before the test pass
     data_cfg = OmegaConf.create(first[CONFIG_KEY]["data"])
     if cfg.get("data_root") is not None:
         data_cfg.root = cfg.data_root
@@ -519,8 +519,7 @@ def _ood_group_means(cfg: DictConfig, datamodule, results: dict, out: Path, logg
         except KeyError:  # no standard grouping for this in-distribution set
             return {}
     per_set = per_set_metrics(results)
-    groups = {name: [s for s in sets if s in per_set] for name, sets in groups.items()}
-    groups = {name: sets for name, sets in groups.items() if sets}
+    groups = {name: c["evaluated"] for name, c in group_coverage(per_set, groups).items() if c["evaluated"]}
     if not groups:
         return {}
     means = group_means(per_set, groups)
