@@ -73,7 +73,7 @@ class BatchNormRecalibration:
             return [datamodule.preprocess(batch, train=self.augment) for batch in images.split(self.batch_size)]
 
 
-def _outside_inference(t: Tensor) -> Tensor:
+def outside_inference(t: Tensor) -> Tensor:
     """The members are fixed during the test pass, under inference mode; the attacks that
     follow it need tensors autograd can save."""
     return t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t
@@ -242,7 +242,7 @@ class DBSN(ClassificationMethod):
     def prediction_structures(self, n: int, first: int = 0) -> Tensor:
         if self._calibration is None:
             return self.sample_structures(n)
-        return _outside_inference(self._fixed_members(first + n)[0][first : first + n])
+        return outside_inference(self._fixed_members(first + n)[0][first : first + n])
 
     # ------------------------------------------------------------------ per-structure BatchNorm
     def prepare_prediction(self, datamodule) -> None:
@@ -279,7 +279,7 @@ class DBSN(ClassificationMethod):
         if self._calibration is None:
             return super().prediction_statistics(n, first)
         statistics = select(self._fixed_members(first + n)[1], slice(first, first + n))
-        return using_statistics(self.net, {k: tuple(map(_outside_inference, v)) for k, v in statistics.items()})
+        return using_statistics(self.net, {k: tuple(map(outside_inference, v)) for k, v in statistics.items()})
 
     @torch.no_grad()
     def structure_probabilities(self) -> Tensor:

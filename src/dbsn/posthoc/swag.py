@@ -55,7 +55,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dbsn.methods.base import ClassificationMethod
-from dbsn.methods.dbsn import BatchNormRecalibration
+from dbsn.methods.dbsn import BatchNormRecalibration, outside_inference
 from dbsn.nets.batchnorm import GroupBatchNorm2d, Statistics, structure_statistics, using_statistics
 from dbsn.posthoc.laplace import FixedStructurePosterior, point_estimate_structure
 
@@ -292,6 +292,7 @@ class SWAGMethod(FixedStructurePosterior):
             enabled=True, images=1024, batch_size=256)
         self._calibration: list[Tensor] | None = None
         self._statistics: dict[int, Statistics] = {}
+        self._weights: dict[int, dict[str, Tensor]] = {}
 
     def run_facts(self) -> dict:
         images = "running" if not self.bn_recalibration.enabled else f"per member, {self.bn_recalibration.images} images"
@@ -300,12 +301,18 @@ class SWAGMethod(FixedStructurePosterior):
 
     # ------------------------------------------------------------------ members
     def member_weights(self, index: int) -> dict[str, Tensor]:
-        """Member `index`'s weights w_s by parameter name (the same on every call)."""
-        generator = torch.Generator(device=self.moments.mean.device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
-        flat = self.moments.sample(generator, self.scale)
-        dtype = next(self.network_fixed.parameters()).dtype
-        parts = flat.to(dtype).split([math.prod(s) for s in self.parameter_shapes])
-        return {f"net.{name}": part.view(shape) for name, part, shape in zip(self.parameter_names, parts, self.parameter_shapes)}
+        """Member `index`'s weights w_s by parameter name (the same on every call: drawn once
+        per device and kept, as every batch of every evaluation asks for them again)."""
+        device = self.moments.mean.device
+        weights = self._weights.get(index)
+        if weights is None or next(iter(weights.values())).device != device:
+            generator = torch.Generator(device=device).manual_seed((self.seed * 1_000_003 + index) % 2**63)
+            flat = self.moments.sample(generator, self.scale)
+            dtype = next(self.network_fixed.parameters()).dtype
+            parts = flat.to(dtype).split([math.prod(s) for s in self.parameter_shapes])
+            weights = self._weights[index] = {f"net.{name}": part.view(shape) for name, part, shape
+                                              in zip(self.parameter_names, parts, self.parameter_shapes)}
+        return {name: outside_inference(w) for name, w in weights.items()}
 
     def _member_forward(self, weights: dict[str, Tensor]):
         return lambda x: torch.func.functional_call(self.network_fixed, weights, (x,))
@@ -327,10 +334,7 @@ class SWAGMethod(FixedStructurePosterior):
         if index not in self._statistics:
             self._statistics[index] = structure_statistics(self._member_forward(weights), self.network_fixed.net,
                                                            self._calibration, 1)
-        stats = self._statistics[index]
-        # computed under the test pass's inference mode; the attacks after it need plain tensors
-        return {k: tuple(t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t for t in v)
-                for k, v in stats.items()}
+        return {k: tuple(map(outside_inference, v)) for k, v in self._statistics[index].items()}
 
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """Logits of members first .. first + n - 1, (n, b, C): one forward per member."""
