@@ -533,10 +533,7 @@ class ClassificationMethod(pl.LightningModule):
     def _backward(self, loss: Tensor, last: bool) -> None:
         """Lightning's backward; before the last chunk DDP does not all-reduce (the last
         chunk's backward reduces the sum)."""
-        if last:
-            self.manual_backward(loss)
-            return
-        block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
+        block = nullcontext if last else getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
         with block():
             self.manual_backward(loss)
 

@@ -10,8 +10,8 @@ centred at the trained weights θ*:
 where J_n = ∂f(x_n)/∂θ (which is φ(x_n) ⊗ I for a linear head), Λ_n = ∂²(−log p(y_n | f))/∂f²
 (for softmax: diag(p_n) − p_n p_nᵀ, the generalised Gauss-Newton), and λ the prior precision
 of θ ~ N(0, λ⁻¹ I). The curvature sum runs over the *training* set; it is either kept whole
-(`hessian_structure="full"`, (CD + C)² entries) or Kronecker-factored per layer (`"kron"`,
-KFAC: Σ_n φ_nφ_nᵀ ⊗ Σ_n Λ_n / N for W, with the bias its own factor). The feature map φ (the
+(`hessian_structure="full"`, (CD + C)² entries), Kronecker-factored per layer (`"kron"`,
+KFAC: Σ_n φ_nφ_nᵀ ⊗ Σ_n Λ_n / N for W, with the bias its own factor) or diagonal (`"diag"`). The feature map φ (the
 network below the head, BatchNorm in eval mode) stays at the MAP.
 
 The GLM predictive. The linearised network f_lin(x, θ) = f(x, θ*) + J(x)(θ − θ*) gives the

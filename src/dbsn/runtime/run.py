@@ -462,8 +462,8 @@ def _posthoc_applies(posthoc: str, run_dir: Path, ckpt: Path) -> bool:
 
 def _write_posthoc_run(folder: Path, run_config: dict, posthoc: str) -> None:
     """`<run>/posthoc/<name>/` reads as a run of its own to the report: the training run's config
-    with `posthoc: <name>` (its method), and the test pass's metrics.json beside it (copied when
-    the evaluation has written it)."""
+    with `posthoc: <name>` (its method); `_run_evaluations` copies the test pass's metrics.json
+    beside it."""
     folder.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create({**run_config, "posthoc": posthoc}), folder / CONFIG_FILE)
 

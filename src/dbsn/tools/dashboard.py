@@ -5,7 +5,8 @@ sections Calibration, Accuracy, Selective prediction, OOD, Dataset shift, Advers
 and Structure posterior. Every
 panel points at names our runs log (`dbsn.evaluation.tracking`); runs are grouped by `config.method`, so a
 bar or curve is a method's mean over seeds with its standard deviation as the band. Sections
-about training read the `train` runs, OOD and attacks the `evaluate` runs (`evaluate.py
+about training read the `train` runs (Calibration and Selective prediction also the post-hoc
+evaluations); OOD, Dataset shift and Adversarial the `evaluate` runs (`evaluate.py
 logger=wandb`); `--group` restricts both to one sweep.
 
 `--dry-run` prints the specification (sections, panels and the metric names each one reads) as

@@ -327,7 +327,7 @@ def _per_method_table(report: Report, ok: list[Run], stem: str, title: str, expl
                 values[r.method, r.dataset, label].append(scale * r.metrics[key])
     if not values:
         return ""
-    cells = sorted({k[:2] for k in values}, key=lambda k: (_order({k[1]}, DATASET_ORDER), METHOD_ORDER.index(k[0])
+    cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], METHOD_ORDER.index(k[0])
                                                             if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0]))
     rows, csv_rows = [], []
     for method, dataset in cells:

@@ -23,7 +23,7 @@ settings) and one CamVid DBSN training step (3 crops of 224 x 224, T = 1).
 
 The whole suite is meant to finish within 20 minutes; `--configs` runs a subset, and `--json`
 accumulates results over several calls (a machine that limits each command's time). On a CPU it
-runs the same code on a small setting (`--net quick --batch 4 --steps 2`): that is how the tests
+runs the same code on a small setting (the tests: `--net tiny --batch 4 --steps 2`): that is how the tests
 exercise it.
 """
 
@@ -101,6 +101,11 @@ def training_step(method: DBSN, batch: int, device: torch.device, precision: str
             opt.step()
         method.on_after_optimizer_step(batch)
     return step
+
+
+def _error_text(error: Exception) -> str:
+    """A failed configuration's row: the exception's type and the first line of its message."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
 
 
 def _timed(run, device: torch.device, steps: int) -> tuple[float, float]:
@@ -242,7 +247,7 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
                 if chunk_name == "grouped" and name not in prediction:  # the ensemble does not chunk T
                     prediction[name] = prediction_rate(method, dev, precision, prediction_batch, max(2, steps // 5))
             except Exception as error:  # one configuration's failure must not lose the others
-                rows[key] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+                rows[key] = {"error": _error_text(error)}
             finally:
                 method = step = None
                 if dev.type == "cuda":
@@ -260,7 +265,7 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
                 result["camvid"][name] = camvid_step(dev, precision, channels_last, compile_mode, max(2, steps // 4),
                                                      camvid_size, camvid_batch, backend, camvid_kwargs)
             except Exception as error:
-                result["camvid"][name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+                result["camvid"][name] = {"error": _error_text(error)}
         save()
     return result
 
