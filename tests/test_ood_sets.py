@@ -451,4 +451,6 @@ def test_fpr95_in_positive_matches_sklearn_with_ties(seed):
     s, is_in = np.concatenate([scores_in, scores_out]), np.array([1] * 200 + [0] * 150)
     fpr, tpr, _ = roc_curve(is_in, -s, drop_intermediate=False)
     assert fpr_at_95_tpr(scores_in, scores_out, positive="in") == pytest.approx(fpr[np.argmax(tpr >= 0.95)], abs=1e-6)
-    assert fpr_at_95_tpr(scores_in, scores_out) == detection_metrics(scores_in, scores_out)["fpr95"]
+    fpr, tpr, _ = roc_curve(1 - is_in, s, drop_intermediate=False)  # the default: OOD positive, higher = more OOD
+    assert fpr_at_95_tpr(scores_in, scores_out) == pytest.approx(fpr[np.argmax(tpr >= 0.95)], abs=1e-6)
+    assert detection_metrics(scores_in, scores_out)["fpr95"] == fpr_at_95_tpr(scores_in, scores_out)

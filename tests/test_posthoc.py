@@ -344,9 +344,9 @@ def test_swag_collection_starts_where_asked_and_only_on_point_estimates():
         SWAGCollector(collect="batch")
     with pytest.raises(ValueError, match="point-estimate"):
         swag_parameters(DBSN(_tiny_net(), dataset_size=10))
+    moments = SWAGMoments(3)
+    moments.update(torch.zeros(3))
     with pytest.raises(ValueError, match="at least 2"):
-        moments = SWAGMoments(3)
-        moments.update(torch.zeros(3))
         moments.sample()
 
 

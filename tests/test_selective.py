@@ -198,7 +198,7 @@ def test_optimal_aurc_closed_form_and_edge_cases():
     assert optimal_aurc(1.0) == 1.0
     assert aurc(torch.ones(5), torch.arange(5.0)) == pytest.approx(1.0)
     assert aurc(torch.zeros(5), torch.arange(5.0)) == 0.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"error rate must be in \[0, 1\]"):
         optimal_aurc(1.5)
 
 

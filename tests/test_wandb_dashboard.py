@@ -314,7 +314,7 @@ def test_the_stored_axes_check_sees_a_wrong_x_axis_and_swapped_fields():
             {"config": {"panelDefId": "wandb/line/v0", "fieldSettings": {"x": "confidence", "y": "accuracy"},
                         "userQuery": {"queryFields": [{"fields": [{"args": [{"name": "tableKey",
                                                                               "value": "test/reliability_bins"}]}]}]}}}]
-    assert_stored_axes([line, chart], good, logged, steps) is None
+    assert_stored_axes([line, chart], good, logged, steps)  # passes: its assertions hold
     with pytest.raises(AssertionError):
         assert_stored_axes([replace(line, x="_step")], [{"config": {"xAxis": "_step", "metrics": ["val/ece"]}}], logged, steps)
     swapped = {"config": {**good[1]["config"], "fieldSettings": {"x": "accuracy", "y": "confidence"}}}
