@@ -244,12 +244,15 @@ class SWAGCollector(Callback):
         self.moments = SWAGMoments.from_state(state_dict["moments"])
 
 
-def load_swag_state(checkpoint_path: str | Path) -> dict:
-    """The `SWAGCollector` state saved in a Lightning checkpoint."""
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
+def load_swag_state(checkpoint: str | Path | dict) -> dict:
+    """The `SWAGCollector` state saved in a Lightning checkpoint (its path, or the checkpoint
+    already loaded)."""
+    loaded = checkpoint if isinstance(checkpoint, dict) else torch.load(checkpoint, map_location="cpu",
+                                                                         weights_only=False)
+    state = loaded.get("callbacks", {}).get(STATE_KEY)
     if state is None or "moments" not in state:
-        raise ValueError(f"{checkpoint_path} holds no SWAG statistics: train with the SWAGCollector callback "
+        where = "the checkpoint" if isinstance(checkpoint, dict) else checkpoint
+        raise ValueError(f"{where} holds no SWAG statistics: train with the SWAGCollector callback "
                          "(and read the last checkpoint, written after the last collected epoch)")
     return state
 

@@ -343,7 +343,7 @@ def _posthoc_name(cfg: DictConfig) -> str | None:
 
 
 def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, datamodule, path: Path,
-                   device: torch.device) -> ClassificationMethod:
+                   checkpoint: dict, device: torch.device) -> ClassificationMethod:
     """The finished point-estimate run `model` with a post-hoc posterior: a last-layer Laplace
     (fitted now: curvature on the training split, prior precision on the validation split, or by
     the marginal likelihood on the training split where the run has none) or SWAG (from the
@@ -375,7 +375,7 @@ def _posthoc_model(cfg: DictConfig, name: str, model: ClassificationMethod, data
     from dbsn.posthoc.swag import SWAGMethod, load_swag_state
 
     try:
-        state = load_swag_state(path)
+        state = load_swag_state(checkpoint)  # `path`, loaded once
     except (KeyError, ValueError) as err:
         raise ConfigError(f"posthoc=swag needs the SWAG moments its run collected, and {path} has none ({err}): train "
                           "with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag).") from err
@@ -413,7 +413,7 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path) -> dict[
     model = members[0] if len(members) == 1 else DeepEnsemble(members)
     posthoc = _posthoc_name(cfg)
     if posthoc:
-        model = _posthoc_model(cfg, posthoc, model, datamodule, paths[0], _device(cfg.trainer))
+        model = _posthoc_model(cfg, posthoc, model, datamodule, paths[0], first, _device(cfg.trainer))
     if _evaluations(cfg) and not model.task.keeps_test_outputs:
         raise ConfigError(f"evaluations={_evaluations(cfg)} are defined for classifiers; this is a segmentation model.")
     for method in model.modules():  # evaluation-time overrides reach ensemble members too
