@@ -38,3 +38,16 @@ def tiny_for(model: str) -> list[str]:
 def compose_config(name: str, overrides: list[str], output_dir: Path) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=name, overrides=[*overrides, f"paths.output_dir={output_dir}"])
+
+
+# an in-process evaluation on the CPU without progress bars
+QUIET = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
+
+
+def evaluate_quietly(ckpt, tmp_path: Path, extra=()) -> dict:
+    """`evaluate.py ckpt_path=<ckpt> *extra` in this process (`dbsn.runtime.run.evaluate`), its
+    Hydra folder under `tmp_path`."""
+    from dbsn.runtime.run import evaluate
+
+    cfg = compose_config("evaluate", [f"ckpt_path={ckpt}", *QUIET, *extra], tmp_path / "hydra")
+    return evaluate(cfg, tmp_path / "hydra")

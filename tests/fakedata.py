@@ -9,6 +9,21 @@ from pathlib import Path
 
 import numpy as np
 import scipy.io
+import torch
+
+
+# Five examples, three classes. Per row: prediction, confidence, right or wrong.
+CRAFTED_PROBS = torch.tensor(
+    [
+        [0.70, 0.20, 0.10],  # y=0: predicts 0, conf 0.7, right
+        [0.20, 0.50, 0.30],  # y=2: predicts 1, conf 0.5, wrong
+        [0.10, 0.10, 0.80],  # y=2: predicts 2, conf 0.8, right
+        [0.60, 0.30, 0.10],  # y=1: predicts 0, conf 0.6, wrong
+        [0.05, 0.90, 0.05],  # y=1: predicts 1, conf 0.9, right
+    ],
+    dtype=torch.float64,
+)
+CRAFTED_TARGET = torch.tensor([0, 2, 2, 1, 1])
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

@@ -3,6 +3,7 @@ here, calibrated and over-confident predictions, and how they relate to the equa
 
 import pytest
 import torch
+from fakedata import CRAFTED_PROBS, CRAFTED_TARGET
 
 from dbsn.metrics.calibration import (
     adaptive_expected_calibration_error,
@@ -11,18 +12,6 @@ from dbsn.metrics.calibration import (
 )
 from dbsn.metrics.classification import expected_calibration_error
 
-# Confidences 0.7 (right), 0.5 (wrong), 0.8 (right), 0.6 (wrong), 0.9 (right).
-CRAFTED_PROBS = torch.tensor(
-    [
-        [0.70, 0.20, 0.10],
-        [0.20, 0.50, 0.30],
-        [0.10, 0.10, 0.80],
-        [0.60, 0.30, 0.10],
-        [0.05, 0.90, 0.05],
-    ],
-    dtype=torch.float64,
-)
-CRAFTED_TARGET = torch.tensor([0, 2, 2, 1, 1])
 
 
 # ---------------------------------------------------------------- references with loops

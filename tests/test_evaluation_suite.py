@@ -11,15 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from configs import compose_config, tiny_for
+from configs import compose_config, evaluate_quietly, tiny_for
 
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.run import evaluate, train
+from dbsn.runtime.run import train
 
 pytestmark = pytest.mark.slow
-
-QUIET = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
-
 
 def _train(model: str, out, epochs: int = 2):
     overrides = ["data=digits", "data.num_workers=0", f"model={model}", *tiny_for(model), f"trainer.max_epochs={epochs}",
@@ -33,11 +30,6 @@ def dbsn_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "0"
     metrics = _train("dbsn", out)
     return out, metrics
-
-
-def _evaluate(ckpt, tmp_path, extra=()):
-    cfg = compose_config("evaluate", [f"ckpt_path={ckpt}", *QUIET, *extra], tmp_path / "hydra")
-    return evaluate(cfg, tmp_path / "hydra")
 
 
 def _csv(path):
@@ -65,7 +57,7 @@ def test_training_reports_decomposition_ablation_and_structure(dbsn_run):
 @pytest.fixture(scope="module")
 def evaluated_run(dbsn_run, tmp_path_factory):
     out, _ = dbsn_run
-    results = _evaluate(
+    results = evaluate_quietly(
         out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"),
         ["evaluations=[ood,adversarial]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
          "adversarial.epsilons=[0.0,0.05,0.1]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
@@ -123,7 +115,7 @@ def test_per_structure_batchnorm_statistics_through_evaluate_with_attacks(dbsn_r
     statistics, the attacks that follow differentiate through them (other members evaluate),
     and metrics.json records the training-end τ beside the test τ."""
     out, metrics = dbsn_run
-    results = _evaluate(
+    results = evaluate_quietly(
         out / "checkpoints" / "last.ckpt", tmp_path,
         ["bn_recalibration.enabled=true", "bn_recalibration.images=64", "n_samples=4", "evaluations=[adversarial]",
          "adversarial.epsilons=[0.0,0.1]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
@@ -140,7 +132,7 @@ def test_per_structure_batchnorm_statistics_through_evaluate_with_attacks(dbsn_r
 def test_unknown_evaluation_is_refused(dbsn_run, tmp_path):
     out, _ = dbsn_run
     with pytest.raises(ConfigError, match=r"unknown \['odd'\].*ood"):
-        _evaluate(out / "checkpoints" / "last.ckpt", tmp_path, ["evaluations=[odd]"])
+        evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path, ["evaluations=[odd]"])
 
 
 def test_folder_of_runs_is_evaluated_and_reported_with_failed_runs_listed(dbsn_run, tmp_path):
@@ -149,7 +141,7 @@ def test_folder_of_runs_is_evaluated_and_reported_with_failed_runs_listed(dbsn_r
     shutil.copytree(out, sweep / "0", ignore=shutil.ignore_patterns("evaluation"))
     (sweep / "1").mkdir()
     shutil.copy(out / "resolved_config.yaml", sweep / "1")  # a run that died before finishing
-    result = _evaluate(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32"])
+    result = evaluate_quietly(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32"])
     assert list(result["not_evaluated"]) == [str(sweep / "1")]
     assert (sweep / "0" / "evaluation" / "ood" / "noise" / "metrics.json").exists()
     report = (sweep / "report" / "report.md").read_text()

@@ -10,16 +10,13 @@ import math
 import pytest
 import torch
 import yaml
-from configs import compose_config, tiny_for
+from configs import compose_config, evaluate_quietly, tiny_for
 
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.layout import CONFIG_FILE
-from dbsn.runtime.run import evaluate, train
+from dbsn.runtime.run import train
 
 pytestmark = pytest.mark.slow
-
-QUIET = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
-
 
 @pytest.fixture(scope="module")
 def map_run(tmp_path_factory):
@@ -29,11 +26,6 @@ def map_run(tmp_path_factory):
     overrides = ["data=digits", "data.num_workers=0", "data.val_size=200", "model=map_fixed", *tiny_for("map_fixed"),
                  "trainer.max_epochs=3", "logger=csv", "callbacks=swag", "callbacks.swag.start=1"]
     return out, train(compose_config("train", overrides, out), out)
-
-
-def _evaluate(ckpt, tmp_path, extra=()):
-    cfg = compose_config("evaluate", [f"ckpt_path={ckpt}", *QUIET, *extra], tmp_path / "hydra")
-    return evaluate(cfg, tmp_path / "hydra")
 
 
 def test_every_test_pass_reports_three_eces_and_selective_prediction(map_run):
@@ -54,7 +46,7 @@ def test_every_test_pass_reports_three_eces_and_selective_prediction(map_run):
 def evaluated(map_run, tmp_path_factory):
     out, _ = map_run
     shift_root = tmp_path_factory.mktemp("digits-C")
-    results = _evaluate(out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"), [
+    results = evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"), [
         "evaluations=[ood,shift]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32",
         "+ood_groups={near:[photos],far:[noise]}", f"shift.root={shift_root}", "shift.generate=true",
         "shift.corruptions=[gaussian_noise,contrast]", "shift.severities=[1,5]"])
@@ -90,7 +82,7 @@ def test_near_and_far_ood_are_the_means_of_their_sets(evaluated):
 @pytest.mark.parametrize("posthoc", ["laplace", "swag"])
 def test_a_post_hoc_posterior_is_evaluated_as_its_own_method(map_run, tmp_path, posthoc):
     out, trained = map_run
-    results = _evaluate(out / "checkpoints" / "last.ckpt", tmp_path, [f"posthoc={posthoc}", "n_samples=4"])
+    results = evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path, [f"posthoc={posthoc}", "n_samples=4"])
     folder = out / "posthoc" / posthoc
     config = yaml.safe_load((folder / CONFIG_FILE).read_text())
     assert config["posthoc"] == posthoc and config["seed"] == trained_seed(out)
@@ -110,23 +102,23 @@ def trained_seed(out) -> int:
 def test_a_post_hoc_posterior_the_run_cannot_have_is_refused(tmp_path, map_run):
     out, _ = map_run
     with pytest.raises(ConfigError, match="posthoc=bayes: choose one of"):
-        _evaluate(out / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=bayes"])
+        evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=bayes"])
     swagless = tmp_path / "run"
     train(compose_config("train", ["data=digits", "data.num_workers=0", "model=map_fixed", *tiny_for("map_fixed"),
                                    "trainer.max_epochs=1", "test=false"], swagless), swagless)
     with pytest.raises(ConfigError, match="callbacks=swag"):
-        _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=swag"])
+        evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=swag"])
     with pytest.raises(ConfigError, match="marglik"):  # no validation split for the grid search
-        _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=gridsearch"])
+        evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=gridsearch"])
     with pytest.raises(ConfigError, match="must be positive"):
-        _evaluate(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=0"])
+        evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "laplace.prior_precision=0"])
     # one snapshot: no covariance to sample from, said before anything is predicted
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in checkpoint["callbacks"].items() if "SWAG" in k)
     state["moments"]["count"].fill_(1)
     torch.save(checkpoint, tmp_path / "one_snapshot.ckpt")
     with pytest.raises(ConfigError, match="at least 2 collected snapshots.*has 1: .*callbacks.swag.collect=step"):
-        _evaluate(tmp_path / "one_snapshot.ckpt", tmp_path, ["posthoc=swag"])
+        evaluate_quietly(tmp_path / "one_snapshot.ckpt", tmp_path, ["posthoc=swag"])
 
 
 def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and_swag(evaluated, tmp_path):
@@ -135,7 +127,7 @@ def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and
     out, _, _ = evaluated
     for posthoc in ("laplace", "swag"):
         if not (out / "posthoc" / posthoc / "metrics.json").is_file():
-            _evaluate(out / "checkpoints" / "last.ckpt", tmp_path / posthoc, [f"posthoc={posthoc}", "n_samples=4"])
+            evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path / posthoc, [f"posthoc={posthoc}", "n_samples=4"])
     report = build_report([out.parent], tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
     for section in ("## Calibration beyond equal-width ECE", "## Selective prediction", "## Near and far OOD",

@@ -7,23 +7,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from fakedata import CRAFTED_PROBS, CRAFTED_TARGET  # noqa: E402
 
 from dbsn.metrics.classification import reliability_bins  # noqa: E402
 from dbsn.evaluation.plots import reliability_diagram, save_figure  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# Confidences 0.7 (right), 0.5 (wrong), 0.8 (right), 0.6 (wrong), 0.9 (right).
-PROBS = torch.tensor(
-    [
-        [0.70, 0.20, 0.10],
-        [0.20, 0.50, 0.30],
-        [0.10, 0.10, 0.80],
-        [0.60, 0.30, 0.10],
-        [0.05, 0.90, 0.05],
-    ]
-)
-TARGET = torch.tensor([0, 2, 2, 1, 1])
+PROBS, TARGET = CRAFTED_PROBS.float(), CRAFTED_TARGET
 
 
 def test_bar_heights_are_bin_accuracies():

@@ -119,21 +119,29 @@ def test_a_learned_structure_is_held_at_softmax_theta():
         torch.testing.assert_close(network(x).log_softmax(-1), method.predict_log_probs(x))
 
 
+def _assert_fixed_members(method, x, count: int, classes: int, first: int, n: int, differ: float):
+    """A post-hoc method's `count` members: normalised, different from each other, the same on
+    every call, members first .. first + n - 1 alone equal to the slice of all, and the
+    prediction their mixture. Returns the members' log-probabilities (count, b, classes)."""
+    with torch.no_grad():
+        members = method.predict_members(x)
+        again = method.predict_members(x)
+        tail = method.predict_members(x, n, first=first)
+        log_probs = method.predict_log_probs(x)
+    assert members.shape == (count, len(x), classes) and method.num_members == count
+    torch.testing.assert_close(members.logsumexp(-1), torch.zeros(count, len(x)), rtol=0, atol=1e-5)
+    assert (members[1:] - members[:1]).abs().amax() > differ  # the members differ
+    torch.testing.assert_close(again, members, rtol=0, atol=0)  # fixed members: every batch sees the same
+    torch.testing.assert_close(tail, members[first:first + n], rtol=0, atol=1e-6)
+    torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(count), rtol=0, atol=1e-6)
+    return members
+
+
 def test_laplace_method_members(digits_map, digits_laplace):
     method, dm = digits_map
     lm = digits_laplace
     x = dm.preprocess(dm.val_set.images[:8])
-    with torch.no_grad():
-        members = lm.predict_members(x)
-        again = lm.predict_members(x)
-        tail = lm.predict_members(x, 10, first=5)
-        log_probs = lm.predict_log_probs(x)
-    assert members.shape == (64, 8, 10) and lm.num_members == 64
-    torch.testing.assert_close(members.logsumexp(-1), torch.zeros(64, 8), rtol=0, atol=1e-5)
-    assert (members[1:] - members[:1]).abs().amax() > 1e-2  # the members differ
-    torch.testing.assert_close(again, members, rtol=0, atol=0)  # fixed members: every batch sees the same
-    torch.testing.assert_close(tail, members[5:15], rtol=0, atol=1e-6)
-    torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(64), rtol=0, atol=1e-6)
+    _assert_fixed_members(lm, x, count=64, classes=10, first=5, n=10, differ=1e-2)
     # the posterior is centred at the trained head, and the network's weights are untouched
     head = method.net.classifier
     torch.testing.assert_close(lm.laplace.mean, torch.cat([head.weight.detach().flatten(), head.bias.detach()]))
@@ -377,17 +385,7 @@ def test_swag_members_have_their_own_batchnorm_statistics():
     swag.use_calibration_images(calibration)
     x = torch.randn(6, 3, 8, 8, generator=g)
     before = [p.detach().clone() for p in method.net.parameters()]
-    with torch.no_grad():
-        members = swag.predict_members(x)
-        again = swag.predict_members(x)
-        tail = swag.predict_members(x, 2, first=2)
-        log_probs = swag.predict_log_probs(x)
-    assert members.shape == (4, 6, 4) and swag.num_members == 4
-    torch.testing.assert_close(members.logsumexp(-1), torch.zeros(4, 6), rtol=0, atol=1e-5)
-    assert (members[1:] - members[:1]).abs().amax() > 1e-3
-    torch.testing.assert_close(again, members, rtol=0, atol=0)
-    torch.testing.assert_close(tail, members[2:4], rtol=0, atol=1e-6)
-    torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(4), rtol=0, atol=1e-6)
+    members = _assert_fixed_members(swag, x, count=4, classes=4, first=2, n=2, differ=1e-3)
     assert all(torch.equal(a, p) for a, p in zip(before, method.net.parameters()))  # members are functional
 
     for s in (0, 3):
