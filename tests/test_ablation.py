@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from dbsn.evaluation.ablation import SampleAblation, ablation_figure, prefix_ensembles, write_ablation
-from dbsn.evaluation.uncertainty import ensemble_log_probs
+from dbsn.evaluation.ablation import ablation_figure, write_ablation
+from dbsn.metrics.ablation import SampleAblation, prefix_ensembles
+from dbsn.metrics.uncertainty import ensemble_log_probs
 from dbsn.metrics.classification import ClassificationMetrics
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dbsn.posthoc.temperature import NoValidationSplitError, TemperatureScaler, fit_temperature, require_validation
+from dbsn.methods.temperature import NoValidationSplitError, TemperatureScaler, fit_temperature, require_validation
 from dbsn.data import DigitsDataModule
 
 NUM_CLASSES, DIM = 10, 8

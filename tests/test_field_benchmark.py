@@ -13,7 +13,7 @@ import yaml
 from configs import compose_config, evaluate_quietly, tiny_for
 
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.layout import CONFIG_FILE
+from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.runtime.run import train
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_a_post_hoc_posterior_the_run_cannot_have_is_refused(tmp_path, map_run):
 
 
 def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and_swag(evaluated, tmp_path):
-    from dbsn.tools.report import build_report
+    from dbsn.evaluation.report import build_report
 
     out, _, _ = evaluated
     for posthoc in ("laplace", "swag"):

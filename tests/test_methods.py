@@ -106,7 +106,7 @@ def _digits_overrides(*extra):
 
 
 def test_temperature_scaling_refuses_without_a_validation_split(tmp_path):
-    from dbsn.posthoc.temperature import NoValidationSplitError
+    from dbsn.methods.temperature import NoValidationSplitError
 
     cfg = compose_config("train", _digits_overrides("data.val_size=0"), tmp_path)
     with pytest.raises(NoValidationSplitError, match="val_size"):

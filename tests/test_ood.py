@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve  # noqa: E402
 
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure, ood_report  # noqa: E402
-from dbsn.evaluation.uncertainty import ood_scores  # noqa: E402
+from dbsn.metrics.uncertainty import ood_scores  # noqa: E402
 
 METRICS = {"auroc", "aupr", "aupr_in", "fpr95"}
 

@@ -1,4 +1,4 @@
-"""dbsn.tools.report gathers hand-made run folders into tables whose numbers are checked by hand."""
+"""dbsn.evaluation.report gathers hand-made run folders into tables whose numbers are checked by hand."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import yaml
 
-from dbsn.tools.report import build_report, expected_jobs, main
-from dbsn.runtime.layout import infer_method
+from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.collect import expected_jobs
+from dbsn.tools.report import main
+from dbsn.evaluation.runs import infer_method
 
 MODELS = {
     "dbsn": {"_target_": "dbsn.methods.DBSN", "weights": None},

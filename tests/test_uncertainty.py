@@ -1,11 +1,11 @@
-"""Tests for dbsn.evaluation.uncertainty: entropy and its decomposition."""
+"""Tests for dbsn.metrics.uncertainty: entropy and its decomposition."""
 
 import math
 
 import pytest
 import torch
 
-from dbsn.evaluation.uncertainty import ensemble_log_probs, entropy, ood_scores, uncertainty_decomposition
+from dbsn.metrics.uncertainty import ensemble_log_probs, entropy, ood_scores, uncertainty_decomposition
 
 INF = float("inf")
 

@@ -1,7 +1,7 @@
 """Out-of-distribution detection: AUROC, AUPR, FPR at 95% TPR, and entropy CDFs.
 
 Convention: out-of-distribution (OOD) examples are the POSITIVE class and a HIGHER score
-means MORE likely OOD, as for every score of :func:`dbsn.evaluation.uncertainty.ood_scores`;
+means MORE likely OOD, as for every score of :func:`dbsn.metrics.uncertainty.ood_scores`;
 so FPR95 is the FPR on in-distribution at 95% TPR on OOD, as in OpenOOD v1.5
 (`fpr_at_95_tpr` also gives the in-distribution-positive one).
 
@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision, binary_roc
 
-from dbsn.evaluation.uncertainty import ood_scores
+from dbsn.metrics.uncertainty import ood_scores
 
 __all__ = ["OOD_SCORES", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
 

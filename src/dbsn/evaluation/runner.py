@@ -44,7 +44,7 @@ from dbsn.evaluation.ablation import ablation_figure, write_ablation
 from dbsn.evaluation.attacks import adversarial_evaluation, adversarial_figure, write_results
 from dbsn.evaluation.ood import OOD_SCORES, detection_metrics, entropy_cdf_figure
 from dbsn.evaluation.structure import edge_names_of, write_structure_posterior
-from dbsn.evaluation.uncertainty import detection_scores
+from dbsn.metrics.uncertainty import detection_scores
 from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
 from dbsn.metrics.classification import reliability_bins
 from dbsn.metrics.selective import score_as_uncertainty, risk_coverage_curve, risk_coverage_figure, selective_metrics

@@ -10,7 +10,7 @@ Brier and the 15-bin ECE. Reported under stable names:
                                              (the convention of Hendrycks & Dietterich and RobustBench)
 
 and drawn as Ovadia et al. draw them: per severity, a box over the corruptions of ECE and of
-error, one box per method (`shift_boxplots`; `dbsn.tools.report` puts a sweep's methods side by
+error, one box per method (`shift_boxplots`; `dbsn.evaluation.report` puts a sweep's methods side by
 side). Sets made by the generator (`dbsn.data.shift.write_generated_set`) are not the published
 files: every output says `generated` (metrics.json's `source`, the figure's title, W&B's
 `shift/generated`).

@@ -38,11 +38,11 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from dbsn.posthoc.temperature import TemperatureScaler, fit_temperature, require_validation
+from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
 from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods.weights import WeightPosterior
-from dbsn.evaluation.ablation import SampleAblation
-from dbsn.evaluation.uncertainty import ensemble_log_probs, uncertainty_decomposition
+from dbsn.metrics.ablation import SampleAblation
+from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
 from dbsn.nets.batchnorm import accumulated_running_statistics

@@ -167,7 +167,7 @@ class UncertaintyMetrics(nn.Module):
     """Means over the test set of the uncertainty decomposition of a Bayes ensemble.
 
     ``update(scores)`` takes the per-example dict of
-    :func:`dbsn.evaluation.uncertainty.uncertainty_decomposition`; ``compute()`` returns the
+    :func:`dbsn.metrics.uncertainty.uncertainty_decomposition`; ``compute()`` returns the
     means of ``predictive_entropy`` (total), ``expected_entropy`` (aleatoric) and
     ``mutual_information`` (epistemic), in nats, synchronised across processes.
     """

@@ -38,11 +38,11 @@ Integration (both over coverage in [0, 1], from the threshold points):
 * AUGRC ``= ∫_0^1 g(κ) dκ``: the trapezoid rule over the points and ``(0, 0)``, which is
   exact for the linear ``g``. The oracle's AUGRC is ``e^2 / 2`` for error rate ``e``.
 
-Scores of this project (:func:`dbsn.evaluation.uncertainty.uncertainty_decomposition`):
+Scores of this project (:func:`dbsn.metrics.uncertainty.uncertainty_decomposition`):
 ``predictive_entropy`` and ``mutual_information`` are uncertainties, ``max_probability`` is a
 confidence (higher = more certain), which :func:`selective_metrics` negates. Negating, not
 ``1 - p``, keeps every distinct float32 confidence distinct. NB: the ``max_probability`` of
-:func:`~dbsn.evaluation.uncertainty.detection_scores` is already ``1 - p``; do not pass that
+:func:`~dbsn.metrics.uncertainty.detection_scores` is already ``1 - p``; do not pass that
 dict here.
 """
 
@@ -203,7 +203,7 @@ def selective_metrics(errors: Tensor, scores: dict[str, Tensor]) -> dict[str, fl
 
     ``errors`` (N,) is 1 where the prediction is wrong; ``scores`` maps a score name to its
     per-example values (N,), as in
-    :func:`~dbsn.evaluation.uncertainty.uncertainty_decomposition`; names in
+    :func:`~dbsn.metrics.uncertainty.uncertainty_decomposition`; names in
     :data:`CONFIDENCE_SCORES` are confidences and are negated, all others are
     uncertainties. Returns, for each score ``<s>``:
 

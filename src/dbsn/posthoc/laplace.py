@@ -68,7 +68,7 @@ from dbsn.data.base import in_memory_loader
 from dbsn.methods.base import ClassificationMethod
 from dbsn.methods.map import MAP
 from dbsn.methods.tasks import Segmentation
-from dbsn.posthoc.temperature import NoValidationSplitError, require_validation
+from dbsn.methods.temperature import NoValidationSplitError, require_validation
 
 __all__ = [
     "FixedStructureNetwork",

@@ -7,6 +7,7 @@
   (`ddp` launches them; each runs `python -m dbsn.runtime.child`);
 - `rank`: `is_rank_zero`, which rank this process is;
 - `cluster`: SLURM jobs (requeue, the job's facts, resume from the run folder);
-- `progress`: progress lines for logs without a terminal;
-- `layout`: the names of the files in a run folder.
+- `progress`: progress lines for logs without a terminal.
+
+The names of a run folder's files live below, in `dbsn.evaluation.runs` (the report reads them too).
 """

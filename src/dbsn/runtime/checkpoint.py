@@ -119,7 +119,8 @@ class RandomStateCallback(pl.Callback):
 MOVED_TARGETS = {
     "dbsn.schedules.": "dbsn.structure.schedules.",
     "dbsn.tracking.": "dbsn.evaluation.tracking.",
-    "dbsn.calibration.": "dbsn.posthoc.temperature.",
+    "dbsn.calibration.": "dbsn.methods.temperature.",
+    "dbsn.posthoc.temperature.": "dbsn.methods.temperature.",
     "dbsn.ensemble.": "dbsn.methods.predictive.",
 }
 

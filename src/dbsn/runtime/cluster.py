@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.layout import SLURM_FILE
+from dbsn.evaluation.runs import SLURM_FILE
 
 GPU_ACCELERATORS = ("auto", "gpu", "cuda")  # on a GPU cluster, "auto" means the GPUs
 
@@ -340,7 +340,7 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         print(f"FAILED job {facts['job_id']} ({' '.join(facts['overrides'])}): {facts['error']}\n"
               f"  run folder {run_dir}\n  SLURM log  {facts['stdout']}", flush=True)
     if "model" in config:  # a training sweep: its tables
-        from dbsn.runtime.reports import build_sweep_report
+        from dbsn.evaluation.report import build_sweep_report
 
         report = build_sweep_report(sweep_dir)
         print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)

@@ -20,11 +20,15 @@ import os
 import shutil
 import types
 import typing
+from pathlib import Path
 from typing import Any, Iterable, Literal, Union
 
 import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+#: The Hydra config tree (conf/ at the checkout's root), for entry points and tools that compose configs.
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 

@@ -21,7 +21,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _launch_proc
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from dbsn.runtime.layout import CONFIG_FILE
+from dbsn.evaluation.runs import CONFIG_FILE
 
 
 class _ConfigFileLauncher(_SubprocessScriptLauncher):

@@ -19,7 +19,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     Hydra has parsed the command line)."""
     from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
     from dbsn.methods.base import NonFiniteLossError
-    from dbsn.posthoc.temperature import NoValidationSplitError
+    from dbsn.methods.temperature import NoValidationSplitError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
 

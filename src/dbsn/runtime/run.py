@@ -29,15 +29,15 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, AtomicCheckpointIO, CheckpointE
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.ddp import RunDirDDPStrategy
-from dbsn.runtime.layout import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint, method_and_dataset
+from dbsn.evaluation.runs import CONFIG_FILE, WANDB_ID_FILE, last_checkpoint, method_and_dataset
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.progress import LineProgress
 from dbsn.runtime.rank import is_rank_zero
-from dbsn.runtime.reports import build_sweep_report
+from dbsn.evaluation.report import build_sweep_report
 from dbsn.runtime.wandb_run import (configured_group, logged_to_wandb, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
 from dbsn.methods import DBSN, ClassificationMethod, DeepEnsemble
-from dbsn.evaluation.ablation import SampleAblation
+from dbsn.metrics.ablation import SampleAblation
 from dbsn.data.shift import CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, is_generated, write_generated_set
 from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_evaluation

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from dbsn.runtime.rank import is_rank_zero
-from dbsn.runtime.layout import WANDB_ID_FILE, method_and_dataset, sweep_of
+from dbsn.evaluation.runs import WANDB_ID_FILE, method_and_dataset, sweep_of
 
 IDENTITY_KEYS = ("id", "group", "name", "job_type")
 

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from dbsn.runtime.layout import CONF_DIR
+from dbsn.runtime.config import CONF_DIR
 from dbsn.structure.schedules import REFERENCE_BATCH
 
 METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn")

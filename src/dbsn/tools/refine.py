@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn.runtime.checkpoint import CONFIG_KEY, CheckpointError, load_checkpoint
-from dbsn.runtime.layout import CONF_DIR
+from dbsn.runtime.config import CONF_DIR
 
 
 def sample_discrete_structures(theta: torch.Tensor, beta: float, n: int, seed: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Where a run keeps its files, in one place for the code that writes them and the code that reads them.
+"""What a run folder holds and what its run is called: the runtime writes run folders, the
+evaluations and the report read them, so the names live here, below both.
 
 A run folder (`outputs/<task>/runs/<time>/`, or `<sweep>/<job>/` in a multirun) holds the files named below.
 """
@@ -14,10 +15,6 @@ CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
 WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run continues the same W&B run
 SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
-
-# The Hydra config tree (conf/ at the checkout's root), for tools that compose configs themselves.
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
-
 
 def last_checkpoint(run_dir: str | Path) -> Path:
     """`<run_dir>/checkpoints/last.ckpt`: what a resumed or requeued run continues from."""

@@ -1,0 +1,77 @@
+"""Gather training runs into the paper's tables: `dbsn-report DIR [DIR ...] [--out OUT]`.
+
+A run folder is any folder below the DIRs with `resolved_config.yaml` (post-hoc posteriors of a
+run, `<run>/posthoc/<name>/`, are runs of method <name>: laplace, swag; or a Hydra train job
+folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
+did not finish is listed with its SLURM log). Its status is `ok` when `metrics.json` exists, else
+`failed`; for every Hydra sweep root (a folder with `multirun.yaml`) the expected jobs (the
+cartesian product of the sweeper's params and command-line sweeps) without a folder are listed
+as `missing`. Every run is in runs.csv; only `ok` runs enter the tables, the others are named
+in report.md's "Runs not included".
+
+Writes into OUT (default outputs/report): report.md, runs.csv, table1_error.{md,csv},
+table2_ece.{md,csv}, table_nll.{md,csv}, calibration.{md,csv} (equal-width, equal-mass and
+classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
+have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
+ood_groups.csv (near / far OOD means), shift.{md,csv} with Ovadia et al.'s box plots per
+dataset, adversarial.{md,csv} with one figure per dataset, ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
+metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
+of runs in parentheses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
+from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
+                                           calibration_section, main_tables, ood_groups_section, ood_section,
+                                           runs_section, selective_section, shift_section, time_section)
+
+__all__ = ["Report", "Run", "build_report", "build_sweep_report"]
+
+
+def build_report(dirs: list[Path], out: Path) -> Report:
+    """Read every run below `dirs` and write the tables, figures and report.md into `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    folders, roots = find_folders([Path(d) for d in dirs])
+    runs = [load_run(folder) for folder in folders]
+    report = Report(out, runs)
+    for root in roots:
+        try:
+            runs += missing_runs(root, runs)
+        except Exception as err:  # noqa: BLE001 - e.g. a sweeper or sweep type we cannot expand
+            report.warnings.append(f"could not expand the sweep in {_show(root)}: {err!r}")
+    _write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "train_seconds",
+                                    "overrides", "note", "slurm_log"],
+               [[_show(r.path), r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
+                 r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note, r.log or ""]
+                for r in runs])
+    ok = report.with_status("ok")
+    for (method, dataset, seed), count in Counter((r.method, r.dataset, r.seed) for r in ok).items():
+        if count > 1:
+            report.warnings.append(f"{method} on {dataset} with seed {seed} finished {count} times: all are averaged")
+    counts = Counter(r.status for r in runs)
+    text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(_show(Path(d).resolve()) for d in dirs)}: "
+            f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
+            "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
+    if ok:
+        text += main_tables(report, ok) + calibration_section(report, ok) + selective_section(report, ok)
+        text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)
+        text += adversarial_section(report, ok) + ablation_section(report, ok)
+        text += time_section(report, ok)
+    else:
+        text += "No finished runs.\n\n"
+    text += runs_section(report)
+    if report.warnings:
+        text += "## Notes\n\n" + "".join(f"- {w}\n" for w in report.warnings) + "\n"
+    _write(report, "report.md", text)
+    return report
+
+
+def build_sweep_report(folder: Path) -> Report:
+    """The report of every run under `folder` (a sweep), into `folder/report`."""
+    return build_report([folder], Path(folder) / "report")

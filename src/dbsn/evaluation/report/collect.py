@@ -1,0 +1,140 @@
+"""Finding and reading runs for the report: run folders and sweep roots below some folders, each
+run's config and metrics.json, and the jobs a sweep should have made but did not (missing)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
+
+SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}  # <run>/posthoc/<name> is a run of its own
+
+
+@dataclass
+class Run:
+    path: Path
+    method: str
+    dataset: str
+    seed: object
+    status: str  # ok | failed | missing
+    metrics: dict = field(default_factory=dict)
+    overrides: list = field(default_factory=list)
+    note: str = ""
+    n_samples: object = None
+    train_seconds: float | None = None  # fit wall time (metrics.json; resumed parts included)
+    epochs: object = None
+    log: str | None = None  # the SLURM job's log file (slurm.json), for runs that did not finish
+
+
+@dataclass
+class Report:
+    out: Path
+    runs: list[Run]
+    files: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def with_status(self, status: str) -> list[Run]:
+        return [r for r in self.runs if r.status == status]
+
+
+# ---------------------------------------------------------------------- reading runs
+def _yaml(path: Path):
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def load_run(folder: Path) -> Run:
+    config = _yaml(folder / CONFIG_FILE) or _yaml(folder / ".hydra" / "config.yaml") or {}
+    method, dataset = method_and_dataset(folder, config)
+    run = Run(folder, method, dataset, config.get("seed"), "failed",
+              overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [])
+    metrics = folder / "metrics.json"
+    slurm = _json(folder / SLURM_FILE)
+    if not (folder / CONFIG_FILE).is_file():
+        run.note = f"no {CONFIG_FILE}: stopped before training started"
+    elif not metrics.is_file():
+        run.note = "no metrics.json: failed or unfinished"
+    else:
+        try:
+            record = json.loads(metrics.read_text())
+            run.metrics, run.status = dict(record["metrics"]), "ok"
+            run.seed, run.n_samples = record.get("seed", run.seed), record.get("n_samples")
+            run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
+        except (ValueError, KeyError, TypeError) as err:
+            run.note = f"unreadable metrics.json: {err!r}"
+    if run.status != "ok" and slurm:
+        run.log = slurm.get("stdout")
+        if slurm.get("error"):
+            run.note += f"; SLURM job {slurm.get('job_id')} failed: {slurm['error'][:300]}"
+    return run
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return None
+
+
+def find_folders(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(run folders, sweep roots) below `dirs`."""
+    runs, roots = set(), set()
+    for top in dirs:
+        for here, subdirs, files in os.walk(Path(top).resolve()):
+            subdirs[:] = [d for d in subdirs if d not in SKIP_DIRS]
+            here = Path(here)
+            if "multirun.yaml" in files:
+                roots.add(here)
+            if CONFIG_FILE in files or SLURM_FILE in files or "model" in _choices(here):
+                runs.add(here)
+    return sorted(runs, key=_natural), sorted(roots)
+
+
+def _natural(path: Path) -> tuple:
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts)
+
+
+# ---------------------------------------------------------------------- sweeps
+def _parse_overrides(overrides: list[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([str(o) for o in overrides])
+
+
+def expected_jobs(root: Path) -> list[dict[str, str]]:
+    """Every job's overrides ({key: value}) that the sweep at `root` launches (BasicSweeper rules:
+    the sweeper's params, then the command line's overrides, a later key replacing an earlier one)."""
+    hydra_cfg = (_yaml(root / "multirun.yaml") or {}).get("hydra") or {}
+    params = (hydra_cfg.get("sweeper") or {}).get("params") or {}
+    args = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in params.items()]
+    args += list((hydra_cfg.get("overrides") or {}).get("task") or [])
+    axes = {}
+    for override in _parse_overrides(args):
+        axes[override.get_key_element()] = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                                            else [override.get_value_element_as_str()])
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def _as_dict(overrides: list[str]) -> dict[str, str]:
+    try:
+        return {o.get_key_element(): o.get_value_element_as_str() for o in _parse_overrides(overrides)}
+    except Exception:  # noqa: BLE001 - a hand-edited file: compare the raw text
+        return dict(str(o).split("=", 1) for o in overrides if "=" in str(o))
+
+
+def missing_runs(root: Path, runs: list[Run]) -> list[Run]:
+    jobs = [_as_dict(r.overrides) for r in runs if r.status != "missing" and root in r.path.parents]
+    multirun = _yaml(root / "multirun.yaml") or {}
+    choices = ((multirun.get("hydra") or {}).get("runtime") or {}).get("choices") or {}
+    missing = []
+    for combo in expected_jobs(root):
+        if not any(all(job.get(k) == v for k, v in combo.items()) for job in jobs):
+            missing.append(Run(root, combo.get("model", choices.get("model", "?")), combo.get("data", choices.get("data", "?")),
+                               combo.get("seed", multirun.get("seed")), "missing",
+                               overrides=[f"{k}={v}" for k, v in combo.items()], note="no job folder"))
+    return missing

@@ -1,0 +1,412 @@
+"""The report's sections: each reads the finished runs' records and writes its table(s) (markdown and
+CSV) and figures into the report folder, returning its part of report.md."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from dbsn.evaluation.attacks import adversarial_figure
+from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
+from dbsn.evaluation.plots import save_figure
+from dbsn.evaluation.report.collect import Report, Run
+from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
+
+METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "laplace", "swag", "vogn", "vogn_fbn",
+                "nekfac")
+DATASET_ORDER = ("cifar10", "cifar100")
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
+OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
+ABLATION_S = (1, 10, 100)
+# (file stem, metric key, scale, decimals, title, explanation)
+MAIN_TABLES = (
+    ("table1_error", "test/error", 100.0, 2, "Table 1: test error (%)", "Test error in %, lower is better."),
+    ("table2_ece", "test/ece", 1.0, 4, "Table 2: expected calibration error",
+     "ECE (15 equal-width confidence bins, as a fraction, not %), lower is better."),
+    ("table_nll", "test/nll", 1.0, 4, "Test negative log-likelihood", "Mean test NLL in nats per example, lower is better."),
+)
+
+
+# ---------------------------------------------------------------------- statistics and output
+def _order(names, canonical) -> list[str]:
+    names = set(names)
+    return [n for n in canonical if n in names] + sorted(names - set(canonical))
+
+
+def mean_std(values) -> tuple[float, float | None, int]:
+    values = [float(v) for v in values]
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None), len(values)
+
+
+def fmt(stats, digits: int) -> str:
+    if stats is None:
+        return "–"
+    mean, std, n = stats
+    return f"{mean:.{digits}f} ± {std:.{digits}f} ({n})" if std is not None else f"{mean:.{digits}f} ({n})"
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
+
+
+def _write(report: Report, name: str, text: str) -> Path:
+    path = report.out / name
+    path.write_text(text)
+    report.files.append(path)
+    return path
+
+
+def _write_csv(report: Report, name: str, header: list[str], rows: list[list]) -> None:
+    path = report.out / name
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows([["" if c is None else c for c in row] for row in rows])
+    report.files.append(path)
+
+
+def _slug(text: str) -> str:
+    """A file-name stem without spaces or odd characters (data-set names like "photo patches")."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _figure(report: Report, figure, name: str) -> Path:
+    path = save_figure(figure, report.out / name)
+    report.files.append(path)
+    return path
+
+
+def _show(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _seeds_note(runs: list[Run]) -> str:
+    counts = Counter((r.method, r.dataset) for r in runs)
+    low, high = min(counts.values()), max(counts.values())
+    return f"{low} run(s) per cell" if low == high else f"{low}–{high} runs per cell"
+
+
+# ---------------------------------------------------------------------- sections
+def main_tables(report: Report, ok: list[Run]) -> str:
+    methods, datasets = _order({r.method for r in ok}, METHOD_ORDER), _order({r.dataset for r in ok}, DATASET_ORDER)
+    sizes = sorted({str(r.n_samples) for r in ok if r.n_samples is not None})
+    text = ""
+    for stem, key, scale, digits, title, explanation in MAIN_TABLES:
+        values = defaultdict(list)
+        for r in ok:
+            if key in r.metrics:
+                values[r.method, r.dataset].append(scale * r.metrics[key])
+        stats = {cell: mean_std(v) for cell, v in values.items()}
+        table = md_table(["method", *datasets], [[m, *(fmt(stats.get((m, d)), digits) for d in datasets)] for m in methods])
+        _write(report, f"{stem}.md", f"# {title}\n\n{table}")
+        _write_csv(report, f"{stem}.csv", ["method", "dataset", "mean", "std", "n"],
+                   [[m, d, *stats[m, d]] for m in methods for d in datasets if (m, d) in stats])
+        text += (f"## {title}\n\n{explanation} Mean ± sample standard deviation (ddof = 1) over seeds; (n) is the "
+                 f"number of finished runs averaged ({_seeds_note(ok)}); predictions of stochastic methods "
+                 f"average S = {', '.join(sizes) or '?'} Monte Carlo samples. Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n")
+    return text
+
+
+def ood_records(folder: Path) -> list[Path]:
+    """A run's OOD results: one `<set>/metrics.json` per OOD set (an evaluation written before
+    several sets were possible has one `metrics.json`, read only when there are no set folders)."""
+    per_set = sorted(folder.glob("*/metrics.json"))
+    return per_set or [p for p in [folder / "metrics.json"] if p.is_file()]
+
+
+def ood_section(report: Report, ok: list[Run]) -> str:
+    values, curves = defaultdict(list), defaultdict(lambda: defaultdict(list))
+    for r in ok:
+        for path in ood_records(r.path / "evaluation" / "ood"):
+            record = json.loads(path.read_text())
+            ood = str(record["ood"])
+            for score, metrics in record["scores"].items():
+                for metric, value in metrics.items():
+                    if isinstance(value, (int, float)):
+                        values[r.dataset, ood, r.method, score, metric].append(value)
+            if (path.parent / "scores.npz").is_file():
+                with np.load(path.parent / "scores.npz") as scores:
+                    curves[r.dataset, ood][r.method].append(np.asarray(scores["out_entropy"], dtype=float).ravel())
+    if not values:
+        return ""
+    rows, text = [], ""
+    for dataset, ood in sorted({k[:2] for k in values}):
+        table = []
+        for method in _order({k[2] for k in values if k[:2] == (dataset, ood)}, METHOD_ORDER):
+            for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, OOD_SCORES):
+                cell = {metric: mean_std(values[dataset, ood, method, score, metric])
+                        for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
+                table.append([method, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
+                rows += [[method, dataset, ood, score, m, *s] for m, s in cell.items()]
+        text += f"### {dataset} (in-distribution) vs {ood} (OOD)\n\n"
+        text += md_table(["method", "score", *(label for _, label in OOD_METRICS)], table) + "\n"
+        if curves[dataset, ood]:
+            pooled = {m: np.concatenate(curves[dataset, ood][m]) for m in _order(curves[dataset, ood], METHOD_ORDER)}
+            name = _slug(f"ood_entropy_cdf_{dataset}_{ood}") + ".png"
+            figure = entropy_cdf_figure(pooled, title=f"Predictive entropy on {ood} (trained on {dataset})",
+                                        num_classes=NUM_CLASSES.get(dataset))
+            if _figure(report, figure, name):
+                text += (f"![entropy CDF]({name})\n\nEmpirical CDF of the predictive entropy on the {ood} test set, "
+                         "pooled over each method's seeds: a curve further right (more high-entropy "
+                         "predictions on data it was not trained on) is better.\n\n")
+    _write_csv(report, "ood.csv", ["method", "dataset", "ood", "score", "metric", "mean", "std", "n"], rows)
+    text = ("## Out-of-distribution detection\n\nEach score (predictive entropy, mutual information, "
+            "max probability) separates in-distribution test data from the OOD set; AUROC and AUPR (OOD as "
+            "positive) higher is better, FPR95 (false-positive rate at 95% true-positive rate) lower is better; "
+            "fractions, mean ± std (n seeds). Files: `ood.md`, `ood.csv`.\n\n" + text)
+    _write(report, "ood.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def _per_method_table(report: Report, ok: list[Run], stem: str, title: str, explanation: str,
+                      columns: list[tuple[str, str, float, int]]) -> str:
+    """One row per (method, dataset), one column per (label, metric key, scale, digits) read from
+    each run's test-pass metrics; "" when no run has any of them."""
+    values = defaultdict(list)
+    for r in ok:
+        for label, key, scale, _ in columns:
+            if key in r.metrics:
+                values[r.method, r.dataset, label].append(scale * r.metrics[key])
+    if not values:
+        return ""
+    cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], METHOD_ORDER.index(k[0])
+                                                            if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0]))
+    rows, csv_rows = [], []
+    for method, dataset in cells:
+        stats = {label: mean_std(values[method, dataset, label]) for label, *_ in columns if values[method, dataset, label]}
+        rows.append([method, dataset, *(fmt(stats.get(label), digits) for label, _, _, digits in columns)])
+        csv_rows += [[method, dataset, label, *stats[label]] for label, *_ in columns if label in stats]
+    table = md_table(["method", "dataset", *(label for label, *_ in columns)], rows)
+    _write(report, f"{stem}.md", f"# {title}\n\n{table}")
+    _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", "mean", "std", "n"], csv_rows)
+    return f"## {title}\n\n{explanation} Mean ± std over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n"
+
+
+def calibration_section(report: Report, ok: list[Run]) -> str:
+    return _per_method_table(
+        report, ok, "calibration", "Calibration beyond equal-width ECE",
+        "Three ECEs of the test pass's Bayes ensemble, 15 bins each: equal-width (Table 2's), equal-mass (bins "
+        "of equal counts, which equal-width ECE's empty high-confidence bins hide) and classwise (every class's "
+        "probability against its indicator, averaged over classes; Kull et al. 2019). Lower is better.",
+        [("ECE", "test/ece", 1.0, 4), ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
+         ("classwise ECE", "test/classwise_ece", 1.0, 4)])
+
+
+def selective_section(report: Report, ok: list[Run]) -> str:
+    scores = (("max_probability", "MSP"), ("predictive_entropy", "entropy"), ("mutual_information", "MI"))
+    columns = [(f"AURC ({short})", f"selective/{score}/aurc", 1000.0, 2) for score, short in scores]
+    columns += [(f"E-AURC ({short})", f"selective/{score}/eaurc", 1000.0, 2) for score, short in scores[:2]]
+    columns += [("AUGRC (MSP)", "selective/max_probability/augrc", 1000.0, 2),
+                ("risk@80 % (MSP, %)", "selective/max_probability/risk@80", 100.0, 2)]
+    return _per_method_table(
+        report, ok, "selective", "Selective prediction",
+        "How well each uncertainty score ranks the errors, accepting the most certain predictions first: AURC "
+        "(area under the risk–coverage curve), E-AURC (its excess over the oracle's, which depends only on the "
+        "error rate), AUGRC (Traub et al. 2024) in units of 1e-3, and the error rate of the 80 % most certain "
+        "predictions. Lower is better; tied scores are accepted together.", columns)
+
+
+def shift_section(report: Report, ok: list[Run]) -> str:
+    per_method: dict[tuple[str, str], dict[tuple[str, int], dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    sources = set()
+    for r in ok:
+        path = r.path / "evaluation" / "shift" / "metrics.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        sources.add(record.get("source", "published"))
+        for row in record["rows"]:
+            for metric in SHIFT_METRICS:
+                per_method[r.dataset, r.method][row["corruption"], int(row["severity"])][metric].append(row[metric])
+    if not per_method:
+        return ""
+    generated = any(source != "published" for source in sources)
+    text, csv_rows = "", []
+    for dataset in _order({d for d, _ in per_method}, DATASET_ORDER):
+        methods = _order({m for d, m in per_method if d == dataset}, METHOD_ORDER)
+        # each corruption x severity averaged over the method's seeds, then boxes over corruptions
+        rows_of = {m: [{"corruption": c, "severity": sv, **{k: float(np.mean(v)) for k, v in metrics.items()}}
+                       for (c, sv), metrics in per_method[dataset, m].items()] for m in methods}
+        severities = sorted({row["severity"] for rows in rows_of.values() for row in rows})
+        table = []
+        for m in methods:
+            for metric in ("error", "ece", "nll"):
+                means = [np.mean([row[metric] for row in rows_of[m] if row["severity"] == sv]) for sv in severities]
+                overall = float(np.mean([row[metric] for row in rows_of[m]]))
+                table.append([m, metric, *(f"{v:.4f}" for v in means), f"{overall:.4f}"])
+                csv_rows += [[m, dataset, metric, sv, float(v)] for sv, v in zip(severities, means)]
+        name = _slug(f"shift_boxplots_{dataset}") + ".png"
+        label = "generated corruptions, not the published files" if generated else "published files"
+        _figure(report, shift_boxplots(rows_of, title=f"{dataset}: dataset shift ({label})"), name)
+        text += (f"### {dataset}\n\n" + md_table(["method", "metric", *(f"severity {sv}" for sv in severities), "mean"], table)
+                 + f"\n![dataset shift]({name})\n\n")
+    _write_csv(report, "shift.csv", ["method", "dataset", "metric", "severity", "mean over corruptions"], csv_rows)
+    text = ("## Dataset shift\n\nEvery corruption of the test set at every severity ("
+            + ("generated corruptions, made by `dbsn.data.shift`'s generator with CIFAR-10-C's parameters: NOT the "
+               "published CIFAR-10-C / -100-C files" if generated else "the published CIFAR-10-C / -100-C files")
+            + "), as in Ovadia et al. (2019): each severity's mean over corruptions (each corruption averaged over "
+            "seeds first), and box plots over corruptions of ECE and error, one box per method. Files: `shift.md`, "
+            "`shift.csv`.\n\n" + text)
+    _write(report, "shift.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def ood_groups_section(report: Report, ok: list[Run]) -> str:
+    values = defaultdict(list)
+    groups_seen: dict[str, list[str]] = {}
+    for r in ok:
+        path = r.path / "evaluation" / "ood" / "groups.json"
+        if not path.is_file():
+            continue
+        record = json.loads(path.read_text())
+        groups_seen.update(record.get("groups", {}))
+        for key, value in record["metrics"].items():
+            _, group, score, metric = key.split("/")
+            values[r.dataset, r.method, group, score, metric].append(value)
+    if not values:
+        return ""
+    table, csv_rows = [], []
+    for dataset, method, group, score in sorted({k[:4] for k in values}, key=lambda k: (k[0], METHOD_ORDER.index(k[1])
+                                                if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3])):
+        cell = {m: mean_std(values[dataset, method, group, score, m]) for m, _ in OOD_METRICS
+                if values[dataset, method, group, score, m]}
+        table.append([method, dataset, group, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
+        csv_rows += [[method, dataset, group, score, m, *st] for m, st in cell.items()]
+    _write_csv(report, "ood_groups.csv", ["method", "dataset", "group", "score", "metric", "mean", "std", "n"], csv_rows)
+    described = "; ".join(f"{g}: {', '.join(sets)}" for g, sets in groups_seen.items())
+    text = ("## Near and far OOD\n\nMeans over the OOD sets of each group (" + described + "), as OpenOOD v1.5 "
+            "reports them; OOD is the positive class of AUROC, AUPR and FPR95. Files: `ood_groups.csv`.\n\n"
+            + md_table(["method", "dataset", "group", "score", *(label for _, label in OOD_METRICS)], table) + "\n")
+    return text
+
+
+def _read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def adversarial_section(report: Report, ok: list[Run]) -> str:
+    values = defaultdict(lambda: defaultdict(list))  # (dataset, method, attack, eps) -> column -> values
+    for r in ok:
+        path = r.path / "evaluation" / "adversarial" / "results.csv"
+        for row in _read_rows(path) if path.is_file() else []:
+            cell = values[r.dataset, r.method, row["attack"], round(float(row["epsilon"]), 6)]
+            for column in ("accuracy", "mean_entropy", "n_examples"):
+                cell[column].append(float(row[column]))
+    if not values:
+        return ""
+    text, rows = "", []
+    for dataset in _order({k[0] for k in values}, DATASET_ORDER):
+        methods = _order({k[1] for k in values if k[0] == dataset}, METHOD_ORDER)
+        epsilons = sorted({k[3] for k in values if k[0] == dataset})
+        attacks = {m: _order({k[2] for k in values if k[:2] == (dataset, m)}, ("fgsm", "bim")) for m in methods}
+        curves = {m: [] for m in methods}
+        for m in methods:
+            for a in attacks[m]:
+                for e in epsilons:
+                    if (dataset, m, a, e) in values:
+                        cell = {c: statistics.fmean(v) for c, v in values[dataset, m, a, e].items()}
+                        rows.append([m, dataset, a, e, cell["accuracy"], cell["mean_entropy"],
+                                     len(values[dataset, m, a, e]["accuracy"])])
+                        curves[m].append({"attack": a, "epsilon": e, "accuracy": cell["accuracy"],
+                                          "mean_entropy": cell["mean_entropy"], "n_examples": round(cell["n_examples"])})
+        for column, label, digits in (("accuracy", "accuracy ↑", 4), ("mean_entropy", "mean predictive entropy (nats)", 4)):
+            table = [[m, a, *(fmt(mean_std(values[dataset, m, a, e][column]), digits) if (dataset, m, a, e) in values
+                             else "–" for e in epsilons)]
+                     for m in methods for a in attacks[m]]
+            text += f"### {dataset}: {label}\n\n" + md_table(["method", "attack", *(f"ε={e:g}" for e in epsilons)], table) + "\n"
+        name = _slug(f"adversarial_{dataset}") + ".png"
+        if _figure(report, adversarial_figure(curves, title=f"Adversarial attacks on {dataset}"), name):
+            text += f"![adversarial]({name})\n\n"
+    _write_csv(report, "adversarial.csv", ["method", "dataset", "attack", "epsilon", "accuracy", "mean_entropy", "n"], rows)
+    text = ("## Adversarial robustness\n\nFGSM and BIM attacks on the posterior predictive at perturbation size ε "
+            "(pixel scale [0, 1]): test accuracy (higher is better) and mean predictive entropy (a model that knows it "
+            "is being fooled grows more uncertain as ε grows), mean ± std (n seeds). Files: `adversarial.md`, "
+            "`adversarial.csv`.\n\n" + text)
+    _write(report, "adversarial.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def ablation_section(report: Report, ok: list[Run]) -> str:
+    values = defaultdict(lambda: defaultdict(list))  # (method, dataset, S) -> column -> values
+    for r in ok:
+        path = r.path / "evaluation" / "ablation" / "results.csv"
+        for row in _read_rows(path) if path.is_file() else []:
+            cell = values[r.method, r.dataset, int(float(row["n_samples"]))]
+            for column in ("error", "nll", "brier", "ece"):
+                if row.get(column) not in (None, ""):
+                    cell[column].append(float(row[column]) * (100.0 if column == "error" else 1.0))
+    if not values:
+        return ""
+    found = sorted({k[2] for k in values})
+    shown = [s for s in ABLATION_S if s in found] or found
+    pairs = [(m, d) for d in _order({k[1] for k in values}, DATASET_ORDER)
+             for m in _order({k[0] for k in values if k[1] == d}, METHOD_ORDER)]
+    columns = (("error", "error %", 2), ("nll", "NLL", 4), ("ece", "ECE", 4))
+    header = ["method", "dataset", *(f"{label} S={s}" for _, label, _ in columns for s in shown), "seeds"]
+    table, rows = [], []
+    for m, d in pairs:
+        cells = [(values.get((m, d, s), {}).get(c), digits) for c, _, digits in columns for s in shown]
+        seeds = max(len(v) for s in found for v in values.get((m, d, s), {}).values())
+        table.append([m, d, *(f"{statistics.fmean(v):.{digits}f}" if v else "–" for v, digits in cells), seeds])
+        for s in found:
+            cell = values.get((m, d, s))
+            if cell:
+                rows.append([m, d, s, *(statistics.fmean(cell[c]) if cell.get(c) else None
+                                        for c in ("error", "nll", "brier", "ece")), len(cell["error"])])
+    _write_csv(report, "ablation.csv", ["method", "dataset", "n_samples", "error_pct", "nll", "brier", "ece", "n"], rows)
+    text = ("## Number of Monte Carlo samples S\n\nTest error (%), NLL and ECE of the Bayes ensemble of S samples "
+            f"(lower is better for all three), mean over seeds; S ∈ {{{', '.join(map(str, found))}}} measured "
+            "(all of them in `ablation.csv`). Files: `ablation.md`, `ablation.csv`.\n\n" + md_table(header, table) + "\n")
+    _write(report, "ablation.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def time_section(report: Report, ok: list[Run]) -> str:
+    """Training wall time per method and dataset, and its ratio to DBSN's on the same data (the
+    paper's Table 5 compares DBSN's 1.2 h with VOGN's 13 h)."""
+    values, epochs = defaultdict(list), defaultdict(set)
+    for r in ok:
+        if r.train_seconds is not None:
+            values[r.method, r.dataset].append(r.train_seconds / 60.0)
+            epochs[r.method, r.dataset].add(r.epochs)
+    if not values:
+        return ""
+    rows, table = [], []
+    for dataset in _order({d for _, d in values}, DATASET_ORDER):
+        reference = values.get(("dbsn", dataset))
+        for method in _order({m for m, d in values if d == dataset}, METHOD_ORDER):
+            stats = mean_std(values[method, dataset])
+            ratio = stats[0] / statistics.fmean(reference) if reference else None
+            shown_epochs = ", ".join(str(e) for e in sorted(epochs[method, dataset], key=str))
+            table.append([method, dataset, fmt(stats, 1), shown_epochs, "–" if ratio is None else f"{ratio:.2f}"])
+            rows.append([method, dataset, *stats, shown_epochs, ratio])
+    _write_csv(report, "time.csv", ["method", "dataset", "mean_minutes", "std_minutes", "n", "epochs", "ratio_to_dbsn"], rows)
+    text = ("## Training time\n\nWall time of training (the fit, validation included, resumed parts added up), in "
+            "minutes, mean ± std (n runs), and its ratio to DBSN's mean on the same data. Only comparable between "
+            "runs on the same hardware. Files: `time.md`, `time.csv`.\n\n"
+            + md_table(["method", "dataset", "minutes", "epochs", "× DBSN"], table) + "\n")
+    _write(report, "time.md", text.replace("## ", "# ", 1))
+    return text
+
+
+def runs_section(report: Report) -> str:
+    text = "## Runs not included\n\n"
+    excluded = [r for r in report.runs if r.status != "ok"]
+    if not excluded:
+        return text + "None: every run found finished and every expected sweep job has a folder.\n\n"
+    for r in excluded:
+        overrides = " ".join(map(str, r.overrides)) or "no overrides recorded"
+        log = f" — SLURM log: `{r.log}`" if r.log else ""
+        text += (f"- **{r.status}**: {r.method} on {r.dataset}, seed {r.seed} — `{_show(r.path)}` — "
+                 f"`{overrides}` ({r.note}){log}\n")
+    return text + "\n"
