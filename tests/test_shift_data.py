@@ -5,6 +5,7 @@ natural-photo patches (`photo_patches`, from scikit-learn's sample images, no do
 """
 
 import colorsys
+import io
 import json
 from itertools import pairwise
 
@@ -17,6 +18,7 @@ from scipy.ndimage import zoom as scipy_zoom
 from dbsn.data import shift
 from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
 from dbsn.data.ood import photo_patches
+from dbsn.data.shift import generate
 
 PER_SEVERITY = 7
 
@@ -176,20 +178,119 @@ def test_motion_blur_kernel_reads_along_the_angle_on_one_side():
     reads itself and the pixels to its right, so the smear runs to the left, on the same row."""
     image = np.zeros((1, 32, 32, 1))
     image[0, 16, 16, 0] = 1.0
-    out = shift._motion_kernel_blur(image, 6, 2, np.array([0.0]))[0, ..., 0]
+    out = generate._motion_kernel_blur(image, 6, 2, np.array([0.0]))[0, ..., 0]
     rows, cols = np.nonzero(out > 1e-12)
     assert set(rows) == {16} and cols.max() == 16 and cols.min() == 16 - 12
     assert np.isclose(out.sum(), 1.0) and out[16, 16] > out[16, 15] > out[16, 10]
-    down = shift._motion_kernel_blur(image, 6, 2, np.array([90.0]))[0, ..., 0]
+    down = generate._motion_kernel_blur(image, 6, 2, np.array([90.0]))[0, ..., 0]
     rows, cols = np.nonzero(down > 1e-12)
     assert set(cols) == {16} and rows.max() == 16 and rows.min() == 4
+
+
+class FixedAngles:
+    """Stands in for the generator where a corruption draws its blur angles: every angle is `angle`."""
+
+    def __init__(self, angle: float):
+        self.angle = angle
+
+    def uniform(self, low, high, size):
+        return np.full(size, self.angle)
+
+
+def test_imagemagick_8bit_truncates_the_16_bit_quantum():
+    """ImageMagick holds the blurred value as a 16-bit quantum (x 257, rounded) and writes its
+    8-bit PNG by truncating that: a floor, except within 0.5/257 below the next level."""
+    blurred = np.array([0.0, 0.75, 3.5, 66.52, 127.9, 254.6, 255.0, 7.9979, 7.9981, 254.99999999999994, 300.0])
+    expected = [0, 0, 3, 66, 127, 254, 255, 7, 8, 255, 255]
+    assert generate._imagemagick_8bit(blurred).tolist() == expected
+    assert generate._imagemagick_8bit(blurred).dtype == np.uint8
+
+
+def test_motion_blur_stores_the_blurred_values_truncated_not_rounded():
+    """One pixel of 200 on black, angle 0, (radius, sigma) = (6, 2): the 13 pixels to its left on
+    its row get 200 w_k, w_k proportional to exp(-k^2 / 8). Where 200 w_k has a fractional part
+    above 0.5 the stored value is still its floor (rounding, as ImageMagick does not, adds 1)."""
+    image = np.zeros((1, 32, 32, 3), np.uint8)
+    image[0, 16, 16] = 200
+    weights = np.exp(-np.arange(13) ** 2 / 8.0)
+    values = 200 * weights / weights.sum()
+    above_half = (values % 1 > 0.5) & (values % 1 < 0.99)
+    assert above_half.sum() >= 3, values  # the crafted case has values that rounding would move up
+    out = generate._motion_blur(image, (6, 2), FixedAngles(0.0))
+    expected = np.zeros((32, 32), np.uint8)
+    expected[16, 16 - np.arange(13)] = np.floor(values)
+    for channel in range(3):
+        assert np.array_equal(out[0, ..., channel], expected), (out[0, 16, 2:17, channel], values)
+
+
+def test_motion_blur_keeps_a_flat_image_flat():
+    """A flat region blurs to itself in exact arithmetic; the float sum lands just below the value
+    (255 -> 254.99999999999994 for some kernels) and must not lose a level to the truncation."""
+    for radius, sigma in shift.PARAMETERS["motion_blur"]:
+        for value in (1, 7, 128, 254, 255):
+            flat = np.full((3, 32, 32, 3), value, np.uint8)
+            out = generate._motion_blur(flat, (radius, sigma), np.random.default_rng(value))
+            assert np.all(out == value), (radius, sigma, value, np.unique(out))
+
+
+def test_snow_truncates_its_blurred_layer(monkeypatch):
+    """Snow's flake layer goes through ImageMagick's motion blur in the original, so it is stored
+    truncated too: a blurred layer of 100.75 everywhere adds 2 x 100/255 to the image (rounding
+    would add 2 x 101/255). On black, the image part is (1 - mix) x 0.5."""
+    monkeypatch.setattr(generate, "_motion_kernel_blur", lambda x, radius, sigma, angles: np.full(x.shape, 100.75))
+    black = np.zeros((2, 3, 32, 32), np.uint8)
+    for severity in shift.SEVERITIES:
+        mix = shift.PARAMETERS["snow"][severity - 1][-1]
+        out = shift.corrupt(black, "snow", severity, np.random.default_rng(0))
+        expected = int(((1 - mix) * 0.5 + 2 * 100 / 255) * 255)
+        assert expected != int(((1 - mix) * 0.5 + 2 * 101 / 255) * 255)
+        assert np.all(out == expected), (severity, np.unique(out), expected)
+
+
+def test_motion_blur_matches_imagemagick():
+    """The own line kernel with ImageMagick's 8-bit step against Wand's motion_blur (the original
+    script's call) on random RGB and grey 32x32 images, at the (radius, sigma) of motion blur and
+    of snow's layer, at random angles: the same value for at least 99 % of the values (ImageMagick
+    6.9.11 Q16 gave 100 %; rounding, generator version 1, about 50 %)."""
+    wand_image = pytest.importorskip(
+        "wand.image", reason="needs Wand (pip install wand) and ImageMagick's MagickWand library"
+    )
+    from PIL import Image
+    from wand.version import QUANTUM_DEPTH
+
+    if QUANTUM_DEPTH != 16:
+        pytest.skip(f"ImageMagick is built with {QUANTUM_DEPTH}-bit quanta; the original's (and the model's) is 16")
+
+    def imagemagick(image, radius, sigma, angle):
+        png = io.BytesIO()
+        Image.fromarray(image).save(png, format="PNG")
+        with wand_image.Image(blob=png.getvalue()) as blurred:
+            blurred.motion_blur(radius=radius, sigma=sigma, angle=angle)
+            blob = blurred.make_blob("png")
+        return np.asarray(Image.open(io.BytesIO(blob)).convert("RGB" if image.ndim == 3 else "L"))
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, size=(4, 32, 32, 3), dtype=np.uint8)
+    rgb[:, :8] = 255  # flat rows: sums that land just below an integer
+    grey = (np.clip(rng.normal(0.3, 0.3, size=(4, 32, 32)), 0, 1) * 255).astype(np.uint8)  # a snow-like layer
+    grey[grey < 150] = 0
+    kernels = shift.PARAMETERS["motion_blur"] + tuple(c[4:6] for c in shift.PARAMETERS["snow"])
+    for images in (rgb, grey):
+        for radius, sigma in kernels:
+            angles = rng.uniform(-135, 45, len(images))
+            ours = generate._imagemagick_8bit(generate._motion_kernel_blur(
+                images.reshape(*images.shape[:3], -1).astype(np.float64), radius, sigma, angles)).reshape(images.shape)
+            theirs = np.stack([imagemagick(image, radius, sigma, angle) for image, angle in zip(images, angles)])
+            agreement = (ours == theirs).mean()
+            assert agreement >= 0.99, (images.shape, radius, sigma, agreement)
+            assert np.abs(ours.astype(int) - theirs).max() <= 1
 
 
 def test_saturate_lowers_saturation_at_severities_1_2_and_raises_it_at_3_to_5(patches):
     """(a, b) = (0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2) on S: severities 1-2 grey the
     image, 3-5 saturate it, so the change dips at severity 3 (S x 1.5 moves less than S x 0.1)."""
     def saturation(images):
-        return shift._rgb_to_hsv(images.transpose(0, 2, 3, 1) / 255.0)[..., 1].mean()
+        return generate._rgb_to_hsv(images.transpose(0, 2, 3, 1) / 255.0)[..., 1].mean()
 
     levels = [saturation(shift.corrupt(patches, "saturate", s, np.random.default_rng(0))) for s in shift.SEVERITIES]
     assert levels[1] < levels[0] < saturation(patches) < levels[2] < levels[3] < levels[4], levels
@@ -205,7 +306,7 @@ def test_elastic_transform_warps_more_locally_and_less_globally_with_severity(pa
     assert all(later < earlier for earlier, later in pairwise(change)), change
     hwc = np.ascontiguousarray(patches.transpose(0, 2, 3, 1))
     field_only = [
-        np.abs(shift._elastic_transform(hwc, (alpha, sigma, 0.0), np.random.default_rng(s)) - hwc.astype(float)).mean()
+        np.abs(generate._elastic_transform(hwc, (alpha, sigma, 0.0), np.random.default_rng(s)) - hwc.astype(float)).mean()
         for s, (alpha, sigma, _) in enumerate(shift.PARAMETERS["elastic_transform"])
     ]
     assert field_only[0] == 0 and all(later > earlier for earlier, later in pairwise(field_only)), field_only
@@ -232,9 +333,9 @@ def test_glass_blur_gather_equals_the_original_sequential_scan(patches):
     images = np.ascontiguousarray(patches[:3].transpose(0, 2, 3, 1))
     for severity in (1, 5):
         sigma, delta, iterations = shift.PARAMETERS["glass_blur"][severity - 1]
-        got = shift._glass_blur(images, (sigma, delta, iterations), np.random.default_rng(11))
+        got = generate._glass_blur(images, (sigma, delta, iterations), np.random.default_rng(11))
         rng = np.random.default_rng(11)
-        x = (shift._gaussian(images / 255.0, sigma) * 255).astype(np.uint8)
+        x = (generate._gaussian(images / 255.0, sigma) * 255).astype(np.uint8)
         scan = list(range(32 - delta, delta, -1))
         for _ in range(iterations):
             dy, dx = rng.integers(-delta, delta, size=(2, len(x), len(scan), len(scan)))
@@ -242,7 +343,7 @@ def test_glass_blur_gather_equals_the_original_sequential_scan(patches):
                 for i, h in enumerate(scan):
                     for j, w in enumerate(scan):
                         x[n, h, w] = x[n, h + dy[n, i, j], w + dx[n, i, j]]
-        expected = (np.clip(shift._gaussian(x / 255.0, sigma), 0, 1) * 255).astype(np.uint8)
+        expected = (np.clip(generate._gaussian(x / 255.0, sigma), 0, 1) * 255).astype(np.uint8)
         assert np.array_equal(got, expected)
 
 
@@ -258,21 +359,21 @@ def test_clipped_zoom_matches_scipy_zoom_of_the_centre_crop(zoom):
         zoomed = scipy_zoom(image[top : top + crop, top : top + crop], (zoom, zoom, 1), order=1)
         trim = (zoomed.shape[0] - 32) // 2
         expected.append(zoomed[trim : trim + 32, trim : trim + 32])
-    np.testing.assert_allclose(shift._clipped_zoom(x, zoom), np.stack(expected), atol=1e-12)
+    np.testing.assert_allclose(generate._clipped_zoom(x, zoom), np.stack(expected), atol=1e-12)
 
 
 def test_hsv_conversions_match_colorsys():
     rgb = np.random.default_rng(0).random((500, 3))
     rgb[:50, 1] = rgb[:50, 0]  # ties for the largest channel
     rgb[50:60] = 0.25  # greys
-    hsv = shift._rgb_to_hsv(rgb)
+    hsv = generate._rgb_to_hsv(rgb)
     np.testing.assert_allclose(hsv, [colorsys.rgb_to_hsv(*v) for v in rgb], atol=1e-12)
-    np.testing.assert_allclose(shift._hsv_to_rgb(hsv), rgb, atol=1e-12)
+    np.testing.assert_allclose(generate._hsv_to_rgb(hsv), rgb, atol=1e-12)
 
 
 def test_defocus_kernels_are_normalised_and_symmetric():
     for radius, alias in shift.PARAMETERS["defocus_blur"]:
-        kernel = shift._disk(radius, alias)
+        kernel = generate._disk(radius, alias)
         assert np.isclose(kernel.sum(), 1.0, atol=1e-6)
         np.testing.assert_allclose(kernel, kernel.T, atol=1e-7)
         np.testing.assert_allclose(kernel, kernel[::-1], atol=1e-7)

@@ -1,57 +1,44 @@
-"""Dataset shift: CIFAR-10-C and CIFAR-100-C (Hendrycks & Dietterich, ICLR 2019).
+"""The generator of a CIFAR-10-C / CIFAR-100-C stand-in, for when the published files cannot be had.
 
-The CIFAR test set under 19 corruptions (15 standard, 4 extra held out in the paper for
-validation) at 5 severities. Two ways to have it:
-
-- the published files (`corrupted_split` reads them): one folder, ``CIFAR-10-C/`` or
-  ``CIFAR-100-C/``, holding ``<corruption>.npy``, uint8 (50000, 32, 32, 3) HWC RGB, whose rows
-  ``(s-1)*10000 .. s*10000-1`` are the 10,000 test images at severity s in the test set's order,
-  and ``labels.npy``, the test labels repeated five times. Distributed by Zenodo only (2.9 GB
-  each; see `PUBLISHED`).
-- a generated stand-in (`corrupt`, `write_generated_set`, ``python -m dbsn.data.shift``) when
-  the published files cannot be had: the same corruptions with the CIFAR severity parameters of
-  the original generation script, written in the published layout plus a `MARKER` file, so that
-  every result computed from it can say it came from generated data (`is_generated`). It is not
-  the published data: other random draws, motion blur and snow without ImageMagick (an own line
-  kernel), no frost and no spatter (see `NOT_GENERATED`).
+`corrupt` applies the corruptions with the CIFAR severity parameters of the original generation
+script (Hendrycks' make_cifar_c.py); `write_generated_set` (or ``python -m dbsn.data.shift``)
+writes them in the published layout plus a `MARKER` file, so that every result computed from it
+can say it came from generated data (`is_generated`). It is not the published data: other
+random draws, motion blur and snow without ImageMagick (an own line kernel), no frost and no
+spatter (see `NOT_GENERATED`).
 
 Where the original script's code and its description differ, the generator follows the code,
 because the code made the published files: glass blur's "swap" copies (the two numpy row views
 make it ``x[h, w] = x[h', w']``), its scan starts at row/column ``32 - delta``, and zoom blur's
 ``np.arange(1, 1.06, 0.01)`` includes 1.06 (and 1.11 for severity 2). Results are stored the
-way the script stores them: clipped to [0, 1], times 255, truncated to uint8.
+way the script stores them: clipped to [0, 1], times 255, truncated to uint8; motion blur's
+(and snow's blurred layer) as ImageMagick writes them, truncated too (`_imagemagick_8bit`).
 """
 
-import argparse
 import io
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 from scipy import ndimage
 from torch import Tensor
 
-from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
-
-#: The 15 corruptions of the benchmark, in the paper's order (the file names).
-CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise",
-    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
-    "snow", "frost", "fog",
-    "brightness", "contrast", "elastic_transform", "pixelate", "jpeg_compression",
-)  # fmt: skip
-#: The four extra corruptions, held out in the paper for validation.
-EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
-ALL_CORRUPTIONS = CORRUPTIONS + EXTRA_CORRUPTIONS
-SEVERITIES = (1, 2, 3, 4, 5)
+from dbsn.data.shift.published import (
+    ALL_CORRUPTIONS,
+    CORRUPTIONS,
+    IMAGE_SIZE,
+    MARKER,
+    PUBLISHED,
+    SEVERITIES,
+    _check_corruption,
+    _check_severity,
+    is_generated,
+)
 
 #: Corruptions that `corrupt` cannot make, and why.
 NOT_GENERATED = {
@@ -64,44 +51,13 @@ NOT_GENERATED = {
 GENERATED_CORRUPTIONS = tuple(name for name in ALL_CORRUPTIONS if name not in NOT_GENERATED)
 GENERATED_STANDARD = tuple(name for name in CORRUPTIONS if name in GENERATED_CORRUPTIONS)  # the 15 less frost
 
-#: The file in a generated folder that marks it as generated (absent from the published ones).
-MARKER = "GENERATED.json"
-#: Bumped whenever a change to the generator changes its output for the same seed.
-GENERATOR_VERSION = 1
+#: Bumped whenever a change to the generator changes its output for the same seed. 2: motion blur
+#: and snow's blurred layer stored as ImageMagick stores them, truncated (`_imagemagick_8bit`),
+#: where version 1 rounded.
+GENERATOR_VERSION = 2
 #: `write_generated_set` corrupts this many images at a time (bounds memory; the random draws,
 #: and so the output for a seed, depend on it).
 CHUNK = 1000
-
-IMAGE_SIZE = 32
-
-
-@dataclass(frozen=True)
-class PublishedSet:
-    """Where one published corrupted set comes from."""
-
-    folder: str
-    record: str  # Zenodo record
-
-    @property
-    def archive(self) -> str:
-        return f"{self.folder}.tar"
-
-    @property
-    def url(self) -> str:
-        return f"https://zenodo.org/records/{self.record}/files/{self.archive}"
-
-    def how_to_get(self, root: str | Path = "<data root>") -> str:
-        return (
-            f"download {self.archive} (about 2.9 GB) from https://zenodo.org/records/{self.record} "
-            f"and extract it under {root} (it unpacks to {self.folder}/)"
-        )
-
-
-#: The published sets, by the name `--data` takes.
-PUBLISHED = {
-    "cifar10": PublishedSet("CIFAR-10-C", "2535967"),
-    "cifar100": PublishedSet("CIFAR-100-C", "3555552"),
-}
 
 # CIFAR severity parameters of the original script (make_cifar_c.py), severities 1..5. They differ
 # from ImageNet-C's.
@@ -135,114 +91,6 @@ PARAMETERS: dict[str, tuple] = {
 }
 
 
-# ----- reading the published layout ------------------------------------------------------------
-def corrupted_split(folder: str | Path, corruption: str, severity: int) -> tuple[Tensor, Tensor]:
-    """uint8 images (n, 3, 32, 32) and int64 labels (n,) of one corruption at one severity.
-
-    `folder` holds the published layout (or a generated one). The file has 5n rows, n per
-    severity (n = 10,000 for the published files); only the severity's rows are read (the
-    arrays are memory-mapped).
-    """
-    labels, found = check_corrupted_files(folder, [corruption])
-    _check_severity(severity)
-    images = found[corruption]
-    n = len(images) // len(SEVERITIES)
-    rows = slice((severity - 1) * n, severity * n)
-    return (
-        torch.from_numpy(np.ascontiguousarray(images[rows].transpose(0, 3, 1, 2))),
-        torch.from_numpy(labels[rows].astype(np.int64)),
-    )
-
-
-def check_corrupted_files(folder: str | Path, corruptions: Sequence[str] = CORRUPTIONS
-                          ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Fail before any evaluation if `folder` cannot serve these corruptions; else the
-    memory-mapped labels and images by corruption, checked.
-
-    Raises `DatasetNotFoundError` naming every missing file (``labels.npy`` and each
-    ``<corruption>.npy``) with how to get them, then `CorruptDatasetError` if a file that is
-    there holds the wrong arrays (only the .npy headers are read).
-    """
-    folder = Path(folder).expanduser().absolute()
-    for name in corruptions:
-        _check_corruption(name)
-    expected = [folder / "labels.npy"] + [folder / f"{name}.npy" for name in dict.fromkeys(corruptions)]
-    missing = [path for path in expected if not path.is_file()]
-    if missing:
-        listing = "\n".join(f"  {path}" for path in missing)
-        raise DatasetNotFoundError(
-            f"corrupted CIFAR: {len(missing)} file(s) missing in {folder}:\n{listing}\n{_how_to_get(folder)}"
-        )
-    labels = _label_file(expected[0])
-    return labels, {path.stem: _image_file(path, len(labels)) for path in expected[1:]}
-
-
-def _how_to_get(folder: Path) -> str:
-    if is_generated(folder):
-        return (
-            "This folder holds a generated set: generate the missing corruptions into it again with "
-            "python -m dbsn.data.shift --corruptions ... (frost and spatter cannot be generated; "
-            "for them, use the published files)."
-        )
-    sets = [s for s in PUBLISHED.values() if s.folder == folder.name] or list(PUBLISHED.values())
-    ways = "\n".join(f"  - {s.how_to_get(folder.parent)}" for s in sets)
-    return (
-        f"Get them in one of these ways:\n{ways}\n"
-        "  - point the data root at the folder that already holds them\n"
-        "  - generate a stand-in, labelled as generated, from the clean test set (no frost, no spatter):\n"
-        "    python -m dbsn.data.shift --data cifar10 --root DATA --out FOLDER"
-    )
-
-
-def _load(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except Exception as error:
-        raise CorruptDatasetError(
-            f"{path}: cannot be read as a .npy array ({type(error).__name__}: {error}); "
-            "the file is corrupt or incomplete, delete it and get it again"
-        ) from error
-
-
-def _image_file(path: Path, n_rows: int | None = None) -> np.ndarray:
-    """The memory-mapped uint8 (5n, 32, 32, 3) array of a corruption file, checked."""
-    images = _load(path)
-    wrong = images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3)
-    return _checked(path, images, f"should be uint8 (5n, 32, 32, 3) HWC, got {images.dtype} {images.shape}" if wrong
-                    else None, n_rows, f"{len(images)} rows but labels.npy has {n_rows}")
-
-
-def _label_file(path: Path, n_rows: int | None = None) -> np.ndarray:
-    """The memory-mapped integer labels (5n,) of ``labels.npy``, checked."""
-    labels = _load(path)
-    wrong = labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer)
-    return _checked(path, labels, f"should be integer labels (5n,), got {labels.dtype} {labels.shape}" if wrong
-                    else None, n_rows, f"{len(labels)} labels for {n_rows} images")
-
-
-def _checked(path: Path, rows: np.ndarray, problem: str | None, n_rows: int | None, mismatch: str) -> np.ndarray:
-    """`rows` if its layout is right (`problem` None) and it holds a positive multiple of the
-    severities' rows, `n_rows` of them where given; else the error that names the file."""
-    if problem is None and (len(rows) == 0 or len(rows) % len(SEVERITIES)):
-        problem = f"{len(rows)} rows is not a positive multiple of the {len(SEVERITIES)} severities"
-    elif problem is None and n_rows is not None and len(rows) != n_rows:
-        problem = mismatch
-    if problem:
-        raise CorruptDatasetError(f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again")
-    return rows
-
-
-def _check_corruption(name: str) -> None:
-    if name not in ALL_CORRUPTIONS:
-        raise ValueError(f"unknown corruption {name!r}; known: {', '.join(ALL_CORRUPTIONS)}")
-
-
-def _check_severity(severity: int) -> None:
-    if severity not in SEVERITIES:
-        raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")
-
-
-# ----- generating ------------------------------------------------------------------------------
 def corrupt(images: np.ndarray | Tensor, corruption: str, severity: int, rng: np.random.Generator) -> np.ndarray:
     """The uint8 images (N, 3, 32, 32), NCHW as this project holds them, under `corruption` at
     `severity`, as uint8 (N, 3, 32, 32).
@@ -358,7 +206,8 @@ def _motion_kernel_blur(x: np.ndarray, radius: float, sigma: float, angles: np.n
     A one-sided line kernel: 2*ceil(radius)+1 taps i = 0, 1, ..., weights proportional to
     exp(-i^2 / (2 sigma^2)), tap i reading the pixel at (row + round(i sin angle), column +
     round(i cos angle)), edge pixels repeated outside the image. Own code, no ImageMagick: the
-    taps and weights are ImageMagick's, the rounding of the result to 8 bits is the caller's.
+    taps and weights are ImageMagick's, the conversion of the result to 8 bits is the caller's
+    (`_imagemagick_8bit`).
     """
     width = int(2 * math.ceil(radius) + 1)
     taps = np.arange(width)
@@ -382,7 +231,24 @@ def _motion_kernel_blur(x: np.ndarray, radius: float, sigma: float, angles: np.n
 def _motion_blur(x, c, rng):
     radius, sigma = c
     blurred = _motion_kernel_blur(x.astype(np.float64), radius, sigma, rng.uniform(-45, 45, len(x)))
-    return np.clip(np.round(blurred), 0, 255).astype(np.uint8)  # ImageMagick writes 8-bit PNG
+    return _imagemagick_8bit(blurred)  # the original stores the 8-bit PNG ImageMagick writes
+
+
+def _imagemagick_8bit(blurred: np.ndarray) -> np.ndarray:
+    """Blurred 8-bit-scale floats as uint8, the way ImageMagick writes them to an 8-bit PNG:
+    held as a 16-bit quantum (value x 257, rounded), then brought to 8 bits by TRUNCATION.
+
+    The original script blurs through Wand (ImageMagick's MotionBlurImage) and keeps the PNG it
+    writes. Rounding (generator version 1) put about half of the blurred values one grey level
+    high. This is a floor of the value, clipped to [0, 255], except within 0.5/257 below the next
+    level, which the 16-bit quantum carries up to it: a value that is an integer in exact
+    arithmetic (a flat region: 255 comes out of the float sum as 254.99999999999994) keeps it,
+    where a plain floor would take a level off. Checked against Wand's motion_blur (ImageMagick
+    6.9.11 Q16), it gives the same value for every pixel of random and photo 32x32 images, RGB
+    and grey (tests/test_shift_data.py::test_motion_blur_matches_imagemagick).
+    """
+    quantum = np.floor(np.clip(blurred, 0, 255) * 257 + 0.5)
+    return (quantum // 257).astype(np.uint8)
 
 
 def _interpolation_matrix(n_in: int, n_out: int) -> np.ndarray:
@@ -427,7 +293,9 @@ def _snow(x, c, rng):
     layer = _clipped_zoom(rng.normal(loc, scale, size=(n, IMAGE_SIZE, IMAGE_SIZE, 1)), zoom)
     layer[layer < threshold] = 0
     layer = (np.clip(layer, 0, 1) * 255).astype(np.uint8)  # the original blurs it as an 8-bit grey image
-    layer = np.round(_motion_kernel_blur(layer.astype(np.float64), radius, sigma, rng.uniform(-135, -45, n))) / 255
+    # The original blurs it with ImageMagick, which writes the 8-bit grey PNG truncated (as motion blur).
+    layer = _imagemagick_8bit(_motion_kernel_blur(layer.astype(np.float64), radius, sigma, rng.uniform(-135, -45, n)))
+    layer = layer / 255
     gray = (x @ np.array([0.299, 0.587, 0.114], dtype=np.float32))[..., None]
     x = mix * x + (1 - mix) * np.maximum(x, gray * 1.5 + 0.5)
     return _stored(x + layer + layer[:, ::-1, ::-1])
@@ -696,41 +564,3 @@ def _save(path: Path, array: np.ndarray) -> None:
     with open(partial, "wb") as f:
         np.save(f, array)
     os.replace(partial, path)
-
-
-def is_generated(folder: str | Path) -> bool:
-    """Whether `folder` holds a generated set (it has the `MARKER` file) rather than the published one."""
-    return (Path(folder) / MARKER).is_file()
-
-
-# ----- command line ----------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> None:
-    """python -m dbsn.data.shift --data cifar10 --root DATA --out FOLDER [--corruptions ...] [--seed 0]"""
-    from dbsn.data.cifar import CIFAR10DataModule, CIFAR100DataModule
-
-    parser = argparse.ArgumentParser(
-        prog="python -m dbsn.data.shift",
-        description="Generate a stand-in for CIFAR-10-C / CIFAR-100-C from the clean CIFAR test set, in the "
-        f"published layout, marked as generated ({MARKER}).",
-    )
-    parser.add_argument("--data", choices=sorted(PUBLISHED), required=True)
-    parser.add_argument("--root", required=True, help="folder holding the CIFAR files (as data.root)")
-    parser.add_argument("--out", required=True, help="folder to write the generated set to")
-    parser.add_argument(
-        "--corruptions", nargs="+", default=list(GENERATED_CORRUPTIONS), choices=GENERATED_CORRUPTIONS,
-        help="default: every corruption that can be generated",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    module = {"cifar10": CIFAR10DataModule, "cifar100": CIFAR100DataModule}[args.data](root=args.root)
-    module.check_files()
-    images, labels = module.read_split(train=False)
-    print(f"{module.name} test set: {len(images)} images -> {args.out}", flush=True)
-    write_generated_set(
-        args.out, images, labels, args.corruptions, seed=args.seed,
-        source=f"{module.name} test set from {module.root}", log=lambda line: print(line, flush=True),
-    )  # fmt: skip
-
-
-if __name__ == "__main__":
-    sys.exit(main())
