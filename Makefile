@@ -26,7 +26,7 @@ evaluate: $(STAMP)
 	@run=$$(ls -td outputs/quick/runs/*/ 2>/dev/null | head -1); \
 	if [ -z "$$run" ]; then echo "No make-train run under outputs/quick/runs: run 'make train' first."; exit 1; fi; \
 	$(PY) evaluate.py ckpt_path=$${run}checkpoints/last.ckpt evaluations=[ood,adversarial] ood=photos \
-		adversarial.max_examples=100 adversarial.attack_samples=10 adversarial.eval_samples=10 n_samples=30
+		evaluations.adversarial.max_examples=100 evaluations.adversarial.attack_samples=10 evaluations.adversarial.eval_samples=10 n_samples=30
 
 ## The test suite (CI runs this through .ci/run).
 test: $(STAMP)

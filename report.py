@@ -1,7 +1,7 @@
-"""Tables, figures and report.md from finished runs: `python report.py DIR [DIR ...] [--out OUT]` (see dbsn.tools.report)."""
+"""Tables, figures and report.md from finished runs: `python report.py DIR [DIR ...] [--out OUT]`
+(the same as `dbsn-report ...`; see dbsn.evaluation.report)."""
 
-from dbsn.tools.report import main
-from dbsn.runtime.errors import one_line_errors
+from dbsn.tools.report import cli
 
 if __name__ == "__main__":
-    one_line_errors(main)()
+    cli()

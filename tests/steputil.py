@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from dbsn.methods import ClassificationMethod
+from dbsn.methods import Method
 
 
-def step_state(method: ClassificationMethod, x: torch.Tensor, y: torch.Tensor, seed: int = 7) -> dict[str, torch.Tensor]:
+def step_state(method: Method, x: torch.Tensor, y: torch.Tensor, seed: int = 7) -> dict[str, torch.Tensor]:
     """The loss of one training step, the gradient of every parameter (θ included) before the
     optimiser uses it, and the BatchNorm running statistics after the step's forward: what
-    `ClassificationMethod.training_step` computes, through the method's own
+    `Method.training_step` computes, through the method's own
     `accumulate_gradients` (grouped or chunked), from a seeded random stream."""
     method.train()
     for p in method.parameters():
@@ -27,7 +27,7 @@ def step_state(method: ClassificationMethod, x: torch.Tensor, y: torch.Tensor, s
     return state
 
 
-def prediction(method: ClassificationMethod, x: torch.Tensor, n_samples: int, seed: int = 11) -> torch.Tensor:
+def prediction(method: Method, x: torch.Tensor, n_samples: int, seed: int = 11) -> torch.Tensor:
     """Members' log-probabilities (S, b, C) of the Bayes ensemble, from a seeded random stream."""
     method.eval()
     method.enable_test_noise()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from dbsn.evaluation.ablation import ablation_figure, write_ablation
+from dbsn.evaluation.ablation import ablation_figure
+from dbsn.evaluation.results import write_results
+from dbsn.evaluation.test_pass import ablation_results
 from dbsn.metrics.ablation import SampleAblation, prefix_ensembles
 from dbsn.metrics.uncertainty import ensemble_log_probs
 from dbsn.metrics.classification import ClassificationMetrics
@@ -69,7 +72,9 @@ def test_sizes_are_checked_and_wrong_member_count_refused():
 
 def test_write_and_plot(tmp_path):
     rows = [{"n_samples": s, "error": 0.1 / s, "nll": 1 / s, "brier": 0.2, "ece": 0.05 * math.log(s + 1)} for s in (1, 2, 4)]
-    csv_path, json_path = write_ablation(rows, tmp_path / "ablation")
+    write_results(ablation_results(rows, "DBSN"), tmp_path)
+    csv_path, json_path = tmp_path / "ablation" / "results.csv", tmp_path / "ablation" / "results.json"
+    assert json.loads(json_path.read_text()) == rows
     lines = csv_path.read_text().splitlines()
     assert lines[0] == "n_samples,error,nll,brier,ece" and len(lines) == 4
     figure = ablation_figure({"DBSN": rows, "MC dropout": rows})

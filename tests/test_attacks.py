@@ -22,8 +22,10 @@ from dbsn.evaluation.attacks import (  # noqa: E402
     bim,
     fgsm,
     predictive_nll,
-    write_results,
 )
+from dbsn.evaluation.adversarial import AdversarialRobustness  # noqa: E402
+from dbsn.evaluation.results import CsvTable, Results, write_results  # noqa: E402
+from dbsn.evaluation.attacks import RESULT_COLUMNS  # noqa: E402
 
 N, D, C = 12, 16, 3  # examples, pixels (a flattened 4x4 image), classes
 
@@ -286,7 +288,8 @@ def test_write_results_round_trips(tmp_path):
     rows = adversarial_evaluation(
         log_probs_fn(model), log_probs_fn(model), batches, epsilons=(0.0, 0.05, 0.1), progress=False
     )
-    write_results(rows, tmp_path / "adv")
+    write_results(Results(files={"adv/results.csv": CsvTable(list(RESULT_COLUMNS), rows), "adv/results.json": rows}),
+                  tmp_path)
     with open(tmp_path / "adv" / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == ["attack", "epsilon", "accuracy", "mean_entropy", "n_examples"]
@@ -334,3 +337,19 @@ def test_figure_with_a_single_label():
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["FGSM", "BIM"]
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["FGSM", "BIM"]
     assert not fig.get_suptitle()
+
+
+def test_the_adversarial_evaluation_refuses_bad_settings_before_anything_runs():
+    from types import SimpleNamespace
+
+    from dbsn.evaluation.base import EvaluationError, Subject
+
+    subject = Subject(SimpleNamespace(task=SimpleNamespace(keeps_test_outputs=True)), None, "", torch.device("cpu"))
+    AdversarialRobustness().check(subject)  # the paper's settings
+    for settings, message in (({"attacks": ["pgd"]}, r"unknown \['pgd'\]"), ({"epsilons": [0.0, 2.0]}, r"\[0, 1\]"),
+                              ({"bim_steps": 0}, "bim_steps must be >= 1"), ({"max_examples": 0}, "max_examples")):
+        with pytest.raises(EvaluationError, match=message):
+            AdversarialRobustness(**settings).check(subject)
+    segmentation = Subject(SimpleNamespace(task=SimpleNamespace(keeps_test_outputs=False)), None, "", torch.device("cpu"))
+    with pytest.raises(EvaluationError, match="classifiers"):
+        AdversarialRobustness().check(segmentation)

@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from dbsn.methods import DBSN, BatchNormRecalibration
+from dbsn.methods import DBSN, BatchNormRecalibration, Prediction
 from dbsn.nets import GroupBatchNorm2d, StructureNet
 
 
@@ -28,7 +28,7 @@ class _Images:
 def _method(enabled: bool = True) -> DBSN:
     torch.manual_seed(0)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
-    method = DBSN(net, dataset_size=100, samples_per_forward=2,
+    method = DBSN(net, dataset_size=100, prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2),
                   bn_recalibration=BatchNormRecalibration(enabled=enabled, images=24, batch_size=10))
     with torch.no_grad():  # running statistics unlike any structure's, as after training
         for m in net.modules():
@@ -103,7 +103,7 @@ def test_data_parallel_ranks_predict_with_the_same_members():
     ranks = []
     for rank in range(2):
         method = _method()
-        torch.manual_seed(1000 + 104729 * rank)  # as ClassificationMethod.on_fit_start offsets ranks
+        torch.manual_seed(1000 + 104729 * rank)  # as Method.on_fit_start offsets ranks
         method.prepare_prediction(data)
         ranks.append(method._fixed_members(5))
     assert torch.equal(ranks[0][0], ranks[1][0])

@@ -57,7 +57,7 @@ def test_pipeline_rates_time_both_input_paths():
 def test_gpu_suite_runs_every_configuration_and_prints_its_table(monkeypatch, tmp_path):
     """The GPU suite end to end on the CPU, small: every configuration x {grouped, chunked} gets a
     row, the projection is 100 epochs of steps plus the test pass, results accumulate in the JSON
-    file over calls. On a CPU bf16 + channels-last is refused (wrong oneDNN gradients), so the
+    file over calls. On a CPU bf16 + channels-last may be refused (wrong oneDNN gradients on some), so the
     compiled configurations run in float32 here, with the aot_eager backend (no C++ build)."""
     import json
 
@@ -85,6 +85,9 @@ def test_gpu_suite_runs_every_configuration_and_prints_its_table(monkeypatch, tm
         flops = result["flops_per_step"][key.split(" | ")[1]]
         precision = "bf16" if key.startswith("bf16 |") else "fp32"
         assert abs(row["fraction_of_matmul_peak"] - flops / row["seconds_per_step"] / result["matmul_flops_per_second"][precision]) < 1e-9
-    assert rows["bf16 + channels-last | grouped"]["error"].startswith("refused on a CPU")
+    from dbsn.precision import cpu_bf16_channels_last_is_wrong
+
+    if cpu_bf16_channels_last_is_wrong():  # some CPUs compute those gradients wrongly, others not
+        assert rows["bf16 + channels-last | grouped"]["error"].startswith("refused on this CPU")
     table = bench_gpu.markdown(result)
     assert table.count("| bf16 + channels-last + compile | grouped |") == 1 and "100 epochs (h)" in table

@@ -1,4 +1,4 @@
-"""model.channels_last=true: the same numbers as the contiguous layout, and every convolution
+"""model.execution.channels_last=true: the same numbers as the contiguous layout, and every convolution
 really sees channels-last input (no silent conversion back to NCHW inside the network).
 
 Compared: one training step's loss, every gradient (θ's included) and the BatchNorm running
@@ -14,7 +14,7 @@ import torch
 from steputil import assert_same, prediction, step_state
 from torch import nn
 
-from dbsn.methods import DBSN, MAP
+from dbsn.methods import DBSN, MAP, Execution, Prediction
 from dbsn.methods.tasks import Segmentation
 from dbsn.nets import DBSNSegNet, FCDenseNet, StructureNet
 from dbsn.nets.ops import memory_format
@@ -47,14 +47,15 @@ def _non_channels_last_conv_inputs(method, run) -> list[str]:
 
 
 CLASSIFIERS = {
-    "dbsn_grouped": lambda cl: DBSN(StructureNet(**TINY_NET), train_samples=3, n_samples=4, samples_per_forward=3,
-                                    dataset_size=50, theta_init_std=1.0, channels_last=cl),
-    "dbsn_chunked": lambda cl: DBSN(StructureNet(**TINY_NET), train_samples=3, n_samples=4, samples_per_forward=3,
+    "dbsn_grouped": lambda cl: DBSN(StructureNet(**TINY_NET), train_samples=3, prediction=Prediction(n_samples=4, samples_per_forward=3),
+                                    dataset_size=50, theta_init_std=1.0, execution=Execution(channels_last=cl)),
+    "dbsn_chunked": lambda cl: DBSN(StructureNet(**TINY_NET), train_samples=3, prediction=Prediction(n_samples=4, samples_per_forward=3),
                                     dataset_size=50, theta_init_std=1.0, train_samples_per_forward=2,
-                                    channels_last=cl),
+                                    execution=Execution(channels_last=cl)),
     "map": lambda cl: MAP(StructureNet(**TINY_NET), learn_structure=True, theta_init_std=1.0, dataset_size=50,
-                          channels_last=cl),
-    "map_fixed": lambda cl: MAP(StructureNet(**TINY_NET), learn_structure=False, dataset_size=50, channels_last=cl),
+                          execution=Execution(channels_last=cl)),
+    "map_fixed": lambda cl: MAP(StructureNet(**TINY_NET), learn_structure=False, dataset_size=50,
+                                execution=Execution(channels_last=cl)),
 }
 
 
@@ -83,10 +84,10 @@ def test_every_convolution_runs_channels_last(name):
 SEGMENTERS = {
     "fcdensenet": lambda cl: MAP(FCDenseNet(num_classes=5, first_channels=8, growth=4, layers_per_block=2, num_down=2),
                                  learn_structure=False, dataset_size=20, task=Segmentation(ignore_index=4),
-                                 channels_last=cl),
+                                 execution=Execution(channels_last=cl)),
     "dbsn_seg": lambda cl: DBSN(DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
-                                train_samples=2, n_samples=2, samples_per_forward=2, dataset_size=20,
-                                theta_init_std=1.0, task=Segmentation(ignore_index=4), channels_last=cl),
+                                train_samples=2, prediction=Prediction(n_samples=2, samples_per_forward=2), dataset_size=20,
+                                theta_init_std=1.0, task=Segmentation(ignore_index=4), execution=Execution(channels_last=cl)),
 }
 
 

@@ -96,3 +96,25 @@ def test_checkpoints_written_before_classes_moved_still_load(tmp_path):
     assert new["members"][0]["_target_"] == "dbsn.structure.schedules.X"
     torch.save({"state_dict": {}, CONFIG_KEY: old}, tmp_path / "old.ckpt")
     assert load_checkpoint(tmp_path / "old.ckpt")[CONFIG_KEY]["model"]["tau"]["_target_"] == "dbsn.structure.schedules.TauSchedule"
+
+
+def test_run_configs_with_flat_method_settings_build_the_same_method():
+    """A model config written before S, the validation S, members per forward and temperature
+    scaling travelled as `prediction`, channels-last and compile as `execution`, and VOGN's draws
+    per step were named `draws_per_step`, builds today's method with the same settings."""
+    from dbsn.runtime.build import build_model
+    from dbsn.runtime.checkpoint import upgrade_config
+
+    net = {"_target_": "dbsn.nets.StructureNet", "num_nodes": 3, "cells_per_stage": 1, "growth": 4, "stem_channels": 8}
+    old = {"_target_": "dbsn.methods.DBSN", "net": net, "train_samples": 2, "n_samples": 7, "val_samples": 3,
+           "samples_per_forward": 2, "temperature_scaling": True, "channels_last": True,
+           "compile": {"_target_": "dbsn.methods.Compilation", "enabled": False}}
+    method = build_model(upgrade_config({"model": old})["model"], num_classes=10)
+    assert (method.n_samples, method.val_samples, method.samples_per_forward, method.temperature_scaling) == (7, 3, 2, True)
+    assert method.channels_last and not method.execution.compile.enabled and method.train_samples == 2
+    vogn = {"_target_": "dbsn.methods.natgrad.VOGNMethod", "net": net, "n_samples": 5, "vogn": {"num_samples": 2, "lr": 0.1}}
+    upgraded = upgrade_config({"model": vogn})["model"]
+    assert upgraded["vogn"] == {"draws_per_step": 2, "lr": 0.1} and upgraded["prediction"]["n_samples"] == 5
+    assert build_model(upgraded, num_classes=10).vogn["draws_per_step"] == 2
+    ensemble = {"_target_": "dbsn.methods.DeepEnsemble", "temperature_scaling": False, "size": 2}
+    assert upgrade_config({"model": ensemble})["model"] == ensemble  # the ensemble's own setting stays

@@ -18,7 +18,7 @@ from dbsn.runtime.cluster import (PreemptionRequeue, _has_features, _minutes, ch
                                   job_overrides_with_resume, slurm_request)
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.progress import LineProgress
-from dbsn.runtime.run import build_trainer
+from dbsn.runtime.build import build_trainer
 
 
 def _job(**trainer):

@@ -1,4 +1,4 @@
-"""model.compile.enabled=true: the compiled network gives the eager numbers, and a run under way
+"""model.execution.compile.enabled=true: the compiled network gives the eager numbers, and a run under way
 does not recompile.
 
 Equality: one training step (loss, every weight gradient, θ's gradient, the BatchNorm running
@@ -24,7 +24,7 @@ import torch
 from steputil import assert_same, prediction, step_state
 from torch.utils.data import DataLoader, TensorDataset
 
-from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights
+from dbsn.methods import DBSN, MAP, Compilation, Execution, GaussianWeights, Prediction
 from dbsn.nets import StructureNet
 from dbsn.runtime.config import cpp_compiler
 from dbsn.structure.schedules import BetaSchedule, TauSchedule
@@ -35,17 +35,19 @@ TINY_NET = dict(num_classes=5, num_nodes=3, cells_per_stage=1, num_stages=2, gro
 
 
 def _dbsn(compile, chunk=None):
-    return DBSN(StructureNet(**TINY_NET), train_samples=4, n_samples=6, samples_per_forward=3, dataset_size=40,
-                theta_init_std=1.0, train_samples_per_forward=chunk, compile=compile)
+    return DBSN(StructureNet(**TINY_NET), train_samples=4, prediction=Prediction(n_samples=6, samples_per_forward=3), dataset_size=40,
+                theta_init_std=1.0, train_samples_per_forward=chunk, execution=Execution(compile=compile))
 
 
 CASES = {  # name: (constructor, backend)
     "dbsn_t4_grouped": (lambda c: _dbsn(c), "inductor"),
     "dbsn_t4_chunked": (lambda c: _dbsn(c, chunk=2), "aot_eager"),
-    "map_fixed": (lambda c: MAP(StructureNet(**TINY_NET), learn_structure=False, dataset_size=40, compile=c),
+    "map_fixed": (lambda c: MAP(StructureNet(**TINY_NET), learn_structure=False, dataset_size=40,
+                                execution=Execution(compile=c)),
                   "aot_eager"),
     "bbb": (lambda c: MAP(StructureNet(**TINY_NET), learn_structure=True, theta_init_std=1.0, dataset_size=40,
-                          weights=GaussianWeights(init_rho=-3.0), n_samples=3, compile=c), "aot_eager"),
+                          weights=GaussianWeights(init_rho=-3.0), prediction=Prediction(n_samples=3),
+                          execution=Execution(compile=c)), "aot_eager"),
 }
 
 
@@ -97,7 +99,8 @@ def test_no_recompilation_while_tau_and_beta_decay():
     torch._dynamo.reset()
     torch.manual_seed(0)
     method = DBSN(StructureNet(**TINY_NET), train_samples=2, dataset_size=32, tau=TauSchedule(decay=0.05),
-                  beta=BetaSchedule(decay_per_epoch=0.1), compile=Compilation(enabled=True, backend="aot_eager"))
+                  beta=BetaSchedule(decay_per_epoch=0.1),
+                  execution=Execution(compile=Compilation(enabled=True, backend="aot_eager")))
     data = TensorDataset(torch.randn(32, 3, 16, 16), torch.randint(0, 5, (32,)))
     counts = _CompileCounts()
     trainer = pl.Trainer(accelerator="cpu", max_epochs=5, logger=False, enable_checkpointing=False,

@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from dbsn.runtime.config import ConfigError, validate_config
-from dbsn.runtime.run import build_model, train
+from dbsn.runtime.build import build_model
+from dbsn.runtime.run import train
 
 
 @pytest.mark.parametrize("experiment", [None, "quick", "cifar10_paper", "cifar100_paper"])
@@ -26,7 +27,7 @@ def test_paper_experiments_pin_the_paper_settings(tmp_path):
     for name, classes in (("cifar10_paper", 10), ("cifar100_paper", 100)):
         cfg = compose_config("train", [f"experiment={name}"], tmp_path)
         assert cfg.model.net.num_nodes == 7 and cfg.model.net.cells_per_stage * cfg.model.net.num_stages == 12
-        assert cfg.model.train_samples == 4 and cfg.model.n_samples == 100
+        assert cfg.model.train_samples == 4 and cfg.model.prediction.n_samples == 100
         assert cfg.trainer.max_epochs == 100 and cfg.data.batch_size == 64
         model = build_model(cfg.model, num_classes=classes)
         n_params = sum(p.numel() for p in model.net.parameters())
@@ -101,7 +102,7 @@ def test_every_method_config_builds(model, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("model.train_samples=abc", r"model\.train_samples='abc': expected int, got str"),
-    ("model.n_samples=2.5", r"model\.n_samples=2\.5: expected int, got float"),
+    ("model.prediction.n_samples=2.5", r"model\.prediction\.n_samples=2\.5: expected int, got float"),
     ("trainer.max_epochs=ten", r"trainer\.max_epochs='ten': expected int"),
     ("data.batch_size=true", r"data\.batch_size=True: expected int, got bool"),
     ("model.parallel=model", r"model\.parallel='model': expected one of 'structure', 'data'"),

@@ -8,14 +8,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dbsn.methods import DBSN
+from dbsn.methods import DBSN, Prediction
 from dbsn.nets import StructureNet
 
 
 def _method(train_samples=3) -> DBSN:
     torch.manual_seed(0)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    return DBSN(net, train_samples=train_samples, dataset_size=100, samples_per_forward=2)
+    return DBSN(net, train_samples=train_samples, dataset_size=100,
+                prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2))
 
 
 def test_training_loss_equals_average_over_separate_structures():

@@ -11,7 +11,8 @@ from configs import TINY, compose_config, tiny_for
 
 from dbsn.methods import DBSN, MAP, DeepEnsemble
 from dbsn.nets import StructureNet
-from dbsn.runtime.run import build_model, evaluate, train
+from dbsn.runtime.build import build_model
+from dbsn.runtime.run import evaluate, train
 
 
 def _member(seed: int) -> MAP:
@@ -60,7 +61,7 @@ def test_rejects_structure_sampling_members():
 @pytest.mark.slow
 def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
     tiny_member = [o.replace("model.", "model.member.", 1) for o in TINY if o.startswith("model.")
-                   and not o.startswith(("model.train_samples", "model.n_samples", "model.samples_per_forward"))]
+                   and not o.startswith(("model.train_samples", "model.prediction.n_samples", "model.prediction.samples_per_forward"))]
     common = ["data=digits", "data.batch_size=128", "trainer.max_epochs=1",
               *[o for o in TINY if not o.startswith("model.")]]
     job = tmp_path / "ensemble"

@@ -95,3 +95,32 @@ def test_only_user_errors_lose_their_traceback(capsys):
     with pytest.raises(KeyError):
         buggy()
     assert one_line(ValueError("a\n\n  b ")) == "a b"
+
+
+EVALUATE_CASES = {
+    "no checkpoint": ([], ["ckpt_path is needed"]),
+    "a folder without runs": (["ckpt_path={tmp}"], ["is a folder without training runs"]),
+    "OOD sets without the OOD evaluation": (["ckpt_path=x.ckpt", "ood=textures"], ["add evaluations=[ood]"]),
+    "an option of an OOD set not chosen": (["ckpt_path=x.ckpt", "evaluations=[ood]", "ood=svhn",
+                                            "ood.textures.download=true"],
+                                           ["ood.textures.download", "OOD set textures, which is not chosen"]),
+    "an option of an evaluation not chosen": (["ckpt_path=x.ckpt", "evaluations.shift.generate=true"],
+                                              ["evaluation shift, which is not chosen", "evaluations=[shift]"]),
+    "an option of a posterior not chosen": (["ckpt_path=x.ckpt", "posthoc.hessian=full"],
+                                            ["post-hoc posterior, and none is chosen", "laplace"]),
+    "a misspelled option of a posterior": (["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],
+                                           ["posthoc: unknown key 'hesian'", "Did you mean 'hessian'?"]),
+}
+
+
+@pytest.mark.parametrize("case", list(EVALUATE_CASES))
+def test_evaluate_py_says_what_is_wrong_in_one_line(case, tmp_path):
+    args, phrases = EVALUATE_CASES[case]
+    _assert_one_line(_run("evaluate.py", [a.replace("{tmp}", str(tmp_path)) for a in args], tmp_path), *phrases)
+
+
+def test_structure_parallel_devices_that_do_not_divide_t_are_refused_in_one_line(tmp_path):
+    _assert_one_line(_run("train.py", ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu",
+                                       "trainer.devices=3"], tmp_path),
+                     "T = 4 structures of a step over 3 devices", "model.parallel=data")
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -9,7 +9,7 @@ import torch
 from configs import compose_config, tiny_for
 from fakedata import write_cifar10
 
-from dbsn.methods import MAP, MCDropoutWeights
+from dbsn.methods import MAP, MCDropoutWeights, Prediction
 from dbsn.nets import StructureNet
 from dbsn.runtime.run import evaluate, train
 
@@ -47,7 +47,7 @@ def _dropout_net(p=0.2, test_time=True, placement="node_outputs"):
     torch.manual_seed(0)
     net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
     return MAP(net, weights=MCDropoutWeights(p=p, test_time=test_time, placement=placement), learn_structure=False,
-               n_samples=5, samples_per_forward=5, dataset_size=10)
+               prediction=Prediction(n_samples=5, samples_per_forward=5), dataset_size=10)
 
 
 def test_mc_dropout_inserts_dropout_after_every_convolution():
@@ -82,7 +82,7 @@ def test_mc_dropout_is_stochastic_at_test_and_deterministic_without_it():
 def test_deterministic_methods_predict_with_one_pass():
     torch.manual_seed(0)
     net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    method = MAP(net, learn_structure=True, n_samples=100, dataset_size=10).eval()
+    method = MAP(net, learn_structure=True, prediction=Prediction(n_samples=100), dataset_size=10).eval()
     calls = []
     original = method.stochastic_forward
     method.stochastic_forward = lambda x, n, first=0: calls.append(n) or original(x, n, first)
@@ -102,7 +102,7 @@ def test_map_fixed_alpha_is_uniform_and_not_trained():
 
 def _digits_overrides(*extra):
     return ["model=map_fixed", "data=digits", "data.batch_size=128", *tiny_for("map_fixed"), "trainer.max_epochs=1",
-            "model.temperature_scaling=true", *extra]
+            "model.prediction.temperature_scaling=true", *extra]
 
 
 def test_temperature_scaling_refuses_without_a_validation_split(tmp_path):
@@ -185,7 +185,7 @@ def _configured_optimizers(model_cfg):
     """The method and what its configure_optimizers returns, under a stand-in trainer."""
     from types import SimpleNamespace
 
-    from dbsn.runtime.run import build_model
+    from dbsn.runtime.build import build_model
 
     method = build_model(model_cfg, num_classes=10)
     method.dataset_size = 100  # read from the data module in on_fit_start (natgrad: in configure_optimizers)
@@ -253,7 +253,7 @@ def test_mc_dropout_default_is_map_with_dropout_on_every_node_output(tmp_path):
     """The research code's baseline, which produced the paper's numbers: learned θ, dropout on
     each node's output (once per node and cell), none inside the ops."""
     from dbsn.nets import Cell
-    from dbsn.runtime.run import build_model
+    from dbsn.runtime.build import build_model
 
     cfg = compose_config("train", _small("mc_dropout"), tmp_path)
     method = build_model(cfg.model, num_classes=10)

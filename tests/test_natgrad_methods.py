@@ -12,6 +12,7 @@ import torch
 from configs import TINY, compose_config, tiny_for
 from fakedata import write_cifar10
 
+import dbsn.runtime.build
 import dbsn.runtime.run
 from dbsn.runtime.config import validate_config
 from dbsn.methods.natgrad import NEKFACMethod, VOGNFBN, VOGNMAP, VOGNMethod, posterior_health
@@ -105,7 +106,7 @@ def _draw_statistics(method, draws: int = 100) -> torch.Tensor:
 def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
     val_size = 16 if method == "vogn_fbn" else 0  # validation (S = val_samples) during training, once
-    overrides = [*_overrides(method, cifar_root, epochs=2), f"data.val_size={val_size}", "model.val_samples=2"]
+    overrides = [*_overrides(method, cifar_root, epochs=2), f"data.val_size={val_size}", "model.prediction.val_samples=2"]
     # N = 112 images would leave the posteriors near the prior (VOGN: σ² ≈ τ / (N γ)), and the paper's VOGN
     # lr 0.01 / (s + γ) moves weights with little curvature by O(1) per step: the network saturates (NLL in
     # the thousands, every member one-hot on one class, no disagreement left to measure). CIFAR's N, and
@@ -136,7 +137,7 @@ def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp
     assert again["test/mutual_information"] > 0  # ... so the members' disagreement shows
 
     # the posterior evaluation samples from is the optimiser's at the end of training
-    loaded = dbsn.runtime.run._load_method(ckpt, num_classes=10)
+    loaded = dbsn.runtime.build.load_method(ckpt, num_classes=10)
     live = _posterior_of(opt, trained)
     assert set(live) == {k for k, _ in loaded.posterior.named_buffers()}
     for name, value in live.items():
@@ -214,18 +215,18 @@ def test_experiment_configs_compose_and_validate(tmp_path):
         cfg = compose_config("train", ["experiment=table5_vogn", f"model={model}"], tmp_path)
         validate_config(cfg)
         assert cfg.data.batch_size == 32 and cfg.data._target_.endswith("CIFAR10DataModule")
-        method = dbsn.runtime.run.build_model(cfg.model, num_classes=10)
-        assert dbsn.runtime.run.count_parameters(method) == pytest.approx(41_000, rel=0.05)
+        method = dbsn.runtime.build.build_model(cfg.model, num_classes=10)
+        assert dbsn.runtime.build.count_parameters(method) == pytest.approx(41_000, rel=0.05)
         if model != "dbsn":
             assert method.vogn == {"lr": 0.01, "prior_variance": 1.0, "init_precision": 0.008, "kl_warmup_start": 0.01,
                                    "kl_warmup_steps": 1000, "tau": 1.0, "augmentation_factor": 1.0, "damping": 0.001,
-                                   "momentum": 0.9, "beta2": 0.999, "num_samples": 1}
+                                   "momentum": 0.9, "beta2": 0.999, "draws_per_step": 1}
             assert method.n_samples == 100
 
     for data, classes in (("cifar10", 10), ("cifar100", 100)):
         cfg = compose_config("train", [f"experiment=nekfac_{data}"], tmp_path)
         validate_config(cfg)
-        assert (cfg.data.batch_size, cfg.trainer.max_epochs, cfg.model.n_samples) == (128, 150, 30)
+        assert (cfg.data.batch_size, cfg.trainer.max_epochs, cfg.model.prediction.n_samples) == (128, 150, 30)
         assert dict(cfg.model.nekfac) == {"lr": 0.01, "kl_weight": 0.1, "prior_var": 1.0, "damping": 0.001,
                                           "kl_clip": 0.001, "momentum": 0.9, "cov_update_every": 10,
                                           "eigen_update_every": 200, "stat_decay": 0.99}

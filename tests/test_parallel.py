@@ -91,9 +91,9 @@ def _gradients(chunk: int | None, theta_std: float = 1.0, dataset_size: int = 10
 
 def _kl_on_every_chunk(monkeypatch) -> None:
     """A wrong chunked step: every chunk adds the whole structure KL / N (counted T / chunk times)."""
-    from dbsn.methods.base import ClassificationMethod
+    from dbsn.methods.base import Method
 
-    original = ClassificationMethod.training_losses
+    original = Method.training_losses
 
     def training_losses(self, x, y):
         _, kl = self.local_training_structures()
@@ -101,21 +101,21 @@ def _kl_on_every_chunk(monkeypatch) -> None:
             if not last:
                 out["loss"] = out["loss"] + kl.mean() / self.dataset_size
             yield share, last, out
-    monkeypatch.setattr(ClassificationMethod, "training_losses", training_losses)
+    monkeypatch.setattr(Method, "training_losses", training_losses)
 
 
 def _theta_gradient_scaled_by_t(monkeypatch) -> None:
     """A wrong chunked step: θ's gradient summed over the T structures instead of averaged."""
-    from dbsn.methods.base import ClassificationMethod
+    from dbsn.methods.base import Method
 
-    original = ClassificationMethod.accumulate_gradients
+    original = Method.accumulate_gradients
 
     def accumulate_gradients(self, *args, **kwargs):
         logs = original(self, *args, **kwargs)
         if self.train_samples_per_forward is not None:
             self.structure.theta.grad.mul_(self.train_samples)
         return logs
-    monkeypatch.setattr(ClassificationMethod, "accumulate_gradients", accumulate_gradients)
+    monkeypatch.setattr(Method, "accumulate_gradients", accumulate_gradients)
 
 
 def test_chunked_gradients_equal_the_grouped_ones():

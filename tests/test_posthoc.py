@@ -18,9 +18,8 @@ from dbsn.data.digits import DigitsDataModule
 from dbsn.methods import MAP, WeightOptimizer
 from dbsn.methods.dbsn import BatchNormRecalibration
 from dbsn.nets import StructureNet
-from dbsn.posthoc.laplace import (
-    FixedStructureNetwork, LaplaceMethod, fit_laplace_on, head_features, last_layer_laplace, sample_last_layers,
-)
+from dbsn.posthoc.fixed import FixedStructureNetwork
+from dbsn.posthoc.laplace import LaplaceMethod, fit_laplace_on, head_features, last_layer_laplace, sample_last_layers
 from dbsn.posthoc.swag import SWAGCollector, SWAGMethod, SWAGMoments, load_swag_state, swag_parameters
 
 

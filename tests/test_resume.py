@@ -73,7 +73,7 @@ def _three_runs(method: str, root, tmp_path, monkeypatch, extra=()) -> tuple[dic
 # Validation between epochs draws random numbers too (DBSN samples structures): dbsn runs with a
 # validation split, so its checkpoint is written after validation, not after training.
 @pytest.mark.parametrize("method, extra", [
-    ("dbsn", ["data.val_size=16", "model.val_samples=2"]),
+    ("dbsn", ["data.val_size=16", "model.prediction.val_samples=2"]),
     ("mc_dropout", []),
     ("bbb", []),
     ("vogn", []),

@@ -10,7 +10,7 @@ import pytest
 from configs import compose_config
 from fakedata import write_camvid
 
-from dbsn.runtime.config import ConfigError
+from dbsn.evaluation.base import EvaluationError
 from dbsn.runtime.run import evaluate, train
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _overrides(model, root):
     stochastic = model != "fcdensenet67"
     return [f"model={model}", "data=camvid", f"data.root={root}", "data.crop_size=32", "data.batch_size=2",
             "data.num_workers=0", "data.eval_batch_size=2", *SMALL_NET[model], "trainer.max_epochs=2",
-            *(["model.n_samples=3", "model.val_samples=2", "model.samples_per_forward=2"] if stochastic else []),
+            *(["model.prediction.n_samples=3", "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2"] if stochastic else []),
             *QUIET]
 
 
@@ -63,6 +63,6 @@ def test_segmentation_model_trains_reports_and_reevaluates(model, camvid_root, t
     assert (run_dir / "evaluation" / "uncertainty_maps.png").exists()
     if model == "fcdensenet67":
         assert again["test/miou"] == pytest.approx(metrics["test/miou"], rel=1e-6)
-    with pytest.raises(ConfigError, match="classifiers"):
+    with pytest.raises(EvaluationError, match="classifiers"):  # before the test pass
         evaluate(compose_config("evaluate", [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
                                              "evaluations=[ood]", *QUIET], tmp_path / "eval"), tmp_path / "eval")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 # tiny digits runs: 256 training images (4 batches), S = 2, no per-epoch figures
-TINY_RUN = ["experiment=quick", "data.train_subset=256", "model.n_samples=2", "model.samples_per_forward=2",
+TINY_RUN = ["experiment=quick", "data.train_subset=256", "model.prediction.n_samples=2", "model.prediction.samples_per_forward=2",
             "callbacks.structure_posterior.save_figures=false", "callbacks.structure_posterior.n_samples=10"]
 # the local cluster's jobs: one thread each, rendezvous on 127.0.0.1 (the node names do not resolve)
 LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=null",

@@ -8,9 +8,10 @@ import pytest
 import torch
 from configs import compose_config
 
-from dbsn.evaluation.runner import adversarial_curve, cdf_points
+from dbsn.evaluation.adversarial import adversarial_curve
+from dbsn.evaluation.ood import cdf_points
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.run import _ood_sets
+from dbsn.runtime.evaluation import build_evaluator
 from dbsn.evaluation.tracking import define_metrics, step_metric_of, summary_key, summary_of
 
 
@@ -73,12 +74,20 @@ def test_attack_rows_become_one_point_per_epsilon():
          "adversarial/bim/accuracy": 0.3, "adversarial/bim/mean_entropy": 1.2}]
 
 
+def _ood_sets(cfg):
+    return build_evaluator(cfg).evaluations[0].sets
+
+
 def test_one_or_several_ood_sets_compose_by_name(tmp_path):
-    one = compose_config("evaluate", ["ckpt_path=x", "ood=photos"], tmp_path)
+    one = compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=photos"], tmp_path)
     assert list(one.ood) == ["photos"] and list(_ood_sets(one)) == ["photos"]
-    several = compose_config("evaluate", ["ckpt_path=x", "ood=[svhn,photos,noise]", "ood.noise.size=8"], tmp_path)
+    several = compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=[svhn,photos,noise]", "ood.noise.size=8"],
+                             tmp_path)
     sets = _ood_sets(several)
     assert list(sets) == ["svhn", "photos", "noise"] and sets["noise"].size == 8
     assert type(sets["svhn"]).__name__ == "SVHNDataModule"
-    with pytest.raises(ConfigError, match=r"ood=\[svhn,cifar100,photos\]"):
-        _ood_sets(compose_config("evaluate", ["ckpt_path=x", "ood=[]"], tmp_path))
+    with pytest.raises(ConfigError, match=r"add evaluations=\[ood\]"):  # sets chosen, the evaluation not
+        build_evaluator(compose_config("evaluate", ["ckpt_path=x", "ood=photos"], tmp_path))
+    with pytest.raises(ConfigError, match=r"ood.noise: size must be >= 1, got 0"):  # a set's own check, named by its key
+        build_evaluator(compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=noise", "ood.noise.size=0"],
+                                       tmp_path))

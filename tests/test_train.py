@@ -13,7 +13,8 @@ from fakedata import write_cifar10
 
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.methods import DBSN, NonFiniteLossError
-from dbsn.runtime.run import build_model, evaluate, train
+from dbsn.runtime.build import build_model
+from dbsn.runtime.run import evaluate, train
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +154,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path
 
 
 def test_init_from_loads_weights_only_and_rejects_a_foreign_model(trained_run):
-    from dbsn.runtime.run import init_weights
+    from dbsn.runtime.build import init_weights
 
     cfg, out, _ = trained_run
     model = build_model(cfg.model, num_classes=10)

@@ -27,13 +27,13 @@ def _regression():
     return x, y, torch.diag(precision), mean
 
 
-def _regression_run(steps: int, num_samples: int, noise: bool, momentum: float = 0.8, lr: float = 0.02):
+def _regression_run(steps: int, draws_per_step: int, noise: bool, momentum: float = 0.8, lr: float = 0.02):
     x, y, _, _ = _regression()
     torch.manual_seed(1)
     model = nn.Linear(D, 1, bias=False).double()
     nn.init.zeros_(model.weight)
     opt = VOGN(model, lr=lr, dataset_size=N, prior_variance=PRIOR_VAR, tau=1.0, damping=0.0,
-               momentum=momentum, beta2=1.0, init_precision=1.0, num_samples=num_samples)
+               momentum=momentum, beta2=1.0, init_precision=1.0, draws_per_step=draws_per_step)
     opt.sample_noise = noise
 
     def closure():
@@ -62,7 +62,7 @@ def test_linear_regression_fixed_point_is_the_exact_posterior() -> None:
     (1 - β1) factor the effective step is 5x smaller and ~1% of the error would remain.
     """
     _, _, precision_diag, mean = _regression()
-    model, opt, _ = _regression_run(steps=200, num_samples=1, noise=False)
+    model, opt, _ = _regression_run(steps=200, draws_per_step=1, noise=False)
     s = opt.state[model.weight]["precision"].squeeze(0)
     delta_tilde = 1.0 / (PRIOR_VAR * N)
     torch.testing.assert_close(N * (s + delta_tilde), precision_diag, rtol=1e-10, atol=0)
@@ -75,7 +75,7 @@ def test_linear_regression_with_weight_noise_converges_to_the_posterior() -> Non
     std of the exact mean (MC error ~0.03 std; a doubled prior, i.e. N_eff or δ̃ off by 2,
     moves coordinate 1 by 0.74 std)."""
     _, _, precision_diag, mean = _regression()
-    model, opt, history = _regression_run(steps=250, num_samples=8, noise=True)
+    model, opt, history = _regression_run(steps=250, draws_per_step=8, noise=True)
     std = precision_diag.rsqrt()
     s = opt.state[model.weight]["precision"].squeeze(0)
     torch.testing.assert_close(N * (s + 1.0 / (PRIOR_VAR * N)), precision_diag, rtol=1e-10, atol=0)
@@ -103,7 +103,7 @@ def test_two_noise_free_steps_match_the_update_by_hand(momentum: float, reductio
     model, x, t = _classifier_data()
     lr, n_eff, prior_var, tau, damping, beta2, s0 = 0.1, 100 * 2, 0.3, 0.5, 0.01, 0.3, 0.5
     opt = VOGN(model, lr=lr, dataset_size=100, augmentation_factor=2.0, prior_variance=prior_var, tau=tau,
-               damping=damping, momentum=momentum, beta2=beta2, init_precision=s0, num_samples=1,
+               damping=damping, momentum=momentum, beta2=beta2, init_precision=s0, draws_per_step=1,
                kl_warmup_start=0.1, kl_warmup_steps=10, loss_reduction=reduction)
     opt.sample_noise = False  # w = μ: σ forced to 0
 
@@ -135,7 +135,7 @@ def test_weight_noise_has_the_posterior_scale() -> None:
     """The draws inside step() and sample_weights() are N(μ, τ / (N_eff (s + δ̃ + γ)))."""
     model, x, t = _classifier_data()
     opt = VOGN(model, lr=0.0, dataset_size=50, augmentation_factor=2.0, prior_variance=0.5, tau=2.0,
-               damping=0.1, init_precision=0.3, num_samples=1000, kl_warmup_start=0.1, kl_warmup_steps=4)
+               damping=0.1, init_precision=0.3, draws_per_step=1000, kl_warmup_start=0.1, kl_warmup_steps=4)
     tau_t, delta_tilde = 0.2, 0.2 / (0.5 * 100)
     expected = (tau_t / (100 * (0.3 + delta_tilde + 0.1))) ** 0.5
     mu = [p.detach().clone() for p in model.parameters()]
@@ -175,7 +175,7 @@ def _small_net(seed: int) -> nn.Module:
 
 
 def _make_opt(net: nn.Module) -> VOGN:
-    return VOGN(net, lr=0.05, dataset_size=60, momentum=0.9, beta2=0.9, num_samples=2,
+    return VOGN(net, lr=0.05, dataset_size=60, momentum=0.9, beta2=0.9, draws_per_step=2,
                 kl_warmup_start=0.1, kl_warmup_steps=5, init_precision=0.1)
 
 

@@ -49,13 +49,13 @@ def logged(tmp_path_factory):
     _run([str(ROOT / "train.py"), "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}"], cwd=tmp)
     _run([str(ROOT / "evaluate.py"), f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift]",
           f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
-          "ood_groups={near:[photos],far:[noise]}", f"shift.root={tmp / 'digits-C'}", "shift.generate=true",
-          "shift.corruptions=[contrast]",
-          "adversarial.epsilons=[0.0,0.05]", "adversarial.attack_samples=2", "adversarial.eval_samples=2",
-          "adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
+          "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={tmp / 'digits-C'}", "evaluations.shift.generate=true",
+          "evaluations.shift.corruptions=[contrast]",
+          "evaluations.adversarial.epsilons=[0.0,0.05]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
+          "evaluations.adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}"], cwd=tmp)
     # a deep ensemble of finished runs (point-structure members: map_fixed; one run twice keeps it short)
     _run([str(ROOT / "train.py"), "model=map_fixed", "data=digits", "data.train_subset=256", *tiny_for("map_fixed"),
-          "trainer.max_epochs=1", "model.n_samples=1", "logger=wandb", "callbacks=swag", "callbacks.swag.start=0", "callbacks.swag.collect=step",
+          "trainer.max_epochs=1", "model.prediction.n_samples=1", "logger=wandb", "callbacks=swag", "callbacks.swag.start=0", "callbacks.swag.collect=step",
           f"hydra.run.dir={tmp / 'map'}"], cwd=tmp)
     member = str(tmp / "map" / "checkpoints" / "last.ckpt")
     # its post-hoc SWAG posterior, a method of its own
@@ -67,8 +67,8 @@ def logged(tmp_path_factory):
     write_camvid(camvid, n_train=4, n_val=2, n_test=2, size=(36, 50), seed=0)
     _run([str(ROOT / "train.py"), "model=dbsn_seg", "data=camvid", f"data.root={camvid}", "data.crop_size=32",
           "data.batch_size=2", "data.num_workers=0", "data.eval_batch_size=2", "model.net.first_channels=8",
-          "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2", "model.n_samples=2",
-          "model.val_samples=2", "model.samples_per_forward=2", "trainer.max_epochs=2", "trainer.accelerator=cpu",
+          "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2", "model.prediction.n_samples=2",
+          "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2", "trainer.max_epochs=2", "trainer.accelerator=cpu",
           "trainer.enable_progress_bar=false", "logger=wandb", f"hydra.run.dir={tmp / 'seg'}"], cwd=tmp)
     runs = [sweep / "0", sweep / "1"]
     return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
@@ -151,14 +151,14 @@ def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
 
 
 def test_a_post_hoc_evaluation_is_a_method_of_its_own_on_wandb(logged):
-    """`evaluate.py posthoc=swag` on a map_fixed run: its W&B run is method swag (so the dashboard,
+    """`evaluate.py posthoc=swag` on a map_fixed run: its W&B run is method map_fixed+swag (so the dashboard,
     grouping by method, does not average it into map_fixed), linked to the training run, in its group."""
     train, run = run_record(logged["map"]), run_record(logged["posthoc"])
     facts = config(logged["posthoc"])
     assert {k: facts[k] for k in ("method", "posthoc", "base_method", "job_type")} == {
-        "method": "swag", "posthoc": "swag", "base_method": "map_fixed", "job_type": "evaluate"}
+        "method": "map_fixed+swag", "posthoc": "swag", "base_method": "map_fixed", "job_type": "evaluate"}
     assert facts["train_run_id"] == train.run_id and run.run_group == train.run_group
-    assert run.display_name.startswith("swag digits") and run.job_type == "evaluate"
+    assert run.display_name.startswith("map_fixed+swag digits") and run.job_type == "evaluate"
     assert "test/ece" in summary(logged["posthoc"]) and "selective/max_probability/aurc" in summary(logged["posthoc"])
 
 
@@ -245,6 +245,7 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
     broken = [Section("Calibration", "train", "", (Panel("bar", "typo", ("test/eec",)),)),
               Section("OOD", "evaluate", "", (Panel("line", "wrong job", ("val/error",), x="epoch"),))]
     assert missing_reads(broken, logged_by_job) == ["Calibration / typo: test/eec (scalar)",
+                                                    "OOD / wrong job: epoch (scalar)",  # evaluations have no epochs
                                                     "OOD / wrong job: val/error (scalar)"]
     # the W&B report that is saved names the same metrics, in the same panels, and each section
     # reads the runs of its job type in the group, grouped by method
@@ -255,7 +256,7 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         leaves = [{(f.key.name, f.op, str(f.value)) for f in expr.expr_to_filters(s.filters).filters} for s in sets]
         assert leaves[0] == {("jobType", "=", section.job_type), group}
         if section.posthoc:  # and the post-hoc methods' evaluate runs
-            assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['laplace', 'swag']"), group}
+            assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['laplace', 'swag', 'temperature']"), group}
         assert all(s.groupby == ["config.method"] and (s.entity, s.project) == ("lab", "dbsn") for s in sets)
     assert [s.name for s in dashboard if s.posthoc] == ["Calibration", "Selective prediction"]
     # what those sections read of a training run, a post-hoc evaluation logs too (not per-epoch curves)

@@ -11,7 +11,7 @@ embedded digits needs OOD images that are on every machine too:
 
 Both are test-only data modules with the same uint8 (N, 3, 32, 32) layout as every dataset
 here; the labels are meaningless zeros. Their images are normalised with the
-*in-distribution* statistics by the evaluation (see `dbsn.evaluation.runner`).
+*in-distribution* statistics by the evaluation (see `dbsn.evaluation.ood.OODDetection`).
 """
 
 from functools import cache

@@ -3,27 +3,11 @@ every ensemble size are accumulated during the test pass by `dbsn.metrics.ablati
 
 from __future__ import annotations
 
-import csv
-import json
-from pathlib import Path
-
 from matplotlib.figure import Figure
 
-__all__ = ["ablation_figure", "write_ablation"]
+__all__ = ["COLUMNS", "ablation_figure"]
 
 COLUMNS = ("n_samples", "error", "nll", "brier", "ece")
-
-
-def write_ablation(rows: list[dict[str, float]], folder: Path) -> tuple[Path, Path]:
-    """results.csv (columns n_samples, error, nll, brier, ece) and results.json in `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = folder / "results.csv", folder / "results.json"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: row[k] for k in COLUMNS} for row in rows)
-    json_path.write_text(json.dumps(rows, indent=2) + "\n")
-    return csv_path, json_path
 
 
 def ablation_figure(results: dict[str, list[dict[str, float]]], title: str | None = None) -> Figure:

@@ -22,10 +22,7 @@ with ``0 log 0 = 0``.
 
 from __future__ import annotations
 
-import csv
-import json
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
@@ -41,7 +38,6 @@ __all__ = [
     "bim",
     "fgsm",
     "predictive_nll",
-    "write_results",
 ]
 
 PAPER_EPSILONS = tuple(round(0.01 * i, 2) for i in range(11))
@@ -181,17 +177,6 @@ def _evaluate(eval_log_probs: LossFn, x: Tensor, y: Tensor) -> tuple[float, floa
         correct = (log_probs.argmax(dim=1) == y).sum().item()
         entropy = torch.special.entr(log_probs.exp()).sum(dim=1).sum().item()
     return correct, entropy
-
-
-def write_results(rows: list[dict], folder: Path) -> None:
-    """Write ``rows`` to ``folder/results.csv`` (one line per row) and ``folder/results.json``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (folder / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def adversarial_figure(results: dict[str, list[dict]], title: str | None = None) -> Figure:

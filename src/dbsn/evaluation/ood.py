@@ -1,4 +1,5 @@
-"""Out-of-distribution detection: AUROC, AUPR, FPR at 95% TPR, and entropy CDFs.
+"""Out-of-distribution detection: AUROC, AUPR, FPR at 95% TPR, entropy CDFs, and the evaluation
+`OODDetection` (`evaluations=[ood] ood=[<set>,...]`).
 
 Convention: out-of-distribution (OOD) examples are the POSITIVE class and a HIGHER score
 means MORE likely OOD, as for every score of :func:`dbsn.metrics.uncertainty.ood_scores`;
@@ -18,16 +19,22 @@ the order of the scores, so nothing else changes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision, binary_roc
+from tqdm.auto import tqdm
 
-from dbsn.metrics.uncertainty import ood_scores
+from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
+from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
+from dbsn.evaluation.results import ConsoleTable, Results
+from dbsn.metrics.uncertainty import detection_scores, ood_scores
 
-__all__ = ["OOD_SCORES", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
+__all__ = ["OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
 
 OOD_SCORES = ("entropy", "mutual_information", "max_probability")
 
@@ -179,3 +186,127 @@ def entropy_cdf_figure(
         title_fontsize="small",
     )
     return fig
+
+
+def cdf_points(values: Tensor, max_points: int = 101) -> list[list[float]]:
+    """Points (x, F(x)) of the empirical CDF of `values` at up to `max_points` evenly spaced
+    ranks, the largest value included: F(x) is the share of values <= x, ties counted."""
+    ordered = torch.sort(values.double().flatten()).values
+    n = ordered.numel()
+    ranks = torch.unique(torch.linspace(0, n - 1, min(n, max_points)).round().long())
+    x = ordered[ranks]
+    below = torch.searchsorted(ordered, x, right=True)  # how many values are <= each x
+    return [[float(v), float(k) / n] for v, k in zip(x, below)]
+
+
+class OODDetection(Evaluation):
+    """How well the model's uncertainty tells each OOD set's test split from its own test set.
+
+    For every set of `sets` (`ood=<set>` or `ood=[<set>,...]`, by config name): AUROC, AUPR
+    (OOD and in-distribution as positive) and FPR95 of three scores (`OOD_SCORES`) under
+    `ood/<set>/<score>/<metric>`, in `ood/<set>/`: `metrics.json`, per-example scores of both
+    sets (`scores.npz`) and the empirical CDF of predictive entropy (`entropy_cdf.png`). OOD
+    images are normalised with the in-distribution statistics, as the model saw its training
+    data; the in-distribution scores are the test pass's (`model.test_scores`), not predicted
+    again. Then near / far means over `groups` (`ood/<group>/<score>/<metric>`, `ood/groups.json`):
+    the given groups, else OpenOOD v1.5's for CIFAR-10 / -100, else none.
+
+    Args:
+        sets: set name -> its data module (built from `conf/ood/<set>.yaml`).
+        groups: group name -> set names, e.g. {near: [cifar100, tinyimagenet], far: [svhn]}.
+    """
+
+    name = "ood"
+
+    def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.sets = dict(sets or {})
+        self.groups = {str(k): [str(s) for s in v] for k, v in groups.items()} if groups else None
+
+    def check(self, subject: Subject) -> None:
+        """A set is chosen; each set's files are there (downloaded first where `download=true`)
+        and its test split reads (a `size` larger than the set is found here)."""
+        super().check(subject)
+        if not self.sets:
+            raise EvaluationError("evaluations=[ood] scores OOD sets and none is chosen: add ood=<set> or "
+                                  "ood=[<set>,<set>] (conf/ood/ lists them, e.g. ood=svhn, ood=openood_cifar10).")
+        if self.groups:
+            unknown = sorted({s for sets in self.groups.values() for s in sets} - set(self.sets))
+            if unknown:
+                raise EvaluationError(f"evaluations.ood.groups names {unknown}, which are not among the chosen sets "
+                                      f"{sorted(self.sets)}: add them to ood=[...] or leave them out of the groups.")
+        for name, datamodule in self.sets.items():
+            if getattr(datamodule, "download", False):
+                datamodule.prepare_data()  # ood.<set>.download=true fetches it now
+            try:
+                datamodule.setup("test")
+            except ValueError as err:
+                if type(err) is not ValueError:
+                    raise  # a missing or corrupt data set says so itself
+                raise EvaluationError(f"ood.{name}: {err}") from err
+
+    @torch.no_grad()
+    def scores_of(self, subject: Subject, datamodule) -> dict[str, Tensor]:
+        """The per-example uncertainty scores of `datamodule`'s test split (normalised as the
+        in-distribution data), on the CPU."""
+        model, out = subject.model, {}
+        model.eval()
+        model.enable_test_noise()
+        for images, _ in tqdm(datamodule.test_dataloader(), desc=f"OOD: {datamodule.name}", disable=not subject.progress):
+            x = subject.datamodule.preprocess(images.to(subject.device))
+            for name, value in model.uncertainty_scores(x).items():
+                out.setdefault(name, []).append(value.float().cpu())
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    def run(self, subject: Subject) -> Results:
+        results = Results()
+        for name, datamodule in self.sets.items():  # one in-distribution pass (the test pass's) for all sets
+            results.add(self.one_set(subject, name, datamodule))
+        results.add(self.group_results(subject, results.metrics))
+        return results
+
+    def one_set(self, subject: Subject, set_name: str, datamodule) -> Results:
+        in_data, model = subject.datamodule, subject.model
+        datamodule.setup("test")
+        out_scores = detection_scores(self.scores_of(subject, datamodule))
+        in_scores = detection_scores(model.test_scores)
+        record = {
+            "in_distribution": in_data.name, "ood": datamodule.name, "n_samples": model.num_members,
+            "n_in": len(in_scores["entropy"]), "n_out": len(out_scores["entropy"]),
+            "scores": {name: detection_metrics(in_scores[name], out_scores[name]) for name in OOD_SCORES},
+            "mean_entropy": {"in": float(in_scores["entropy"].mean()), "out": float(out_scores["entropy"].mean())},
+            "note": "OOD is the positive class; every score is higher for 'more OOD' "
+                    "(max_probability is stored as 1 - max probability).",
+        }
+        folder, prefix = f"ood/{set_name}", f"ood/{set_name}"
+        figure = entropy_cdf_figure(
+            {f"in-distribution ({in_data.name} test)": in_scores["entropy"],
+             f"out-of-distribution ({datamodule.name})": out_scores["entropy"]},
+            title=f"{subject.title}: predictive entropy", num_classes=in_data.num_classes,
+        )
+        return Results(
+            metrics={f"{prefix}/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
+            files={f"{folder}/metrics.json": record,
+                   f"{folder}/scores.npz": {**{f"in_{k}": v.numpy() for k, v in in_scores.items()},
+                                            **{f"out_{k}": v.numpy() for k, v in out_scores.items()}},
+                   f"{folder}/entropy_cdf.png": figure},
+            images={f"{prefix}/entropy_cdf": f"{folder}/entropy_cdf.png"},
+            tables={f"{prefix}/entropy_cdf_{split}": (["entropy", "cdf"], cdf_points(scores["entropy"]))
+                    for split, scores in (("in", in_scores), ("ood", out_scores))},
+            console=[ConsoleTable(f"OOD detection: {in_data.name} vs {datamodule.name}", ["score", "AUROC", "AUPR", "FPR95"],
+                                  [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()])],
+        )
+
+    def group_results(self, subject: Subject, per_set_results: Mapping[str, float]) -> Results:
+        """Near- and far-OOD means (`ood/near/...`, `ood/far/...`) over the evaluated sets of each group."""
+        groups = self.groups
+        if not groups:
+            try:
+                groups = openood_groups(subject.datamodule.name)
+            except KeyError:  # no standard grouping for this in-distribution set
+                return Results()
+        per_set = per_set_metrics(per_set_results)
+        groups = {name: c["evaluated"] for name, c in group_coverage(per_set, groups).items() if c["evaluated"]}
+        if not groups:
+            return Results()
+        means = group_means(per_set, groups)
+        return Results(metrics=means, files={"ood/groups.json": {"groups": groups, "metrics": means}})

@@ -5,7 +5,7 @@ OpenOOD v1.5 reports OOD detection on CIFAR models per group of OOD sets
 in-distribution's image statistics and semantics, far-OOD sets do not. A group's number is the
 plain mean over its sets of each per-set metric. The set names here are the config names of
 conf/ood/ (``ood=openood_cifar10`` selects all six sets of the CIFAR-10 groups), so the
-per-set results ``ood/<set>/<score>/<metric>`` of an evaluation (`dbsn.runtime.run.evaluate`)
+per-set results ``ood/<set>/<score>/<metric>`` of an evaluation (`dbsn.evaluation.ood.OODDetection`)
 feed `group_means` directly:
 
     group_means(per_set_metrics(results), openood_groups("cifar10"))
@@ -71,7 +71,7 @@ def group_means(per_set: Mapping[str, Mapping], groups: Mapping[str, tuple[str, 
 
     `per_set` maps a set name to its metrics, flat (``{"entropy/auroc": 0.9, ...}``, as
     `per_set_metrics` gives) or nested (``{"entropy": {"auroc": 0.9, ...}}``, as the
-    `scores` of `dbsn.evaluation.runner.ood_evaluation`): every metric there is averaged
+    `scores` of an `OODDetection` record): every metric there is averaged
     (AUROC, AUPR, AUPR-In, FPR95 of each score). `groups` maps a group name to its sets, e.g.
     `openood_groups("cifar10")`. Sets without results are left out of the mean and named in a
     `UserWarning` (`group_coverage` returns them); a group with no evaluated set gives no entry.

@@ -15,10 +15,26 @@ CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
 WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run continues the same W&B run
 SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
+METRICS_FILE = "metrics.json"           # the test pass's metrics and the run's facts (train and evaluate write it)
+CALIBRATED_CHECKPOINT = "calibrated.ckpt"  # the model after `temperature_scaling` was fitted
+
 
 def last_checkpoint(run_dir: str | Path) -> Path:
     """`<run_dir>/checkpoints/last.ckpt`: what a resumed or requeued run continues from."""
     return Path(run_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
+
+
+def run_checkpoint(run_dir: str | Path) -> Path | None:
+    """The final model of a training run: the temperature-calibrated one if there is one."""
+    for name in (CALIBRATED_CHECKPOINT, LAST_CHECKPOINT):
+        if (Path(run_dir) / CHECKPOINT_DIR / name).is_file():
+            return Path(run_dir) / CHECKPOINT_DIR / name
+    return None
+
+
+def load_run_config(run_dir: str | Path) -> dict:
+    """The run's resolved config (`resolved_config.yaml`), unresolved interpolations kept."""
+    return yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text()) or {}
 
 
 # ---------------------------------------------------------------------- what a run is called
@@ -56,8 +72,11 @@ def infer_dataset(data: dict) -> str:
 
 def method_and_dataset(run_dir: str | Path, config: dict) -> tuple[str, str]:
     """The run's method and dataset by their config names: Hydra's choices, else from the config."""
-    if config.get("posthoc"):  # <run>/posthoc/<name>: a post-hoc posterior of the run (laplace, swag)
-        return str(config["posthoc"]), infer_dataset(config.get("data") or {})
+    if config.get("posthoc"):  # <run>/posthoc/<name>: a post-hoc posterior of the run, method <run's method>+<name>
+        run = Path(run_dir).parent.parent
+        base, dataset = method_and_dataset(run if (run / CONFIG_FILE).is_file() else Path(run_dir) / "none",
+                                           {k: v for k, v in config.items() if k != "posthoc"})
+        return f"{base}+{config['posthoc']}", dataset
     choices = hydra_choices(run_dir)
     return (choices.get("model") or infer_method(config.get("model") or {}),
             choices.get("data") or infer_dataset(config.get("data") or {}))

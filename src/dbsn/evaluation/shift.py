@@ -18,22 +18,22 @@ files: every output says `generated` (metrics.json's `source`, the figure's titl
 
 from __future__ import annotations
 
-import csv
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from rich.console import Console
 from tqdm.auto import tqdm
 
-from dbsn.data.shift import SEVERITIES, check_corrupted_files, corrupted_split, is_generated
-from dbsn.evaluation.plots import save_figure
-from dbsn.evaluation.tracking import log_to_wandb
+from dbsn.data.shift import (CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, check_corrupted_files, corrupted_split,
+                             is_generated, write_generated_set)
+from dbsn.evaluation.base import Evaluation, Subject
+from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
 
-__all__ = ["SHIFT_METRICS", "shift_boxplots", "shift_evaluation", "shift_summary"]
+__all__ = ["SHIFT_METRICS", "DatasetShift", "shift_boxplots", "shift_summary"]
 
 SHIFT_METRICS = ("error", "nll", "brier", "ece")
 
@@ -61,40 +61,88 @@ def _predict(model, datamodule, images: torch.Tensor, device: torch.device, batc
                       for batch in images.split(batch_size)])
 
 
-def shift_evaluation(model, datamodule, folder: Path, corruptions: Sequence[str], severities: Sequence[int],
-                     out: Path, device: torch.device, title: str, loggers=(), progress: bool = True,
-                     batch_size: int = 500) -> dict:
-    """Predict every corruption of `folder` (the published layout) at every severity with
-    `model`'s Bayes ensemble; write `out/metrics.json`, `out/shift.csv` and `out/shift_boxplots.png`
-    and log them. The files are checked (and every missing one named) before anything is predicted."""
-    folder = Path(folder)
-    check_corrupted_files(folder, corruptions)
-    generated = is_generated(folder)
-    source = "generated (dbsn.data.shift: not the published files)" if generated else "published"
-    model.eval()
-    model.enable_test_noise()
-    rows = []
-    steps = [(c, s) for c in corruptions for s in severities]
-    for corruption, severity in tqdm(steps, desc="Dataset shift", disable=not progress):
-        images, labels = corrupted_split(folder, corruption, severity)
-        rows.append({"corruption": corruption, "severity": int(severity),
-                     **_metrics(_predict(model, datamodule, images, device, batch_size), labels)})
-    results = shift_summary(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"source": source, "generated": generated, "folder": str(folder), "n_samples": model.num_members,
-              "corruptions": list(corruptions), "severities": [int(s) for s in severities], "rows": rows,
-              "metrics": results}
-    (out / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-    with open(out / "shift.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["corruption", "severity", *SHIFT_METRICS])
-        writer.writeheader()
-        writer.writerows(rows)
-    figure = shift_boxplots({title: rows}, title=f"{title}: dataset shift ({'generated corruptions' if generated else 'published files'})")
-    path = save_figure(figure, out / "shift_boxplots.png")
-    log_to_wandb(loggers, {**results, "shift/generated": float(generated)}, images={"shift/boxplots": path},
-                 tables={"shift/table": (["corruption", "severity", *SHIFT_METRICS],
-                                         [[r["corruption"], r["severity"], *(r[m] for m in SHIFT_METRICS)] for r in rows])})
-    return record
+class DatasetShift(Evaluation):
+    """Every corruption at every severity of the published CIFAR-10-C / -100-C files, or of a
+    generated set (`evaluations=[shift]`); see the module docstring.
+
+    Args:
+        root: the folder of the published layout; None: `<data root>/<dataset name>-C`.
+        corruptions: which ones; None: the 15 standard corruptions (the 14 the generator makes,
+            not frost, for a generated set).
+        severities: which severities (1..5).
+        generate: where `root` holds no files, generate them from the test set first (labelled
+            generated everywhere; files already there, published or generated, are never replaced).
+        seed: of the generated corruptions.
+        batch_size: images per prediction batch.
+    """
+
+    name = "shift"
+
+    def __init__(self, root: str | None = None, corruptions: Sequence[str] | None = None,
+                 severities: Sequence[int] = SEVERITIES, generate: bool = False, seed: int = 0,
+                 batch_size: int = 500) -> None:
+        self.root, self.corruptions = root, list(corruptions) if corruptions else None
+        self.severities = [int(s) for s in (severities or SEVERITIES)]
+        self.generate, self.seed, self.batch_size = bool(generate), int(seed), int(batch_size or 500)
+
+    def folder(self, datamodule) -> Path:
+        return Path(self.root or Path(datamodule.root) / f"{datamodule.name}-C")
+
+    def plan(self, folder: Path) -> tuple[bool, list[str]]:
+        """Whether to generate a corrupted set into `folder`, and the corruptions evaluated: files
+        already there win over `generate` (published or generated, never overwritten)."""
+        generate = self.generate and not (Path(folder) / "labels.npy").is_file()
+        default = GENERATED_STANDARD if generate or is_generated(folder) else CORRUPTIONS
+        return generate, list(self.corruptions or default)
+
+    def check(self, subject: Subject) -> None:
+        """The files of every chosen corruption are there (each missing one named, with how to
+        get it), unless they will be generated."""
+        super().check(subject)
+        folder = self.folder(subject.datamodule)
+        generate, corruptions = self.plan(folder)
+        if not generate:
+            check_corrupted_files(folder, corruptions)
+
+    def run(self, subject: Subject) -> Results:
+        model, datamodule = subject.model, subject.datamodule
+        folder = self.folder(datamodule)
+        generate, corruptions = self.plan(folder)
+        if generate:
+            datamodule.setup("test")
+            Console().print(f"Generating {len(corruptions)} corruptions of the {datamodule.name} test set into {folder} "
+                            "(labelled as generated; not the published files)")
+            write_generated_set(folder, datamodule.test_set.images, datamodule.test_set.labels, corruptions,
+                                seed=self.seed, source=f"{datamodule.name} test set")
+        check_corrupted_files(folder, corruptions)
+        generated = is_generated(folder)
+        source = "generated (dbsn.data.shift: not the published files)" if generated else "published"
+        model.eval()
+        model.enable_test_noise()
+        rows = []
+        steps = [(c, s) for c in corruptions for s in self.severities]
+        for corruption, severity in tqdm(steps, desc="Dataset shift", disable=not subject.progress):
+            images, labels = corrupted_split(folder, corruption, severity)
+            rows.append({"corruption": corruption, "severity": int(severity),
+                         **_metrics(_predict(model, datamodule, images, subject.device, self.batch_size), labels)})
+        means = shift_summary(rows)
+        record = {"source": source, "generated": generated, "folder": str(folder), "n_samples": model.num_members,
+                  "corruptions": list(corruptions), "severities": self.severities, "rows": rows, "metrics": means}
+        title = subject.title
+        figure = shift_boxplots({title: rows}, title=f"{title}: dataset shift "
+                                                     f"({'generated corruptions' if generated else 'published files'})")
+        columns = ["corruption", "severity", *SHIFT_METRICS]
+        summary = [[str(sv), *(means[f"shift/mean/{sv}/{m}"] for m in SHIFT_METRICS)] for sv in self.severities]
+        return Results(
+            metrics={**means, "shift/generated": float(generated)},
+            files={"shift/metrics.json": record, "shift/shift.csv": CsvTable(columns, rows),
+                   "shift/shift_boxplots.png": figure},
+            images={"shift/boxplots": "shift/shift_boxplots.png"},
+            tables={"shift/table": (columns, [[r[c] for c in columns] for r in rows])},
+            console=[ConsoleTable(f"Shift, {'generated' if generated else 'published'}: mean of {len(corruptions)} corruptions",
+                                  ["severity", *SHIFT_METRICS],
+                                  summary + [["all", *(means[f"shift/mean/{m}"] for m in SHIFT_METRICS)]])],
+        )
 
 
 def shift_boxplots(per_method: dict[str, Sequence[dict]], metrics: Sequence[str] = ("ece", "error"),

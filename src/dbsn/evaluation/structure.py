@@ -15,7 +15,6 @@ methods without a learned structure (MAP-fixed α, ensembles) silently.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +27,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from dbsn.evaluation.plots import save_figure
+from dbsn.evaluation.results import write_file
 
 __all__ = [
     "StructurePosteriorMonitor",
@@ -181,18 +181,16 @@ def structure_heatmap(
     return fig
 
 
-def write_structure_posterior(
+def structure_files(
     probs: Tensor, samples: Tensor | None, edges: Sequence[tuple[int, int]], op_names: Sequence[str],
-    folder: Path, title: str, extra: dict | None = None, labels: Sequence[str] | None = None,
-) -> tuple[dict, Path]:
-    """`final.json` (`summarise_structure` + `extra`), `final.txt` (`structure_text`) and
-    `final.png` (`structure_heatmap`) in `folder`; returns the summary and the figure's path."""
-    folder.mkdir(parents=True, exist_ok=True)
-    summary = {**summarise_structure(probs, samples, edges, op_names), **(extra or {})}
-    (folder / "final.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (folder / "final.txt").write_text(structure_text(probs, edges, op_names, title=title) + "\n", encoding="utf-8")
-    return summary, save_figure(structure_heatmap(probs, edges, op_names, title=title, labels=labels),
-                                folder / "final.png")
+    title: str, extra: dict | None = None, labels: Sequence[str] | None = None,
+) -> dict[str, object]:
+    """The structure posterior's files: `final.json` (`summarise_structure` + `extra`),
+    `final.txt` (`structure_text`) and `final.png` (`structure_heatmap`), by file name (for
+    `dbsn.evaluation.results.write_file`)."""
+    return {"final.json": {**summarise_structure(probs, samples, edges, op_names), **(extra or {})},
+            "final.txt": structure_text(probs, edges, op_names, title=title),
+            "final.png": structure_heatmap(probs, edges, op_names, title=title, labels=labels)}
 
 
 # ---------------------------------------------------------------------- callback
@@ -304,6 +302,7 @@ class StructurePosteriorMonitor(pl.Callback):
         probs, samples = measured
         edges, op_names = self._labels(pl_module, probs)
         title = f"Structure posterior after {trainer.current_epoch} epochs"
-        write_structure_posterior(probs, samples, edges, op_names, self._output_dir(trainer), title,
-                                  labels=edge_names_of(pl_module),
-                                  extra={"epochs": trainer.current_epoch})
+        files = structure_files(probs, samples, edges, op_names, title, labels=edge_names_of(pl_module),
+                                extra={"epochs": trainer.current_epoch})
+        for name, content in files.items():
+            write_file(self._output_dir(trainer) / name, content)

@@ -17,7 +17,8 @@ Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP
 dbsn_seg (DBSN on DBSNSegNet).
 """
 
-from dbsn.methods.base import ClassificationMethod, Compilation, NonFiniteLossError, StructureOptimizer, WeightOptimizer
+from dbsn.methods.base import (Compilation, Execution, Method, NonFiniteLossError, Prediction, StructureOptimizer,
+                               WeightOptimizer)
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
@@ -25,6 +26,7 @@ from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
-    "BatchNormRecalibration", "ClassificationMethod", "Compilation", "DBSN", "DeepEnsemble", "GaussianWeights", "MAP", "MCDropoutWeights", "NonFiniteLossError",
-    "NEKFACMethod", "PointWeights", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
+    "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
+    "MCDropoutWeights", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
+    "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]

@@ -2,7 +2,7 @@
 
 A method is a LightningModule that joins a network (which takes the structure α as an input)
 with whatever distribution the method puts on structure or weights, and owns the loss and the
-optimisers. `ClassificationMethod` provides the common parts:
+optimisers. `Method` provides the common parts:
 
 - the loss, mean NLL + (structure KL + weight KL) / N, over T structures evaluated in one
   grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}), or in chunks of
@@ -50,7 +50,7 @@ from dbsn.nets.batchnorm import accumulated_running_statistics
 Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)
 
 
-#: How several devices share a training step (see `ClassificationMethod`).
+#: How several devices share a training step (see `Method`).
 PARALLEL_MODES = ("data", "structure")
 
 
@@ -167,24 +167,60 @@ class StructureOptimizer:
         return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay)
 
 
-class ClassificationMethod(pl.LightningModule):
-    """Base LightningModule; see the module docstring.
+@dataclass
+class Prediction:
+    """How a method predicts: the Bayes ensemble of S members (`dbsn.methods.predictive`).
+
+    Args:
+        n_samples: S, members of the test-time ensemble (1 for deterministic methods).
+        val_samples: members used for validation during training (cheaper than S).
+        samples_per_forward: members evaluated in one batched forward (bounds memory).
+        temperature_scaling: after training, fit a temperature on the validation split (Guo et
+            al. 2017) and apply it to every prediction; refused without a validation split
+            (checked before training starts).
+    """
+
+    n_samples: int = 1
+    val_samples: int = 1
+    samples_per_forward: int = 10
+    temperature_scaling: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("n_samples", "val_samples", "samples_per_forward"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"prediction.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class Execution:
+    """How the network runs; neither setting changes what it computes (tested).
+
+    Args:
+        channels_last: keep the network's weights and activations in the channels-last (NHWC)
+            layout, which GPU convolutions in bfloat16 prefer (and CPU convolutions too).
+        compile: compile the network's forward (`Compilation`); off by default.
+    """
+
+    channels_last: bool = False
+    compile: Compilation = field(default_factory=Compilation)
+
+
+class Method(pl.LightningModule):
+    """A method: a network joined with the distributions it puts on its structure and weights,
+    trained by the loss it owns and predicting with a Bayes ensemble of S members; for image
+    classification or, by its `task`, segmentation. See the module docstring.
 
     Args:
         net: the network; `net.num_classes` gives the number of classes.
         optim: settings of the weights' optimiser.
         weights: the weight posterior (default: point estimate).
-        train_samples: T, structures per training step (one grouped forward).
-        n_samples: S, members of the Bayes ensemble at test time (1 for deterministic methods).
-        val_samples: members used for validation during training (cheaper than S).
-        samples_per_forward: members evaluated in one batched forward (bounds memory).
-        dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
-            data module at the start of training.
-        temperature_scaling: after training, fit a temperature on the validation split
-            (Guo et al. 2017) and apply it to every prediction. Refused without a validation
-            split (checked before training starts).
+        prediction: S and how the ensemble is evaluated (`Prediction`).
+        execution: memory layout and compilation of the network (`Execution`).
         task: classification (default) or `Segmentation` (per-pixel labels with a void
             label); see `dbsn.methods.tasks`.
+        dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
+            data module at the start of training.
+        train_samples: T, structures per training step (one grouped forward).
         parallel: how several devices share a step. "data": each rank draws its own batch and
             its own T structures (the effective batch grows with the device count).
             "structure": every rank sees the same batch and evaluates T / world size of the T
@@ -195,41 +231,35 @@ class ClassificationMethod(pl.LightningModule):
             this rank's structures at once. Smaller values run the structures one chunk after
             another and accumulate their gradients: the same step, at about
             train_samples_per_forward / T of the activation memory.
-        channels_last: keep the network's weights and activations in the channels-last
-            (NHWC) layout, which GPU convolutions in bfloat16 prefer; outputs and gradients
-            equal the contiguous layout's (tested).
-        compile: compile the network's forward (`Compilation`); off by default.
+
+    Subclasses take their own settings and pass the rest on by keyword (`**settings`).
     """
 
     def __init__(
         self,
         net: nn.Module,
+        *,
         optim: WeightOptimizer | None = None,
         weights: WeightPosterior | None = None,
-        train_samples: int = 1,
-        n_samples: int = 1,
-        val_samples: int = 1,
-        samples_per_forward: int = 10,
-        dataset_size: int | None = None,
-        temperature_scaling: bool = False,
+        prediction: Prediction | None = None,
+        execution: Execution | None = None,
         task: Classification | None = None,
-        *,
+        dataset_size: int | None = None,
+        train_samples: int = 1,
         parallel: Parallel = "data",
         train_samples_per_forward: int | None = None,
-        channels_last: bool = False,
-        compile: Compilation | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.task = task if task is not None else Classification()
         self.weights = weights if weights is not None else WeightPosterior()
         self.net = self.weights.prepare(net)
-        self.channels_last = channels_last
-        if channels_last:
+        self.prediction = prediction if prediction is not None else Prediction()
+        self.execution = execution if execution is not None else Execution()
+        if self.execution.channels_last:
             self.net.to(memory_format=torch.channels_last)
-        self.compilation = compile if compile is not None else Compilation()
-        if self.compilation.enabled:
-            self.compilation.apply(self.net)
+        if self.execution.compile.enabled:
+            self.execution.compile.apply(self.net)
         self.optim = optim if optim is not None else WeightOptimizer()
         if train_samples < 1:
             raise ValueError(f"train_samples (T) must be >= 1, got {train_samples}")
@@ -240,9 +270,6 @@ class ClassificationMethod(pl.LightningModule):
         if train_samples_per_forward is not None and train_samples_per_forward < 1:
             raise ValueError(f"train_samples_per_forward must be >= 1 (or null), got {train_samples_per_forward}")
         self.train_samples_per_forward = train_samples_per_forward
-        self.n_samples = n_samples
-        self.val_samples = val_samples
-        self.samples_per_forward = samples_per_forward
         self.dataset_size = dataset_size
         self.num_classes = num_classes = net.num_classes
         self.val_metrics = self.task.make_metrics(num_classes)
@@ -258,8 +285,45 @@ class ClassificationMethod(pl.LightningModule):
         self.ablation_rows: list[dict[str, float]] | None = None  # its result, after `trainer.test`
         self._test_outputs: list = []
         # post-hoc temperature, fitted on the validation split after training (T = 1 until then)
-        self.temperature_scaling = temperature_scaling
         self.temperature = TemperatureScaler()
+
+    # ------------------------------------------------------------------ the settings, by name
+    @property
+    def n_samples(self) -> int:
+        """S (`prediction.n_samples`)."""
+        return self.prediction.n_samples
+
+    @n_samples.setter
+    def n_samples(self, value: int) -> None:
+        self.prediction.n_samples = int(value)
+
+    @property
+    def val_samples(self) -> int:
+        return self.prediction.val_samples
+
+    @val_samples.setter
+    def val_samples(self, value: int) -> None:
+        self.prediction.val_samples = int(value)
+
+    @property
+    def samples_per_forward(self) -> int:
+        return self.prediction.samples_per_forward
+
+    @samples_per_forward.setter
+    def samples_per_forward(self, value: int) -> None:
+        self.prediction.samples_per_forward = int(value)
+
+    @property
+    def temperature_scaling(self) -> bool:
+        return self.prediction.temperature_scaling
+
+    @temperature_scaling.setter
+    def temperature_scaling(self, value: bool) -> None:
+        self.prediction.temperature_scaling = bool(value)
+
+    @property
+    def channels_last(self) -> bool:
+        return self.execution.channels_last
 
     # ------------------------------------------------------------------ for subclasses
     def training_structures(self, n: int) -> tuple[Tensor, Tensor | float]:
@@ -330,8 +394,8 @@ class ClassificationMethod(pl.LightningModule):
         nll = self.task.loss(logits, targets)  # = mean over structures of each one's mean NLL
         structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
         out = {"nll": nll, "logits": logits, "targets": targets}
-        if self.structure_is_stochastic:
-            out["kl"] = structure_kl if logged_kl is None else logged_kl
+        if self.structure_is_stochastic:  # a number (0: no posterior over structures) logs as a tensor too
+            out["kl"] = torch.as_tensor(structure_kl if logged_kl is None else logged_kl, dtype=nll.dtype, device=nll.device)
         out["loss"] = share * nll + structure_kl / self.dataset_size
         if weight_kl:
             kl = self.weights.kl(self.net, self.current_epoch)

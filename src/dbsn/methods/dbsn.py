@@ -6,7 +6,7 @@ distribution (Eq. 4-5) with logits θ shared by all cells. The loss (Eq. 3, per 
     L(θ, w) = E_q[ -1/N log p(D | α, w) ] + KL(q(α|θ) || p(α)) / N + γ ||w||²,
 
 estimated with T structure samples per step (Eq. 6-7) in one grouped forward (see
-`ClassificationMethod.training_loss`). The KL is estimated from the same samples against the
+`Method.training_loss`). The KL is estimated from the same samples against the
 uniform prior (β = 1, same τ). Weight decay implements γ||w||² through SGD.
 
 τ follows training progress counted in examples seen / 64 (the paper's batch), not in
@@ -28,9 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from dbsn.methods.tasks import Classification
-from dbsn.methods.base import ClassificationMethod, Compilation, Parallel, StructureOptimizer, WeightOptimizer
-from dbsn.methods.weights import WeightPosterior
+from dbsn.methods.base import Method, Parallel, Prediction, StructureOptimizer
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
 from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
@@ -79,52 +77,43 @@ def outside_inference(t: Tensor) -> Tensor:
     return t.clone() if t.is_inference() and not torch.is_inference_mode_enabled() else t
 
 
-class DBSN(ClassificationMethod):
+class DBSN(Method):
     """DBSN training (T grouped structure samples per step) and Bayes-ensemble prediction.
 
     Args:
         net: a structure-learnable network with `forward(x, alpha)`, `num_edges`, `num_ops`.
-        weights: the weight posterior; point estimates for DBSN, Gaussian for FBN.
-        train_samples: T, structure samples per training step (paper: 4).
-        n_samples: S, structures in the test-time Bayes ensemble (paper: 100).
+        structure_optim: Adam settings for θ.
         tau, beta: the temperature (per 64 training examples, see `dbsn.structure.schedules`) and
             sharpening (per epoch) schedules.
         test_tau: temperature of the structures drawn for prediction.
-        structure_optim: Adam settings for θ.
         theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
         bn_recalibration: per-structure BatchNorm statistics at prediction (see
             `BatchNormRecalibration`); None = the running statistics (the paper).
-        channels_last, compile: see `ClassificationMethod`.
+        prediction: S and how the ensemble is evaluated; default S = 100 (the paper), 10 members
+            for validation.
+        train_samples: T, structure samples per training step (paper: 4).
+        parallel: "structure" by default (see `Method`).
+        settings: the rest of `Method`'s settings (weights: point estimates for DBSN, Gaussian
+            for FBN; optim, execution, task, dataset_size, train_samples_per_forward).
     """
 
     def __init__(
         self,
         net: nn.Module,
-        optim: WeightOptimizer | None = None,
+        *,
         structure_optim: StructureOptimizer | None = None,
-        weights: WeightPosterior | None = None,
         tau: TauSchedule | None = None,
         beta: BetaSchedule | None = None,
-        train_samples: int = 4,
-        n_samples: int = 100,
-        val_samples: int = 10,
-        samples_per_forward: int = 10,
         test_tau: float = 1.0,
         theta_init_std: float = 1e-3,
-        dataset_size: int | None = None,
-        temperature_scaling: bool = False,
-        task: Classification | None = None,
-        parallel: Parallel = "structure",
-        train_samples_per_forward: int | None = None,
         bn_recalibration: BatchNormRecalibration | None = None,
-        channels_last: bool = False,
-        compile: Compilation | None = None,
+        prediction: Prediction | None = None,
+        train_samples: int = 4,
+        parallel: Parallel = "structure",
+        **settings,
     ) -> None:
-        super().__init__(
-            net, optim, weights, train_samples, n_samples, val_samples, samples_per_forward, dataset_size,
-            temperature_scaling, task, parallel=parallel, train_samples_per_forward=train_samples_per_forward,
-            channels_last=channels_last, compile=compile,
-        )
+        super().__init__(net, prediction=prediction or Prediction(n_samples=100, val_samples=10),
+                         train_samples=train_samples, parallel=parallel, **settings)
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         self.tau_schedule = tau if tau is not None else TauSchedule()

@@ -11,24 +11,27 @@ p(y|x) = 1/M Σ_m p_m(y|x), where each p_m is itself a Bayes ensemble for stocha
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import ClassificationMethod
+from dbsn.methods.base import Method
 from dbsn.methods.map import MAP
 
 
-class DeepEnsemble(ClassificationMethod):
+class DeepEnsemble(Method):
     """An ensemble of `MAP`-family members (map, map_fixed, mc_dropout, bbb, fixed structures).
 
     Args:
         members: the member methods, already built (train.py builds `size` of them from the
             `member` config, each from its own seed).
+        temperature_scaling: fit one temperature for the ensemble's prediction after training.
+        size: the number of members the config asked for (checked).
     """
 
-    def __init__(self, members: Sequence[ClassificationMethod], temperature_scaling: bool = False, size: int | None = None) -> None:
+    def __init__(self, members: Sequence[Method], temperature_scaling: bool = False, size: int | None = None) -> None:
         members = list(members)
         if not members:
             raise ValueError("a deep ensemble needs at least one member")
@@ -41,10 +44,8 @@ class DeepEnsemble(ClassificationMethod):
                     f"bbb); got {type(m).__name__}"
                 )
         first = members[0]
-        super().__init__(
-            first.net, first.optim, None, 1, first.n_samples, first.val_samples, first.samples_per_forward,
-            first.dataset_size, temperature_scaling, first.task,
-        )
+        super().__init__(first.net, optim=first.optim, task=first.task, dataset_size=first.dataset_size,
+                         prediction=replace(first.prediction, temperature_scaling=temperature_scaling))
         del self.net  # the members own their networks
         self.members = nn.ModuleList(members)
 

@@ -15,45 +15,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.tasks import Classification
-from dbsn.methods.base import ClassificationMethod, Compilation, StructureOptimizer, WeightOptimizer
-from dbsn.methods.weights import WeightPosterior
+from dbsn.methods.base import Method, StructureOptimizer
 
 
-class MAP(ClassificationMethod):
+class MAP(Method):
     """A single point-estimate structure: learned softmax(θ) or the fixed uniform α.
 
     Args:
+        structure_optim: Adam settings for θ (a learned structure).
         learn_structure: learn θ (MAP) or keep α fixed (MAP-fixed α).
         fixed_structure: the fixed α, (E, K) (e.g. a structure sampled from a DBSN posterior,
             see `dbsn.tools.refine`); default 1/K on every edge. Only with `learn_structure=False`.
-        weights: point estimates (MAP), `MCDropoutWeights` (MC dropout), `GaussianWeights` (BBB).
-        n_samples: S for stochastic weights; deterministic methods predict with one pass.
-        channels_last, compile: see `ClassificationMethod`.
+        theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
+        settings: `Method`'s settings: weights (point estimates: MAP; `MCDropoutWeights`: MC
+            dropout; `GaussianWeights`: BBB), prediction (S for stochastic weights;
+            deterministic methods predict with one pass), optim, execution, task, dataset_size.
     """
 
     def __init__(
         self,
         net: nn.Module,
-        optim: WeightOptimizer | None = None,
+        *,
         structure_optim: StructureOptimizer | None = None,
-        weights: WeightPosterior | None = None,
         learn_structure: bool = True,
         fixed_structure: Tensor | None = None,
-        n_samples: int = 1,
-        val_samples: int = 1,
-        samples_per_forward: int = 10,
         theta_init_std: float = 1e-3,
-        dataset_size: int | None = None,
-        temperature_scaling: bool = False,
-        task: Classification | None = None,
-        channels_last: bool = False,
-        compile: Compilation | None = None,
+        **settings,
     ) -> None:
-        super().__init__(
-            net, optim, weights, 1, n_samples, val_samples, samples_per_forward, dataset_size, temperature_scaling, task,
-            channels_last=channels_last, compile=compile,
-        )
+        super().__init__(net, **settings)
         self.learn_structure = learn_structure
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         shape = (net.num_edges, net.num_ops)

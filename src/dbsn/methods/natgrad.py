@@ -50,10 +50,9 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
-from dbsn.methods.base import Compilation, StructureOptimizer
+from dbsn.methods.base import Prediction, StructureOptimizer
 from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
-from dbsn.methods.tasks import Classification
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss
 from dbsn.natgrad.nekfac import _split, kfac_layers
 from dbsn.structure.schedules import BetaSchedule, TauSchedule
@@ -76,7 +75,7 @@ def _settings(name: str, optimizer: type, given: dict | None, defaults: dict, se
 
 
 class NaturalGradientMethod:
-    """Mixin for a `ClassificationMethod` subclass (put it first): the weight side by VOGN or
+    """Mixin for a `Method` subclass (put it first): the weight side by VOGN or
     NEK-FAC (see the module docstring). Subclasses define `_make_optimizer`, `_closure_result`,
     `_posterior_shapes`, `_posterior_values` and `sample_parameters`.
 
@@ -86,11 +85,11 @@ class NaturalGradientMethod:
 
     def __init__(self, *args, lr_milestones: Sequence[float] = (), lr_gamma: float = 0.1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.compilation.enabled:
+        if self.execution.compile.enabled:
             raise ValueError(
-                f"model.compile.enabled=true is not supported by {type(self).__name__}: its optimiser captures every "
+                f"model.execution.compile.enabled=true is not supported by {type(self).__name__}: its optimiser captures every "
                 "layer's input and output gradient with module and tensor hooks, which a compiled forward does not "
-                "run. Set model.compile.enabled=false."
+                "run. Set model.execution.compile.enabled=false."
             )
         self.lr_milestones = tuple(float(m) for m in lr_milestones)
         if any(not 0 < m < 1 for m in self.lr_milestones):
@@ -224,7 +223,7 @@ class _VOGNWeights(NaturalGradientMethod):
 
     Args (keyword):
         vogn: VOGN settings (``lr``, ``prior_variance``, ``tau``, ``augmentation_factor``,
-            ``damping``, ``momentum``, ``beta2``, ``init_precision``, ``num_samples``,
+            ``damping``, ``momentum``, ``beta2``, ``init_precision``, ``draws_per_step``,
             ``kl_warmup_start``, ``kl_warmup_steps``) over `VOGN_DEFAULTS`; ``dataset_size``
             is the method's, ``params`` and ``loss_reduction`` are set here.
         bn_point_estimate: BatchNorm affine parameters as point estimates (no noise, no prior,
@@ -302,38 +301,31 @@ class VOGNFBN(_VOGNWeights, DBSN):
 
 def VOGNMethod(
     net: nn.Module,
+    *,
     vogn: dict | None = None,
     structure: str = "map",
     structure_optim: StructureOptimizer | None = None,
     tau: TauSchedule | None = None,
     beta: BetaSchedule | None = None,
-    bn_point_estimate: bool = True,
-    n_samples: int = 100,
-    val_samples: int = 10,
-    samples_per_forward: int = 10,
     test_tau: float = 1.0,
+    bn_point_estimate: bool = True,
     theta_init_std: float = 1e-3,
     lr_milestones: Sequence[float] = (),
     lr_gamma: float = 0.1,
-    dataset_size: int | None = None,
-    temperature_scaling: bool = False,
-    task: Classification | None = None,
-    channels_last: bool = False,
-    compile: Compilation | None = None,
+    prediction: Prediction | None = None,
+    **settings,
 ) -> VOGNMAP | VOGNFBN:
     """VOGN weights with a MAP (``structure="map"``) or DBSN (``"dbsn"``) structure.
 
     ``vogn``: VOGN settings (see `_VOGNWeights`); ``tau``, ``beta``, ``test_tau``: DBSN's
     schedules and prediction temperature (``"dbsn"`` only). Training uses one structure per
-    VOGN weight sample (T = 1; ``vogn.num_samples`` is the number of MC samples per step).
-    Other arguments as for `MAP` / `DBSN`.
+    VOGN weight draw (T = 1; ``vogn.draws_per_step`` is the number of Monte Carlo weight draws per
+    step). ``prediction``: default S = 100 weight draws, 10 for validation. Other arguments as
+    for `MAP` / `DBSN` / `Method`.
     """
-    common = dict(
-        vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
-        structure_optim=structure_optim, n_samples=n_samples, val_samples=val_samples,
-        samples_per_forward=samples_per_forward, theta_init_std=theta_init_std, dataset_size=dataset_size,
-        temperature_scaling=temperature_scaling, task=task, channels_last=channels_last, compile=compile,
-    )
+    common = dict(vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
+                  structure_optim=structure_optim, theta_init_std=theta_init_std,
+                  prediction=prediction or Prediction(n_samples=100, val_samples=10), **settings)
     if structure == "map":
         if tau is not None or beta is not None or test_tau != 1.0:
             raise ValueError("tau, beta and test_tau belong to structure='dbsn'; a MAP structure has no schedules")
@@ -355,30 +347,22 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         nekfac: `NEKFAC` settings (``lr``, ``kl_weight``, ``prior_var``, ``damping``,
             ``kl_clip``, ``momentum``, ``cov_update_every``, ``eigen_update_every``,
             ``stat_decay``); its defaults are the paper's CIFAR settings. N is ``dataset_size``.
-        n_samples: S, weight draws at test (the paper's comparison: 30).
+        prediction: S weight draws at test (default the paper's comparison: 30; 10 for validation).
         lr_milestones, lr_gamma: lr × gamma at these fractions of training.
     """
 
     def __init__(
         self,
         net: nn.Module,
+        *,
         nekfac: dict | None = None,
-        n_samples: int = 30,
-        val_samples: int = 10,
-        samples_per_forward: int = 10,
         lr_milestones: Sequence[float] = (0.5, 0.75),
         lr_gamma: float = 0.1,
-        dataset_size: int | None = None,
-        temperature_scaling: bool = False,
-        task: Classification | None = None,
-        channels_last: bool = False,
-        compile: Compilation | None = None,
+        prediction: Prediction | None = None,
+        **settings,
     ) -> None:
-        super().__init__(
-            net, lr_milestones=lr_milestones, lr_gamma=lr_gamma, learn_structure=False, n_samples=n_samples,
-            val_samples=val_samples, samples_per_forward=samples_per_forward, dataset_size=dataset_size,
-            temperature_scaling=temperature_scaling, task=task, channels_last=channels_last, compile=compile,
-        )
+        super().__init__(net, lr_milestones=lr_milestones, lr_gamma=lr_gamma, learn_structure=False,
+                         prediction=prediction or Prediction(n_samples=30, val_samples=10), **settings)
         self.nekfac = _settings("nekfac", NEKFAC, nekfac, {}, {"dataset_size"})
 
     def _posterior_shapes(self) -> dict[str, tuple[int, ...]]:

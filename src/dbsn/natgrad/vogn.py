@@ -67,7 +67,7 @@ from dbsn.natgrad.per_example import SUPPORTED_LAYERS, LayerCapture, sum_squared
 __all__ = ["VOGN"]
 
 _GLOBAL_OPTIONS = (
-    "dataset_size", "augmentation_factor", "tau", "num_samples",
+    "dataset_size", "augmentation_factor", "tau", "draws_per_step",
     "kl_warmup_start", "kl_warmup_steps", "loss_reduction",
 )
 
@@ -81,7 +81,7 @@ class VOGN(Optimizer):
     ``prior_variance`` (``math.inf``: no prior), ``damping`` γ, ``momentum`` β1, ``beta2``,
     ``init_precision`` s0 (initial s, so the initial σ = sqrt(τ / (N_eff (s0 + δ̃ + γ)))),
     ``point_estimate``. The others (``dataset_size`` N, ``augmentation_factor`` ρ, ``tau``,
-    ``num_samples`` K, ``kl_warmup_start``, ``kl_warmup_steps``, ``loss_reduction``) are
+    ``draws_per_step`` K, ``kl_warmup_start``, ``kl_warmup_steps``, ``loss_reduction``) are
     global. ``sample_noise = False`` makes steps deterministic at w = μ (for tests).
     ``add_param_group`` after construction is not supported (the capture is built once).
     """
@@ -100,7 +100,7 @@ class VOGN(Optimizer):
         momentum: float = 0.9,
         beta2: float = 0.999,
         init_precision: float = 8e-3,
-        num_samples: int = 1,
+        draws_per_step: int = 1,
         kl_warmup_start: float = 1.0,
         kl_warmup_steps: int = 0,
         loss_reduction: str = "sum",
@@ -109,7 +109,7 @@ class VOGN(Optimizer):
             "lr >= 0": lr >= 0, "dataset_size > 0": dataset_size > 0, "prior_variance > 0": prior_variance > 0,
             "tau > 0": tau > 0, "augmentation_factor > 0": augmentation_factor > 0, "damping >= 0": damping >= 0,
             "0 <= momentum < 1": 0 <= momentum < 1, "0 < beta2 <= 1": 0 < beta2 <= 1,
-            "init_precision >= 0": init_precision >= 0, "num_samples >= 1": num_samples >= 1,
+            "init_precision >= 0": init_precision >= 0, "draws_per_step >= 1": draws_per_step >= 1,
             "0 < kl_warmup_start <= 1": 0 < kl_warmup_start <= 1, "kl_warmup_steps >= 0": kl_warmup_steps >= 0,
             "loss_reduction in ('sum', 'mean')": loss_reduction in ("sum", "mean"),
         }
@@ -119,7 +119,7 @@ class VOGN(Optimizer):
         defaults = dict(
             lr=lr, prior_variance=prior_variance, damping=damping, momentum=momentum, beta2=beta2,
             init_precision=init_precision, point_estimate=False, dataset_size=dataset_size,
-            augmentation_factor=augmentation_factor, tau=tau, num_samples=int(num_samples),
+            augmentation_factor=augmentation_factor, tau=tau, draws_per_step=int(draws_per_step),
             kl_warmup_start=kl_warmup_start, kl_warmup_steps=int(kl_warmup_steps), loss_reduction=loss_reduction,
         )
         if params is None:
@@ -258,13 +258,13 @@ class VOGN(Optimizer):
         """
         if closure is None:
             raise RuntimeError("VOGN.step needs a closure that runs forward and backward and returns the loss")
-        params, tau, num_samples = self._params(), self.current_tau(), self.defaults["num_samples"]
+        params, tau, draws_per_step = self._params(), self.current_tau(), self.defaults["draws_per_step"]
         g_sum = [torch.zeros_like(p) for p in params]
         h_sum = [torch.zeros_like(p) for p in params]
         losses = []
         with self._perturbed(self._stds(tau)) as draw:
             try:
-                for _ in range(num_samples):
+                for _ in range(draws_per_step):
                     draw()
                     for p in params:
                         p.grad = None
@@ -283,7 +283,7 @@ class VOGN(Optimizer):
                 shift = self._delta_tilde(group, tau)
                 for p in group["params"]:
                     state, i = self.state[p], self._index[p]
-                    g_hat, h_hat = g_sum[i].div_(num_samples), h_sum[i].div_(num_samples)
+                    g_hat, h_hat = g_sum[i].div_(draws_per_step), h_sum[i].div_(draws_per_step)
                     m = state["momentum_buffer"].mul_(group["momentum"]).add_(g_hat + shift * p)
                     s = state["precision"].mul_(1.0 - group["beta2"]).add_(h_hat, alpha=group["beta2"])
                     p.addcdiv_(m, s + shift + group["damping"], value=-group["lr"])

@@ -3,14 +3,16 @@
 ``OPS`` is the search space (op name -> constructor), ``Cell`` mixes ops along
 its edges with alpha (paper Eq. 1), and ``StructureNet`` stacks cells into the
 classification network. ``FCDenseNet`` (FC-DenseNet67) and ``DBSNSegNet`` (its cells
-version) are the CamVid segmentation networks.
+version) are the CamVid segmentation networks. ``Backbone`` is the interface of a network
+without structure (``VGG16BN``, or your own: docs/extending.md).
 """
 
+from dbsn.nets.backbone import Backbone
 from dbsn.nets.cell import Cell
 from dbsn.nets.classifier import StructureNet
 from dbsn.nets.fcdensenet import DBSNSegNet, FCDenseNet
 from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential
 from dbsn.nets.vgg import VGG16BN
 
-__all__ = ["OPS", "Cell", "DBSNSegNet", "FCDenseNet", "GroupBatchNorm2d", "GroupedSequential",
+__all__ = ["OPS", "Backbone", "Cell", "DBSNSegNet", "FCDenseNet", "GroupBatchNorm2d", "GroupedSequential",
            "StructureNet", "VGG16BN"]

@@ -14,12 +14,10 @@ that gives 3.7M: the full-width VGG16-BN with a 512 -> 10 head has 14.7M, and an
 the usual 4096-wide fully connected head has more than 15M. ``width`` scales every conv's
 channels (``width=0.25``: 8, 16, 32, 64, 64, about 0.23M parameters; for tests and CPUs).
 
-The network follows the interface of the structure-learnable networks so that the method
-classes work unchanged: ``forward(x, alpha=None, replicate=False)`` with ``alpha`` of shape
-(G, 0, 0) (``num_edges = num_ops = 0``: there is no structure, alpha only gives the number
-of groups G of the batch). As in ``StructureNet``, the batch holds G interleaved groups and
-in training mode BatchNorm normalises each group with its own statistics; ``replicate=True``
-evaluates every example in every group (``forward(x.repeat_interleave(G, 0))``).
+It is a `Backbone` (a network without structure, ``num_edges = num_ops = 0``): the method
+classes call it as they call the structure-learnable networks. As in ``StructureNet``, the
+batch holds G interleaved groups and in training mode BatchNorm normalises each group with its
+own statistics.
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dbsn.nets.ops import GroupBatchNorm2d, GroupedSequential, expand_groups, research_init_
+from dbsn.nets.backbone import Backbone
+from dbsn.nets.ops import GroupBatchNorm2d, GroupedSequential, research_init_
 
 __all__ = ["VGG16BN"]
 
@@ -35,19 +34,13 @@ __all__ = ["VGG16BN"]
 VGG16_CHANNELS = (32, 32, "M", 64, 64, "M", 128, 128, 128, "M", 256, 256, 256, "M", 256, 256, 256, "M")
 
 
-class VGG16BN(nn.Module):
+class VGG16BN(Backbone):
     """VGG16-BN for 32x32 inputs (see the module docstring); conv bias as in the NEK-FAC code."""
 
-    num_edges = 0
-    num_ops = 0
-
     def __init__(self, num_classes: int, in_channels: int = 3, width: float = 1.0) -> None:
-        super().__init__()
+        super().__init__(num_classes)
         if width <= 0:
             raise ValueError(f"width must be > 0, got {width}")
-        self.num_classes = num_classes
-        self.op_names: list[str] = []
-        self.edges: list[tuple[int, int]] = []
         layers: list[nn.Module] = []
         channels = in_channels
         for spec in VGG16_CHANNELS:
@@ -66,17 +59,5 @@ class VGG16BN(nn.Module):
         """He init (fan-out) for convs, BN to identity, zero biases (as ``StructureNet``)."""
         research_init_(self)
 
-    def forward(self, x: Tensor, alpha: Tensor | None = None, replicate: bool = False) -> Tensor:
-        """Logits (b*G, num_classes); ``alpha`` (G, 0, 0) or (0, 0) only gives G (default 1)."""
-        groups = 1
-        if alpha is not None:
-            if alpha.dim() == 2:
-                alpha = alpha.unsqueeze(0)
-            if alpha.dim() != 3 or alpha.shape[1:] != (0, 0) or alpha.shape[0] == 0:
-                raise ValueError(f"VGG16BN has no structure: alpha must be (G, 0, 0) or (0, 0), got {tuple(alpha.shape)}")
-            groups = alpha.shape[0]
-        if replicate and groups > 1:
-            x = expand_groups(x, groups)
-        elif x.shape[0] % groups != 0:
-            raise ValueError(f"batch size {x.shape[0]} is not divisible by the number of groups G = {groups}")
+    def logits(self, x: Tensor, groups: int) -> Tensor:
         return self.classifier(self.pool(self.features(x, groups)))

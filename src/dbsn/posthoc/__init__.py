@@ -1,5 +1,9 @@
-"""What is fitted after training, on top of a finished run: temperature scaling
-(`temperature`), and the post-hoc posteriors `evaluate.py posthoc=...` evaluates as methods of
-their own: a last-layer Laplace approximation (`laplace`) and SWAG (`swag`)."""
+"""Post-hoc posteriors: fitted on a finished run, predicting with S members, evaluated by
+`evaluate.py posthoc=<name>` as methods of their own (`base`: the interface):
 
-POSTHOC = ("laplace", "swag")  # the `posthoc=` choices, and those methods' names in reports and on W&B
+- `temperature`: temperature scaling of any classifier (`TemperatureScaling`);
+- `laplace`: a last-layer Laplace approximation of a point-estimate run (`LastLayerLaplace`);
+- `swag`: SWAG from the moments a point-estimate run collected (`SWAG`, `SWAGCollector`).
+
+Each is chosen by `conf/posthoc/<name>.yaml`, whose `_target_` builds it.
+"""

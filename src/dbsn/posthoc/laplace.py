@@ -78,18 +78,19 @@ from collections.abc import Callable, Iterable
 from copy import deepcopy
 
 import torch
+from rich.console import Console
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dbsn.data.base import in_memory_loader
-from dbsn.methods.base import ClassificationMethod
-from dbsn.methods.map import MAP
-from dbsn.methods.tasks import Segmentation
+from dbsn.methods.base import Method
 from dbsn.methods.temperature import NoValidationSplitError, require_validation
+from dbsn.posthoc.base import PosthocError, PosthocPosterior, point_estimate_classifier
+from dbsn.posthoc.fixed import FixedStructureNetwork, FixedStructurePosterior
 
 __all__ = [
-    "FixedStructureNetwork",
     "LaplaceMethod",
+    "LastLayerLaplace",
     "fit_laplace",
     "fit_laplace_on",
     "last_layer_laplace",
@@ -101,105 +102,6 @@ __all__ = [
 
 HESSIAN_STRUCTURES = ("kron", "full", "diag")
 PRIOR_FITS = ("gridsearch", "marglik")
-
-
-def point_estimate_structure(method: ClassificationMethod) -> Tensor:
-    """The one structure α of a point-estimate method, (1, E, K); refuses any method whose
-    prediction is stochastic (DBSN's sampled structures, MC dropout, BBB, a deep ensemble:
-    pass its members one by one) and segmentation."""
-    if not isinstance(method, MAP) or method.is_stochastic:
-        kind = type(method).__name__ + (f" with {type(method.weights).__name__}" if isinstance(method, MAP) else "")
-        raise ValueError(f"post-hoc Laplace/SWAG wrap a point-estimate method (map, map_fixed, or one "
-                         f"deep-ensemble member); got {kind}")
-    if isinstance(method.task, Segmentation):
-        raise ValueError("post-hoc Laplace/SWAG support classification only (the head of a segmentation "
-                         "network is a convolution)")
-    return method.prediction_structures(1).detach().clone()
-
-
-class FixedStructureNetwork(nn.Module):
-    """f(x) = net(x, α) for one fixed structure α: the network as laplace-torch sees it.
-
-    Args:
-        net: a network with `forward(x, alpha, replicate)` and a linear head `head`.
-        alpha: the structure, (1, E, K) or (E, K).
-        channels_last: feed x in the channels-last layout (as the method does).
-        head: name of the last layer, an `nn.Linear` fed by the features φ(x).
-    """
-
-    def __init__(self, net: nn.Module, alpha: Tensor, channels_last: bool = False, head: str = "classifier") -> None:
-        super().__init__()
-        self.net = net
-        self.register_buffer("alpha", alpha.reshape(1, *alpha.shape[-2:]))
-        self.channels_last = channels_last
-        self.head_name = head
-        if not isinstance(self.head, nn.Linear):
-            raise ValueError(f"the last layer {head!r} must be an nn.Linear, got {type(self.head).__name__}")
-
-    @classmethod
-    def of(cls, method: ClassificationMethod, head: str = "classifier") -> FixedStructureNetwork:
-        """The network of a point-estimate `method` at its structure (sharing its weights)."""
-        return cls(method.net, point_estimate_structure(method), method.channels_last, head)
-
-    @property
-    def head(self) -> nn.Linear:
-        return self.net.get_submodule(self.head_name)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits (b, C)."""
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return self.net(x, self.alpha, replicate=True)
-
-    def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(φ(x), logits): the head's input (b, D) and output (b, C)."""
-        captured: list[Tensor] = []
-        handle = self.head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-        try:
-            logits = self(x)
-        finally:
-            handle.remove()
-        return captured[0], logits
-
-
-class FixedStructurePosterior(ClassificationMethod):
-    """What the post-hoc posteriors (Laplace, SWAG) share: a finished point-estimate method's
-    network held at its structure (`network_fixed`, its weights shared, not copied), nothing to
-    train, and members that differ only in their weights.
-
-    Args:
-        base: the finished point-estimate method.
-        n_samples: S, the members it predicts with.
-        head: name of the network's last layer.
-        temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
-    """
-
-    def __init__(self, base: ClassificationMethod, n_samples: int, head: str = "classifier",
-                 temperature_scaling: bool = False) -> None:
-        alpha = point_estimate_structure(base)
-        super().__init__(
-            base.net, base.optim, None, 1, n_samples, n_samples, base.samples_per_forward, base.dataset_size,
-            temperature_scaling, base.task, channels_last=base.channels_last,
-        )
-        net = self.net
-        del self.net  # kept once, inside the network at the fixed structure
-        self.network_fixed = FixedStructureNetwork(net, alpha, base.channels_last, head)
-
-    @property
-    def is_stochastic(self) -> bool:
-        return True
-
-    def prediction_structures(self, n: int, first: int = 0) -> Tensor:
-        return self.network_fixed.alpha.expand(n, -1, -1)
-
-    def training_structures(self, n: int):
-        raise NotImplementedError(f"a {type(self).__name__} is built post hoc from a finished run, not trained")
-
-    def weight_parameters(self) -> list[nn.Parameter]:
-        return []
-
-    def enable_test_noise(self) -> None:
-        """Nothing is stochastic in the network itself (point weights)."""
 
 
 class _Head(nn.Module):
@@ -352,7 +254,7 @@ def head_features(network: FixedStructureNetwork, loader: Iterable, preprocess: 
 
 
 def fit_laplace(
-    method: ClassificationMethod,
+    method: Method,
     train_loader: Iterable,
     val_loader: Iterable | None = None,
     *,
@@ -390,7 +292,7 @@ def fit_laplace(
     return LaplaceMethod(method, la, n_samples=n_samples, seed=seed, head=head)
 
 
-def fit_laplace_on(method: ClassificationMethod, datamodule, **kwargs) -> LaplaceMethod:
+def fit_laplace_on(method: Method, datamodule, **kwargs) -> LaplaceMethod:
     """`fit_laplace` on a data module: the curvature over its whole training split (in order,
     unaugmented, the last short batch included), λ on its validation split (required for the
     grid search). Never reads the test split."""
@@ -420,7 +322,7 @@ class LaplaceMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: ClassificationMethod, laplace, n_samples: int = 100, seed: int = 0,
+    def __init__(self, base: Method, laplace, n_samples: int = 100, seed: int = 0,
                  head: str = "classifier", temperature_scaling: bool = False) -> None:
         super().__init__(base, n_samples, head, temperature_scaling)
         self.laplace = laplace
@@ -463,3 +365,56 @@ class LaplaceMethod(FixedStructurePosterior):
     def run_facts(self) -> dict:
         return {**super().run_facts(), "posterior": "last-layer Laplace", "laplace": self.hessian_structure,
                 "prior_precision": self.prior_precision}
+
+
+class LastLayerLaplace(PosthocPosterior):
+    """A last-layer Laplace approximation as a post-hoc posterior (`posthoc=laplace`): the
+    curvature on the run's training split, the prior precision on its validation split (or by
+    the marginal likelihood, or given), S last layers drawn and kept (`fit_laplace_on`).
+
+    Args:
+        name, n_samples: see `PosthocPosterior` (S: 30).
+        hessian: "kron" (default), "full" or "diag".
+        prior_precision: "gridsearch" (the validation split), "marglik" (the training split), a
+            positive number, or None: gridsearch where the run has a validation split, else marglik.
+        seed: of the S last layers (and of the grid search's draws, which are the same).
+    """
+
+    name = "laplace"
+
+    def __init__(self, name: str | None = None, n_samples: int | None = 30, hessian: str = "kron",
+                 prior_precision: str | float | None = None, seed: int = 0) -> None:
+        super().__init__(name, n_samples)
+        if hessian not in HESSIAN_STRUCTURES:
+            raise PosthocError(f"posthoc.hessian={hessian!r}: choose one of {list(HESSIAN_STRUCTURES)}")
+        if isinstance(prior_precision, str) and prior_precision not in PRIOR_FITS:
+            raise PosthocError(f"posthoc.prior_precision={prior_precision!r}: choose {' or '.join(PRIOR_FITS)}, a "
+                               "positive number, or null")
+        if prior_precision is not None and not isinstance(prior_precision, str) and not float(prior_precision) > 0:
+            raise PosthocError(f"posthoc.prior_precision={prior_precision}: a prior precision must be positive (or "
+                               "gridsearch, marglik, null).")
+        self.hessian, self.prior_precision, self.seed = hessian, prior_precision, int(seed)
+
+    def prior_for(self, datamodule) -> str | float:
+        """The prior precision fit: as given, else gridsearch where the data has a validation split."""
+        if self.prior_precision is not None:
+            return self.prior_precision if isinstance(self.prior_precision, str) else float(self.prior_precision)
+        return "gridsearch" if datamodule.has_val else "marglik"
+
+    def why_not(self, method: Method, checkpoint: dict) -> str | None:
+        return point_estimate_classifier(method, self.name)
+
+    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+        if self.prior_for(datamodule) == "gridsearch" and not datamodule.has_val:
+            raise PosthocError(f"posthoc={self.name} with posthoc.prior_precision=gridsearch fits the prior precision "
+                               "on the validation split, and this run has none (data.val_size=0): use "
+                               "posthoc.prior_precision=marglik (training data only), or train with data.val_size.")
+
+    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> LaplaceMethod:
+        prior = self.prior_for(datamodule)
+        datamodule.setup("fit")
+        Console().print(f"Fitting a last-layer Laplace ({self.hessian} Hessian, prior precision: {prior})")
+        fitted = fit_laplace_on(method, datamodule, hessian_structure=self.hessian, prior_precision=prior,
+                                n_samples=int(n_samples or self.n_samples or 30), seed=self.seed)
+        Console().print(f"Prior precision λ = {fitted.prior_precision:.4g}")
+        return fitted

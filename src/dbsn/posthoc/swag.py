@@ -54,10 +54,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from dbsn.methods.base import ClassificationMethod
+from dbsn.methods.base import Method
 from dbsn.methods.dbsn import BatchNormRecalibration, outside_inference
 from dbsn.nets.batchnorm import GroupBatchNorm2d, Statistics, structure_statistics, using_statistics
-from dbsn.posthoc.laplace import FixedStructurePosterior, point_estimate_structure
+from dbsn.posthoc.base import PosthocError, PosthocPosterior, point_estimate_classifier
+from dbsn.posthoc.fixed import FixedStructurePosterior, point_estimate_structure
 
 __all__ = ["SWAGCollector", "SWAGMethod", "SWAGMoments", "load_swag_state", "swag_parameters"]
 
@@ -67,7 +68,7 @@ STATE_KEY = "SWAGCollector"
 VARIANCE_FLOOR = 1e-30
 
 
-def swag_parameters(method: ClassificationMethod) -> list[tuple[str, nn.Parameter]]:
+def swag_parameters(method: Method) -> list[tuple[str, nn.Parameter]]:
     """The weights SWAG collects: the trainable parameters of the method's network, by name
     (BatchNorm buffers and the structure logits θ are not among them)."""
     point_estimate_structure(method)  # refuses what is not a point estimate
@@ -215,7 +216,7 @@ class SWAGCollector(Callback):
             self.collect_from(pl_module, trainer.current_epoch)
 
     @torch.no_grad()
-    def collect_from(self, method: ClassificationMethod, epoch: int = -1) -> None:
+    def collect_from(self, method: Method, epoch: int = -1) -> None:
         """Add the method's current weights as one snapshot."""
         params = swag_parameters(method)
         weights = torch.cat([p.detach().reshape(-1) for _, p in params])
@@ -273,7 +274,7 @@ class SWAGMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: ClassificationMethod, state: dict, n_samples: int = 30, scale: float = 0.5,
+    def __init__(self, base: Method, state: dict, n_samples: int = 30, scale: float = 0.5,
                  bn_recalibration: BatchNormRecalibration | None = None, seed: int = 0,
                  temperature_scaling: bool = False) -> None:
         params = swag_parameters(base)
@@ -352,3 +353,43 @@ class SWAGMethod(FixedStructurePosterior):
             with context:
                 logits.append(self.task.class_last(self._member_forward(weights)(x)))
         return torch.stack(logits)
+
+
+class SWAG(PosthocPosterior):
+    """SWAG as a post-hoc posterior (`posthoc=swag`): the moments a point-estimate run collected
+    (`callbacks=swag`) and S members drawn from them, each with its own BatchNorm statistics.
+
+    Args:
+        name, n_samples: see `PosthocPosterior` (S: the paper's 30).
+        scale: the covariance factor (½: the paper's sampler).
+    """
+
+    name = "swag"
+
+    def __init__(self, name: str | None = None, n_samples: int | None = 30, scale: float = 0.5) -> None:
+        super().__init__(name, n_samples)
+        if not scale > 0:
+            raise PosthocError(f"posthoc.scale must be > 0 (½ is the paper's sampler), got {scale}")
+        self.scale = float(scale)
+
+    def why_not(self, method: Method, checkpoint: dict) -> str | None:
+        reason = point_estimate_classifier(method, self.name)
+        if reason is not None:
+            return reason
+        try:
+            load_swag_state(checkpoint)
+        except (KeyError, ValueError) as err:
+            return (f"posthoc={self.name} needs the SWAG moments its run collected, and this checkpoint has none ({err}): "
+                    "train with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag)")
+        return None
+
+    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+        snapshots = int(load_swag_state(checkpoint)["moments"]["count"])
+        if snapshots < 2:
+            raise PosthocError(f"posthoc={self.name} needs at least 2 collected snapshots of the weights, and this "
+                               f"checkpoint has {snapshots}: collect over more epochs (callbacks.swag.start earlier, "
+                               "or more epochs) or after every step (callbacks.swag.collect=step).")
+
+    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> SWAGMethod:
+        return SWAGMethod(method, load_swag_state(checkpoint), n_samples=int(n_samples or self.n_samples or 30),
+                          scale=self.scale)

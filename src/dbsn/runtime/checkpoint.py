@@ -125,8 +125,34 @@ MOVED_TARGETS = {
 }
 
 
+#: a method's flat settings that now travel together, by the object that holds them
+PREDICTION_KEYS = ("n_samples", "val_samples", "samples_per_forward", "temperature_scaling")
+EXECUTION_KEYS = ("channels_last", "compile")
+
+
+def _grouped_settings(node: dict) -> dict:
+    """A method node written before its settings were grouped: `n_samples`, `val_samples`,
+    `samples_per_forward`, `temperature_scaling` into `prediction`, `channels_last` and
+    `compile` into `execution`; VOGN's `num_samples` (draws per step) renamed `draws_per_step`."""
+    target = str(node.get("_target_", ""))
+    if not target.startswith("dbsn.methods.") or target.endswith(("DeepEnsemble", "Prediction", "Execution")):
+        return node
+    node = dict(node)
+    prediction = {k: node.pop(k) for k in PREDICTION_KEYS if k in node}
+    execution = {k: node.pop(k) for k in EXECUTION_KEYS if k in node}
+    if prediction and "prediction" not in node:
+        node["prediction"] = {"_target_": "dbsn.methods.Prediction", **prediction}
+    if execution and "execution" not in node:
+        node["execution"] = {"_target_": "dbsn.methods.Execution", **execution}
+    vogn = node.get("vogn")
+    if isinstance(vogn, dict) and "num_samples" in vogn:
+        node["vogn"] = {("draws_per_step" if k == "num_samples" else k): v for k, v in vogn.items()}
+    return node
+
+
 def upgrade_config(node: Any) -> Any:
-    """A run config with every `_target_` of a moved class renamed (`MOVED_TARGETS`)."""
+    """A run config written by an earlier version, in today's form: every `_target_` of a moved
+    class renamed (`MOVED_TARGETS`), a method's settings grouped (`_grouped_settings`)."""
     if isinstance(node, dict):
         out = {key: upgrade_config(value) for key, value in node.items()}
         target = out.get("_target_")
@@ -135,6 +161,7 @@ def upgrade_config(node: Any) -> Any:
                 if target.startswith(old) and not target.startswith(new):
                     out["_target_"] = new + target[len(old):]
                     break
+            out = _grouped_settings(out)
         return out
     if isinstance(node, list):
         return [upgrade_config(item) for item in node]

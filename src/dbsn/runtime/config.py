@@ -27,6 +27,8 @@ import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dbsn.precision import cpu_bf16_channels_last_is_wrong
+
 #: The Hydra config tree (conf/ at the checkout's root), for entry points and tools that compose configs.
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -56,11 +58,18 @@ def _suggest(key: str, valid: Iterable[str]) -> str:
 
 
 def _accepted_keys(target: Any) -> tuple[set[str], bool]:
-    """Parameter names of `target`'s constructor, and whether it takes **kwargs."""
-    sig = inspect.signature(target.__init__ if inspect.isclass(target) else target)
-    names = {n for n, p in sig.parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    return names, takes_kwargs
+    """Parameter names of `target`'s constructor, and whether it takes **kwargs. A class whose
+    constructor passes **kwargs on to its base's accepts the base's names too (up the MRO to
+    the first constructor without **kwargs)."""
+    functions = [c.__dict__["__init__"] for c in target.__mro__ if "__init__" in c.__dict__] \
+        if inspect.isclass(target) else [target]
+    names: set[str] = set()
+    for function in functions:
+        parameters = inspect.signature(function).parameters
+        names |= {n for n, p in parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            return names, False
+    return names, True
 
 
 def _annotations(target: Any) -> dict[str, Any]:
@@ -122,7 +131,9 @@ def _check_type(where: str, value: Any, annotation: Any) -> None:
     raise ConfigError(f"{where}={value!r}: expected {_describe(annotation)}, got {type(value).__name__}.")
 
 
-def _check_node(node: DictConfig, where: str) -> None:
+def check_node(node: DictConfig, where: str) -> None:
+    """Refuse a key that `node`'s `_target_` (or one of its children's) does not take, and a value
+    that does not fit its annotation, naming the key and what would be right."""
     target_name = node.get("_target_")
     if target_name is not None:
         try:
@@ -145,11 +156,11 @@ def _check_node(node: DictConfig, where: str) -> None:
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig):
-            _check_node(child, f"{where}.{key}")
+            check_node(child, f"{where}.{key}")
         elif isinstance(child, ListConfig):
             for i, item in enumerate(child):
                 if isinstance(item, DictConfig):
-                    _check_node(item, f"{where}.{key}[{i}]")
+                    check_node(item, f"{where}.{key}[{i}]")
 
 
 #: trainer.precision values the methods support, and why the others are refused.
@@ -188,8 +199,9 @@ def _compile_settings(model: DictConfig | dict | None) -> list[tuple[str, Any]]:
     """(where, settings) of every compile node of a model config (an ensemble's member too)."""
     found = []
     for where, node in (("model", model), ("model.member", (model or {}).get("member"))):
-        if node is not None and node.get("compile") is not None:
-            found.append((f"{where}.compile", node.get("compile")))
+        compile_node = ((node or {}).get("execution") or {}).get("compile")
+        if compile_node is not None:
+            found.append((f"{where}.execution.compile", compile_node))
     return found
 
 
@@ -200,7 +212,7 @@ def cpp_compiler() -> str | None:
 
 
 def check_compile(cfg: DictConfig) -> None:
-    """Refuse `model.compile.enabled=true` where its backend cannot run: inductor generates C++
+    """Refuse `model.execution.compile.enabled=true` where its backend cannot run: inductor generates C++
     on a CPU (a compiler is needed) and Triton kernels on a GPU."""
     trainer = cfg.get("trainer") or {}
     for where, settings in _compile_settings(cfg.get("model")):
@@ -228,21 +240,21 @@ def _on_cpu(trainer) -> bool:
 
 
 def check_channels_last(cfg: DictConfig) -> None:
-    """Refuse channels-last networks under bf16-mixed on a CPU: oneDNN's bfloat16 weight gradient
-    of a dilated depthwise convolution in the channels-last layout is wrong there (torch 2.14.1:
-    relative error above 1, at times values near 1e30 that end the run with a non-finite loss;
-    `tests/test_precision.py` re-measures it), and every DBSN cell has such convolutions
-    (dil_conv_3x3). Either option alone is exact."""
+    """Refuse channels-last networks under bf16-mixed on a CPU whose oneDNN computes the bfloat16
+    weight gradient of a dilated depthwise convolution wrongly in that layout (measured here, in
+    milliseconds: `dbsn.precision.cpu_bf16_channels_last_is_wrong`; some CPUs do, others not):
+    every DBSN cell has such convolutions (dil_conv_3x3), and the wrong values at times end the
+    run with a non-finite loss. Either option alone is exact."""
     trainer = cfg.get("trainer") or {}
     precision = _PRECISION_ALIASES.get(str(trainer.get("precision")), str(trainer.get("precision")))
     if precision != "bf16-mixed" or not _on_cpu(trainer):
         return
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
-        if node is not None and node.get("channels_last"):
+        if node is not None and (node.get("execution") or {}).get("channels_last") and cpu_bf16_channels_last_is_wrong():
             raise ConfigError(
-                f"{where}.channels_last=true with trainer.precision=bf16-mixed is refused on a CPU: oneDNN computes wrong "
-                "bfloat16 weight gradients for the cells' dilated depthwise convolutions in that layout. Use one of them "
-                f"(channels-last alone is the faster on a CPU), or train on a GPU."
+                f"{where}.execution.channels_last=true with trainer.precision=bf16-mixed is refused on this CPU: its oneDNN computes "
+                "wrong bfloat16 weight gradients for the cells' dilated depthwise convolutions in that layout. Use one of "
+                "them (channels-last alone is the faster on a CPU), or train on a GPU."
             )
 
 
@@ -318,7 +330,7 @@ def validate_config(cfg: DictConfig) -> None:
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
         if isinstance(node, DictConfig):
-            _check_node(node, section)
+            check_node(node, section)
             _check_finite(node, section)
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))

@@ -18,12 +18,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """What a user can fix (imported when needed: the entry points import nothing heavy before
     Hydra has parsed the command line)."""
     from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
+    from dbsn.evaluation.base import EvaluationError
     from dbsn.methods.base import NonFiniteLossError
     from dbsn.methods.temperature import NoValidationSplitError
+    from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
 
-    return ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError, NonFiniteLossError
+    return (ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError,
+            NonFiniteLossError, EvaluationError, PosthocError)
 
 
 def one_line(error: BaseException) -> str:

@@ -22,10 +22,13 @@ import string
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
+from dbsn.evaluation.runs import CONFIG_FILE, WANDB_ID_FILE, load_run_config, method_and_dataset, sweep_of
+from dbsn.runtime.build import instantiate_group, with_facts
+from dbsn.runtime.config import to_plain
 from dbsn.runtime.rank import is_rank_zero
-from dbsn.evaluation.runs import WANDB_ID_FILE, method_and_dataset, sweep_of
 
 IDENTITY_KEYS = ("id", "group", "name", "job_type")
 
@@ -55,8 +58,14 @@ def run_facts(config: dict, run_dir: Path) -> dict[str, Any]:
     member = model.get("member") or {}  # model=deep_ensemble: `size` members trained as one model
     size = model.get("size", 1) if member else 1
     return {"method": method, "dataset": dataset, "seed": config.get("seed"),
-            "T": (member or model).get("train_samples", 1), "S": size * (member or model).get("n_samples", 1),
+            "T": (member or model).get("train_samples", 1), "S": size * n_samples_of(member or model),
             "epochs": trainer.get("max_epochs"), "batch_size": data.get("batch_size")}
+
+
+def n_samples_of(model: dict) -> int:
+    """S of a model config: `prediction.n_samples` (configs written before the prediction
+    settings were grouped: `n_samples`)."""
+    return int((model.get("prediction") or {}).get("n_samples") or model.get("n_samples") or 1)
 
 
 def run_name(facts: dict[str, Any]) -> str:
@@ -102,3 +111,43 @@ def configured_group(config: dict) -> str | None:
 def logged_to_wandb(config: dict) -> bool:
     """Whether the run of `config` had a W&B logger."""
     return any(is_wandb_node(node) for node in (config.get("logger") or {}).values())
+
+
+def evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, out: Path, model, posterior=None) -> list:
+    """The evaluation's loggers. A W&B logger logs into a run linked to the training run: the
+    training run's group and name, job type `evaluate`, the training runs' W&B ids, the
+    evaluation's settings under `evaluation`, S as evaluated; its id is kept in `out`. A deep
+    ensemble of several runs is its own method, `deep_ensemble`; a post-hoc posterior is method
+    `<run's method>+<name>` (`posthoc`, `base_method` kept)."""
+    run_dirs = [Path(p).parent.parent for p in paths]
+    in_runs = all((d / CONFIG_FILE).is_file() for d in run_dirs)
+    run_dir = run_dirs[0] if in_runs else out
+    facts = {**run_facts(train_config, run_dir), "S": model.num_members}
+    if len(paths) > 1:
+        facts.update(method="deep_ensemble", members=f"{len(paths)} x {facts['method']}", seed=None)
+    if posterior is not None:  # a method of its own (as in the report), on top of the run's
+        facts.update(method=f"{facts['method']}+{posterior.name}", posthoc=posterior.name, base_method=facts["method"])
+    name = run_name(facts) if len(paths) == 1 else f"deep_ensemble {facts['dataset']} {facts['members']}"
+    group = (configured_group(train_config) or run_group(run_dir, train_config.get("task_name")) if in_runs
+             else run_group(out, cfg.get("task_name")))
+    logger_cfg, wandb = with_identity(cfg.get("logger"), lambda: {
+        "id": stable_wandb_id(out), "group": group, "name": name, "job_type": "evaluate"}, save_dir=out)
+    loggers = instantiate_group(logger_cfg)
+    if wandb is None:
+        return loggers
+    train_ids = [(d / WANDB_ID_FILE).read_text().strip() for d in run_dirs
+                 if in_runs and logged_to_wandb(load_run_config(d)) and (d / WANDB_ID_FILE).is_file()]
+    settings = {k: v for k, v in to_plain(cfg).items() if k not in ("logger", "hydra", "paths", "callbacks", "trainer")}
+    links = {"train_run_id": train_ids[0]} if len(paths) == 1 and train_ids else {"train_run_ids": train_ids}
+    for logger in loggers:
+        logger.log_hyperparams(with_facts(train_config, logger, facts, wandb, evaluation=settings,
+                                          checkpoints=[str(p) for p in paths], **links))
+    return loggers
+
+
+def close_loggers(loggers, status: str, finish_wandb: bool = True) -> None:
+    """Finalize the loggers; finishing a W&B run writes its summary (offline runs: for `wandb sync`)."""
+    for logger in loggers:
+        logger.finalize(status)
+        if isinstance(logger, WandbLogger) and finish_wandb:
+            logger.experiment.finish(exit_code=0 if status == "success" else 1)

@@ -92,7 +92,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     if method == "deep_ensemble":
         overrides.append("model.size=3")
     if method not in ("map", "map_fixed", "deep_ensemble"):
-        overrides.append(f"model.n_samples={n_samples}")
+        overrides.append(f"model.prediction.n_samples={n_samples}")
     total = epochs * steps_per_epoch
     if method in STRUCTURE_SAMPLING:  # compress the 100-epoch schedules into this run
         overrides += [f"model.tau.decay={math.log(3.0) / (total * batch_size / REFERENCE_BATCH):.3e}",
@@ -103,7 +103,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     if method in VOGN_METHODS:
         overrides.append(f"model.vogn.kl_warmup_steps={max(1, total // 10)}")
     if method in ("mc_dropout", "bbb", *STRUCTURE_SAMPLING):
-        overrides.append("model.samples_per_forward=4")
+        overrides.append("model.prediction.samples_per_forward=4")
     return overrides
 
 
@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("choose the dataset with --data, not a data=... override")
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
                           data=args.data, subset=args.subset, n_samples=args.samples)
+
+
+def cli() -> None:
+    """`dbsn-compare`: `main` on the command line's arguments, mistakes in one line (exit status 2)."""
+    from dbsn.runtime.errors import one_line_errors
+
+    one_line_errors(main)()
 
 
 if __name__ == "__main__":

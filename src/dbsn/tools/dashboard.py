@@ -28,10 +28,10 @@ from typing import Literal
 
 from dbsn.data.shift import SEVERITIES
 from dbsn.evaluation.ood import OOD_SCORES
-from dbsn.evaluation.runner import SELECTIVE_SCORES
+from dbsn.evaluation.test_pass import SELECTIVE_SCORES
 from dbsn.evaluation.shift import SHIFT_METRICS
 from dbsn.evaluation.tracking import EPOCH, summary_key
-from dbsn.posthoc import POSTHOC
+from dbsn.runtime.config import CONF_DIR
 
 PanelKind = Literal["bar", "line", "table", "images"]
 JobType = Literal["train", "evaluate"]
@@ -73,14 +73,26 @@ class Panel:
 @dataclass(frozen=True)
 class Section:
     """Panels over the runs of one job type in the group. `posthoc`: the section's panels also
-    read the post-hoc evaluations (`evaluate.py posthoc=laplace|swag`: evaluate runs whose method
-    is laplace or swag), whose test pass is the only one those methods have."""
+    read the post-hoc evaluations (`evaluate.py posthoc=<name>`: evaluate runs with a `posthoc`
+    in their config, method `<run's method>+<name>`), whose test pass is the only one those
+    methods have."""
 
     name: str
     job_type: JobType
     note: str
     panels: tuple[Panel, ...] = field(default_factory=tuple)
     posthoc: bool = False
+
+
+def posthoc_names() -> list[str]:
+    """The post-hoc posteriors' names, as evaluate runs record them: each `conf/posthoc/` file's
+    `name`, else the file's name."""
+    import yaml
+
+    names = []
+    for path in sorted((CONF_DIR / "posthoc").glob("*.yaml")):
+        names.append(str((yaml.safe_load(path.read_text()) or {}).get("name") or path.stem))
+    return names
 
 
 def _bar(title: str, *metrics: str) -> Panel:
@@ -213,8 +225,10 @@ def _wandb_panel(panel: Panel):
 
 
 def build_report(entity: str, project: str, group: str | None = None,
-                 ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None):
-    """The W&B report (a `wandb_workspaces.reports.v2.Report`, not saved)."""
+                 ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None, posthoc: tuple[str, ...] = ()):
+    """The W&B report (a `wandb_workspaces.reports.v2.Report`, not saved); `posthoc`: names of
+    post-hoc posteriors beyond conf/posthoc/'s (your own) whose evaluations the Calibration and
+    Selective sections read too."""
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
@@ -228,7 +242,8 @@ def build_report(entity: str, project: str, group: str | None = None,
         if section.posthoc:
             sets.append(wr.Runset(entity=entity, project=project, name="post-hoc evaluations", groupby=["config.method"],
                                   filters=[expr.Metric("JobType") == "evaluate",
-                                           expr.Config("posthoc").isin(list(POSTHOC)), *in_group]))
+                                           expr.Config("posthoc").isin(posthoc_names() + [n for n in posthoc if n not in posthoc_names()]),
+                                           *in_group]))
         blocks += [wr.H2(section.name), wr.P(section.note),
                    wr.PanelGrid(runsets=sets, panels=[_wandb_panel(p) for p in section.panels])]
     return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
@@ -260,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ood-sets", default=",".join(DEFAULT_OOD_SETS),
                         help="OOD sets evaluated with evaluate.py ood=[...] (default: %(default)s; digits: photos,noise)")
     parser.add_argument("--title", default=None, help="report title (default: 'DBSN: <group or project>')")
+    parser.add_argument("--posthoc", default="", help="your own post-hoc posteriors' names (conf/posthoc/'s are read)")
     parser.add_argument("--dry-run", action="store_true", help="print the specification; save nothing")
     args = parser.parse_args(argv)
     if args.group is not None and ("'" in args.group or not args.group.strip()):
@@ -268,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ood_sets = tuple(s.strip() for s in args.ood_sets.split(",") if s.strip())
     if not ood_sets:
         parser.error("--ood-sets: give at least one OOD set, e.g. --ood-sets svhn")
-    report = build_report(args.entity, args.project, args.group, ood_sets, args.title)  # validated offline
+    posthoc = tuple(s.strip() for s in args.posthoc.split(",") if s.strip())
+    report = build_report(args.entity, args.project, args.group, ood_sets, args.title, posthoc)  # validated offline
     if args.dry_run:
         json.dump(specification(ood_sets, args.group), sys.stdout, indent=2)
         print()

@@ -26,5 +26,12 @@ def main(argv: list[str] | None = None) -> Report:
     return report
 
 
+def cli() -> None:
+    """`dbsn-report`: `main` on the command line's arguments, mistakes in one line (exit status 2)."""
+    from dbsn.runtime.errors import one_line_errors
+
+    one_line_errors(main)()
+
+
 if __name__ == "__main__":
     main()

@@ -14,7 +14,8 @@ table2_ece.{md,csv}, table_nll.{md,csv}, calibration.{md,csv} (equal-width, equa
 classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
 have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
 ood_groups.csv (near / far OOD means), shift.{md,csv} with Ovadia et al.'s box plots per
-dataset, adversarial.{md,csv} with one figure per dataset, ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
+dataset, adversarial.{md,csv} with one figure per dataset, evaluation_<name>.{md,csv} for any other
+evaluation (a user's own: every number of its summary.json), ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
 metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
 of runs in parentheses.
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
 from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
                                            calibration_section, main_tables, ood_groups_section, ood_section,
-                                           runs_section, selective_section, shift_section, time_section)
+                                           other_evaluations_section, runs_section, selective_section, shift_section,
+                                           time_section)
 
 __all__ = ["Report", "Run", "build_report", "build_sweep_report"]
 
@@ -61,7 +63,7 @@ def build_report(dirs: list[Path], out: Path) -> Report:
     if ok:
         text += main_tables(report, ok) + calibration_section(report, ok) + selective_section(report, ok)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)
-        text += adversarial_section(report, ok) + ablation_section(report, ok)
+        text += adversarial_section(report, ok) + other_evaluations_section(report, ok) + ablation_section(report, ok)
         text += time_section(report, ok)
     else:
         text += "No finished runs.\n\n"

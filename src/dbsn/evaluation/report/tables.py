@@ -410,3 +410,40 @@ def runs_section(report: Report) -> str:
         text += (f"- **{r.status}**: {r.method} on {r.dataset}, seed {r.seed} — `{_show(r.path)}` — "
                  f"`{overrides}` ({r.note}){log}\n")
     return text + "\n"
+
+
+#: evaluations with a section of their own above; any other evaluation's numbers (its
+#: `<name>/summary.json`) go into `other_evaluations_section`
+OWN_SECTIONS = ("ood", "shift", "adversarial")
+
+
+def other_evaluations_section(report: Report, ok: list[Run]) -> str:
+    """One table per evaluation the report has no section for (a user's own, by its name):
+    every number of its summary, per (method, dataset), mean ± std over seeds."""
+    found: dict[str, dict[tuple[str, str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in ok:
+        for path in sorted((r.path / "evaluation").glob("*/summary.json")):
+            name = path.parent.name
+            if name in OWN_SECTIONS:
+                continue
+            try:
+                metrics = json.loads(path.read_text())["metrics"]
+            except (ValueError, KeyError, TypeError):
+                report.warnings.append(f"unreadable {_show(path)}")
+                continue
+            for key, value in metrics.items():
+                found[name][r.method, r.dataset, key].append(float(value))
+    text = ""
+    for name in sorted(found):
+        cells = found[name]
+        order = sorted(cells, key=lambda k: (k[1], METHOD_ORDER.index(k[0]) if k[0] in METHOD_ORDER else len(METHOD_ORDER),
+                                            k[0], k[2]))
+        stats = {cell: mean_std(cells[cell]) for cell in order}
+        table = md_table(["method", "dataset", "metric", "value"], [[*cell, fmt(stats[cell], 4)] for cell in order])
+        stem = f"evaluation_{_slug(name)}"
+        _write(report, f"{stem}.md", f"# Evaluation: {name}\n\n{table}")
+        _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", "mean", "std", "n"],
+                   [[*cell, *stats[cell]] for cell in order])
+        text += (f"## Evaluation: {name}\n\nEvery number of `evaluations=[{name}]` (its `summary.json`), mean ± std "
+                 f"over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n")
+    return text

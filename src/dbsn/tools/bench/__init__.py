@@ -58,3 +58,10 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def cli() -> None:
+    """`dbsn-bench`: `main` on the command line's arguments, mistakes in one line (exit status 2)."""
+    from dbsn.runtime.errors import one_line_errors
+
+    one_line_errors(main)()

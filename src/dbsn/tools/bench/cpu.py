@@ -21,7 +21,7 @@ Cases (same network, same batch, same machine, interleaved repetitions, median t
   recal_100  per-structure BatchNorm statistics of 100 structures on the batch's images
              (model.bn_recalibration: what prediction with recalibration adds)
   dbsn_t1_channels_last, dbsn_t1_compiled, dbsn_t1_channels_last_compiled
-             dbsn_t1 with model.channels_last, model.compile (inductor), and both
+             dbsn_t1 with model.execution.channels_last, model.execution.compile (inductor), and both
              (--no-compile leaves the compiled ones out: each compiles for a minute or two)
 
 Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
@@ -60,7 +60,8 @@ from datetime import date
 import torch
 
 from dbsn.methods.predictive import BayesEnsemble
-from dbsn.methods import DBSN, MAP, Compilation, GaussianWeights, MCDropoutWeights, NEKFACMethod, VOGNMethod
+from dbsn.methods import (DBSN, MAP, Compilation, Execution, GaussianWeights, MCDropoutWeights, NEKFACMethod, Prediction,
+                          VOGNMethod)
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory
@@ -87,10 +88,10 @@ METHODS = {
     "dbsn_t4_chunked": lambda net: DBSN(net, train_samples=4, train_samples_per_forward=1),
     "fbn": lambda net: DBSN(net, train_samples=1, weights=GaussianWeights()),
     "vgg_sgd": lambda net: MAP(net, learn_structure=False),  # VGG16-BN with SGD, NEK-FAC's reference
-    "dbsn_t1_channels_last": lambda net: DBSN(net, train_samples=1, channels_last=True),
-    "dbsn_t1_compiled": lambda net: DBSN(net, train_samples=1, compile=Compilation(enabled=True)),
-    "dbsn_t1_channels_last_compiled": lambda net: DBSN(net, train_samples=1, channels_last=True,
-                                                       compile=Compilation(enabled=True)),
+    "dbsn_t1_channels_last": lambda net: DBSN(net, train_samples=1, execution=Execution(channels_last=True)),
+    "dbsn_t1_compiled": lambda net: DBSN(net, train_samples=1, execution=Execution(compile=Compilation(enabled=True))),
+    "dbsn_t1_channels_last_compiled": lambda net: DBSN(net, train_samples=1, execution=Execution(
+        channels_last=True, compile=Compilation(enabled=True))),
 }
 
 
@@ -134,7 +135,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
         if method.structure_parameters():
             opts.append(method.structure_optimizer().build(method.structure_parameters()))
 
-        def step():  # what ClassificationMethod.training_step does, minus Lightning's logging
+        def step():  # what Method.training_step does, minus Lightning's logging
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
             method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
@@ -145,7 +146,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
             method.on_after_optimizer_step(x.shape[0])
         return step
 
-    method = DBSN(net, samples_per_forward=samples_per_forward).to(device)
+    method = DBSN(net, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward)).to(device)
     method.eval()
     if name == "recal_100":
         def recalibrate():
@@ -182,11 +183,12 @@ def build_seg_case(name: str, size: tuple[int, int], device: torch.device, sampl
     method_name, samples = SEG_CASES[name]
     torch.manual_seed(0)
     if method_name == "dbsn_seg":
-        method = DBSN(DBSNSegNet(**(net_kwargs or {})), n_samples=samples, samples_per_forward=samples_per_forward, task=Segmentation())
+        method = DBSN(DBSNSegNet(**(net_kwargs or {})), task=Segmentation(),
+                      prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward))
     else:
         weights = MCDropoutWeights(placement="existing") if method_name.endswith("mc_dropout") else None
-        method = MAP(FCDenseNet(**(net_kwargs or {})), learn_structure=False, weights=weights, n_samples=samples,
-                     samples_per_forward=samples_per_forward, task=Segmentation())
+        method = MAP(FCDenseNet(**(net_kwargs or {})), learn_structure=False, weights=weights, task=Segmentation(),
+                     prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward))
     method = method.to(device).eval()
     method.enable_test_noise()
     x = torch.randn(1, 3, *size, device=device)

@@ -7,7 +7,7 @@ The paper network (B = 7, 12 cells, 1.04 M parameters) at T = 4, batch 64, in ea
     (| bf16 + channels-last + compile with CUDA graphs, "reduce-overhead")
 
 each with the T structures in one grouped forward and one after another (structure chunks of 1).
-A step here is what `ClassificationMethod.training_step` does on a batch: the on-device
+A step here is what `Method.training_step` does on a batch: the on-device
 augmentation of a uint8 batch (`data.on_device`), the structure draw, the forward and backward
 passes under the configuration's precision, gradient clipping and both optimisers. For each:
 
@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from dbsn.precision import cpu_bf16_channels_last_is_wrong
 from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
-from dbsn.methods import DBSN, Compilation
+from dbsn.methods import DBSN, Compilation, Execution, Prediction
 from dbsn.nets import StructureNet
 
 #: configuration: (precision, channels_last, compile mode or None)
@@ -71,8 +72,8 @@ def build_method(net_name: str, device: torch.device, channels_last: bool, compi
     compile = Compilation(enabled=True, mode=compile_mode if backend == "inductor" else "default",
                           backend=backend) if compile_mode else None
     method = DBSN(StructureNet(num_classes=10, **NETS[net_name]), train_samples=train_samples,
-                  train_samples_per_forward=chunk, samples_per_forward=samples_per_forward,
-                  channels_last=channels_last, compile=compile).to(device)
+                  train_samples_per_forward=chunk, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward),
+                  execution=Execution(channels_last=channels_last, compile=compile or Compilation())).to(device)
     method.dataset_size = TRAIN_IMAGES
     return method
 
@@ -165,7 +166,7 @@ def camvid_step(device: torch.device, precision: str, channels_last: bool, compi
     compile = Compilation(enabled=True, mode=compile_mode if backend == "inductor" else "default",
                           backend=backend) if compile_mode else None
     method = DBSN(DBSNSegNet(**(net_kwargs or {})), train_samples=1, task=Segmentation(), parallel="data",
-                  channels_last=channels_last, compile=compile).to(device)
+                  execution=Execution(channels_last=channels_last, compile=compile or Compilation())).to(device)
     method.dataset_size = 367  # CamVid's training images
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 11, (batch, size, size), device=device)
@@ -227,8 +228,8 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
             if (time.perf_counter() - started) / 60 > budget_minutes:
                 rows[key] = {"error": f"not run: the suite's {budget_minutes:g}-minute budget was spent"}
                 continue
-            if dev.type == "cpu" and precision == "bf16" and channels_last:
-                rows[key] = {"error": "refused on a CPU: wrong bf16 channels-last gradients (runtime.config.check_channels_last)"}
+            if dev.type == "cpu" and precision == "bf16" and channels_last and cpu_bf16_channels_last_is_wrong():
+                rows[key] = {"error": "refused on this CPU: wrong bf16 channels-last gradients (runtime.config.check_channels_last)"}
                 continue
             try:
                 method = build_method(net, dev, channels_last, compile_mode, chunk, backend=backend,

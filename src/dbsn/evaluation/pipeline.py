@@ -1,0 +1,91 @@
+"""The evaluation of one trained model: every chosen evaluation's check, the test pass, then the
+evaluations, each result written down and handed on in one place.
+
+`Evaluator.evaluate(subject, trainer, folder, loggers, record)`:
+
+1. `check`: each chosen evaluation looks at its inputs (sets, files, options) and refuses what
+   would fail or be ignored, before anything expensive runs;
+2. the test pass (`dbsn.evaluation.test_pass`): metrics, calibration beyond ECE, selective
+   prediction, the reliability diagram, the MC-sample ablation, the structure posterior;
+3. each evaluation in the order chosen (`evaluations=[ood,shift,adversarial]`), its numbers
+   also in `<name>/summary.json`.
+
+Each step returns `Results`; `write_results` writes them into `folder` and hands them to the
+loggers. `train.py` runs the same test pass at the end of training (`Evaluator()` without
+evaluations); `evaluate.py` runs it on a checkpoint, a list of checkpoints (a deep ensemble),
+every run of a sweep, or a post-hoc posterior of a run (`dbsn.runtime.run.evaluate` builds the
+model and hands it here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_only
+from rich.console import Console
+
+from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
+from dbsn.evaluation.results import write_results
+from dbsn.evaluation.test_pass import attach_sample_ablation, run_test_pass, test_pass_results
+
+__all__ = ["SUMMARY_FILE", "Evaluator"]
+
+#: every evaluation's numbers under their flat names, in `<evaluation folder>/<name>/`: what the
+#: report reads of an evaluation it has no section of its own for
+SUMMARY_FILE = "summary.json"
+
+
+class Evaluator:
+    """The test pass and the chosen evaluations of one model (see the module docstring).
+
+    Args:
+        evaluations: the evaluations beyond the test pass, in the order they run; their names
+            must differ (each writes into `<folder>/<name>/`).
+        ablation_sizes: the ensemble sizes of the MC-sample ablation (None: every S = 1..S;
+            []: none).
+    """
+
+    def __init__(self, evaluations: Sequence[Evaluation] = (), ablation_sizes: Sequence[int] | None = None) -> None:
+        self.evaluations = list(evaluations)
+        names = [e.name for e in self.evaluations]
+        if len(set(names)) != len(names) or not all(names):
+            raise EvaluationError(f"evaluations need distinct, non-empty names; got {names}")
+        self.ablation_sizes = None if ablation_sizes is None else [int(s) for s in ablation_sizes]
+
+    def check(self, subject: Subject) -> None:
+        """Every chosen evaluation's `check` (before the test pass)."""
+        for evaluation in self.evaluations:
+            evaluation.check(subject)
+
+    def evaluate(self, subject: Subject, trainer, folder: Path, loggers: Sequence = (),
+                 record: Callable[[], dict[str, Any]] | None = None, structure: bool = True) -> dict[str, float]:
+        """Check, test, evaluate; return every number under its flat name. `record()`: the facts
+        metrics.json keeps beside the test metrics, asked for after the test pass (the method's
+        `run_facts()` among them: some, such as the BatchNorm statistics used, are known only
+        then); `structure`: draw the structure posterior
+        (a training run has it already, from its callback)."""
+        self.check(subject)
+        model = subject.model
+        attach_sample_ablation(model, self.ablation_sizes)
+        metrics = run_test_pass(trainer, model, subject.datamodule)
+        values = dict(metrics)
+        if trainer.is_global_zero:
+            results = test_pass_results(model, metrics, subject.title, record=record() if record else None,
+                                        structure=structure, datamodule=subject.datamodule)
+            write_results(results, folder, loggers)
+            values = results.values
+        model.to(subject.device)
+        for evaluation in self.evaluations:
+            results = evaluation.run(subject)
+            results.files[f"{evaluation.name}/{SUMMARY_FILE}"] = {"evaluation": evaluation.name, "metrics": results.values}
+            write_results(results, folder, loggers)
+            values.update(results.values)
+        _say_where(folder)
+        return values
+
+
+@rank_zero_only
+def _say_where(folder: Path) -> None:
+    Console().print(f"Outputs: {folder}")

@@ -1,0 +1,180 @@
+"""The test pass: what every training and every evaluation run reports about its test set.
+
+`run_test_pass` runs the method's Bayes-ensemble prediction over the test split once (Lightning's
+`trainer.test`): its metrics (`test/{error,nll,brier,ece}`, the entropy decomposition, for
+segmentation mIoU and per-class IoU), per-example predictions and scores, and with
+`attach_sample_ablation` the metrics of every smaller ensemble. `test_pass_results` turns that
+into `Results`:
+
+- `metrics.json`: every test metric, plus the calibration beyond the equal-width ECE
+  (`test/adaptive_ece`, `test/classwise_ece`) and the selective-prediction metrics of each
+  uncertainty score (`selective/<score>/{aurc,eaurc,augrc,risk@80}`, `selective/optimal_aurc`),
+  with the facts of the run (`record`);
+- `reliability_diagram.png`, `risk_coverage.png` (classifiers), `uncertainty_maps.png`
+  (segmentation), `ablation/` (the MC-sample ablation), `structure/` (the learned structure
+  posterior, where the method has one and `structure` is asked for).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
+from dbsn.evaluation.plots import reliability_diagram
+from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
+from dbsn.evaluation.structure import edge_names_of, structure_files
+from dbsn.metrics.ablation import SampleAblation
+from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
+from dbsn.metrics.classification import reliability_bins
+from dbsn.metrics.selective import risk_coverage_curve, risk_coverage_figure, score_as_uncertainty, selective_metrics
+
+__all__ = ["SELECTIVE_SCORES", "attach_sample_ablation", "prediction_quality", "run_test_pass", "test_pass_results"]
+
+#: the metrics printed first, in this order (the rest follow alphabetically)
+METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
+                "mutual_information")
+#: the uncertainty scores whose ranking of errors selective prediction measures
+SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
+#: the ensemble sizes the console shows of the MC-sample ablation (all are written)
+SHOWN_ABLATION_SIZES = {1, 2, 5, 10, 20, 30, 50, 100}
+
+
+def attach_sample_ablation(model, sizes=None) -> None:
+    """Make the next test pass also report the ensembles of the first s members (s in `sizes`,
+    default 1..S). Nothing to ablate for a one-member prediction (or, for now, segmentation)."""
+    if (sizes is not None and len(sizes) == 0) or not model.task.supports_ablation:
+        model.sample_ablation = None
+        return
+    if model.num_members > 1:
+        sizes = None if sizes is None else [s for s in sizes if s <= model.num_members] or [model.num_members]
+        model.sample_ablation = SampleAblation(model.num_classes, model.num_members, sizes)
+
+
+def run_test_pass(trainer, model, datamodule) -> dict[str, float]:
+    """`trainer.test` of `model` on `datamodule`'s test split without the trainer's loggers
+    (`write_results` hands the numbers on), then `prediction_quality`: every test metric."""
+    loggers, trainer.loggers = trainer.loggers, []
+    try:
+        trainer.test(model, datamodule=datamodule, verbose=False)
+    finally:
+        trainer.loggers = loggers
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    return {**metrics, **prediction_quality(model)}
+
+
+def _errors_and_scores(model) -> tuple[Tensor, dict[str, Tensor]] | None:
+    if model.test_predictions is None or model.test_scores is None:
+        return None
+    log_probs, targets = model.test_predictions
+    errors = (log_probs.argmax(-1) != targets).double()
+    return errors, {k: model.test_scores[k] for k in SELECTIVE_SCORES if k in model.test_scores}
+
+
+def prediction_quality(model) -> dict[str, float]:
+    """Of the test pass's Bayes ensemble (classification; {} otherwise): the equal-mass and
+    classwise ECE beside the logged equal-width one, and the selective-prediction metrics of each
+    uncertainty score (accepting the most certain predictions first)."""
+    found = _errors_and_scores(model)
+    if found is None:
+        return {}
+    log_probs, targets = model.test_predictions
+    probs = log_probs.exp()
+    out = {"test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15).item(),
+           "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15).item()}
+    out.update(selective_metrics(*found))  # test/ece is the test pass's own
+    return out
+
+
+def reliability_table(probs, targets, n_bins: int = 10) -> tuple[list[str], list[list[float]]]:
+    """The reliability diagram's bins as a W&B table (empty bins left out)."""
+    bins = reliability_bins(probs, targets, n_bins)
+    columns = ["lower", "upper", "confidence", "accuracy", "count"]
+    rows = [[float(bins[c][i]) for c in columns] for i in range(n_bins) if bins["count"][i] > 0]
+    return columns, rows
+
+
+def risk_coverage_results(model, title: str) -> Results:
+    """The risk–coverage curves of the test pass (`risk_coverage.png`, W&B image and table)."""
+    found = _errors_and_scores(model)
+    if found is None:
+        return Results()
+    errors, scores = found
+    rows = []
+    for name, score in scores.items():
+        coverage, risk = risk_coverage_curve(errors, score_as_uncertainty(name, score))
+        keep = np.unique(np.linspace(0, len(coverage) - 1, min(len(coverage), 101)).round().astype(int))
+        rows += [[name, float(coverage[i]), float(risk[i])] for i in keep]
+    return Results(files={"risk_coverage.png": risk_coverage_figure(errors, scores, title=f"{title}: selective prediction")},
+                   images={"selective/risk_coverage": "risk_coverage.png"},
+                   tables={"selective/risk_coverage_curve": (["score", "coverage", "risk"], rows)})
+
+
+def ablation_results(rows: list[dict], title: str) -> Results:
+    """The MC-sample ablation: `ablation/results.{csv,json}`, its plot, a console table."""
+    shown = [r for r in rows if r["n_samples"] in SHOWN_ABLATION_SIZES or r is rows[-1]]
+    columns = [k for k in rows[0] if isinstance(rows[0][k], (int, float))]
+    return Results(
+        files={"ablation/results.csv": CsvTable(list(ABLATION_COLUMNS), rows), "ablation/results.json": rows,
+               "ablation/ablation.png": ablation_figure({title: rows}, title=f"{title}: Monte Carlo samples")},
+        images={"test/sample_ablation": "ablation/ablation.png"},
+        tables={"test/sample_ablation_table": (columns, [[r[c] for c in columns] for r in rows])},
+        curves={"ablation/n_samples": [{f"ablation/{c}": float(r[c]) for c in columns} for r in rows]},
+        console=[ConsoleTable("MC-sample ablation", ["S", "error", "NLL", "ECE"],
+                              [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown])])
+
+
+@torch.no_grad()
+def structure_results(model, title: str, n_samples: int = 100) -> Results:
+    """The structure posterior of a method that learns one (DBSN, FBN, MAP), in `structure/`."""
+    probs = model.structure_probabilities()
+    net = getattr(model, "net", None)
+    if probs is None or net is None:
+        return Results()
+    files = structure_files(probs, model.prediction_structures(n_samples), net.edges, net.op_names,
+                            f"{title}: structure posterior", labels=edge_names_of(model))
+    return Results(files={f"structure/{name}": content for name, content in files.items()},
+                   images={"structure/final": "structure/final.png"})
+
+
+def uncertainty_maps(maps: list[dict], datamodule, title: str):
+    """The paper's Figure 2 for the kept test images: input, ground truth, prediction, entropy
+    and mutual information (segmentation)."""
+    from dbsn.metrics.segmentation import uncertainty_grid
+
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (datamodule.mean, datamodule.std))
+    rows = [{**m, "image": (m["image"] * std + mean).clamp(0, 1)} for m in maps]
+    return uncertainty_grid(rows, datamodule.PALETTE, datamodule.CLASS_NAMES, datamodule.ignore_index,
+                            title=f"{title}: pixel-wise uncertainty")
+
+
+def test_pass_results(model, metrics: dict[str, float], title: str, record: dict[str, Any] | None = None,
+                      structure: bool = True, datamodule=None) -> Results:
+    """What the test pass gives (see the module docstring); `record` adds the run's facts to
+    metrics.json. A training run has its structure posterior from the `StructurePosteriorMonitor`
+    callback already (`structure=False`)."""
+    results = Results(metrics=dict(metrics), files={"metrics.json": {"metrics": metrics, **(record or {})}})
+    if model.test_predictions is not None:
+        log_probs, targets = model.test_predictions
+        results.add(Results(files={"reliability_diagram.png": reliability_diagram(log_probs.exp(), targets, n_bins=10,
+                                                                                   title=title)},
+                            images={"test/reliability_diagram": "reliability_diagram.png"},
+                            tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)}))
+        results.add(risk_coverage_results(model, title))
+    if model.test_maps and datamodule is not None:
+        results.add(Results(files={"uncertainty_maps.png": uncertainty_maps(model.test_maps, datamodule, title)},
+                            images={"test/uncertainty_maps": "uncertainty_maps.png"}))
+    per_class = [[key.removeprefix("test/iou/"), float(value)] for key, value in metrics.items() if key.startswith("test/iou/")]
+    if per_class:
+        results.tables["test/per_class_iou"] = (["class", "iou"], per_class)
+    named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
+    results.console.append(ConsoleTable(title, ["metric", "value"],
+                                        [[key, float(metrics[key])] for key in named + sorted(set(metrics) - set(named))]))
+    if model.ablation_rows is not None:
+        results.add(ablation_results(model.ablation_rows, title))
+    if structure:
+        results.add(structure_results(model, title))
+    return results

@@ -1,0 +1,72 @@
+"""The door for a post-hoc posterior: fitted on a finished run, predicting with S members.
+
+A post-hoc posterior turns a trained method into a new method without training it again:
+temperature scaling (`temperature`), a last-layer Laplace approximation (`laplace`), SWAG
+(`swag`), or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
+(`conf/posthoc/<name>.yaml`, whose `_target_` builds it) and evaluates what `fit` returns with the
+same test pass and evaluations as every other method, into `<run>/posthoc/<name>/`, where the
+report and the W&B dashboard read it as method `<run's method>+<name>`.
+
+A posterior says three things:
+
+- `why_not(method, checkpoint)`: which methods it applies to (None: this one; else the reason,
+  shown to the user, or the run skipped in a sweep);
+- `check(method, datamodule, checkpoint)`: every input it needs (a validation split, moments
+  the run collected, valid settings), before anything is fitted; raise `PosthocError`;
+- `fit(method, datamodule, checkpoint, n_samples)`: the fitted posterior, a `dbsn.methods.Method`
+  that predicts with `n_samples` members (None: the method's own S).
+
+`docs/extending.md` shows a complete one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dbsn.methods.base import Method
+
+__all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier"]
+
+
+class PosthocError(ValueError):
+    """A post-hoc posterior cannot be fitted as asked: the message says why and how to fix it."""
+
+
+class PosthocPosterior:
+    """A post-hoc posterior (see the module docstring).
+
+    Args:
+        name: the method's name in reports and on W&B (after the run's method: `map+laplace`)
+            and the folder `<run>/posthoc/<name>/`; None: the class's `name`.
+        n_samples: S, the members it predicts with, unless `evaluate.py n_samples=` says;
+            None: the method's own S.
+    """
+
+    name: str = ""
+
+    def __init__(self, name: str | None = None, n_samples: int | None = None) -> None:
+        self.name = str(name or type(self).name)
+        if not self.name:
+            raise ValueError(f"{type(self).__name__} needs a name (a class attribute or name=)")
+        if n_samples is not None and int(n_samples) < 1:
+            raise PosthocError(f"posthoc.n_samples must be >= 1 (or null), got {n_samples}")
+        self.n_samples = None if n_samples is None else int(n_samples)
+
+    def why_not(self, method: Method, checkpoint: dict[str, Any]) -> str | None:
+        """None when the posterior applies to `method` (whose run wrote `checkpoint`), else why not."""
+        return None
+
+    def check(self, method: Method, datamodule, checkpoint: dict[str, Any]) -> None:
+        """Raise `PosthocError` for an input the fit would fail on (the default: none)."""
+
+    def fit(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> Method:
+        raise NotImplementedError
+
+
+def point_estimate_classifier(method: Method, name: str) -> str | None:
+    """The reason `name` does not apply to `method` unless it is one point-estimate classifier
+    (map, map_fixed, a deep-ensemble member's run); None when it is."""
+    if getattr(method, "members", None) is not None or method.is_stochastic or not method.task.keeps_test_outputs:
+        return (f"posthoc={name} works on a point-estimate classifier (map, map_fixed, a deep-ensemble member's "
+                f"run); this checkpoint is {type(method).__name__}")
+    return None

@@ -1,0 +1,122 @@
+"""The command lines: `dbsn-train` / `python train.py`, `dbsn-evaluate` / `python evaluate.py`,
+`dbsn-report`, `dbsn-compare`, `dbsn-bench` (console scripts in pyproject.toml).
+
+Hydra parses the command line of train and evaluate (conf/train.yaml, conf/evaluate.yaml). Before
+it does, `unchosen_option` looks for an option of something the command line did not choose,
+which Hydra would refuse with a hint to add it with `+` (the wrong way: the option would then be
+ignored): `ood.textures.download=true` without the set `textures` among `ood=`,
+`evaluations.shift.generate=true` without `shift` among `evaluations=`, `posthoc.hessian=full`
+without `posthoc=`. It says what to choose instead, in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+from dbsn.runtime.config import CONF_DIR
+from dbsn.runtime.errors import one_line_errors
+
+__all__ = ["evaluate", "train", "unchosen_option"]
+
+
+def _ood_sets(choice: str, conf_dir: Path) -> set[str]:
+    """The sets an `ood=` choice selects: the set itself, or a bundle's sets (e.g. openood_cifar10)."""
+    path = conf_dir / "ood" / f"{choice}.yaml"
+    config = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {}
+    bundle = [d for d in config.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    return set(bundle) if bundle else {choice}
+
+
+def _values(override) -> list[str]:
+    """The chosen value(s) of a group override: one, a list, or a sweep's."""
+    value = override.value()
+    if override.is_sweep_override():
+        return [str(v) for v in override.sweep_string_iterator()]
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [] if value is None else [str(value)]
+
+
+def unchosen_option(arguments: Sequence[str], conf_dir: Path = CONF_DIR) -> str | None:
+    """The one-line problem with the first option of an OOD set, an evaluation or a post-hoc
+    posterior that `arguments` (evaluate.py's command line) do not choose; None if there is none."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    texts = [a for a in arguments if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(texts)
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong with a malformed override itself
+        return None
+    chosen: dict[str, set[str]] = {"ood": set(), "evaluations": set(), "posthoc": set()}
+    for override in overrides:
+        key = override.get_key_element().lstrip("+~")
+        if key in chosen and override.type is not OverrideType.DEL:
+            for value in _values(override):
+                chosen[key] |= _ood_sets(value, conf_dir) if key == "ood" else {value}
+    for override, text in zip(overrides, texts):
+        if override.type is not OverrideType.CHANGE:  # +key / ++key / ~key: the user asked for it
+            continue
+        parts = override.get_key_element().split(".")
+        setting = text.split("=", 1)[0]
+        if parts[0] == "posthoc" and len(parts) > 1 and not chosen["posthoc"] - {"null"}:
+            return (f"{setting} sets an option of a post-hoc posterior, and none is chosen: add posthoc=<name> "
+                    f"({', '.join(_names(conf_dir / 'posthoc'))}).")
+        if parts[0] == "evaluations" and len(parts) > 2 and parts[1] not in chosen["evaluations"]:
+            return (f"{setting} sets an option of the evaluation {parts[1]}, which is not chosen: add it to "
+                    f"evaluations=[...] (e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {parts[1]}))}]).")
+        if parts[0] == "ood" and len(parts) > 2 and parts[1] not in chosen["ood"]:
+            sets = ",".join(sorted(chosen["ood"] | {parts[1]}))
+            return (f"{setting} sets an option of the OOD set {parts[1]}, which is not chosen: add it to ood=[...] "
+                    f"(e.g. ood=[{sets}] with evaluations=[ood]).")
+    return None
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(path.stem for path in folder.glob("*.yaml"))
+
+
+def _hydra_main(config_name: str, task: Callable) -> None:
+    """Run `task(cfg)` as Hydra's main of conf/<config_name>.yaml (evaluate: after `unchosen_option`)."""
+    import hydra
+
+    if config_name == "evaluate" and (problem := unchosen_option(sys.argv[1:])):
+        print(f"Error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)()
+
+
+def _output_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+@one_line_errors
+def train_task(cfg) -> float | None:
+    """The body of `train` (module level: a cluster launcher pickles it by reference)."""
+    from dbsn.runtime.run import train as run_train
+
+    return run_train(cfg, _output_dir()).get("test/error")  # what a sweep would optimise
+
+
+@one_line_errors
+def evaluate_task(cfg) -> None:
+    """The body of `evaluate`."""
+    from dbsn.runtime.run import evaluate as run_evaluate
+
+    run_evaluate(cfg, _output_dir())
+
+
+def train() -> None:
+    """`dbsn-train ...` = `python train.py ...`: fit a method, test it, write metrics and plots."""
+    _hydra_main("train", train_task)
+
+
+def evaluate() -> None:
+    """`dbsn-evaluate ...` = `python evaluate.py ...`: evaluate a checkpoint, a list of them, or a sweep."""
+    _hydra_main("evaluate", evaluate_task)

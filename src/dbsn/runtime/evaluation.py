@@ -1,0 +1,207 @@
+"""What `evaluate.py`'s config builds, and where its results may go.
+
+- `build_evaluator`: the evaluations chosen by `evaluations=[...]` (`conf/evaluations/<name>.yaml`,
+  instantiated by their `_target_`), in an `Evaluator`;
+- `build_posterior`: the post-hoc posterior of `posthoc=<name>` (`conf/posthoc/<name>.yaml`);
+- `checkpoint_paths`, `evaluation_data`: the checkpoints and the data they were trained on, with
+  the evaluation's own overrides (`data_root`, `batch_size`); `apply_overrides`: S and the other
+  prediction settings;
+- `evaluation_folder`: where a model's results go, refusing a folder the evaluation did not make.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dbsn.data.base import DatasetNotFoundError
+from dbsn.evaluation.base import EvaluationError
+from dbsn.evaluation.pipeline import Evaluator
+from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE
+from dbsn.methods import DBSN, Method
+from dbsn.posthoc.base import PosthocError, PosthocPosterior
+from dbsn.runtime.checkpoint import CONFIG_KEY
+from dbsn.runtime.config import ConfigError, check_node
+
+__all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
+           "evaluation_folder", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
+
+
+def _build(node: DictConfig, where: str) -> Any:
+    """`instantiate(node)`, its keys checked against the constructor first; a constructor's
+    refusal becomes a `ConfigError` naming the config key."""
+    check_node(node, where)
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        if isinstance(cause, (EvaluationError, PosthocError)):  # their messages name the key
+            raise cause from None
+        if isinstance(cause, (ValueError, TypeError)):
+            raise ConfigError(f"{where}: {cause}") from err
+        raise
+
+
+def build_evaluator(cfg: DictConfig) -> Evaluator:
+    """The chosen evaluations, built (and their settings checked) before any checkpoint is read."""
+    chosen = cfg.get("evaluations")
+    chosen = OmegaConf.create({}) if chosen is None else chosen
+    if not isinstance(chosen, DictConfig):
+        raise ConfigError(f"evaluations={OmegaConf.to_container(chosen) if OmegaConf.is_config(chosen) else chosen}: "
+                          "choose evaluations by name, e.g. evaluations=[ood,shift] (conf/evaluations/ lists them).")
+    if cfg.get("ood") and "ood" not in chosen:
+        raise ConfigError(f"ood={list(cfg.ood)} chooses the sets of the OOD evaluation, which is not chosen: add "
+                          "evaluations=[ood] (with any others, e.g. evaluations=[ood,shift]).")
+    for name, node in (cfg.get("ood") or {}).items():  # each set on its own first, so a refusal names its key
+        _build(node, f"ood.{name}")
+    evaluations = [_build(node, f"evaluations.{name}") for name, node in chosen.items()]
+    sizes = (cfg.get("ablation") or {}).get("sizes")
+    try:
+        return Evaluator(evaluations, None if sizes is None else list(sizes))
+    except EvaluationError as err:
+        raise ConfigError(str(err)) from err
+
+
+def build_posterior(cfg: DictConfig) -> PosthocPosterior | None:
+    """The post-hoc posterior of `posthoc=<name>`, or None."""
+    node = cfg.get("posthoc")
+    if not node:
+        return None
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(f"posthoc={node}: choose a post-hoc posterior by name, e.g. posthoc=laplace "
+                          "(conf/posthoc/ lists them: laplace, swag, temperature).")
+    posterior = _build(node, "posthoc")
+    if not isinstance(posterior, PosthocPosterior):
+        raise ConfigError(f"posthoc: {type(posterior).__name__} is not a dbsn.posthoc.PosthocPosterior")
+    return posterior
+
+
+def checkpoint_paths(cfg: DictConfig) -> list[Path]:
+    """`ckpt_path`: one checkpoint, a list of them, or a folder of runs."""
+    if OmegaConf.is_missing(cfg, "ckpt_path") or cfg.get("ckpt_path") in (None, "", []):
+        raise ConfigError("ckpt_path is needed: a checkpoint (ckpt_path=<run>/checkpoints/last.ckpt), a list of "
+                          "checkpoints (ckpt_path=[a.ckpt,b.ckpt]: one deep ensemble) or a folder of runs "
+                          "(ckpt_path=<sweep folder>: every run, then the report).")
+    value = cfg.ckpt_path
+    paths = [Path(p) for p in (list(value) if OmegaConf.is_list(value) else [value])]
+    if len(paths) > 1 and any(p.is_dir() for p in paths):
+        raise ConfigError(f"ckpt_path={[str(p) for p in paths]}: a list takes checkpoint files (a deep ensemble); "
+                          "evaluate a folder of runs on its own (ckpt_path=<folder>).")
+    return paths
+
+
+def evaluation_data(cfg: DictConfig, checkpoint: dict) -> Any:
+    """The data module the checkpoint's run was trained on (`data_root`, `batch_size`: this
+    machine's folder and batch size), its files checked before any model is built."""
+    data_cfg = OmegaConf.create(checkpoint[CONFIG_KEY]["data"])
+    if cfg.get("data_root") is not None:
+        data_cfg.root = cfg.data_root
+    if cfg.get("batch_size") is not None:
+        data_cfg.eval_batch_size = cfg.batch_size
+    datamodule = instantiate(data_cfg)
+    if getattr(datamodule, "download", False):
+        datamodule.prepare_data()
+    check_files = getattr(datamodule, "check_files", None)
+    if check_files is not None:
+        check_files()
+    return datamodule
+
+
+def apply_overrides(model: Method, cfg: DictConfig) -> None:
+    """The evaluation's prediction settings, on every method inside `model` (an ensemble's
+    members too): S (`n_samples`), members per forward, DBSN's `test_tau` and BatchNorm statistics."""
+    for method in model.modules():
+        if not isinstance(method, Method):
+            continue
+        if cfg.get("n_samples") is not None:
+            method.n_samples = int(cfg.n_samples)
+        if cfg.get("samples_per_forward") is not None:
+            method.samples_per_forward = int(cfg.samples_per_forward)
+        if isinstance(method, DBSN):
+            if cfg.get("test_tau") is not None:
+                method.test_tau = float(cfg.test_tau)
+            changes = {k: v for k, v in (cfg.get("bn_recalibration") or {}).items() if v is not None}
+            method.bn_recalibration = replace(method.bn_recalibration, **changes)
+
+
+def fit_posterior(posterior: PosthocPosterior, model: Method, datamodule, checkpoint: dict, cfg: DictConfig,
+                  device: torch.device) -> Method:
+    """`posterior` fitted on the finished `model`, predicting with S members: `n_samples=` when
+    given, else the posterior's own `n_samples` (None: the method's S)."""
+    n_samples = cfg.get("n_samples")
+    model.to(device)
+    return posterior.fit(model, datamodule, checkpoint, n_samples=int(n_samples) if n_samples is not None
+                         else posterior.n_samples)
+
+
+def _evaluation_record(folder: Path) -> dict | None:
+    """The metrics.json of a folder an evaluation made (it names the checkpoints evaluated), else None."""
+    import json
+
+    try:
+        record = json.loads((folder / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "checkpoints" in record else None
+
+
+def check_folder(out: Path, own: Path | None = None, posterior: PosthocPosterior | None = None) -> Path:
+    """`out`, if this evaluation may write there: this command's own (Hydra) folder, a new or empty
+    folder, or one an earlier evaluation of the same kind made (the run's own predictive, or the
+    same post-hoc posterior: its files are replaced). A training run's folder, a folder of other
+    files, or another evaluation's folder is refused before anything runs."""
+    out = Path(out)
+    if own is not None and out.resolve() == Path(own).resolve():
+        return out
+    if (out / CONFIG_FILE).is_file() or (out / "checkpoints").is_dir():
+        raise ConfigError(f"output_dir={out} is a training run's folder: an evaluation never writes over a run's "
+                          f"files; leave output_dir unset (<run>/evaluation) or choose a new folder.")
+    if not out.is_dir() or not any(out.iterdir()):
+        return out
+    record = _evaluation_record(out)
+    if record is None:
+        raise ConfigError(f"output_dir={out} holds files that no evaluation wrote: an evaluation never writes over "
+                          "them; choose a new or empty folder.")
+    if record.get("posthoc") != (posterior.name if posterior else None):
+        found = f"posthoc={record['posthoc']}" if record.get("posthoc") else "the run's own predictive"
+        raise ConfigError(f"output_dir={out} holds another evaluation's results ({found}): choose a new folder for "
+                          f"{f'posthoc={posterior.name}' if posterior else 'the run’s own predictive'}.")
+    return out
+
+
+def evaluation_folder(cfg: DictConfig, paths: list[Path], posterior: PosthocPosterior | None, hydra_dir: Path) -> Path:
+    """Where one model's results go: `output_dir` when given; for one checkpoint inside a run
+    folder, `<run>/evaluation` (with a posterior: `<run>/posthoc/<name>/evaluation`); else this
+    command's own folder. Checked by `check_folder`."""
+    if cfg.get("output_dir"):
+        return check_folder(Path(cfg.output_dir), hydra_dir, posterior)
+    run_dir = paths[0].parent.parent
+    if len(paths) == 1 and (run_dir / CONFIG_FILE).is_file():
+        out = run_dir / "posthoc" / posterior.name / "evaluation" if posterior else run_dir / "evaluation"
+        return check_folder(out, posterior=posterior)
+    return check_folder(hydra_dir, hydra_dir, posterior)
+
+
+def write_posthoc_run(out: Path, run_config: dict, posterior: PosthocPosterior | None) -> None:
+    """`<run>/posthoc/<name>/` reads as a run of its own to the report: the training run's config
+    with `posthoc: <name>` (its method) and the evaluation's metrics.json. Only there: with
+    `output_dir` elsewhere the evaluation folder holds the results alone."""
+    if posterior is None or out.name != "evaluation" or out.parent.parent.name != "posthoc" \
+            or out.parent.name != posterior.name or not (out.parent.parent.parent / CONFIG_FILE).is_file():
+        return
+    folder = out.parent
+    OmegaConf.save(OmegaConf.create({**run_config, "posthoc": posterior.name}), folder / CONFIG_FILE)
+    shutil.copyfile(out / METRICS_FILE, folder / METRICS_FILE)
+
+
+def fatal_in_a_sweep(error: BaseException) -> bool:
+    """Errors that stop the evaluation of a sweep instead of being listed for one run: the same
+    missing data set or evaluation input would fail every run."""
+    return isinstance(error, (EvaluationError, DatasetNotFoundError))
