@@ -28,7 +28,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 from torch.nn import functional as F
-from tqdm.auto import tqdm
+
+from dbsn.evaluation.progress import progress as progress_bar
 
 __all__ = [
     "ATTACKS",
@@ -143,7 +144,7 @@ def adversarial_evaluation(
     totals = {key: [0.0, 0.0] for key in keys}  # (number correct, sum of entropies)
     n_examples = 0
     total = len(batches) * len(keys) if hasattr(batches, "__len__") else None
-    with tqdm(total=total, desc="adversarial", disable=not progress) as bar:
+    with progress_bar(total=total, desc="adversarial", enabled=progress) as bar:
         for x, y in batches:
             loss_fn = predictive_nll(attack_log_probs, y)
             clean = None

@@ -27,10 +27,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision, binary_roc
-from tqdm.auto import tqdm
 
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
+from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, Results
 from dbsn.metrics.uncertainty import detection_scores, ood_scores
 
@@ -251,7 +251,7 @@ class OODDetection(Evaluation):
         model, out = subject.model, {}
         model.eval()
         model.enable_test_noise()
-        for images, _ in tqdm(datamodule.test_dataloader(), desc=f"OOD: {datamodule.name}", disable=not subject.progress):
+        for images, _ in progress(datamodule.test_dataloader(), desc=f"OOD: {datamodule.name}", enabled=subject.progress):
             x = subject.datamodule.preprocess(images.to(subject.device))
             for name, value in model.uncertainty_scores(x).items():
                 out.setdefault(name, []).append(value.float().cpu())

@@ -60,13 +60,16 @@ class Evaluator:
             evaluation.check(subject)
 
     def evaluate(self, subject: Subject, trainer, folder: Path, loggers: Sequence = (),
-                 record: Callable[[], dict[str, Any]] | None = None, structure: bool = True) -> dict[str, float]:
+                 record: Callable[[], dict[str, Any]] | None = None, structure: bool = True,
+                 checked: bool = False) -> dict[str, float]:
         """Check, test, evaluate; return every number under its flat name. `record()`: the facts
         metrics.json keeps beside the test metrics, asked for after the test pass (the method's
         `run_facts()` among them: some, such as the BatchNorm statistics used, are known only
         then); `structure`: draw the structure posterior
-        (a training run has it already, from its callback)."""
-        self.check(subject)
+        (a training run has it already, from its callback); `checked`: the caller ran `check`
+        on this subject already (before fitting a post-hoc posterior)."""
+        if not checked:
+            self.check(subject)
         model = subject.model
         attach_sample_ablation(model, self.ablation_sizes)
         metrics = run_test_pass(trainer, model, subject.datamodule)

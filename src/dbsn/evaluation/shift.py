@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from rich.console import Console
-from tqdm.auto import tqdm
 
 from dbsn.data.shift import (CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, check_corrupted_files, corrupted_split,
                              is_generated, write_generated_set)
 from dbsn.evaluation.base import Evaluation, Subject
+from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
 
@@ -121,7 +121,7 @@ class DatasetShift(Evaluation):
         model.enable_test_noise()
         rows = []
         steps = [(c, s) for c in corruptions for s in self.severities]
-        for corruption, severity in tqdm(steps, desc="Dataset shift", disable=not subject.progress):
+        for corruption, severity in progress(steps, desc="Dataset shift", enabled=subject.progress):
             images, labels = corrupted_split(folder, corruption, severity)
             rows.append({"corruption": corruption, "severity": int(severity),
                          **_metrics(_predict(model, datamodule, images, subject.device, self.batch_size), labels)})

@@ -17,8 +17,8 @@ Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP
 dbsn_seg (DBSN on DBSNSegNet).
 """
 
-from dbsn.methods.base import (Compilation, Execution, Method, NonFiniteLossError, Prediction, StructureOptimizer,
-                               WeightOptimizer)
+from dbsn.methods.base import Method, NonFiniteLossError
+from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP

@@ -28,7 +28,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from dbsn.methods.base import Method, Parallel, Prediction, StructureOptimizer
+from dbsn.methods.base import Method, Parallel
+from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
 from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import Method, StructureOptimizer
+from dbsn.methods.base import Method
+from dbsn.methods.settings import StructureOptimizer
 
 
 class MAP(Method):

@@ -50,7 +50,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
-from dbsn.methods.base import Prediction, StructureOptimizer
+from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss

@@ -65,8 +65,8 @@ class PosthocPosterior:
 
 def point_estimate_classifier(method: Method, name: str) -> str | None:
     """The reason `name` does not apply to `method` unless it is one point-estimate classifier
-    (map, map_fixed, a deep-ensemble member's run); None when it is."""
+    (map, map_fixed); None when it is."""
     if getattr(method, "members", None) is not None or method.is_stochastic or not method.task.keeps_test_outputs:
-        return (f"posthoc={name} works on a point-estimate classifier (map, map_fixed, a deep-ensemble member's "
-                f"run); this checkpoint is {type(method).__name__}")
+        return (f"posthoc={name} works on a point-estimate classifier (map, map_fixed: one network, which may be one "
+                f"member of an ensemble trained as separate runs); this checkpoint is {type(method).__name__}")
     return None

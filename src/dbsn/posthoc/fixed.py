@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import Execution, Method, Prediction
+from dbsn.methods.base import Method
+from dbsn.methods.settings import Execution, Prediction
 from dbsn.methods.map import MAP
 from dbsn.methods.tasks import Segmentation
 

@@ -31,8 +31,8 @@ class TemperatureScaling(PosthocPosterior):
 
     def check(self, method: Method, datamodule, checkpoint: dict[str, Any]) -> None:
         if method.temperature_scaling:
-            raise PosthocError("posthoc=temperature: this run already fitted a temperature (model.prediction.temperature_scaling"
-                               "=true); evaluate it without posthoc")
+            raise PosthocError("posthoc=temperature: this run already fitted a temperature (it trained with "
+                               "temperature_scaling=true); evaluate it without posthoc")
         require_validation(datamodule)
 
     def fit(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> Method:

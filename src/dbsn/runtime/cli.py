@@ -99,16 +99,20 @@ def _output_dir() -> Path:
 @one_line_errors
 def train_task(cfg) -> float | None:
     """The body of `train` (module level: a cluster launcher pickles it by reference)."""
+    from dbsn.runtime.console import quiet_console
     from dbsn.runtime.run import train as run_train
 
+    quiet_console()
     return run_train(cfg, _output_dir()).get("test/error")  # what a sweep would optimise
 
 
 @one_line_errors
 def evaluate_task(cfg) -> None:
     """The body of `evaluate`."""
+    from dbsn.runtime.console import quiet_console
     from dbsn.runtime.run import evaluate as run_evaluate
 
+    quiet_console()
     run_evaluate(cfg, _output_dir())
 
 

@@ -1,6 +1,7 @@
 """Mistakes a user can make print one line, not a traceback.
 
-The entry points (`train.py`, `evaluate.py`, `report.py`, `refine.py`) run their body under
+The entry points (`train.py` / `dbsn-train`, `evaluate.py` / `dbsn-evaluate`, `report.py` /
+`dbsn-report`, `dbsn-compare`, `dbsn-bench`, `refine.py`) run their body under
 `one_line_errors`: an error of the kinds `user_errors()` lists, whose messages say what was
 wrong and how to fix it, prints `Error: <message>` on stderr and exits with status 2. Every other
 exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the traceback of these

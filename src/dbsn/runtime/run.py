@@ -151,6 +151,9 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     paths = checkpoint_paths(cfg)
     keep_freed_memory()
     if len(paths) == 1 and paths[0].is_dir():
+        if cfg.get("output_dir"):
+            raise ConfigError(f"output_dir={cfg.output_dir} takes one model's results; a folder of runs is evaluated into "
+                              "each run's own evaluation/ folder (and <folder>/report): leave output_dir unset.")
         return evaluate_folder(cfg, paths[0], evaluator, posterior)
     out = evaluation_folder(cfg, paths, posterior, Path(output_dir))
     return evaluate_checkpoints(cfg, paths, out, evaluator, posterior)
@@ -186,7 +189,8 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
     loggers = evaluation_loggers(cfg, paths, first[CONFIG_KEY], out, model, posterior)
     trainer = build_trainer(cfg.trainer, out, callbacks=instantiate_group(cfg.get("callbacks")), loggers=loggers)
     try:
-        values = evaluator.evaluate(subject, trainer, out, loggers, record=lambda: {**facts, **model.run_facts()})
+        values = evaluator.evaluate(subject, trainer, out, loggers, record=lambda: {**facts, **model.run_facts()},
+                                    checked=posterior is not None)
     except BaseException:
         close_loggers(loggers, "failed")  # else the next run of a folder would log into this W&B run
         raise

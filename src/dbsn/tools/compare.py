@@ -202,4 +202,4 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -34,4 +34,4 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -1,7 +1,7 @@
 """Gather training runs into the paper's tables: `dbsn-report DIR [DIR ...] [--out OUT]`.
 
 A run folder is any folder below the DIRs with `resolved_config.yaml` (post-hoc posteriors of a
-run, `<run>/posthoc/<name>/`, are runs of method <name>: laplace, swag; or a Hydra train job
+run, `<run>/posthoc/<name>/`, are runs of method `<run's method>+<name>`, e.g. map_fixed+laplace; or a Hydra train job
 folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
 did not finish is listed with its SLURM log). Its status is `ok` when `metrics.json` exists, else
 `failed`; for every Hydra sweep root (a folder with `multirun.yaml`) the expected jobs (the

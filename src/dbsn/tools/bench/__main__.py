@@ -1,3 +1,3 @@
-from dbsn.tools.bench import main
+from dbsn.tools.bench import cli
 
-main()
+cli()

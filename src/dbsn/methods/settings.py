@@ -1,0 +1,172 @@
+"""The settings a method is built with, each group as one object (a dataclass that the configs
+build with `_target_`): how its weights are optimised (`WeightOptimizer`) and its structure
+(`StructureOptimizer`), how it predicts (`Prediction`: S, the validation S, members per forward,
+temperature scaling) and how its network runs (`Execution`: memory layout, `Compilation`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Compilation", "Execution", "Prediction", "StructureOptimizer", "WeightOptimizer"]
+
+
+@dataclass
+class WeightOptimizer:
+    """SGD on the network weights: the paper's CIFAR settings by default.
+
+    Two lr schedules, stepped once per epoch:
+
+    - `schedule="multistep"`: the lr is multiplied by `gamma` at the fractions `milestones` of
+      `max_epochs` (paper, CIFAR: 50% / 75%; the research code used 60% / 80%);
+    - `schedule="linear"`: constant until the fraction `decay_start` of `max_epochs`, then
+      decreasing linearly to 0 at the end (the CamVid recipe: constant for 350 of 850 epochs).
+    """
+
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    nesterov: bool = False
+    grad_clip_norm: float | None = 5.0
+    milestones: Sequence[float] = (0.5, 0.75)
+    gamma: float = 0.1
+    schedule: str = "multistep"
+    decay_start: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.milestones = tuple(float(m) for m in self.milestones)
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if any(not 0 < m < 1 for m in self.milestones):
+            raise ValueError(f"milestones are fractions of training in (0, 1), got {self.milestones}")
+        if self.schedule not in ("multistep", "linear"):
+            raise ValueError(f"schedule must be 'multistep' or 'linear', got {self.schedule!r}")
+        if not 0 <= self.decay_start < 1:
+            raise ValueError(f"decay_start is a fraction of training in [0, 1), got {self.decay_start}")
+
+    def build(self, params, max_epochs: int, no_decay=()):
+        """SGD over `params` and its lr schedule. The parameters of `params` that are also in
+        `no_decay` (a Gaussian posterior's scales, see `WeightPosterior.no_decay_parameters`)
+        form a second param group with weight decay 0, in the same optimiser, so that gradient
+        clipping and the lr schedule still cover the whole group of weights."""
+        params, skip = list(params), {id(p) for p in no_decay}
+        decayed = {"params": [p for p in params if id(p) not in skip]}
+        undecayed = {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}
+        groups = [g for g in (decayed, undecayed) if g["params"]]
+        opt = torch.optim.SGD(
+            groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
+        )
+        if self.schedule == "linear":
+            start = round(self.decay_start * max_epochs)
+            span = max(1, max_epochs - start)
+            return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: min(1.0, max(0.0, (max_epochs - epoch) / span)))
+        epochs = sorted({max(1, round(m * max_epochs)) for m in self.milestones})
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=epochs, gamma=self.gamma)
+
+
+@dataclass
+class Compilation:
+    """`torch.compile` of the network's forward, for training steps and prediction alike.
+
+    One training step of the paper's network dispatches about 48,700 operations, each launched
+    from Python; on a GPU that overhead, not the arithmetic, sets the pace. Compiled, the
+    forward and its backward become a few fused kernels. The structures α reach the graph as a
+    tensor input, so a new draw (and new τ, β, which only shape α) reuses the graph: after the
+    first steps nothing recompiles (tested). New shapes compile once more each: the number of
+    structures per forward (T in training, `samples_per_forward` at prediction), a last short
+    batch, train / eval mode.
+
+    Args:
+        enabled: compile (off by default).
+        mode: inductor's mode: "default", "reduce-overhead" (CUDA graphs: least launch
+            overhead, fixed input shapes), "max-autotune", "max-autotune-no-cudagraphs".
+        backend: "inductor" (needs a C++ compiler on a CPU, Triton on a GPU), or "aot_eager"
+            / "eager" to check that a problem lies in code generation.
+        dynamic: torch.compile's `dynamic` (None: specialise, then generalise a dimension
+            that changes).
+        fullgraph: refuse graph breaks (an error instead of a slower split graph).
+    """
+
+    enabled: bool = False
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+    MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            raise ValueError(f"compile.mode must be one of {self.MODES}, got {self.mode!r}")
+        if self.backend != "inductor" and self.mode != "default":
+            raise ValueError(f"compile.mode={self.mode!r} is an inductor mode; backend {self.backend!r} takes none")
+
+    def apply(self, net: nn.Module) -> None:
+        """Compile `net`'s forward in place (its state dict keeps its keys)."""
+        options = {"mode": self.mode} if self.backend == "inductor" else {}
+        net.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
+
+
+@dataclass
+class StructureOptimizer:
+    """Adam on the structure logits θ (paper: lr 3e-4, betas (0.5, 0.999), no weight decay)."""
+
+    lr: float = 3e-4
+    betas: Sequence[float] = field(default=(0.5, 0.999))
+    weight_decay: float = 0.0
+
+    def build(self, params):
+        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay)
+
+
+@dataclass
+class Prediction:
+    """How a method predicts: the Bayes ensemble of S members (`dbsn.methods.predictive`).
+
+    Args:
+        n_samples: S, members of the test-time ensemble (1 for deterministic methods).
+        val_samples: members used for validation during training (cheaper than S).
+        samples_per_forward: members evaluated in one batched forward (bounds memory).
+        temperature_scaling: after training, fit a temperature on the validation split (Guo et
+            al. 2017) and apply it to every prediction; refused without a validation split
+            (checked before training starts).
+    """
+
+    n_samples: int = 1
+    val_samples: int = 1
+    samples_per_forward: int = 10
+    temperature_scaling: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("n_samples", "val_samples", "samples_per_forward"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"prediction.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class Execution:
+    """How the network runs; neither setting changes what it computes (tested).
+
+    Args:
+        channels_last: keep the network's weights and activations in the channels-last (NHWC)
+            layout, which CPU convolutions and GPU convolutions in bfloat16 prefer; "auto" (the
+            configs' default, which the runtime resolves for the trainer's device and precision)
+            means on where no GPU is available.
+        compile: compile the network's forward (`Compilation`); off by default.
+    """
+
+    channels_last: bool | Literal["auto"] = False
+    compile: Compilation = field(default_factory=Compilation)
+
+    def __post_init__(self) -> None:
+        if self.channels_last not in (True, False, "auto"):
+            raise ValueError(f"execution.channels_last must be true, false or auto, got {self.channels_last!r}")
+
+    @property
+    def uses_channels_last(self) -> bool:
+        """Whether the network runs in the channels-last layout ("auto": where no GPU is available)."""
+        return not torch.cuda.is_available() if self.channels_last == "auto" else bool(self.channels_last)
