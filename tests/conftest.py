@@ -1,11 +1,18 @@
-import signal
-import sys
-from pathlib import Path
+"""Session set-up and the fixtures shared by test modules in more than one folder.
 
+The helpers themselves live in the package `tests.support` (`from tests.support.configs import ...`;
+`pythonpath = ["."]` in pyproject.toml makes the repository's root importable)."""
+
+import signal
+
+import matplotlib
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.support.fakedata import write_cifar10
+from tests.support.fakeruns import write_outputs
+
+matplotlib.use("Agg")  # figures are drawn and saved, never shown
 
 
 def _terminated(signum, frame):
@@ -23,3 +30,25 @@ def _distribution_argument_checks():
     them off for the whole process (torch._dynamo patches the default on its first use)."""
     torch.distributions.Distribution.set_default_validate_args(__debug__)
     yield
+
+
+@pytest.fixture(scope="session")
+def cifar10_files(tmp_path_factory):
+    """`cifar10_files(n_train, n_test, seed)`: the root of fake CIFAR-10 files (`write_cifar10`)
+    of that size, written once a session; a module's `cifar_root` fixture names its size."""
+    written = {}
+
+    def root(n_train: int, n_test: int, seed: int = 0):
+        if (n_train, n_test, seed) not in written:
+            written[n_train, n_test, seed] = write_cifar10(tmp_path_factory.mktemp("cifar"), n_train=n_train,
+                                                           n_test=n_test, seed=seed)
+        return written[n_train, n_test, seed]
+
+    return root
+
+
+@pytest.fixture
+def outputs(tmp_path):
+    """A hand-made outputs folder for the report (`tests.support.fakeruns.write_outputs`): one Hydra
+    sweep with one failed and one missing job, plus an fbn run without .hydra."""
+    return write_outputs(tmp_path)

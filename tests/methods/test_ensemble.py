@@ -1,0 +1,85 @@
+"""Deep ensembles: probability averaging, independent members, gathering finished runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dbsn.methods import DBSN, MAP, DeepEnsemble
+from dbsn.nets import StructureNet
+from dbsn.runtime.build import build_model
+from dbsn.runtime.run import evaluate, train
+from tests.support.configs import TINY, compose_config, tiny_for
+
+
+def _member(seed: int) -> MAP:
+    torch.manual_seed(seed)
+    net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    return MAP(net, learn_structure=False, dataset_size=10)
+
+
+def test_prediction_averages_member_probabilities():
+    members = [_member(s).eval() for s in range(3)]
+    ensemble = DeepEnsemble(members).eval()
+    x = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        probs = torch.stack([m.predict_log_probs(x).exp() for m in members]).mean(0)
+        got = ensemble.predict_log_probs(x).exp()
+    torch.testing.assert_close(got, probs, rtol=1e-5, atol=1e-6)
+
+
+def test_members_have_separate_optimisers_and_no_shared_parameters():
+    ensemble = DeepEnsemble([_member(s) for s in range(3)])
+    groups = ensemble.weight_parameter_groups()
+    assert len(groups) == 3
+    ids = [{id(p) for p in g} for g in groups]
+    assert not (ids[0] & ids[1]) and not (ids[1] & ids[2])
+    assert sum(len(g) for g in groups) == len(list(ensemble.parameters()))
+
+
+def test_members_are_initialised_from_different_seeds(tmp_path):
+    cfg = compose_config("train", ["model=deep_ensemble", "model.size=3"], tmp_path)
+    torch.manual_seed(0)
+    ensemble = build_model(cfg.model, num_classes=10)
+    torch.manual_seed(0)
+    again = build_model(cfg.model, num_classes=10)
+    first = [m.net.stem.weight for m in ensemble.members]
+    assert not torch.equal(first[0], first[1])
+    assert all(torch.equal(a.net.stem.weight, b.net.stem.weight) for a, b in zip(ensemble.members, again.members))
+
+
+def test_rejects_structure_sampling_members():
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    with pytest.raises(ValueError, match="point-structure"):
+        DeepEnsemble([DBSN(net, dataset_size=10)])
+
+
+@pytest.mark.slow
+def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
+    tiny_member = [o.replace("model.", "model.member.", 1) for o in TINY if o.startswith("model.")
+                   and not o.startswith(("model.train_samples", "model.prediction.n_samples", "model.prediction.samples_per_forward"))]
+    common = ["data=digits", "data.batch_size=128", "trainer.max_epochs=1",
+              *[o for o in TINY if not o.startswith("model.")]]
+    job = tmp_path / "ensemble"
+    metrics = train(compose_config("train", ["model=deep_ensemble", "model.size=2", *tiny_member, *common], job), job)
+    assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
+
+    runs = []
+    for seed in (1, 2):
+        run = tmp_path / f"run{seed}"
+        train(compose_config("train", ["model=map_fixed", *tiny_for("map_fixed"), *common, f"seed={seed}"], run), run)
+        runs.append(run / "checkpoints" / "last.ckpt")
+    eval_dir = tmp_path / "gathered"
+    cfg = compose_config("evaluate", [f"ckpt_path=[{runs[0]},{runs[1]}]", "trainer.accelerator=cpu",
+                                      "trainer.enable_progress_bar=false"], eval_dir)
+    gathered = evaluate(cfg, eval_dir)
+    singles = [json.loads((r.parents[1] / "metrics.json").read_text())["metrics"]["test/nll"] for r in runs]
+    record = json.loads((eval_dir / "metrics.json").read_text())
+    assert record["checkpoints"] == [str(r) for r in runs]
+    # averaging probabilities can only help the NLL (Jensen): never worse than the worse member
+    assert gathered["test/nll"] <= max(singles) + 1e-6
+    assert math.isfinite(gathered["test/ece"])

@@ -1,0 +1,19 @@
+"""Building the trainer (dbsn.runtime.build): without a terminal the progress bar becomes lines."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import RichProgressBar
+
+from dbsn.runtime.build import build_trainer
+from dbsn.runtime.progress import LineProgress
+from tests.support.configs import compose_config
+
+
+def test_without_a_terminal_the_progress_bar_becomes_lines(tmp_path, monkeypatch):
+    cfg = compose_config("train", ["experiment=quick"], tmp_path)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    trainer = build_trainer(cfg.trainer, tmp_path, callbacks=[RichProgressBar()])
+    assert isinstance(trainer.progress_bar_callback, LineProgress)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    trainer = build_trainer(cfg.trainer, tmp_path, callbacks=[RichProgressBar()])
+    assert isinstance(trainer.progress_bar_callback, RichProgressBar)

@@ -1,0 +1,108 @@
+"""A user's mistake prints one line that says what was wrong and how to fix it, exits with status
+2 and shows no traceback, through the real entry points (dbsn.runtime.errors); HYDRA_FULL_ERROR=1
+shows the traceback."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.errors import one_line, one_line_errors
+from tests.support.configs import ROOT
+from tests.support.scripts import run_python
+
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, args: list[str], cwd, env=None) -> subprocess.CompletedProcess:
+    """`script` with Hydra's output in `cwd`/out and tracebacks off unless `env` turns them on;
+    its exit status is for the test to judge."""
+    return run_python(ROOT / script, *args, f"hydra.run.dir={cwd / 'out'}", cwd=cwd, timeout=300,
+                      env={"HYDRA_FULL_ERROR": "0", **(env or {})}, check=False)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    return lines[0]
+
+
+CASES = {
+    "a value of the wrong type": (["experiment=quick", "model.train_samples=abc"],
+                                  ["model.train_samples='abc'", "expected int"]),
+    "a checkpoint that is not there": (["experiment=quick", "ckpt_path=/nope.ckpt"], ["/nope.ckpt", "not found"]),
+    "a dataset that is not there": (["data=cifar10", "data.root=/nonexistent"],
+                                    ["CIFAR-10", "missing under /nonexistent", "data_batch_1", "data.download=true"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_py_says_what_is_wrong_in_one_line(case, tmp_path):
+    args, phrases = CASES[case]
+    _assert_one_line(_run("train.py", args, tmp_path), *phrases)
+    assert not (tmp_path / "out" / "checkpoints").exists()  # refused before training
+
+
+def test_evaluate_py_on_a_corrupt_checkpoint_says_so_in_one_line(tmp_path):
+    corrupt = tmp_path / "last.ckpt"
+    corrupt.write_bytes(b"PK\x03\x04 not really a checkpoint")
+    _assert_one_line(_run("evaluate.py", [f"ckpt_path={corrupt}"], tmp_path), str(corrupt), "corrupt")
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    result = _run("train.py", CASES["a value of the wrong type"][0], tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_only_user_errors_lose_their_traceback(capsys):
+    @one_line_errors
+    def mistaken():
+        raise ConfigError("model.x=1: expected\n  a string.")
+
+    @one_line_errors
+    def buggy():
+        raise KeyError("a bug")
+
+    with pytest.raises(SystemExit) as exit_info:
+        mistaken()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "Error: model.x=1: expected a string.\n"
+    with pytest.raises(KeyError):
+        buggy()
+    assert one_line(ValueError("a\n\n  b ")) == "a b"
+
+
+EVALUATE_CASES = {
+    "no checkpoint": ([], ["ckpt_path is needed"]),
+    "a folder without runs": (["ckpt_path={tmp}"], ["is a folder without training runs"]),
+    "OOD sets without the OOD evaluation": (["ckpt_path=x.ckpt", "ood=textures"], ["add evaluations=[ood]"]),
+    "an option of an OOD set not chosen": (["ckpt_path=x.ckpt", "evaluations=[ood]", "ood=svhn",
+                                            "ood.textures.download=true"],
+                                           ["ood.textures.download", "OOD set textures, which is not chosen"]),
+    "an option of an evaluation not chosen": (["ckpt_path=x.ckpt", "evaluations.shift.generate=true"],
+                                              ["evaluation shift, which is not chosen", "evaluations=[shift]"]),
+    "an option of a posterior not chosen": (["ckpt_path=x.ckpt", "posthoc.hessian=full"],
+                                            ["post-hoc posterior, and none is chosen", "laplace"]),
+    "a misspelled option of a posterior": (["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],
+                                           ["posthoc: unknown key 'hesian'", "Did you mean 'hessian'?"]),
+}
+
+
+@pytest.mark.parametrize("case", list(EVALUATE_CASES))
+def test_evaluate_py_says_what_is_wrong_in_one_line(case, tmp_path):
+    args, phrases = EVALUATE_CASES[case]
+    _assert_one_line(_run("evaluate.py", [a.replace("{tmp}", str(tmp_path)) for a in args], tmp_path), *phrases)
+
+
+def test_structure_parallel_devices_that_do_not_divide_t_are_refused_in_one_line(tmp_path):
+    _assert_one_line(_run("train.py", ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu",
+                                       "trainer.devices=3"], tmp_path),
+                     "T = 4 structures of a step over 3 devices", "model.parallel=data")
+    assert not (tmp_path / "out" / "checkpoints").exists()

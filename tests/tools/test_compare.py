@@ -1,0 +1,129 @@
+"""The all-methods comparison runs end to end on any dataset and tabulates every method."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dbsn.data import DatasetNotFoundError
+from dbsn.runtime.config import validate_config
+from dbsn.tools import compare
+from dbsn.tools.compare import (
+    METHODS,
+    epoch_size,
+    main,
+    method_overrides,
+    run_comparison,
+    shared_overrides,
+    write_table,
+)
+from tests.support.configs import compose_config
+from tests.support.fakedata import write_cifar10
+
+
+def test_each_method_gets_its_schedule_compression_and_valid_overrides(tmp_path):
+    for method in METHODS:
+        overrides = method_overrides(method, epochs=10, steps_per_epoch=21)
+        has_tau = any(o.startswith("model.tau.decay=") for o in overrides)
+        assert has_tau == (method in ("dbsn", "fbn", "vogn_fbn"))
+        warmup = [o for o in overrides if o.startswith("model.vogn.kl_warmup_steps=")]
+        assert warmup == (["model.vogn.kl_warmup_steps=21"] if method.startswith("vogn") else [])  # 10 % of 210
+        validate_config(compose_config("train", [*overrides, *shared_overrides()], tmp_path))  # every key exists
+    tau = next(o for o in method_overrides("dbsn", 10, 21) if o.startswith("model.tau.decay="))
+    assert abs(3.0 * 2.718281828 ** (-float(tau.split("=")[1]) * 210) - 1.0) < 1e-3  # tau hits 1 at the end
+
+
+@pytest.mark.parametrize("batch_size", [32, 64, 128])
+def test_tau_reaches_one_after_the_examples_of_the_whole_run(batch_size):
+    """tau's progress is examples seen / 64: 10 epochs of 21 steps of `batch_size` images."""
+    overrides = method_overrides("fbn", 10, 21, batch_size=batch_size)
+    decay = float(next(o for o in overrides if o.startswith("model.tau.decay=")).split("=")[1])
+    assert abs(3.0 * math.exp(-decay * 210 * batch_size / 64) - 1.0) < 1e-3
+    assert "model.vogn.kl_warmup_steps=21" in method_overrides("vogn", 10, 21, batch_size=batch_size)  # steps
+
+
+def compose_data(overrides: list[str], tmp_path):
+    return compose_config("train", overrides, tmp_path).data
+
+
+@pytest.mark.parametrize("subset, drop_last, steps", [(640, True, 10), (650, True, 10), (650, False, 11), (None, True, 21)])
+def test_steps_per_epoch_come_from_the_data_modules_training_images(tmp_path, subset, drop_last, steps):
+    data = compose_data([*shared_overrides("digits", 64, subset), f"data.drop_last={drop_last}"], tmp_path)
+    assert epoch_size(data) == (subset or 1347, steps)
+
+
+def test_steps_per_epoch_on_cifar_format_files_after_the_validation_split(tmp_path):
+    write_cifar10(tmp_path / "cifar", n_train=200, n_test=20)
+    root = f"data.root={tmp_path / 'cifar'}"
+    assert epoch_size(compose_data([*shared_overrides("cifar10", 16), root], tmp_path)) == (200, 12)
+    assert epoch_size(compose_data([*shared_overrides("cifar10", 16), root, "data.val_size=40"], tmp_path)) == (160, 10)
+    assert epoch_size(compose_data([*shared_overrides("cifar10", 16, 0.5), root], tmp_path)) == (100, 6)
+
+
+def test_missing_dataset_or_bad_subset_fails_before_any_training(tmp_path, monkeypatch):
+    monkeypatch.setattr("dbsn.runtime.run.train", lambda *args: pytest.fail("trained before checking the data"))
+    with pytest.raises(DatasetNotFoundError, match="data_batch_1"):
+        run_comparison(["dbsn", "map"], output_dir=tmp_path, data="cifar10", extra=[f"data.root={tmp_path / 'absent'}"])
+    with pytest.raises(ValueError, match="data.train_subset=2000.*1347 training images"):
+        run_comparison(["map"], output_dir=tmp_path, subset=2000)
+
+
+def test_cli_passes_dataset_subset_and_overrides(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: calls.append((args, kwargs)))
+    main(["--data", "cifar10", "--subset", "5000", "--epochs", "3", "--samples", "10", "data.root=/data", "trainer=gpu"])
+    main(["--subset", "0.1"])
+    ((_, epochs, _, overrides), kwargs), (_, fraction) = calls
+    assert (epochs, overrides) == (3, ["data.root=/data", "trainer=gpu"])
+    assert (kwargs["data"], kwargs["subset"], kwargs["n_samples"]) == ("cifar10", 5000, 10)
+    assert (fraction["data"], fraction["subset"], fraction["n_samples"]) == ("digits", 0.1, 100)
+    assert shared_overrides("cifar10", 64, 5000) == ["trainer=cpu", "data=cifar10", "data.batch_size=64",
+                                                     "data.train_subset=5000"]  # the config's num_workers
+
+
+def test_an_extra_trainer_override_replaces_the_cpu_default(tmp_path):
+    assert compose_config("train", shared_overrides("digits"), tmp_path).trainer.accelerator == "cpu"
+    assert compose_config("train", [*shared_overrides("digits"), "trainer=gpu"], tmp_path).trainer.accelerator == "gpu"
+
+
+@pytest.mark.parametrize("argv, message", [(["--data", "cifar11"], "unknown dataset 'cifar11'; choose from cifar10, cifar100, digits, svhn"),
+                                           (["--data", "camvid"], "unknown dataset 'camvid'"),
+                                           (["data=cifar10"], "--data")])
+def test_unknown_or_overridden_dataset_is_refused_with_the_choices(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_table_title_and_json_carry_the_dataset_and_subset(tmp_path, capsys):
+    results = {"map": {"test/error": 0.1, "test/nll": 0.3, "test/brier": 0.2, "test/ece": 0.05, "train_seconds": 60.0}}
+    write_table(results, tmp_path, epochs=10, batch_size=64, data="cifar10", train_subset=5000)
+    assert "cifar10, a 5000-image training subset" in " ".join(capsys.readouterr().out.split())
+    written = json.loads((tmp_path / "comparison.json").read_text())
+    assert (written["data"], written["train_subset"], written["results"]) == ("cifar10", 5000, results)
+    write_table(results, tmp_path, epochs=10)
+    assert "digits, 10 epochs" in capsys.readouterr().out
+    assert json.loads((tmp_path / "comparison.json").read_text())["train_subset"] is None
+
+
+def test_unknown_method_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["--methods", "dbsn,vgon"])
+    assert "unknown method(s) ['vgon']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_comparison_runs_every_method(tmp_path):
+    results = run_comparison(METHODS, epochs=1, output_dir=tmp_path, n_samples=3,
+                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                                    "trainer.limit_train_batches=2", "trainer.limit_test_batches=1"],
+                             net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
+    assert list(results) == list(METHODS)
+    table = (tmp_path / "comparison.md").read_text()
+    for method in METHODS:
+        assert f"| {method} |" in table
+        assert {"test/error", "test/nll", "test/ece"} <= set(results[method])
+        assert results[method]["train_seconds"] > 0
+    assert json.loads((tmp_path / "comparison.json").read_text())["results"] == results
