@@ -431,7 +431,7 @@ COMPILE_CASES = {  # name: (constructor, backend)
 def _compiled_pair(name):
     make, backend = COMPILE_CASES[name]
     torch.manual_seed(3)
-    eager = make(None)
+    eager = make(Compilation())
     torch.manual_seed(3)
     compiled = make(Compilation(enabled=True, backend=backend))
     compiled.load_state_dict(eager.state_dict())

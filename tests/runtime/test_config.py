@@ -152,15 +152,24 @@ def test_supported_precisions_pass(precision):
     check_trainer(OmegaConf.create({"precision": precision}))
 
 
-def test_the_fast_preset_turns_on_the_gpu_options_and_a_cpu_with_wrong_gradients_refuses_it(tmp_path, monkeypatch):
+def test_the_fast_preset_turns_on_bf16_and_compile_and_leaves_the_layout_to_auto(tmp_path, monkeypatch):
     import dbsn.runtime.config as config
-    from dbsn.runtime.config import validate_config
+    from dbsn.runtime.config import resolve_channels_last, validate_config
     from tests.support.configs import compose_config
 
     cfg = compose_config("train", ["experiment=cifar10_paper", "trainer=gpu", "speed=fast"], tmp_path)
-    assert cfg.trainer.precision == "bf16-mixed" and cfg.model.execution.channels_last and cfg.model.execution.compile.enabled
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.model.execution.compile.enabled
+    assert cfg.model.execution.channels_last == "auto"
     assert cfg.model.net.num_nodes == 7 and cfg.trainer.accelerator == "gpu"  # the experiment is kept
-    cpu = compose_config("train", ["experiment=quick", "speed=fast"], tmp_path)
+    resolve_channels_last(cfg)
+    assert cfg.model.execution.channels_last is False  # contiguous on a GPU
+    plain = compose_config("train", ["experiment=quick"], tmp_path)
+    resolve_channels_last(plain)
+    assert plain.model.execution.channels_last is True  # float32 on a CPU: channels-last
     monkeypatch.setattr(config, "cpu_bf16_channels_last_is_wrong", lambda: True)
+    cpu = compose_config("train", ["experiment=quick", "speed=fast"], tmp_path)
+    resolve_channels_last(cpu)
+    assert cpu.model.execution.channels_last is False  # auto avoids the wrong gradients
+    forced = compose_config("train", ["experiment=quick", "speed=fast", "model.execution.channels_last=true"], tmp_path)
     with pytest.raises(ConfigError, match="refused on this CPU"):
-        validate_config(cpu)
+        validate_config(forced)

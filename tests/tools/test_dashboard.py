@@ -81,7 +81,7 @@ def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
         assert {k: facts[k] for k in ("method", "dataset", "seed", "T", "S", "job_type", "sweep")} == {
             "method": "dbsn", "dataset": "digits", "seed": seed, "T": 2, "S": 4, "job_type": "train",
             "sweep": f"quick {sweep.name}"}
-        assert facts["model"]["n_samples"] == 4  # the whole resolved config too
+        assert facts["model"]["prediction"]["n_samples"] == 4  # the whole resolved config too
 
 
 def test_summaries_are_best_values_and_per_epoch_metrics_use_the_epoch(logged):

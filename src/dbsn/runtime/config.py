@@ -263,8 +263,9 @@ def resolve_channels_last(cfg: DictConfig) -> None:
     """`model.execution.channels_last=auto` (the default) becomes true where the network trains on
     a CPU (measured: `make train` trains in 0.86 of the time and predicts its S = 100 ensemble in
     about 0.9; the layout changes no number beyond float rounding, tested), except under
-    bf16-mixed on a CPU whose channels-last bfloat16 gradients are wrong; false on a GPU, until the
-    GPU bench has measured it. The run's saved config holds the resolved value."""
+    bf16-mixed on a CPU whose channels-last bfloat16 gradients are wrong; false on a GPU (measured:
+    the paper network's eager step took 2.3 times as long on an H200, docs/performance.md). The
+    run's saved config holds the resolved value."""
     trainer = cfg.get("trainer") or {}
     on_cpu = _on_cpu(trainer)
     precision = _PRECISION_ALIASES.get(str(trainer.get("precision")), str(trainer.get("precision")))
