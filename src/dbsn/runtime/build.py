@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -107,6 +107,8 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not sys.stdout.isatty():  # a log file (SLURM, nohup): plain lines instead of a redrawn bar
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)] + [LineProgress()]
+    if not loggers:  # logger=none: the learning rates have nowhere to go (Lightning would refuse to start)
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     strategy = kwargs.get("strategy", "auto")
     if strategy == "ddp" or (strategy == "auto" and num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1):
         kwargs["strategy"] = RunDirDDPStrategy(run_dir=output_dir)
