@@ -28,9 +28,11 @@ evaluate: $(STAMP)
 	$(PY) evaluate.py ckpt_path=$${run}checkpoints/last.ckpt evaluations=[ood,adversarial] ood=photos \
 		evaluations.adversarial.max_examples=100 evaluations.adversarial.attack_samples=10 evaluations.adversarial.eval_samples=10 n_samples=30
 
-## The test suite (CI runs this through .ci/run).
+## The test suite (CI runs this through .ci/run): two workers, one thread each (two torch processes
+## with default threads on two cores spin against each other), each test file on one worker (its
+## module fixtures, the SLURM cluster among them, are made once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

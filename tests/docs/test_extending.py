@@ -5,6 +5,7 @@ posterior and an evaluation, each only in that package)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -51,7 +52,7 @@ def package(tmp_path_factory):
 def run(package: Path, script: str, *overrides: str) -> subprocess.CompletedProcess:
     """`python <script> hydra.searchpath=[file://<package>/myext/conf] ...` with the package on PYTHONPATH."""
     return run_python(ROOT / script, f"hydra.searchpath=[file://{package}/myext/conf]", "trainer.enable_progress_bar=false",
-                      *overrides, cwd=package, env={"PYTHONPATH": str(package), "OMP_NUM_THREADS": "2"})
+                      *overrides, cwd=package, env={"PYTHONPATH": str(package), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
 
 
 TINY_NET = ["model.net.num_nodes=3", "model.net.cells_per_stage=1", "model.net.growth=4", "model.net.stem_channels=8"]
