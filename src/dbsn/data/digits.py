@@ -45,7 +45,7 @@ class DigitsDataModule(ImageClassificationDataModule):
 
     `mean` and `std` are the pixel statistics of the 1,347 training images in [0, 1]
     (validation images included, as the CIFAR statistics cover the whole training set);
-    ``tests/test_data.py`` recomputes them. No horizontal flips by default: digits are not
+    ``tests/data/test_digits.py`` recomputes them. No horizontal flips by default: digits are not
     mirror-symmetric. The training-time random crop (padding 4) stays on.
     """
 

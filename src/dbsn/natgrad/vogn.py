@@ -29,7 +29,7 @@ E_q[ĝ] + δ̃ μ = 0, i.e. N_eff E_q[ĝ] + δ μ = 0. For Bayesian linear regre
 y = Xw + noise(σ_y²) with prior N(0, I / δ), full batch (B = N = N_eff), and ĥ the diagonal
 Gauss-Newton (1/N) sum_i x_i² / σ_y², this gives N_eff (s + δ̃) = diag(XᵀX) / σ_y² + δ,
 the diagonal of the posterior precision Σ⁻¹ = XᵀX / σ_y² + δ I, and, when XᵀX is diagonal,
-μ = Σ Xᵀy / σ_y², the posterior mean (``tests/test_vogn.py`` checks both).
+μ = Σ Xᵀy / σ_y², the posterior mean (``tests/natgrad/test_vogn.py`` checks both).
 
 The closure contract: ``closure()`` computes the SUM over the minibatch of per-example losses
 (or the mean, with ``loss_reduction="mean"``), calls ``backward()`` and returns the loss; the

@@ -245,7 +245,7 @@ def _imagemagick_8bit(blurred: np.ndarray) -> np.ndarray:
     arithmetic (a flat region: 255 comes out of the float sum as 254.99999999999994) keeps it,
     where a plain floor would take a level off. Checked against Wand's motion_blur (ImageMagick
     6.9.11 Q16), it gives the same value for every pixel of random and photo 32x32 images, RGB
-    and grey (tests/test_shift_data.py::test_motion_blur_matches_imagemagick).
+    and grey (tests/data/shift/test_generate.py::test_motion_blur_matches_imagemagick).
     """
     quantum = np.floor(np.clip(blurred, 0, 255) * 257 + 0.5)
     return (quantum // 257).astype(np.uint8)
