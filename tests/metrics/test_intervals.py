@@ -1,0 +1,109 @@
+"""Bootstrap intervals (dbsn.metrics.intervals): a weighted metric equals the plain metric at
+unit weights and on the data set its counts repeat; the intervals cover the truth as often as
+they say; paired differences are antisymmetric and zero against oneself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+
+from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
+from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
+from dbsn.metrics.intervals import (
+    bootstrap,
+    paired_interval,
+    resample_counts,
+    weighted_adaptive_ece,
+    weighted_auroc,
+    weighted_brier,
+    weighted_classwise_ece,
+    weighted_ece,
+    weighted_error,
+    weighted_nll,
+)
+
+
+def _predictions(n=300, classes=5, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(2 * torch.randn(n, classes, generator=g, dtype=torch.float64), 1)
+    if ties:  # coarse probabilities: many examples share a confidence
+        probs = (probs * 8).round() + 1e-3
+        probs = probs / probs.sum(1, keepdim=True)
+    target = torch.randint(classes, (n,), generator=g)
+    return probs, target
+
+
+PLAIN = {  # weighted metric: the plain one it must equal
+    "error": (weighted_error, lambda p, y: error_rate(p, y)),
+    "nll": (lambda p, y, w: weighted_nll(p.log(), y, w), lambda p, y: negative_log_likelihood(p.log(), y)),
+    "brier": (weighted_brier, brier_score),
+    "ece": (weighted_ece, expected_calibration_error),
+    "adaptive_ece": (weighted_adaptive_ece, adaptive_expected_calibration_error),
+    "classwise_ece": (weighted_classwise_ece, classwise_expected_calibration_error),
+}
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_a_weighted_metric_is_the_plain_metric_of_the_repeated_data(name, ties):
+    weighted, plain = PLAIN[name]
+    probs, target = _predictions(ties=ties)
+    n = len(target)
+    assert torch.allclose(weighted(probs, target, torch.ones(n))[0], torch.as_tensor(plain(probs, target)).double(), atol=1e-10)
+    counts = resample_counts(n, resamples=4, seed=1)
+    values = weighted(probs, target, counts)
+    for row, value in zip(counts.long(), values):
+        repeated = torch.repeat_interleave(torch.arange(n), row)
+        expected = torch.as_tensor(plain(probs[repeated], target[repeated])).double()
+        assert torch.allclose(value, expected, atol=1e-10), (name, float(value), float(expected))
+
+
+def test_weighted_auroc_is_sklearns_on_the_repeated_sets():
+    g = torch.Generator().manual_seed(0)
+    scores_in = (torch.randn(200, generator=g) * 4).round()  # ties within and across the sets
+    scores_out = (torch.randn(150, generator=g) * 4 + 2).round()
+    labels = [0] * 200 + [1] * 150
+    ones = weighted_auroc(scores_in, scores_out, torch.ones(200), torch.ones(150))
+    assert abs(float(ones[0]) - roc_auc_score(labels, torch.cat([scores_in, scores_out]))) < 1e-12
+    c_in, c_out = resample_counts(200, 3, seed=2), resample_counts(150, 3, seed=3)
+    for a, b, value in zip(c_in.long(), c_out.long(), weighted_auroc(scores_in, scores_out, c_in, c_out)):
+        s_in, s_out = scores_in.repeat_interleave(a), scores_out.repeat_interleave(b)
+        truth = roc_auc_score([0] * len(s_in) + [1] * len(s_out), torch.cat([s_in, s_out]))
+        assert abs(float(value) - truth) < 1e-12
+
+
+def test_resamples_are_n_draws_seeded():
+    counts = resample_counts(50, resamples=20, seed=7)
+    assert counts.shape == (20, 50) and bool((counts.sum(1) == 50).all())
+    assert torch.equal(counts, resample_counts(50, resamples=20, seed=7))
+    assert not torch.equal(counts, resample_counts(50, resamples=20, seed=8))
+
+
+def test_the_error_interval_covers_the_true_error_95_percent_of_the_time():
+    """200 test sets of 400 examples, each wrong with probability 0.1: the 95 % interval holds
+    0.1 in a fraction of them inside three binomial standard deviations of 0.95."""
+    generator = torch.Generator().manual_seed(0)
+    n, draws, covered = 400, 200, 0
+    target = torch.zeros(n, dtype=torch.long)
+    for draw in range(draws):
+        wrong = torch.rand(n, generator=generator) < 0.1
+        probs = torch.stack([(~wrong).double(), wrong.double()], 1)
+        interval = bootstrap(lambda w: weighted_error(probs, target, w), n, resamples=1000, seed=draw)
+        covered += interval.low <= 0.1 <= interval.high
+    tolerance = 3 * (0.95 * 0.05 / draws) ** 0.5
+    assert abs(covered / draws - 0.95) <= tolerance, covered / draws
+
+
+def test_paired_differences_are_antisymmetric_zero_against_oneself_and_find_a_real_gap():
+    probs, target = _predictions(n=400, seed=4)
+    better = probs.clone()
+    better[torch.arange(100), target[:100]] += 10.0  # the first 100 examples made right and confident
+    better = better / better.sum(1, keepdim=True)
+    a = lambda w: weighted_nll(better.log(), target, w)  # noqa: E731
+    b = lambda w: weighted_nll(probs.log(), target, w)  # noqa: E731
+    ab, ba = paired_interval(a, b, 400), paired_interval(b, a, 400)
+    assert ab.value == pytest.approx(-ba.value) and ab.low == pytest.approx(-ba.high) and ab.high == pytest.approx(-ba.low)
+    same = paired_interval(a, a, 400)
+    assert same.value == same.low == same.high == 0.0 and not same.excludes(0.0)
+    assert ab.high < 0 and ab.excludes(0.0)  # lower NLL, and the interval says so
