@@ -53,3 +53,19 @@ def test_pipeline_rates_time_both_input_paths():
 
     rates = pipeline_rates(torch.device("cpu"), n_images=512, batch=64)
     assert set(rates) == {"dataloader", "on_device"} and all(r > 0 for r in rates.values())
+
+
+@pytest.mark.slow
+def test_the_cpu_suite_times_every_case_and_says_how_far_it_is(capsys):
+    """`make bench` end to end on the tiny network (no memory processes, no compiled cases, no
+    pipeline): a median for every case, the ratios from them, and progress lines on stderr
+    (a log file, not a terminal, under pytest)."""
+    from dbsn.tools.bench import cpu
+
+    result = cpu.run("tiny", batch=2, repeats=1, memory=False, compiled=False, pipeline_images=0)
+    assert set(result["seconds"]) == set(cpu.CASES) and all(s > 0 for s in result["seconds"].values())
+    ratio = result["ratios"]["dbsn_t1 / map_fixed (target <= 1.10)"]
+    assert ratio == result["seconds"]["dbsn_t1"] / result["seconds"]["map_fixed"]
+    err = capsys.readouterr().err
+    assert f"bench: build and warm up: started, {len(cpu.CASES)} steps" in err
+    assert f"bench: timed steps: done, {len(cpu.CASES)} steps" in err

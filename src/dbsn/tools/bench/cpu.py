@@ -59,6 +59,7 @@ from datetime import date
 
 import torch
 
+from dbsn.evaluation.progress import progress
 from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods import (DBSN, MAP, Compilation, Execution, GaussianWeights, MCDropoutWeights, NEKFACMethod, Prediction,
                           VOGNMethod)
@@ -271,13 +272,16 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
         samples_per_forward = 20 if dev.type == "cuda" else 4
     cases = CASES + (COMPILED_CASES if compiled else ())
-    steps = {name: build_case(name, net_name, batch, dev, samples_per_forward) for name in cases}
-    for step in steps.values():  # warm-up
-        step()
+    steps = {}
+    for name in progress(cases, desc="bench: build and warm up"):  # compiled cases compile here
+        steps[name] = build_case(name, net_name, batch, dev, samples_per_forward)
+        steps[name]()
     times = {name: [] for name in cases}
-    for _ in range(repeats):  # interleaved, so drifts in machine load hit every case alike
-        for name, step in steps.items():
-            times[name].append(timed_call(step, dev))
+    with progress(total=repeats * len(cases), desc="bench: timed steps") as bar:
+        for _ in range(repeats):  # interleaved, so drifts in machine load hit every case alike
+            for name, step in steps.items():
+                times[name].append(timed_call(step, dev))
+                bar.update()
     median = {name: statistics.median(ts) for name, ts in times.items()}
     result = {
         "date": date.today().isoformat(),
@@ -315,8 +319,9 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
         result["ratios"]["on-device pipeline / DataLoader (images/s)"] = (
             result["pipeline"]["on_device"] / result["pipeline"]["dataloader"])
     if memory:
-        result["peak_memory_mib"] = {
-            name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward) for name in CASES
+        result["peak_memory_mib"] = {  # a fresh process per case
+            name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward)
+            for name in progress(CASES, desc="bench: peak memory")
         }
         result["training_memory"] = training_memory(memory_batch, dev, samples_per_forward)
     return result
