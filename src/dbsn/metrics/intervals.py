@@ -16,7 +16,7 @@ resamples.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -49,9 +49,6 @@ class Interval:
     def excludes(self, x: float = 0.0) -> bool:
         """Whether `x` lies outside the interval (for a difference: distinguishable from no difference)."""
         return not (self.low <= x <= self.high)
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def resample_counts(n: int, resamples: int = 1000, seed: int = 0) -> Tensor:
