@@ -152,13 +152,13 @@ def test_supported_precisions_pass(precision):
     check_trainer(OmegaConf.create({"precision": precision}))
 
 
-def test_the_fast_preset_turns_on_bf16_and_compile_and_leaves_the_layout_to_auto(tmp_path, monkeypatch):
+def test_the_fast_preset_turns_on_bf16_not_compile_and_leaves_the_layout_to_auto(tmp_path, monkeypatch):
     import dbsn.runtime.config as config
     from dbsn.runtime.config import resolve_channels_last, validate_config
     from tests.support.configs import compose_config
 
     cfg = compose_config("train", ["experiment=cifar10_paper", "trainer=gpu", "speed=fast"], tmp_path)
-    assert cfg.trainer.precision == "bf16-mixed" and cfg.model.execution.compile.enabled
+    assert cfg.trainer.precision == "bf16-mixed" and not cfg.model.execution.compile.enabled
     assert cfg.model.execution.channels_last == "auto"
     assert cfg.model.net.num_nodes == 7 and cfg.trainer.accelerator == "gpu"  # the experiment is kept
     resolve_channels_last(cfg)
