@@ -107,3 +107,46 @@ def test_paired_differences_are_antisymmetric_zero_against_oneself_and_find_a_re
     same = paired_interval(a, a, 400)
     assert same.value == same.low == same.high == 0.0 and not same.excludes(0.0)
     assert ab.high < 0 and ab.excludes(0.0)  # lower NLL, and the interval says so
+
+
+def _scores(seed=0, n_in=120, n_out=90):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_in, generator=g) * 3).round(), (torch.randn(n_out, generator=g) * 3 + 2).round()
+
+
+@pytest.mark.parametrize("name", ["aupr", "aupr_in", "fpr95"])
+def test_weighted_detection_metrics_are_the_plain_ones_of_the_repeated_sets(name):
+    from dbsn.evaluation.ood import detection_metrics
+    from dbsn.metrics.intervals import weighted_average_precision, weighted_fpr95
+
+    def weighted(s_in, s_out, w_in, w_out):
+        if name == "aupr_in":
+            return weighted_average_precision(-s_out, -s_in, w_out, w_in)
+        return (weighted_average_precision if name == "aupr" else weighted_fpr95)(s_in, s_out, w_in, w_out)
+
+    scores_in, scores_out = _scores()
+    ones = weighted(scores_in, scores_out, torch.ones(len(scores_in)), torch.ones(len(scores_out)))
+    assert abs(float(ones[0]) - detection_metrics(scores_in, scores_out)[name]) < 1e-6  # torchmetrics: float32
+    c_in, c_out = resample_counts(len(scores_in), 4, seed=2), resample_counts(len(scores_out), 4, seed=3)
+    for a, b, value in zip(c_in.long(), c_out.long(), weighted(scores_in, scores_out, c_in, c_out)):
+        truth = detection_metrics(scores_in.repeat_interleave(a), scores_out.repeat_interleave(b))[name]
+        assert abs(float(value) - truth) < 1e-6, (name, float(value), truth)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_weighted_selective_metrics_are_the_plain_ones_of_the_repeated_data(ties):
+    from dbsn.metrics.intervals import weighted_selective
+    from dbsn.metrics.selective import selective_metrics
+
+    g = torch.Generator().manual_seed(4)
+    uncertainty = torch.rand(250, generator=g)
+    uncertainty = (uncertainty * 6).round() if ties else uncertainty
+    errors = (torch.rand(250, generator=g) < 0.2 + 0.5 * uncertainty / uncertainty.max()).double()
+    counts = torch.cat([torch.ones(1, 250, dtype=torch.float64), resample_counts(250, 4, seed=5)])
+    found = weighted_selective(errors, uncertainty, counts)
+    for row, index in zip(counts.long(), range(len(counts))):
+        keep = torch.repeat_interleave(torch.arange(250), row)
+        plain = selective_metrics(errors[keep], {"u": uncertainty[keep]})
+        for key in ("aurc", "eaurc", "augrc", "risk@80"):
+            assert abs(float(found[key][index]) - plain[f"selective/u/{key}"]) < 1e-10, (key, index)
+        assert abs(float(found["optimal_aurc"][index]) - plain["selective/optimal_aurc"]) < 1e-10

@@ -34,6 +34,9 @@ __all__ = [
     "weighted_adaptive_ece",
     "weighted_classwise_ece",
     "weighted_auroc",
+    "weighted_average_precision",
+    "weighted_fpr95",
+    "weighted_selective",
 ]
 
 
@@ -193,3 +196,60 @@ def weighted_auroc(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, we
     below = w_in.cumsum(1) - w_in  # in-distribution weight strictly below each value
     pairs = (w_out * (below + w_in / 2)).sum(1)
     return pairs / (w_in.sum(1) * w_out.sum(1))
+
+
+def _ranked_sums(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, G) weight of the in- and out-sets at each distinct score, in DEcreasing score order."""
+    weights_in, weights_out = _weights(weights_in, len(scores_in)), _weights(weights_out, len(scores_out))
+    values, inverse = torch.unique(torch.cat([scores_in, scores_out]).double(), return_inverse=True)
+    inverse = len(values) - 1 - inverse  # the highest score first
+    return (_group_sums(weights_in, inverse[: len(scores_in)], len(values)),
+            _group_sums(weights_out, inverse[len(scores_in):], len(values)))
+
+
+def weighted_average_precision(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor) -> Tensor:
+    """(B,) average precision with the out-set positive (`ood.detection_metrics`' AUPR):
+    Σ_k (R_k - R_{k-1}) P_k over the distinct thresholds, highest first. For the AUPR with the
+    in-set positive, pass the negated scores with the sets swapped."""
+    w_in, w_out = _ranked_sums(scores_in, scores_out, weights_in, weights_out)
+    tp, fp = w_out.cumsum(1), w_in.cumsum(1)
+    precision = torch.where(tp + fp > 0, tp / (tp + fp).clamp_min(1e-300), torch.zeros_like(tp))
+    return (w_out * precision).sum(1) / w_out.sum(1)
+
+
+def weighted_fpr95(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor) -> Tensor:
+    """(B,) the in-set share flagged at the first threshold, from the highest score down, where
+    at least 95 % of the out-set is flagged (`ood.detection_metrics`' FPR95, OOD positive)."""
+    w_in, w_out = _ranked_sums(scores_in, scores_out, weights_in, weights_out)
+    tp, fp = w_out.cumsum(1), w_in.cumsum(1)
+    # 20 TP >= 19 P, as the plain metric's exact integer test (counts are whole numbers)
+    reached = 20 * tp >= 19 * tp[:, -1:] - 1e-9
+    first = reached.double().argmax(1, keepdim=True)
+    return fp.gather(1, first).squeeze(1) / fp[:, -1]
+
+
+def weighted_selective(errors: Tensor, uncertainty: Tensor, weights: Tensor, coverage: float = 0.8) -> dict[str, Tensor]:
+    """(B,) AURC, E-AURC, AUGRC and selective risk at `coverage` (`selective.selective_metrics`,
+    ties accepted together, the exact integrals of `selective.aurc` / `augrc`) of the resampled
+    sets: the threshold points are the distinct uncertainties, each carrying its examples' counts
+    (a value no resample draws makes a segment of length zero, which adds nothing)."""
+    weights = _weights(weights, len(errors))
+    values, group = torch.unique(uncertainty.double(), return_inverse=True)  # ascending: most certain first
+    total = weights.sum(1, keepdim=True)
+    b = _group_sums(weights, group, len(values)).cumsum(1) / total  # coverage at each threshold
+    g_b = _group_sums(weights * errors.double(), group, len(values)).cumsum(1) / total  # generalized risk
+    a, g_a = torch.nn.functional.pad(b[:, :-1], (1, 0)), torch.nn.functional.pad(g_b[:, :-1], (1, 0))
+    length = b - a
+    safe = torch.where(length > 0, length, torch.ones_like(length))
+    intercept = torch.where(length > 0, (g_a * b - g_b * a) / safe, torch.zeros_like(length))
+    log_ratio = torch.where((a > 0) & (length > 0), torch.log(b / torch.where(a > 0, a, b).clamp_min(1e-300)), torch.zeros_like(a))
+    aurc = ((g_b - g_a) + intercept * log_ratio).sum(1)
+    augrc = (length * (g_a + g_b) / 2).sum(1)
+    rate = g_b[:, -1]
+    optimal = rate + torch.where(rate < 1, (1 - rate) * torch.log((1 - rate).clamp_min(1e-300)), torch.zeros_like(rate))
+    target = torch.full((len(b), 1), float(coverage), dtype=torch.float64)
+    j = torch.searchsorted(b.contiguous(), target).clamp_max(b.shape[1] - 1)
+    a_j, b_j, ga_j, gb_j = (t.gather(1, j) for t in (a, b, g_a, g_b))
+    g = ga_j + (gb_j - ga_j) * (target - a_j) / (b_j - a_j).clamp_min(1e-300)
+    return {"aurc": aurc, "eaurc": aurc - optimal, "augrc": augrc, "risk@80": (g / target).squeeze(1),
+            "optimal_aurc": optimal}
