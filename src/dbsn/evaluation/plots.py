@@ -1,4 +1,5 @@
-"""Figures for calibration: the reliability diagram (Guo et al., 2017, fig. 1).
+"""Figures: the reliability diagram (Guo et al., 2017, fig. 1) and the cost/quality Pareto
+figure (calibrated NLL, ECE and error against prediction FLOPs per image).
 
 Figures are built with :class:`matplotlib.figure.Figure` directly, not through pyplot, so
 they work on a headless machine and never open a window.
@@ -6,6 +7,8 @@ they work on a headless machine and never open a window.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from torch import Tensor
 
 from dbsn.metrics.classification import expected_calibration_error, reliability_bins
 
-__all__ = ["reliability_diagram", "save_figure"]
+__all__ = ["PARETO_METRICS", "pareto_figure", "pareto_front", "reliability_diagram", "save_figure"]
 
 
 def reliability_diagram(
@@ -68,6 +71,106 @@ def reliability_diagram(
 
     ax_share.bar(left, share, width=width, align="edge", color="gray", edgecolor="black")
     ax_share.set(xlim=(0, 1), ylim=(0, 1), xlabel="Confidence", ylabel="Share")
+    return fig
+
+
+PARETO_METRICS = {"calibrated_nll": "Calibrated NLL", "ece": "ECE", "error": "Error"}
+"""The metrics of `pareto_figure`, one panel each, left to right: row key -> panel label."""
+
+_MARKERS = "osD^vP*Xph<>"
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates, lower being better on both coordinates.
+
+    Point j dominates point i when x_j <= x_i and y_j <= y_i with at least one strict. Equal
+    points do not dominate each other, so all copies of a front point are on the front. A
+    point with a nan coordinate is never on the front and dominates nothing. The indices come
+    in the order of the front, by increasing x (then y, then index).
+    """
+    pts = [(float(x), float(y)) for x, y in points]
+    valid = [i for i, (x, y) in enumerate(pts) if not (math.isnan(x) or math.isnan(y))]
+
+    def dominated(i: int) -> bool:
+        xi, yi = pts[i]
+        return any(
+            pts[j][0] <= xi and pts[j][1] <= yi and (pts[j][0] < xi or pts[j][1] < yi) for j in valid
+        )
+
+    return sorted((i for i in valid if not dominated(i)), key=lambda i: (*pts[i], i))
+
+
+def _measured(row: Mapping, metric: str) -> float | None:
+    """The row's value of `metric`, or None where it is absent, None or nan."""
+    value = row.get(metric)
+    if value is None or math.isnan(float(value)):
+        return None
+    return float(value)
+
+
+def _error_bar(row: Mapping, metric: str, value: float) -> list[list[float]] | None:
+    """matplotlib's ``yerr`` ([[below], [above]]) from the row's ``<metric>_low`` and
+    ``<metric>_high``, or None where the row gives no interval. A bar always reaches its
+    marker: were the value outside its interval, the bar would stretch to it."""
+    low, high = row.get(f"{metric}_low"), row.get(f"{metric}_high")
+    if low is None and high is None:
+        return None
+    if low is None or high is None:
+        raise ValueError(f"{row.get('method')!r}: {metric} needs both {metric}_low and {metric}_high, got one")
+    return [[max(value - float(low), 0.0)], [max(float(high) - value, 0.0)]]
+
+
+def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
+    """Quality against cost, one panel per metric of `PARETO_METRICS` (``fig.axes[0:3]``, in
+    that order, each titled with its label).
+
+    Each row is one method: ``{"method": name, "flops": prediction FLOPs per image, and for each
+    metric its value with optional "<metric>_low" / "<metric>_high"}``. In each panel the x axis
+    is the FLOPs (log scale) and every method with that metric is drawn with ``ax.errorbar``
+    (one container per method, with a vertical bar where the row gives an interval; same colour
+    and marker in every panel, named in one figure legend). The Pareto front of the panel
+    (`pareto_front` of (FLOPs, metric)) is joined by a dashed step line: the best value reached
+    at or below each cost. A metric no row has leaves its panel saying "not measured".
+    """
+    for row in rows:
+        flops = row.get("flops")
+        if flops is None or not float(flops) > 0 or math.isinf(float(flops)):
+            raise ValueError(f"{row.get('method')!r}: flops must be a positive number for the log axis, got {flops}")
+    colours = [f"C{i % 10}" for i in range(len(rows))]
+    markers = [_MARKERS[i % len(_MARKERS)] for i in range(len(rows))]
+
+    fig = Figure(figsize=(13, 4.2), layout="constrained")
+    axes = fig.subplots(1, len(PARETO_METRICS))
+    handles = {}
+    for ax, (metric, label) in zip(axes, PARETO_METRICS.items()):
+        ax.set_xscale("log")
+        ax.set(title=label, xlabel="Prediction FLOPs per image", ylabel=label)
+        drawn = [(i, value) for i, row in enumerate(rows) if (value := _measured(row, metric)) is not None]
+        if not drawn:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="gray")
+            continue
+        for i, value in drawn:
+            row = rows[i]
+            container = ax.errorbar(
+                float(row["flops"]), value, yerr=_error_bar(row, metric, value), fmt=markers[i], color=colours[i],
+                markersize=7, capsize=3, label=str(row["method"]), zorder=3,
+            )
+            handles.setdefault(i, container)
+        front = pareto_front([(float(rows[i]["flops"]), value) for i, value in drawn])
+        (front_line,) = ax.step(
+            [float(rows[drawn[k][0]]["flops"]) for k in front], [drawn[k][1] for k in front],
+            where="post", linestyle="--", color="gray", zorder=2, label="Pareto front",
+        )
+        ax.grid(True, which="major", alpha=0.3)
+    if handles:
+        order = sorted(handles)
+        fig.legend(
+            [handles[i] for i in order] + [front_line],
+            [str(rows[i]["method"]) for i in order] + ["Pareto front"],
+            loc="outside right upper",
+        )
+    if title:
+        fig.suptitle(title)
     return fig
 
 
