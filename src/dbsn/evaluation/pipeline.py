@@ -23,11 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.results import write_results
+from dbsn.evaluation.statistics import Statistics
 from dbsn.evaluation.test_pass import attach_sample_ablation, run_test_pass, test_pass_results
 
 __all__ = ["SUMMARY_FILE", "Evaluator"]
@@ -45,9 +47,13 @@ class Evaluator:
             must differ (each writes into `<folder>/<name>/`).
         ablation_sizes: the ensemble sizes of the MC-sample ablation (None: every S = 1..S;
             []: none).
+        statistics: the evaluation's seed (set before the test pass: the same checkpoint gives
+            the same numbers) and its bootstrap intervals.
     """
 
-    def __init__(self, evaluations: Sequence[Evaluation] = (), ablation_sizes: Sequence[int] | None = None) -> None:
+    def __init__(self, evaluations: Sequence[Evaluation] = (), ablation_sizes: Sequence[int] | None = None,
+                 statistics: Statistics | None = None) -> None:
+        self.statistics = statistics or Statistics()
         self.evaluations = list(evaluations)
         names = [e.name for e in self.evaluations]
         if len(set(names)) != len(names) or not all(names):
@@ -71,12 +77,13 @@ class Evaluator:
         if not checked:
             self.check(subject)
         model = subject.model
+        seed_everything(self.statistics.seed, workers=True, verbose=False)
         attach_sample_ablation(model, self.ablation_sizes)
         metrics = run_test_pass(trainer, model, subject.datamodule)
         values = dict(metrics)
         if trainer.is_global_zero:
             results = test_pass_results(model, metrics, subject.title, record=record() if record else None,
-                                        structure=structure, datamodule=subject.datamodule)
+                                        structure=structure, datamodule=subject.datamodule, statistics=self.statistics)
             write_results(results, folder, loggers)
             values = results.values
         model.to(subject.device)

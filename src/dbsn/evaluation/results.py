@@ -29,7 +29,7 @@ from rich.table import Table as RichTable
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.tracking import log_to_wandb, wandb_loggers
 
-__all__ = ["ConsoleTable", "CsvTable", "Results", "print_table", "write_results"]
+__all__ = ["ConsoleTable", "CsvTable", "Results", "interval_numbers", "print_table", "write_results"]
 
 
 @dataclass
@@ -65,6 +65,8 @@ class Results:
         tables: W&B key -> (columns, rows): data behind figures, so W&B panels can overlay runs.
         curves: W&B step metric -> rows: curves against a variable of their own (`log_curve`).
         console: tables printed on the console.
+        intervals: flat name -> [low, high], the bootstrap interval of a number of `metrics`
+            (`dbsn.evaluation.statistics`); loggers get them as `<name>/ci_low`, `<name>/ci_high`.
     """
 
     metrics: dict[str, float] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class Results:
     tables: dict[str, tuple[list[str], list[list[Any]]]] = field(default_factory=dict)
     curves: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     console: list[ConsoleTable] = field(default_factory=list)
+    intervals: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, other: Results) -> Results:
         """Merge `other` into this one (its entries win on equal keys); returns self."""
@@ -84,6 +87,7 @@ class Results:
         self.tables.update(other.tables)
         self.curves.update(other.curves)
         self.console.extend(other.console)
+        self.intervals.update(other.intervals)
         return self
 
     @property
@@ -129,6 +133,12 @@ def write_file(path: Path, content: Any) -> Path:
     return path
 
 
+def interval_numbers(intervals: dict[str, list[float]]) -> dict[str, float]:
+    """`<name>/ci_low` and `<name>/ci_high` of each interval: how loggers receive them."""
+    return {f"{key}/ci_{end}": float(value) for key, (low, high) in intervals.items()
+            for end, value in (("low", low), ("high", high))}
+
+
 @rank_zero_only
 def write_results(results: Results, folder: Path, loggers: list[Logger] | tuple = ()) -> None:
     """Write `results` into `folder` and hand them to `loggers` (see the module docstring)."""
@@ -137,12 +147,13 @@ def write_results(results: Results, folder: Path, loggers: list[Logger] | tuple 
         if not isinstance(content, Figure) and Path(relative).suffix == ".png":
             raise TypeError(f"{relative}: a .png file takes a matplotlib Figure")
         write_file(folder / relative, content)
-    log_to_wandb(loggers, results.metrics, images={key: folder / path for key, path in results.images.items()},
+    numbers = {**results.metrics, **interval_numbers(results.intervals)}
+    log_to_wandb(loggers, numbers, images={key: folder / path for key, path in results.images.items()},
                  tables=results.tables, curves=results.curves)
-    if results.metrics:
+    if numbers:
         wandb = wandb_loggers(loggers)
         for logger in loggers or ():
             if logger not in wandb:  # Lightning's CSV (or other) logger: the numbers
-                logger.log_metrics(dict(results.metrics))
+                logger.log_metrics(numbers)
     for table in results.console:
         print_table(table.title, table.header, table.rows)

@@ -26,6 +26,7 @@ from torch import Tensor
 from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
+from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, test_statistics
 from dbsn.evaluation.structure import edge_names_of, structure_files
 from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
@@ -152,11 +153,23 @@ def uncertainty_maps(maps: list[dict], datamodule, title: str):
 
 
 def test_pass_results(model, metrics: dict[str, float], title: str, record: dict[str, Any] | None = None,
-                      structure: bool = True, datamodule=None) -> Results:
+                      structure: bool = True, datamodule=None, statistics: Statistics | None = None) -> Results:
     """What the test pass gives (see the module docstring); `record` adds the run's facts to
     metrics.json. A training run has its structure posterior from the `StructurePosteriorMonitor`
-    callback already (`structure=False`)."""
-    results = Results(metrics=dict(metrics), files={"metrics.json": {"metrics": metrics, **(record or {})}})
+    callback already (`structure=False`). With `statistics`, a classifier's metrics get their
+    bootstrap intervals and the calibrated metrics (`dbsn.evaluation.statistics`), and
+    `predictions.npz` keeps the per-example predictions the report pairs methods on."""
+    metrics, intervals, facts, arrays = dict(metrics), {}, {}, None
+    found = test_statistics(model, datamodule, statistics) if statistics is not None else None
+    if found is not None:
+        metrics.update(found.metrics)
+        intervals = {key: value for key, value in found.intervals.items() if key in metrics}
+        facts, arrays = found.record, found.arrays
+    results = Results(metrics=metrics, intervals=intervals,
+                      files={"metrics.json": {"metrics": metrics, **({"intervals": intervals} if intervals else {}),
+                                              **facts, **(record or {})}})
+    if arrays is not None:
+        results.files[PREDICTIONS_FILE] = arrays
     if model.test_predictions is not None:
         log_probs, targets = model.test_predictions
         results.add(Results(files={"reliability_diagram.png": reliability_diagram(log_probs.exp(), targets, n_bins=10,
@@ -171,8 +184,12 @@ def test_pass_results(model, metrics: dict[str, float], title: str, record: dict
     if per_class:
         results.tables["test/per_class_iou"] = (["class", "iou"], per_class)
     named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
-    results.console.append(ConsoleTable(title, ["metric", "value"],
-                                        [[key, float(metrics[key])] for key in named + sorted(set(metrics) - set(named))]))
+    rows = []
+    for key in named + sorted(set(metrics) - set(named)):
+        low, high = intervals.get(key, ("", ""))
+        rows.append([key, float(metrics[key]), low, high])
+    level = f"{100 * statistics.level:g} %" if statistics is not None else ""
+    results.console.append(ConsoleTable(title, ["metric", "value", f"{level} low", f"{level} high"], rows))
     if model.ablation_rows is not None:
         results.add(ablation_results(model.ablation_rows, title))
     if structure:

@@ -25,6 +25,7 @@ from dbsn.data.base import DatasetNotFoundError
 from dbsn.evaluation.base import EvaluationError
 from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE
+from dbsn.evaluation.statistics import Statistics
 from dbsn.methods import DBSN, Method
 from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
@@ -64,8 +65,20 @@ def build_evaluator(cfg: DictConfig) -> Evaluator:
     evaluations = [_build(node, f"evaluations.{name}") for name, node in chosen.items()]
     sizes = (cfg.get("ablation") or {}).get("sizes")
     try:
-        return Evaluator(evaluations, None if sizes is None else list(sizes))
+        return Evaluator(evaluations, None if sizes is None else list(sizes), statistics_of(cfg))
     except EvaluationError as err:
+        raise ConfigError(str(err)) from err
+
+
+def statistics_of(cfg: DictConfig) -> Statistics:
+    """The evaluation's seed and bootstrap (`statistics.*`), checked."""
+    node = cfg.get("statistics") or {}
+    unknown = sorted(set(node) - {"seed", "resamples", "level"})
+    if unknown:
+        raise ConfigError(f"statistics.{unknown[0]} is not a setting: statistics takes seed, resamples and level.")
+    try:
+        return Statistics(**{k: v for k, v in node.items() if v is not None})
+    except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from err
 
 

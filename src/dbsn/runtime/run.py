@@ -30,7 +30,7 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigC
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder, checkpoint_paths,
-                                     evaluation_data, evaluation_folder, fatal_in_a_sweep, fit_posterior,
+                                     evaluation_data, evaluation_folder, fatal_in_a_sweep, fit_posterior, statistics_of,
                                      write_posthoc_run)
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
@@ -68,6 +68,7 @@ def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
 def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
     validate_config(cfg)
+    statistics = statistics_of(cfg)
     keep_freed_memory()
     output_dir = Path(output_dir)
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
@@ -127,7 +128,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
 
     subject = Subject(model, datamodule, title_of(type(model).__name__, plain["data"], model.n_samples),
                       trainer.strategy.root_device, progress_of(cfg))
-    metrics = Evaluator().evaluate(subject, trainer, output_dir, loggers, record, structure=False)
+    metrics = Evaluator(statistics=statistics).evaluate(subject, trainer, output_dir, loggers, record, structure=False)
     close_loggers(loggers, "success", finish_wandb=trainer.is_global_zero)
     return metrics
 
