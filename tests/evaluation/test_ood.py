@@ -227,3 +227,22 @@ def test_cdf_points_are_the_empirical_cdf():
     ordered = np.sort(many.numpy())
     for x, f in sub:
         assert f == pytest.approx(np.searchsorted(ordered, x, side="right") / len(ordered))
+
+
+def test_detection_statistics_row_zero_is_detection_metrics_and_chunking_changes_nothing():
+    from dbsn.evaluation.ood import detection_statistics
+    from dbsn.evaluation.statistics import Statistics, intervals_of
+
+    g = torch.Generator().manual_seed(0)
+    scores_in, scores_out = torch.randn(300, generator=g), torch.randn(200, generator=g) + 1
+    statistics = Statistics(seed=3, resamples=200)
+    w_in, w_out = statistics.weights(300), statistics.weights(200, stream=1)
+    rows = detection_statistics(scores_in, scores_out, w_in, w_out, chunk=7)
+    plain = detection_metrics(scores_in, scores_out)
+    assert set(rows) == set(plain)
+    for key, value in plain.items():
+        assert abs(float(rows[key][0]) - value) < 1e-6, key
+        assert torch.allclose(rows[key], detection_statistics(scores_in, scores_out, w_in, w_out, chunk=500)[key])
+    low, high = intervals_of({"auroc": rows["auroc"]}, 0.95)["auroc"]
+    assert low < plain["auroc"] < high and high - low < 0.2
+    assert not torch.equal(w_out[1:], statistics.weights(200, stream=2)[1:])  # independent sets, independent resamples

@@ -17,12 +17,13 @@ An evaluation runs on a trained model after its test pass, is chosen by name on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from dbsn.evaluation.results import Results
+from dbsn.evaluation.statistics import Statistics
 
 __all__ = ["Evaluation", "EvaluationError", "Subject"]
 
@@ -45,6 +46,7 @@ class Subject:
         title: what the figures call the model, e.g. "DBSN on Digits (S = 100)".
         device: where to predict.
         progress: show progress bars.
+        statistics: the evaluation's seed and bootstrap (set by the `Evaluator`).
     """
 
     model: Any
@@ -52,6 +54,7 @@ class Subject:
     title: str
     device: torch.device
     progress: bool = True
+    statistics: Statistics = field(default_factory=Statistics)
 
     @property
     def is_classifier(self) -> bool:

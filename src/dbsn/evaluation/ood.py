@@ -32,6 +32,8 @@ from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, Results
+from dbsn.evaluation.statistics import intervals_of
+from dbsn.metrics.intervals import weighted_auroc, weighted_average_precision, weighted_fpr95
 from dbsn.metrics.uncertainty import detection_scores, ood_scores
 
 __all__ = ["OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
@@ -100,6 +102,22 @@ def _fpr95(ranked: Tensor, is_positive: Tensor) -> float:
     n_positive = int(is_positive.sum())
     reached = 20 * (tpr.double() * n_positive).round().long() >= 19 * n_positive
     return fpr[reached.nonzero()[0, 0]].item()
+
+
+def detection_statistics(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor,
+                         chunk: int = 64) -> dict[str, Tensor]:
+    """`detection_metrics` at every row of the two sets' count matrices (B, n_in) and (B, n_out):
+    {"auroc", "aupr", "aupr_in", "fpr95"} -> (B,), computed `chunk` rows at a time (a row holds
+    one weight per distinct score of both sets)."""
+    scores_in, scores_out = scores_in.double(), scores_out.double()
+    parts: dict[str, list[Tensor]] = {"auroc": [], "aupr": [], "aupr_in": [], "fpr95": []}
+    for start in range(0, len(weights_in), chunk):
+        w_in, w_out = weights_in[start:start + chunk], weights_out[start:start + chunk]
+        parts["auroc"].append(weighted_auroc(scores_in, scores_out, w_in, w_out))
+        parts["aupr"].append(weighted_average_precision(scores_in, scores_out, w_in, w_out))
+        parts["aupr_in"].append(weighted_average_precision(-scores_out, -scores_in, w_out, w_in))
+        parts["fpr95"].append(weighted_fpr95(scores_in, scores_out, w_in, w_out))
+    return {k: torch.cat(v) for k, v in parts.items()}
 
 
 def fpr_at_95_tpr(scores_in: Tensor | np.ndarray, scores_out: Tensor | np.ndarray, positive: str = "ood") -> float:
@@ -220,6 +238,7 @@ class OODDetection(Evaluation):
 
     def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None) -> None:
         self.sets = dict(sets or {})
+        self._rows: dict[str, dict[str, Tensor]] = {}  # set -> "<score>/<metric>" -> its bootstrap rows
         self.groups = {str(k): [str(s) for s in v] for k, v in groups.items()} if groups else None
 
     def check(self, subject: Subject) -> None:
@@ -258,7 +277,7 @@ class OODDetection(Evaluation):
         return {k: torch.cat(v) for k, v in out.items()}
 
     def run(self, subject: Subject) -> Results:
-        results = Results()
+        results, self._rows = Results(), {}
         for name, datamodule in self.sets.items():  # one in-distribution pass (the test pass's) for all sets
             results.add(self.one_set(subject, name, datamodule))
         results.add(self.group_results(subject, results.metrics))
@@ -269,10 +288,20 @@ class OODDetection(Evaluation):
         datamodule.setup("test")
         out_scores = detection_scores(self.scores_of(subject, datamodule))
         in_scores = detection_scores(model.test_scores)
+        statistics = subject.statistics
+        weights_in = statistics.weights(len(in_scores["entropy"]))  # the same in-set resamples for every set
+        weights_out = statistics.weights(len(out_scores["entropy"]), stream=1 + sorted(self.sets).index(set_name))
+        rows = {f"{score}/{k}": v for score in OOD_SCORES
+                for k, v in detection_statistics(in_scores[score], out_scores[score], weights_in, weights_out).items()}
+        self._rows[set_name] = rows
+        intervals = intervals_of(rows, statistics.level)
         record = {
             "in_distribution": in_data.name, "ood": datamodule.name, "n_samples": model.num_members,
             "n_in": len(in_scores["entropy"]), "n_out": len(out_scores["entropy"]),
             "scores": {name: detection_metrics(in_scores[name], out_scores[name]) for name in OOD_SCORES},
+            "intervals": {score: {k: intervals[f"{score}/{k}"] for k in ("auroc", "aupr", "aupr_in", "fpr95")}
+                          for score in OOD_SCORES},
+            "statistics": {**statistics.record(), "interval": "percentile bootstrap, the in- and OOD sets resampled independently"},
             "mean_entropy": {"in": float(in_scores["entropy"].mean()), "out": float(out_scores["entropy"].mean())},
             "note": "OOD is the positive class; every score is higher for 'more OOD' "
                     "(max_probability is stored as 1 - max probability).",
@@ -285,6 +314,7 @@ class OODDetection(Evaluation):
         )
         return Results(
             metrics={f"{prefix}/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
+            intervals={f"{prefix}/{key}": value for key, value in intervals.items()},
             files={f"{folder}/metrics.json": record,
                    f"{folder}/scores.npz": {**{f"in_{k}": v.numpy() for k, v in in_scores.items()},
                                             **{f"out_{k}": v.numpy() for k, v in out_scores.items()}},
@@ -309,4 +339,12 @@ class OODDetection(Evaluation):
         if not groups:
             return Results()
         means = group_means(per_set, groups)
-        return Results(metrics=means, files={"ood/groups.json": {"groups": groups, "metrics": means}})
+        intervals = {}
+        for group, sets in groups.items():  # the mean of the sets' resampled metrics, resample by resample
+            if not all(s in self._rows for s in sets):
+                continue
+            for key in self._rows[sets[0]]:
+                rows = torch.stack([self._rows[s][key] for s in sets]).mean(0)
+                intervals[f"ood/{group}/{key}"] = intervals_of({key: rows}, subject.statistics.level)[key]
+        return Results(metrics=means, intervals=intervals,
+                       files={"ood/groups.json": {"groups": groups, "metrics": means, "intervals": intervals}})

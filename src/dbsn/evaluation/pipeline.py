@@ -20,6 +20,7 @@ model and hands it here).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ class Evaluator:
         on this subject already (before fitting a post-hoc posterior)."""
         if not checked:
             self.check(subject)
+        subject = replace(subject, statistics=self.statistics)
         model = subject.model
         seed_everything(self.statistics.seed, workers=True, verbose=False)
         attach_sample_ablation(model, self.ablation_sizes)

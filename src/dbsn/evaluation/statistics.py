@@ -73,9 +73,12 @@ class Statistics:
         if not 0 < float(self.level) < 1:
             raise ValueError(f"statistics.level must lie in (0, 1), got {self.level}")
 
-    def weights(self, n: int) -> Tensor:
-        """(1 + resamples, n): unit counts (the metric itself), then the seeded resamples."""
-        return torch.cat([torch.ones(1, n, dtype=torch.float64), resample_counts(n, int(self.resamples), int(self.seed))])
+    def weights(self, n: int, stream: int = 0) -> Tensor:
+        """(1 + resamples, n): unit counts (the metric itself), then the seeded resamples. Sets
+        resampled independently of each other (an OOD set beside the test set) take different
+        `stream`s; sets resampled together (two methods on one test set) the same one."""
+        seed = int(self.seed) * 1_000_003 + int(stream)
+        return torch.cat([torch.ones(1, n, dtype=torch.float64), resample_counts(n, int(self.resamples), seed)])
 
     def record(self) -> dict[str, Any]:
         """What metrics.json says about its intervals."""
