@@ -303,3 +303,33 @@ def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and
     selective = (tmp_path / "report" / "selective.md").read_text()
     assert all(f"| {m} | digits |" in selective for m in methods)
     assert (tmp_path / "report" / "shift_boxplots_digits.png").stat().st_size > 1000
+
+
+def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_same_metrics(dbsn_run, map_run, tmp_path):
+    out, trained = map_run  # has a validation split: the calibration temperature is fitted there
+    record = json.loads((out / "metrics.json").read_text())
+    assert record["calibration"]["fitted_on"] == "validation"
+    assert record["statistics"] == {"seed": 0, "resamples": 1000, "level": 0.95,
+                                    "interval": "percentile bootstrap over the test examples"}
+    for key in ("test/error", "test/nll", "test/brier", "test/ece", "test/adaptive_ece", "test/classwise_ece",
+                "test/calibrated/nll", "test/calibrated/brier", "test/calibrated/ece", "selective/predictive_entropy/aurc",
+                "selective/max_probability/risk@80"):
+        low, high = record["intervals"][key]
+        assert low <= record["metrics"][key] + 1e-6 and record["metrics"][key] <= high + 1e-6 and low < high, key
+    assert record["metrics"]["test/calibrated/nll"] <= record["metrics"]["test/nll"] + 0.05
+    cost = record["cost"]
+    assert cost["params"] > 0 and cost["train_flops_per_image"] > cost["predict_flops_per_image"] > 0
+    assert cost["epoch_seconds"] > 0 and cost["n_samples"] == 1
+    with np.load(out / "predictions.npz") as arrays:
+        assert arrays["log_probs"].shape[0] == arrays["targets"].shape[0] == arrays["calibrated_log_probs"].shape[0]
+    dbsn_out, _ = dbsn_run  # no validation split: test-time cross-validation; the structure draws are seeded
+    written = dbsn_out / "evaluation" / "metrics.json"
+    first = evaluate_quietly(dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "a", ["n_samples=3"])
+    intervals = json.loads(written.read_text())["intervals"]
+    again = evaluate_quietly(dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "b", ["n_samples=3"])
+    evaluated = json.loads(written.read_text())
+    assert first == again and evaluated["intervals"] == intervals
+    assert evaluated["calibration"]["fitted_on"].startswith("test, 2-fold")
+    assert evaluated["cost"]["n_samples"] == 3 and evaluated["cost"]["train_flops_per_image"] > 0
+    other = evaluate_quietly(dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "c", ["n_samples=3", "statistics.seed=1"])
+    assert other["test/nll"] != first["test/nll"]  # other structures drawn

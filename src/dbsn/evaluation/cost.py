@@ -144,7 +144,9 @@ class Cost:
 
     Attributes:
         params: `parameter_count`.
-        train_flops_per_image: `training_flops_per_image` (forward + backward, all T structures).
+        train_flops_per_image: `training_flops_per_image` (forward + backward, all T structures);
+            None for a model that is not trained itself (a post-hoc posterior, built from a
+            finished run whose cost is that run's).
         predict_flops_per_image: `prediction_flops_per_image` at `n_samples`.
         n_samples: the members the prediction averages (`method.num_members`: S for a
             stochastic method, 1 for a deterministic one, M networks for a deep ensemble).
@@ -155,7 +157,7 @@ class Cost:
     """
 
     params: int
-    train_flops_per_image: float
+    train_flops_per_image: float | None
     predict_flops_per_image: float
     n_samples: int
     epoch_seconds: float | None = None
@@ -172,9 +174,13 @@ def measure_cost(method: Method, x: Tensor, y: Tensor, epoch_seconds: float | No
     so far (call this after training, in the training process) and not the counts' copies."""
     device = _device(method)
     peak, peak_of = peak_memory_mib(device)
+    try:
+        train_flops = training_flops_per_image(method, x, y)
+    except NotImplementedError:  # built post hoc, not trained
+        train_flops = None
     return Cost(
         params=parameter_count(method),
-        train_flops_per_image=training_flops_per_image(method, x, y),
+        train_flops_per_image=train_flops,
         predict_flops_per_image=prediction_flops_per_image(method, x),
         n_samples=int(method.num_members),
         epoch_seconds=epoch_seconds,

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
+from dbsn.evaluation.cost import measure_cost
 from dbsn.evaluation.results import write_results
 from dbsn.evaluation.statistics import Statistics
 from dbsn.evaluation.test_pass import attach_sample_ablation, run_test_pass, test_pass_results
@@ -68,13 +69,15 @@ class Evaluator:
 
     def evaluate(self, subject: Subject, trainer, folder: Path, loggers: Sequence = (),
                  record: Callable[[], dict[str, Any]] | None = None, structure: bool = True,
-                 checked: bool = False) -> dict[str, float]:
+                 checked: bool = False, epoch_seconds: float | None = None) -> dict[str, float]:
         """Check, test, evaluate; return every number under its flat name. `record()`: the facts
         metrics.json keeps beside the test metrics, asked for after the test pass (the method's
         `run_facts()` among them: some, such as the BatchNorm statistics used, are known only
         then); `structure`: draw the structure posterior
         (a training run has it already, from its callback); `checked`: the caller ran `check`
-        on this subject already (before fitting a post-hoc posterior)."""
+        on this subject already (before fitting a post-hoc posterior); `epoch_seconds`: the
+        mean wall time of a training epoch, for the cost metrics.json records (`cost`: parameters,
+        training and prediction FLOPs per image, peak memory; `dbsn.evaluation.cost`)."""
         if not checked:
             self.check(subject)
         subject = replace(subject, statistics=self.statistics)
@@ -84,7 +87,8 @@ class Evaluator:
         metrics = run_test_pass(trainer, model, subject.datamodule)
         values = dict(metrics)
         if trainer.is_global_zero:
-            results = test_pass_results(model, metrics, subject.title, record=record() if record else None,
+            facts = {**(record() if record else {}), "cost": cost_of(subject, epoch_seconds)}
+            results = test_pass_results(model, metrics, subject.title, record=facts,
                                         structure=structure, datamodule=subject.datamodule, statistics=self.statistics)
             write_results(results, folder, loggers)
             values = results.values
@@ -96,6 +100,13 @@ class Evaluator:
             values.update(results.values)
         _say_where(folder)
         return values
+
+
+def cost_of(subject: Subject, epoch_seconds: float | None) -> dict[str, Any]:
+    """`measure_cost` of the subject's model on (at most) 4 test images."""
+    images, targets = next(iter(subject.datamodule.test_dataloader()))
+    x = subject.datamodule.preprocess(images[:4].to(subject.device))
+    return measure_cost(subject.model, x, targets[:4].to(subject.device), epoch_seconds).as_dict()
 
 
 @rank_zero_only

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from dbsn.evaluation.base import Subject
+from dbsn.evaluation.cost import EpochTimer
 from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report
 from dbsn.evaluation.runs import CONFIG_FILE, run_checkpoint
@@ -89,7 +90,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
-    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback()]
+    epoch_timer = EpochTimer()
+    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -128,7 +130,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
 
     subject = Subject(model, datamodule, title_of(type(model).__name__, plain["data"], model.n_samples),
                       trainer.strategy.root_device, progress_of(cfg))
-    metrics = Evaluator(statistics=statistics).evaluate(subject, trainer, output_dir, loggers, record, structure=False)
+    metrics = Evaluator(statistics=statistics).evaluate(subject, trainer, output_dir, loggers, record, structure=False,
+                                                        epoch_seconds=epoch_timer.mean_epoch_seconds)
     close_loggers(loggers, "success", finish_wandb=trainer.is_global_zero)
     return metrics
 
