@@ -5,6 +5,7 @@ the `outputs` fixture) gathered into tables whose numbers are checked by hand.
 from __future__ import annotations
 
 import csv
+import re
 import json
 from pathlib import Path
 
@@ -26,23 +27,29 @@ def section(text: str, heading: str) -> str:
     return text[start:] if end < 0 else text[start:end]
 
 
+def without_intervals(text: str) -> str:
+    """The table text without its cells' [low, high] intervals (checked by hand in table 1)."""
+    return re.sub(r" \[[-0-9., ]+\]", "", text)
+
+
 def test_table1_means_by_hand_and_fbn_inferred(outputs, tmp_path):
     report = build_report([outputs], tmp_path / "report")
     table = (tmp_path / "report" / "table1_error.md").read_text()
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[4:]}
     assert table.splitlines()[2].startswith("| method | cifar10 | cifar100 |")
     assert list(rows) == ["dbsn", "fbn", "map"]  # canonical order
-    assert rows["dbsn"] == ["6.00 ± 1.00 (3)", "22.00 ± 2.00 (3)"]
-    assert rows["map"] == ["9.00 ± 1.41 (2)", "30.50 ± 0.71 (2)"]  # the failed seed 2 is not averaged
-    assert rows["fbn"] == ["4.00 (1)", "–"]  # no std from one run
+    # mean ± std [mean ± t(0.975, n - 1) std / sqrt(n)] (n): t(0.975, 2) = 4.303, t(0.975, 1) = 12.71
+    assert rows["dbsn"] == ["6.00 ± 1.00 [3.52, 8.48] (3)", "22.00 ± 2.00 [17.03, 26.97] (3)"]
+    assert rows["map"] == ["9.00 ± 1.41 [-3.71, 21.71] (2)", "30.50 ± 0.71 [24.15, 36.85] (2)"]  # the failed seed 2 is not averaged
+    assert rows["fbn"] == ["4.00 (1)", "–"]  # no std from one run, and this run has no bootstrap interval
     by_cell = {(r["method"], r["dataset"]): r for r in read_csv(tmp_path / "report" / "table1_error.csv")}
     assert float(by_cell["dbsn", "cifar10"]["mean"]) == pytest.approx(6.0)
     assert float(by_cell["dbsn", "cifar10"]["std"]) == pytest.approx(1.0)
     assert by_cell["dbsn", "cifar10"]["n"] == "3" and by_cell["fbn", "cifar10"]["std"] == ""
-    ece = (tmp_path / "report" / "table2_ece.md").read_text()
+    ece = without_intervals((tmp_path / "report" / "table2_ece.md").read_text())
     assert "| dbsn | 0.0120 ± 0.0020 (3) | 0.0120 ± 0.0020 (3) |" in ece
     assert "| map | 0.0120 ± 0.0028 (2) |" in ece  # seeds 1 and 3
-    assert "| dbsn | 0.6000 ± 0.1000 (3) |" in (tmp_path / "report" / "table_nll.md").read_text()
+    assert "| dbsn | 0.6000 ± 0.1000 (3) |" in without_intervals((tmp_path / "report" / "table_nll.md").read_text())
     assert len(report.with_status("ok")) == 11
 
 
@@ -66,7 +73,7 @@ def test_failed_and_missing_runs_are_listed(outputs, tmp_path):
 def test_training_time_table_and_ratio_to_dbsn_by_hand(outputs, tmp_path):
     build_report([outputs], tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
-    table = section(text, "## Training time")
+    table = without_intervals(section(text, "## Training time"))
     # dbsn cifar10: seeds 1-3 -> 10, 20, 30 min; map cifar10: seeds 1, 3 (2 failed) -> 20, 60 min
     assert "| dbsn | cifar10 | 20.0 ± 10.0 (3) | 100 | 1.00 |" in table
     assert "| map | cifar10 | 40.0 ± 28.3 (2) | 100 | 2.00 |" in table
@@ -115,7 +122,7 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
     build_report([outputs], out)
     text = (out / "report.md").read_text()
 
-    ood_md = section(text, "## Out-of-distribution detection")
+    ood_md = without_intervals(section(text, "## Out-of-distribution detection"))
     assert "| dbsn | entropy | 0.9100 ± 0.0141 (2) | 0.8100 ± 0.0141 (2) | 0.0900 ± 0.0141 (2) |" in ood_md
     assert "| map | entropy | 0.8000 (1) |" in ood_md
     assert ood_md.index("| dbsn | entropy") < ood_md.index("| dbsn | mutual_information")
@@ -129,7 +136,7 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
     auroc = next(r for r in rows if (r["method"], r["ood"], r["score"], r["metric"]) == ("dbsn", "svhn", "entropy", "auroc"))
     assert float(auroc["mean"]) == pytest.approx(0.91) and auroc["n"] == "2"
 
-    adversarial = section(text, "## Adversarial robustness")
+    adversarial = without_intervals(section(text, "## Adversarial robustness"))
     assert "| method | attack | ε=0 | ε=0.1 |" in adversarial
     assert "| dbsn | fgsm | 0.9100 ± 0.0141 (2) | 0.4000 ± 0.1414 (2) |" in adversarial
     assert "| dbsn | bim | 0.9100 ± 0.0141 (2) | 0.2000 ± 0.0707 (2) |" in adversarial

@@ -30,6 +30,8 @@ class Run:
     train_seconds: float | None = None  # fit wall time (metrics.json; resumed parts included)
     epochs: object = None
     log: str | None = None  # the SLURM job's log file (slurm.json), for runs that did not finish
+    intervals: dict = field(default_factory=dict)  # metric -> [low, high], the bootstrap intervals of metrics.json
+    cost: dict = field(default_factory=dict)  # metrics.json's cost: parameters, FLOPs per image, epoch time, memory
 
 
 @dataclass
@@ -65,6 +67,7 @@ def load_run(folder: Path) -> Run:
             run.metrics, run.status = dict(record["metrics"]), "ok"
             run.seed, run.n_samples = record.get("seed", run.seed), record.get("n_samples")
             run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
+            run.intervals, run.cost = dict(record.get("intervals") or {}), dict(record.get("cost") or {})
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status != "ok" and slurm:

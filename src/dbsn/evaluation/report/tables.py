@@ -8,6 +8,7 @@ import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,9 @@ DATASET_ORDER = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
 OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
 ABLATION_S = (1, 10, 100)
+INTERVALS_NOTE = ("Mean ± sample standard deviation (ddof = 1) over seeds, then the 95 % interval in brackets: "
+                  "Student's t over the seeds, or for a single seed the run's bootstrap interval over the test "
+                  "examples (1,000 resamples).")
 # (file stem, metric key, scale, decimals, title, explanation)
 MAIN_TABLES = (
     ("table1_error", "test/error", 100.0, 2, "Table 1: test error (%)", "Test error in %, lower is better."),
@@ -38,16 +42,55 @@ def _order(names, canonical) -> list[str]:
     return [n for n in canonical if n in names] + sorted(names - set(canonical))
 
 
-def mean_std(values) -> tuple[float, float | None, int]:
+class Cell(NamedTuple):
+    """A table cell: the mean over seeds, their sample std (ddof = 1; None for one seed), the number
+    of seeds, and the 95 % interval: Student's t over the seeds for two or more, the run's own
+    bootstrap interval over test examples for one (None where the run has none)."""
+
+    mean: float
+    std: float | None
+    n: int
+    low: float | None = None
+    high: float | None = None
+
+
+#: the CSV columns of a `Cell`
+STATS = ["mean", "std", "n", "low", "high"]
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Student's t interval of the mean of `values` (at least two)."""
+    from scipy.stats import t
+
+    mean, std, n = statistics.fmean(values), statistics.stdev(values), len(values)
+    half = float(t.ppf((1 + level) / 2, n - 1)) * std / n ** 0.5
+    return mean - half, mean + half
+
+
+def mean_std(values, intervals=None) -> Cell:
+    """The `Cell` of one value per seed; `intervals`: each run's [low, high] (or None), in the same order."""
     values = [float(v) for v in values]
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None), len(values)
+    if len(values) > 1:
+        return Cell(statistics.fmean(values), statistics.stdev(values), len(values), *t_interval(values))
+    bounds = (intervals or [None])[0]
+    return Cell(values[0], None, 1, *(bounds if bounds is not None else (None, None)))
 
 
 def fmt(stats, digits: int) -> str:
+    """`mean ± std [low, high] (n)`; one seed: `value [low, high] (1)`."""
     if stats is None:
         return "–"
-    mean, std, n = stats
-    return f"{mean:.{digits}f} ± {std:.{digits}f} ({n})" if std is not None else f"{mean:.{digits}f} ({n})"
+    mean, std, n, *bounds = stats
+    text = f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+    if bounds and bounds[0] is not None:
+        text += f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+    return f"{text} ({n})"
+
+
+def _bounds(run: Run, key: str, scale: float = 1.0) -> list[float] | None:
+    """The run's bootstrap interval of `key`, scaled, or None."""
+    found = run.intervals.get(key)
+    return None if found is None else [scale * found[0], scale * found[1]]
 
 
 def md_table(header: list[str], rows: list[list]) -> str:
@@ -101,16 +144,17 @@ def main_tables(report: Report, ok: list[Run]) -> str:
     sizes = sorted({str(r.n_samples) for r in ok if r.n_samples is not None})
     text = ""
     for stem, key, scale, digits, title, explanation in MAIN_TABLES:
-        values = defaultdict(list)
+        values, bounds = defaultdict(list), defaultdict(list)
         for r in ok:
             if key in r.metrics:
                 values[r.method, r.dataset].append(scale * r.metrics[key])
-        stats = {cell: mean_std(v) for cell, v in values.items()}
+                bounds[r.method, r.dataset].append(_bounds(r, key, scale))
+        stats = {cell: mean_std(v, bounds[cell]) for cell, v in values.items()}
         table = md_table(["method", *datasets], [[m, *(fmt(stats.get((m, d)), digits) for d in datasets)] for m in methods])
         _write(report, f"{stem}.md", f"# {title}\n\n{table}")
-        _write_csv(report, f"{stem}.csv", ["method", "dataset", "mean", "std", "n"],
+        _write_csv(report, f"{stem}.csv", ["method", "dataset", *STATS],
                    [[m, d, *stats[m, d]] for m in methods for d in datasets if (m, d) in stats])
-        text += (f"## {title}\n\n{explanation} Mean ± sample standard deviation (ddof = 1) over seeds; (n) is the "
+        text += (f"## {title}\n\n{explanation} {INTERVALS_NOTE} (n) is the "
                  f"number of finished runs averaged ({_seeds_note(ok)}); predictions of stochastic methods "
                  f"average S = {', '.join(sizes) or '?'} Monte Carlo samples. Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n")
     return text
@@ -124,7 +168,7 @@ def ood_records(folder: Path) -> list[Path]:
 
 
 def ood_section(report: Report, ok: list[Run]) -> str:
-    values, curves = defaultdict(list), defaultdict(lambda: defaultdict(list))
+    values, bounds, curves = defaultdict(list), defaultdict(list), defaultdict(lambda: defaultdict(list))
     for r in ok:
         for path in ood_records(r.path / "evaluation" / "ood"):
             record = json.loads(path.read_text())
@@ -133,6 +177,8 @@ def ood_section(report: Report, ok: list[Run]) -> str:
                 for metric, value in metrics.items():
                     if isinstance(value, (int, float)):
                         values[r.dataset, ood, r.method, score, metric].append(value)
+                        bounds[r.dataset, ood, r.method, score, metric].append(
+                            (record.get("intervals") or {}).get(score, {}).get(metric))
             if (path.parent / "scores.npz").is_file():
                 with np.load(path.parent / "scores.npz") as scores:
                     curves[r.dataset, ood][r.method].append(np.asarray(scores["out_entropy"], dtype=float).ravel())
@@ -143,7 +189,7 @@ def ood_section(report: Report, ok: list[Run]) -> str:
         table = []
         for method in _order({k[2] for k in values if k[:2] == (dataset, ood)}, METHOD_ORDER):
             for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, OOD_SCORES):
-                cell = {metric: mean_std(values[dataset, ood, method, score, metric])
+                cell = {metric: mean_std(values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric])
                         for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
                 table.append([method, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
                 rows += [[method, dataset, ood, score, m, *s] for m, s in cell.items()]
@@ -158,11 +204,11 @@ def ood_section(report: Report, ok: list[Run]) -> str:
                 text += (f"![entropy CDF]({name})\n\nEmpirical CDF of the predictive entropy on the {ood} test set, "
                          "pooled over each method's seeds: a curve further right (more high-entropy "
                          "predictions on data it was not trained on) is better.\n\n")
-    _write_csv(report, "ood.csv", ["method", "dataset", "ood", "score", "metric", "mean", "std", "n"], rows)
+    _write_csv(report, "ood.csv", ["method", "dataset", "ood", "score", "metric", *STATS], rows)
     text = ("## Out-of-distribution detection\n\nEach score (predictive entropy, mutual information, "
             "max probability) separates in-distribution test data from the OOD set; AUROC and AUPR (OOD as "
             "positive) higher is better, FPR95 (false-positive rate at 95% true-positive rate) lower is better; "
-            "fractions, mean ± std (n seeds). Files: `ood.md`, `ood.csv`.\n\n" + text)
+            "fractions, mean ± std [95 % interval] (n seeds): one seed's interval resamples both test sets. Files: `ood.md`, `ood.csv`.\n\n" + text)
     _write(report, "ood.md", text.replace("## ", "# ", 1))
     return text
 
@@ -171,24 +217,26 @@ def _per_method_table(report: Report, ok: list[Run], stem: str, title: str, expl
                       columns: list[tuple[str, str, float, int]]) -> str:
     """One row per (method, dataset), one column per (label, metric key, scale, digits) read from
     each run's test-pass metrics; "" when no run has any of them."""
-    values = defaultdict(list)
+    values, bounds = defaultdict(list), defaultdict(list)
     for r in ok:
         for label, key, scale, _ in columns:
             if key in r.metrics:
                 values[r.method, r.dataset, label].append(scale * r.metrics[key])
+                bounds[r.method, r.dataset, label].append(_bounds(r, key, scale))
     if not values:
         return ""
     cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], METHOD_ORDER.index(k[0])
                                                             if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0]))
     rows, csv_rows = [], []
     for method, dataset in cells:
-        stats = {label: mean_std(values[method, dataset, label]) for label, *_ in columns if values[method, dataset, label]}
+        stats = {label: mean_std(values[method, dataset, label], bounds[method, dataset, label])
+                 for label, *_ in columns if values[method, dataset, label]}
         rows.append([method, dataset, *(fmt(stats.get(label), digits) for label, _, _, digits in columns)])
         csv_rows += [[method, dataset, label, *stats[label]] for label, *_ in columns if label in stats]
     table = md_table(["method", "dataset", *(label for label, *_ in columns)], rows)
     _write(report, f"{stem}.md", f"# {title}\n\n{table}")
-    _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", "mean", "std", "n"], csv_rows)
-    return f"## {title}\n\n{explanation} Mean ± std over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n"
+    _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", *STATS], csv_rows)
+    return f"## {title}\n\n{explanation} Mean ± std over seeds [95 % interval] (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n"
 
 
 def calibration_section(report: Report, ok: list[Run]) -> str:
@@ -261,7 +309,7 @@ def shift_section(report: Report, ok: list[Run]) -> str:
 
 
 def ood_groups_section(report: Report, ok: list[Run]) -> str:
-    values = defaultdict(list)
+    values, bounds = defaultdict(list), defaultdict(list)
     groups_seen: dict[str, list[str]] = {}
     for r in ok:
         path = r.path / "evaluation" / "ood" / "groups.json"
@@ -272,16 +320,17 @@ def ood_groups_section(report: Report, ok: list[Run]) -> str:
         for key, value in record["metrics"].items():
             _, group, score, metric = key.split("/")
             values[r.dataset, r.method, group, score, metric].append(value)
+            bounds[r.dataset, r.method, group, score, metric].append((record.get("intervals") or {}).get(key))
     if not values:
         return ""
     table, csv_rows = [], []
     for dataset, method, group, score in sorted({k[:4] for k in values}, key=lambda k: (k[0], METHOD_ORDER.index(k[1])
                                                 if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3])):
-        cell = {m: mean_std(values[dataset, method, group, score, m]) for m, _ in OOD_METRICS
+        cell = {m: mean_std(values[dataset, method, group, score, m], bounds[dataset, method, group, score, m]) for m, _ in OOD_METRICS
                 if values[dataset, method, group, score, m]}
         table.append([method, dataset, group, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
         csv_rows += [[method, dataset, group, score, m, *st] for m, st in cell.items()]
-    _write_csv(report, "ood_groups.csv", ["method", "dataset", "group", "score", "metric", "mean", "std", "n"], csv_rows)
+    _write_csv(report, "ood_groups.csv", ["method", "dataset", "group", "score", "metric", *STATS], csv_rows)
     described = "; ".join(f"{g}: {', '.join(sets)}" for g, sets in groups_seen.items())
     text = ("## Near and far OOD\n\nMeans over the OOD sets of each group (" + described + "), as OpenOOD v1.5 "
             "reports them; OOD is the positive class of AUROC, AUPR and FPR95. Files: `ood_groups.csv`.\n\n"
@@ -390,9 +439,10 @@ def time_section(report: Report, ok: list[Run]) -> str:
             shown_epochs = ", ".join(str(e) for e in sorted(epochs[method, dataset], key=str))
             table.append([method, dataset, fmt(stats, 1), shown_epochs, "–" if ratio is None else f"{ratio:.2f}"])
             rows.append([method, dataset, *stats, shown_epochs, ratio])
-    _write_csv(report, "time.csv", ["method", "dataset", "mean_minutes", "std_minutes", "n", "epochs", "ratio_to_dbsn"], rows)
+    _write_csv(report, "time.csv", ["method", "dataset", "mean_minutes", "std_minutes", "n", "low_minutes", "high_minutes",
+                                    "epochs", "ratio_to_dbsn"], rows)
     text = ("## Training time\n\nWall time of training (the fit, validation included, resumed parts added up), in "
-            "minutes, mean ± std (n runs), and its ratio to DBSN's mean on the same data. Only comparable between "
+            "minutes, mean ± std [95 % t interval] (n runs), and its ratio to DBSN's mean on the same data. Only comparable between "
             "runs on the same hardware. Files: `time.md`, `time.csv`.\n\n"
             + md_table(["method", "dataset", "minutes", "epochs", "× DBSN"], table) + "\n")
     _write(report, "time.md", text.replace("## ", "# ", 1))
@@ -442,7 +492,7 @@ def other_evaluations_section(report: Report, ok: list[Run]) -> str:
         table = md_table(["method", "dataset", "metric", "value"], [[*cell, fmt(stats[cell], 4)] for cell in order])
         stem = f"evaluation_{_slug(name)}"
         _write(report, f"{stem}.md", f"# Evaluation: {name}\n\n{table}")
-        _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", "mean", "std", "n"],
+        _write_csv(report, f"{stem}.csv", ["method", "dataset", "metric", *STATS],
                    [[*cell, *stats[cell]] for cell in order])
         text += (f"## Evaluation: {name}\n\nEvery number of `evaluations=[{name}]` (its `summary.json`), mean ± std "
                  f"over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n")
