@@ -32,7 +32,7 @@ from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.cost import measure_cost
 from dbsn.evaluation.results import write_results
 from dbsn.evaluation.statistics import Statistics
-from dbsn.evaluation.test_pass import attach_sample_ablation, run_test_pass, test_pass_results
+from dbsn.evaluation.test_pass import add_calibrated_ablation, attach_sample_ablation, run_test_pass, test_pass_results
 
 __all__ = ["SUMMARY_FILE", "Evaluator"]
 
@@ -85,6 +85,8 @@ class Evaluator:
         seed_everything(self.statistics.seed, workers=True, verbose=False)
         attach_sample_ablation(model, self.ablation_sizes)
         metrics = run_test_pass(trainer, model, subject.datamodule)
+        if trainer.world_size == 1:
+            add_calibrated_ablation(model, self.statistics.seed)
         values = dict(metrics)
         if trainer.is_global_zero:
             facts = {**(record() if record else {}), "cost": cost_of(subject, epoch_seconds)}

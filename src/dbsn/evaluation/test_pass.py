@@ -26,14 +26,14 @@ from torch import Tensor
 from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
-from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, test_statistics
+from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, test_statistics
 from dbsn.evaluation.structure import edge_names_of, structure_files
 from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
 from dbsn.metrics.classification import reliability_bins
 from dbsn.metrics.selective import risk_coverage_curve, risk_coverage_figure, score_as_uncertainty, selective_metrics
 
-__all__ = ["SELECTIVE_SCORES", "attach_sample_ablation", "prediction_quality", "run_test_pass", "test_pass_results"]
+__all__ = ["SELECTIVE_SCORES", "add_calibrated_ablation", "attach_sample_ablation", "prediction_quality", "run_test_pass", "test_pass_results"]
 
 #: the metrics printed first, in this order (the rest follow alphabetically)
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
@@ -53,6 +53,20 @@ def attach_sample_ablation(model, sizes=None) -> None:
     if model.num_members > 1:
         sizes = None if sizes is None else [s for s in sizes if s <= model.num_members] or [model.num_members]
         model.sample_ablation = SampleAblation(model.num_classes, model.num_members, sizes)
+
+
+def add_calibrated_ablation(model, seed: int) -> None:
+    """Each row of the MC-sample ablation gets the calibrated NLL of its ensemble (temperature by
+    test-time 2-fold cross-validation, `seed`ed), where the ablation kept its ensembles (a deep
+    ensemble's 1..M): the curve the deep-ensemble equivalent reads."""
+    ablation, rows = model.sample_ablation, model.ablation_rows
+    kept = None if ablation is None or rows is None or model.test_predictions is None else ablation.kept
+    if kept is None:
+        return
+    targets = model.test_predictions[1]
+    for row, log_probs in zip(rows, kept):
+        calibrated, _ = calibrate(log_probs.double(), targets, seed=seed)
+        row["calibrated_nll"] = float(-calibrated.gather(1, targets[:, None]).mean())
 
 
 def run_test_pass(trainer, model, datamodule) -> dict[str, float]:

@@ -51,9 +51,13 @@ class SampleAblation(nn.Module):
         num_classes: C.
         sizes: the ensemble sizes to report; None = every s from 1 to `max_samples`.
         max_samples: S, the number of members each `update` receives.
+        keep: also keep every size's ensemble log-probabilities (`kept`, (sizes, N, C) once
+            `compute`d), for what needs them whole (the calibrated NLL of each size); None:
+            keep them for at most 16 sizes (a deep ensemble's 1..M, not DBSN's 1..100).
     """
 
-    def __init__(self, num_classes: int, max_samples: int, sizes: Sequence[int] | None = None) -> None:
+    def __init__(self, num_classes: int, max_samples: int, sizes: Sequence[int] | None = None,
+                 keep: bool | None = None) -> None:
         super().__init__()
         sizes = list(range(1, max_samples + 1)) if sizes is None else sorted({int(s) for s in sizes})
         if not sizes or sizes[0] < 1 or sizes[-1] > max_samples:
@@ -61,6 +65,8 @@ class SampleAblation(nn.Module):
         self.sizes = sizes
         self.max_samples = max_samples
         self.metrics = nn.ModuleList(ClassificationMetrics(num_classes) for _ in sizes)
+        self.keep = len(sizes) <= 16 if keep is None else keep
+        self._kept: list[Tensor] = []
 
     def update(self, member_log_probs: Tensor, target: Tensor,
                transform: Callable[[Tensor], Tensor] | None = None) -> None:
@@ -72,8 +78,18 @@ class SampleAblation(nn.Module):
         if member_log_probs.shape[0] != self.max_samples:
             raise ValueError(f"expected {self.max_samples} members, got {member_log_probs.shape[0]}")
         ensembles = prefix_ensembles(member_log_probs, self.sizes)
+        if transform is not None:
+            ensembles = torch.stack([transform(log_probs) for log_probs in ensembles])
         for metrics, log_probs in zip(self.metrics, ensembles):
-            metrics.update(transform(log_probs) if transform is not None else log_probs, target)
+            metrics.update(log_probs, target)
+        if self.keep:
+            self._kept.append(ensembles.detach().float().cpu())
+
+    @property
+    def kept(self) -> Tensor | None:
+        """(sizes, N, C): every size's ensemble log-probabilities of the batches since the last
+        `reset`, in order (None unless `keep`)."""
+        return torch.cat(self._kept, dim=1) if self.keep and self._kept else None
 
     def compute(self) -> list[dict[str, float]]:
         """One row per size: {"n_samples", "error", "nll", "brier", "ece"}."""
@@ -86,3 +102,4 @@ class SampleAblation(nn.Module):
     def reset(self) -> None:
         for metrics in self.metrics:
             metrics.reset()
+        self._kept = []

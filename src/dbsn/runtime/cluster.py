@@ -342,7 +342,7 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     if "model" in config:  # a training sweep: its tables
         from dbsn.evaluation.report import build_sweep_report
 
-        report = build_sweep_report(sweep_dir)
+        report = build_sweep_report(sweep_dir, reference=str((config.get("report") or {}).get("reference") or "dbsn"))
         print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)
     return results
 

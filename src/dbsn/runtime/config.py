@@ -40,7 +40,7 @@ RUNTIME_KEYS = {"num_classes", "net", "member"}
 
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "n_samples", "print_config", "resume", "statistics",
+    "test", "task_name", "tags", "n_samples", "print_config", "resume", "statistics", "report",
 }
 
 # Top-level keys of train.py and the types they take (None = may be null).

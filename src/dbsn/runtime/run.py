@@ -229,6 +229,7 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
             problems[str(run_dir)] = f"{type(err).__name__}: {err}"
     for run, problem in problems.items():
         Console().print(f"[red]not evaluated[/red] {run}: {problem}")
-    report = build_sweep_report(root)
+    report = build_sweep_report(root, reference=str((cfg.get("report") or {}).get("reference") or "dbsn"),
+                                statistics=statistics_of(cfg))
     Console().print(f"Report: {root / 'report'}")
     return {"runs": [str(r) for r in runs], "not_evaluated": problems, "report": report}

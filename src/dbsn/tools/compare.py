@@ -20,9 +20,12 @@ DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ reaches 1 
 0.5 within the run, θ's Adam at 10x the paper's lr); VOGN and VOGN-FBN warm their KL weight up
 over the first 10 % of the steps (the paper: 1000 steps). NEK-FAC is left out: it is defined on
 VGG16-BN, not on this network. Prints and writes (comparison.md, comparison.json) a table of
-error / NLL / Brier / ECE and training time, titled with the dataset; the runs' folders are a
-sweep that `python report.py DIR` tabulates (training time as a ratio to DBSN: the paper's
-Table 5 comparison is `--methods dbsn,vogn,vogn_fbn --batch-size 32`).
+error / NLL / Brier / ECE / calibrated NLL, each with its 95 % bootstrap interval over the test
+examples, and training time, titled with the dataset; then the paired differences of every method
+against DBSN (or the first method) on the same test examples, with the line naming the differences
+indistinguishable from noise, from the report that it writes into DIR/report (every table, the
+cost table and the Pareto figure; training time as a ratio to DBSN: the paper's Table 5
+comparison is `--methods dbsn,vogn,vogn_fbn --batch-size 32`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from dbsn.evaluation.report import build_report
 from dbsn.runtime.config import CONF_DIR
 from dbsn.structure.schedules import REFERENCE_BATCH
 
@@ -130,14 +134,52 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
                 *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size),
                 *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
         metrics = train(cfg, run_dir)
-        results[method] = {**metrics, "train_seconds": json.loads((run_dir / "metrics.json").read_text())["train_seconds"]}
+        record = json.loads((run_dir / "metrics.json").read_text())
+        results[method] = {**metrics, "train_seconds": record["train_seconds"], "intervals": record.get("intervals", {}),
+                           "cost": record.get("cost", {})}
     write_table(results, Path(output_dir), epochs, batch_size, data, num_train if data_cfg.train_subset else None)
+    reference = "dbsn" if "dbsn" in methods else methods[0]
+    if len(methods) > 1:
+        print_paired(build_report([Path(output_dir)], Path(output_dir) / "report", reference), reference)
     return results
 
 
-COLUMNS = (("error %", "test/error", lambda v: f"{100 * v:.2f}"), ("NLL", "test/nll", lambda v: f"{v:.4f}"),
-           ("Brier", "test/brier", lambda v: f"{v:.4f}"), ("ECE", "test/ece", lambda v: f"{v:.4f}"),
-           ("train min", "train_seconds", lambda v: "–" if v is None else f"{v / 60:.1f}"))
+def print_paired(report, reference: str) -> None:
+    """The report's paired differences against `reference` (paired.csv) on the console, and its
+    one-line summary of the differences indistinguishable from noise."""
+    path = report.out / "paired.csv"
+    if not path.is_file():
+        return
+    import csv
+
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    table = Table("method", "metric", "difference", "95 % interval", "", title=f"Paired differences: method − {reference} "
+                  "(same test examples; * the interval excludes 0, † also after Holm's correction)")
+    for row in rows:
+        mark = ("*" if row["excludes_zero"] == "True" else "") + ("†" if row["holm_rejected"] == "True" else "")
+        table.add_row(row["method"], row["metric"], f"{float(row['difference']):+.4f}",
+                      f"[{float(row['low']):+.4f}, {float(row['high']):+.4f}]", mark)
+    Console().print(table)
+    for line in report.summary:
+        Console().print(line)
+    Console().print(f"Report with every table and the Pareto figure: {report.out / 'report.md'}")
+
+
+def _with_interval(scale: float, digits: int):
+    def show(value, interval) -> str:
+        if value is None:
+            return "–"
+        text = f"{scale * value:.{digits}f}"
+        return text if not interval else f"{text} [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
+    return show
+
+
+#: (column, metric key, format of (value, its 95 % interval or None))
+COLUMNS = (("error %", "test/error", _with_interval(100, 2)), ("NLL", "test/nll", _with_interval(1, 4)),
+           ("Brier", "test/brier", _with_interval(1, 4)), ("ECE", "test/ece", _with_interval(1, 4)),
+           ("calibrated NLL", "test/calibrated/nll", _with_interval(1, 4)),
+           ("train min", "train_seconds", lambda v, _: "–" if v is None else f"{v / 60:.1f}"))
 
 
 def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: int, batch_size: int = 64,
@@ -145,7 +187,8 @@ def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: 
     """Print the results as a table titled with the run's settings; write it to comparison.md
     and, with those settings (`train_subset`: the subset's images, None = the whole training
     split), to comparison.json."""
-    rows = [[method, *(fmt(m.get(key)) for _, key, fmt in COLUMNS)] for method, m in results.items()]
+    rows = [[method, *(fmt(m.get(key), (m.get("intervals") or {}).get(key)) for _, key, fmt in COLUMNS)]
+            for method, m in results.items()]
     header = ["method", *(name for name, _, _ in COLUMNS)]
     markdown = "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]) + "\n"
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +197,8 @@ def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: 
         {"date": date.today().isoformat(), "data": data, "train_subset": train_subset, "epochs": epochs,
          "batch_size": batch_size, "results": results}, indent=2) + "\n")
     subset = f", a {train_subset}-image training subset" if train_subset else ""
-    table = Table(*header, title=f"{data}{subset}, {epochs} epochs, batch {batch_size}")
+    table = Table(*header, title=f"{data}{subset}, {epochs} epochs, batch {batch_size}: value [95 % bootstrap interval "
+                                "over the test examples]")
     for row in rows:
         table.add_row(*row)
     Console().print(table)

@@ -27,16 +27,20 @@ from datetime import datetime
 from pathlib import Path
 
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
+from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
 from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
                                            calibration_section, main_tables, ood_groups_section, ood_section,
                                            other_evaluations_section, runs_section, selective_section, shift_section,
                                            time_section)
 
+from dbsn.evaluation.statistics import Statistics
+
 __all__ = ["Report", "Run", "build_report", "build_sweep_report"]
 
 
-def build_report(dirs: list[Path], out: Path) -> Report:
-    """Read every run below `dirs` and write the tables, figures and report.md into `out`."""
+def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistics: Statistics | None = None) -> Report:
+    """Read every run below `dirs` and write the tables, figures and report.md into `out`; paired
+    differences against the method `reference`, with `statistics`' bootstrap."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     folders, roots = find_folders([Path(d) for d in dirs])
@@ -61,7 +65,9 @@ def build_report(dirs: list[Path], out: Path) -> Report:
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
-        text += main_tables(report, ok) + calibration_section(report, ok) + selective_section(report, ok)
+        text += main_tables(report, ok) + paired_section(report, ok, reference, statistics)
+        text += calibration_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
+        text += selective_section(report, ok)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)
         text += adversarial_section(report, ok) + other_evaluations_section(report, ok) + ablation_section(report, ok)
         text += time_section(report, ok)
@@ -74,6 +80,6 @@ def build_report(dirs: list[Path], out: Path) -> Report:
     return report
 
 
-def build_sweep_report(folder: Path) -> Report:
+def build_sweep_report(folder: Path, reference: str = "dbsn", statistics: Statistics | None = None) -> Report:
     """The report of every run under `folder` (a sweep), into `folder/report`."""
-    return build_report([folder], Path(folder) / "report")
+    return build_report([folder], Path(folder) / "report", reference, statistics)

@@ -40,6 +40,7 @@ class Report:
     runs: list[Run]
     files: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)  # one line per finding the console repeats (indistinguishable differences)
 
     def with_status(self, status: str) -> list[Run]:
         return [r for r in self.runs if r.status == status]

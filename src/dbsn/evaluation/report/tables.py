@@ -244,9 +244,13 @@ def calibration_section(report: Report, ok: list[Run]) -> str:
         report, ok, "calibration", "Calibration beyond equal-width ECE",
         "Three ECEs of the test pass's Bayes ensemble, 15 bins each: equal-width (Table 2's), equal-mass (bins "
         "of equal counts, which equal-width ECE's empty high-confidence bins hide) and classwise (every class's "
-        "probability against its indicator, averaged over classes; Kull et al. 2019). Lower is better.",
+        "probability against its indicator, averaged over classes; Kull et al. 2019); then NLL, Brier and ECE "
+        "calibrated (Ashukha et al. 2020): after one temperature fitted on the validation split, or without one by "
+        "test-time 2-fold cross-validation (metrics.json's `calibration` says which), so that methods are compared "
+        "at their best temperature. Lower is better.",
         [("ECE", "test/ece", 1.0, 4), ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
-         ("classwise ECE", "test/classwise_ece", 1.0, 4)])
+         ("classwise ECE", "test/classwise_ece", 1.0, 4), ("calibrated NLL", "test/calibrated/nll", 1.0, 4),
+         ("calibrated Brier", "test/calibrated/brier", 1.0, 4), ("calibrated ECE", "test/calibrated/ece", 1.0, 4)])
 
 
 def selective_section(report: Report, ok: list[Run]) -> str:

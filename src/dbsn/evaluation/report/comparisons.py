@@ -1,0 +1,305 @@
+"""The report's comparisons between methods: paired differences against a reference method, each
+method's cost with the Pareto view, and the deep-ensemble equivalent.
+
+**Paired differences.** Two methods tested on the same test set are compared example by example:
+both are scored on the same bootstrap resamples of the test examples (`predictions.npz` of each
+run, `dbsn.evaluation.statistics`), so the noise of the test set they share cancels in the
+difference. For each seed present for both methods, the difference (method − reference) of every
+metric with its 95 % percentile interval; combined over seeds, the mean of the per-seed
+differences, whose interval resamples the seeds too (a two-level bootstrap: per resample, seeds
+drawn with replacement and the test examples resampled alike for all of them), so it holds the
+seed-to-seed variation as well as the test set's. A difference whose interval excludes zero is
+marked `*`. Multiple comparisons: the family is every (method, metric) of one dataset; its
+bootstrap p-values (twice the smaller tail share of the resampled differences beyond zero) are
+adjusted by Holm's step-down procedure at 0.05, marked `†`. An interval without `*` is
+indistinguishable from noise at this size of test set and number of seeds.
+
+**The deep-ensemble equivalent** (Ashukha et al., ICLR 2020): the number of members of a deep
+ensemble whose calibrated NLL equals a method's (`dbsn.metrics.ensemble_equivalent`). Both sides
+are calibrated by test-time cross-validation (the paper's protocol; `statistics.calibrate`
+without a validation split): the ensemble's curve from its run's MC-sample ablation
+(`calibrated_nll` of every ensemble size), the method's from its `predictions.npz`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dbsn.evaluation.plots import pareto_figure
+from dbsn.evaluation.report.collect import Report, Run
+from dbsn.evaluation.report.tables import (DATASET_ORDER, METHOD_ORDER, _figure, _order, _write, _write_csv, fmt, md_table,
+                                           mean_std)
+from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
+from dbsn.metrics.ensemble_equivalent import deep_ensemble_equivalent, deep_ensemble_equivalent_interval
+from dbsn.metrics.intervals import weighted_brier, weighted_ece, weighted_error, weighted_nll
+
+__all__ = ["PAIRED_METRICS", "cost_section", "equivalent_section", "holm", "paired_differences", "paired_section"]
+
+#: (label, statistic of (log-probabilities, calibrated log-probabilities or None, targets, weights))
+PAIRED_METRICS = {
+    "error": lambda lp, cal, y, w: weighted_error(lp.exp(), y, w),
+    "NLL": lambda lp, cal, y, w: weighted_nll(lp, y, w),
+    "Brier": lambda lp, cal, y, w: weighted_brier(lp.exp(), y, w),
+    "ECE": lambda lp, cal, y, w: weighted_ece(lp.exp(), y, w),
+    "calibrated NLL": lambda lp, cal, y, w: None if cal is None else weighted_nll(cal, y, w),
+    "calibrated ECE": lambda lp, cal, y, w: None if cal is None else weighted_ece(cal.exp(), y, w),
+}
+
+
+def load_predictions(run: Run) -> dict[str, torch.Tensor] | None:
+    """The run's `predictions.npz` as float64 / int64 tensors, or None."""
+    path = Path(run.path) / PREDICTIONS_FILE
+    if not path.is_file():
+        return None
+    with np.load(path) as arrays:
+        out = {k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()}
+    return {k: (v.double() if v.is_floating_point() else v.long()) for k, v in out.items()}
+
+
+def _metric_rows(predictions: dict[str, torch.Tensor], weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    log_probs, targets = predictions["log_probs"], predictions["targets"]
+    calibrated = predictions.get("calibrated_log_probs")
+    rows = {name: f(log_probs, calibrated, targets, weights) for name, f in PAIRED_METRICS.items()}
+    return {k: v for k, v in rows.items() if v is not None}
+
+
+def bootstrap_p_value(differences: torch.Tensor) -> float:
+    """Two-sided bootstrap p-value of "no difference": twice the smaller share of resampled
+    differences on either side of zero (with the +1 of a Monte Carlo p-value), at most 1."""
+    b = len(differences)
+    below, above = int((differences <= 0).sum()), int((differences >= 0).sum())
+    return min(1.0, 2 * (1 + min(below, above)) / (b + 1))
+
+
+def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down rejections of the family: sorted p-values p_(i) are rejected while
+    p_(i) <= alpha / (m - i + 1), i = 1..m."""
+    m = len(p_values)
+    rejected = [False] * m
+    for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        if p_values[index] > alpha / (m - rank):
+            break
+        rejected[index] = True
+    return rejected
+
+
+def paired_differences(method: dict[int, dict], reference: dict[int, dict], statistics: Statistics) -> dict[str, dict]:
+    """{metric: {"seeds": {seed: (value, low, high)}, "combined": (value, low, high), "p": p}} of
+    method − reference, from each seed's predictions (see the module docstring)."""
+    seeds = sorted(set(method) & set(reference), key=str)
+    per_seed: dict[str, list[torch.Tensor]] = defaultdict(list)
+    out: dict[str, dict] = defaultdict(lambda: {"seeds": {}})
+    for seed in seeds:
+        a, b = method[seed], reference[seed]
+        weights = statistics.weights(len(a["targets"]))  # the same resamples for both methods
+        rows_a, rows_b = _metric_rows(a, weights), _metric_rows(b, weights)
+        for name in rows_a.keys() & rows_b.keys():
+            difference = rows_a[name] - rows_b[name]
+            low, high = intervals_of({name: difference}, statistics.level)[name]
+            out[name]["seeds"][seed] = (float(difference[0]), low, high)
+            per_seed[name].append(difference)
+    generator = torch.Generator().manual_seed(int(statistics.seed) + 7)
+    for name, differences in per_seed.items():
+        stacked = torch.stack(differences)  # (seeds, 1 + resamples)
+        k, resamples = stacked.shape[0], stacked.shape[1] - 1
+        if k > 1:  # resample the seeds too, resample by resample
+            draws = torch.randint(k, (resamples, k), generator=generator)
+            resampled = stacked[:, 1:].T.gather(1, draws).mean(1)
+        else:
+            resampled = stacked[0, 1:]
+        value = float(stacked[:, 0].mean())
+        low, high = np.quantile(resampled.numpy(), [(1 - statistics.level) / 2, (1 + statistics.level) / 2])
+        out[name]["combined"] = (value, float(low), float(high))
+        out[name]["p"] = bootstrap_p_value(resampled)
+    return {name: out[name] for name in PAIRED_METRICS if name in out and "combined" in out[name]}
+
+
+def _predictions_by_seed(runs: list[Run]) -> dict:
+    found = {}
+    for run in runs:
+        predictions = load_predictions(run)
+        if predictions is not None:
+            found[run.seed] = predictions
+    return found
+
+
+def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", statistics: Statistics | None = None) -> str:
+    """The paired differences of every method against `reference`, per dataset (module docstring)."""
+    statistics = statistics or Statistics()
+    by_cell = defaultdict(list)
+    for run in ok:
+        by_cell[run.method, run.dataset].append(run)
+    text, csv_rows, summary = "", [], []
+    for dataset in _order({d for _, d in by_cell}, DATASET_ORDER):
+        if (reference, dataset) not in by_cell:
+            continue
+        reference_runs = _predictions_by_seed(by_cell[reference, dataset])
+        found = {}
+        for method in _order({m for m, d in by_cell if d == dataset} - {reference}, METHOD_ORDER):
+            runs = _predictions_by_seed(by_cell[method, dataset])
+            usable = {s: p for s, p in runs.items() if s in reference_runs
+                      and torch.equal(p["targets"], reference_runs[s]["targets"])}
+            if usable:
+                found[method] = paired_differences(usable, reference_runs, statistics)
+        family = [(m, name) for m, metrics in found.items() for name in metrics]
+        rejected = dict(zip(family, holm([found[m][name]["p"] for m, name in family])))
+        if not family:
+            continue
+        seeds = sorted({s for m in found.values() for d in m.values() for s in d["seeds"]}, key=str)
+        rows, same = [], []
+        for method, metrics in found.items():
+            for name, d in metrics.items():
+                value, low, high = d["combined"]
+                excludes = not low <= 0 <= high
+                mark = ("*" if excludes else "") + ("†" if rejected[method, name] else "")
+                per_seed = [_interval_text(*d["seeds"][s]) if s in d["seeds"] else "–" for s in seeds]
+                rows.append([method, name, f"{_interval_text(value, low, high)} {mark}".strip(), *per_seed,
+                             f"{d['p']:.3f}"])
+                csv_rows.append([dataset, method, name, value, low, high, d["p"], excludes, rejected[method, name],
+                                 json.dumps({str(s): v for s, v in d["seeds"].items()})])
+                if not excludes:
+                    same.append(f"{method} {name}")
+        text += (f"### {dataset}: method − {reference}\n\n"
+                 + md_table(["method", "metric", "difference [95 %] (all seeds)", *(f"seed {s}" for s in seeds), "p"], rows)
+                 + "\n")
+        line = (f"{dataset}: indistinguishable from {reference} (95 % interval holds 0): "
+                + (", ".join(same) if same else "none") + ".")
+        summary.append(line)
+        text += line + "\n\n"
+    if not text:
+        return ""
+    _write_csv(report, "paired.csv", ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero",
+                                      "holm_rejected", "per_seed"], csv_rows)
+    text = (f"## Paired differences against {reference}\n\nEvery method against {reference} on the same test examples "
+            "(a paired bootstrap: both scored on the same resamples), method − reference, so a negative difference "
+            "in error, NLL, Brier or ECE favours the method. Per seed, and over all seeds with the seeds resampled "
+            "too. `*`: the 95 % interval excludes 0; `†`: still rejected after Holm's correction over every "
+            "(method, metric) of the dataset (bootstrap p-values, family-wise error 0.05). Choose the reference with "
+            "`--reference` (`report.reference=<method>` in a sweep). Files: `paired.md`, `paired.csv`.\n\n" + text)
+    _write(report, "paired.md", text.replace("## ", "# ", 1))
+    report.summary.extend(summary)
+    return text
+
+
+def _interval_text(value: float, low: float, high: float) -> str:
+    digits = 4 if max(abs(value), abs(low), abs(high)) < 10 else 2
+    return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+# ---------------------------------------------------------------------- cost and the Pareto view
+COST_COLUMNS = (("parameters", "params", 1.0, "{:,.0f}"), ("training MFLOPs / image", "train_flops_per_image", 1e-6, "{:,.1f}"),
+                ("prediction MFLOPs / image", "predict_flops_per_image", 1e-6, "{:,.1f}"), ("S", "n_samples", 1.0, "{:.0f}"),
+                ("s / epoch", "epoch_seconds", 1.0, "{:,.1f}"), ("peak memory MiB", "peak_memory_mib", 1.0, "{:,.0f}"))
+
+
+def cost_section(report: Report, ok: list[Run]) -> str:
+    """Each method's cost (metrics.json's `cost`, mean over seeds) and one Pareto figure per dataset:
+    calibrated NLL, ECE and error against prediction FLOPs per image, with their intervals."""
+    cells = defaultdict(list)
+    for run in ok:
+        if run.cost:
+            cells[run.method, run.dataset].append(run)
+    if not cells:
+        return ""
+    rows, csv_rows, text = [], [], ""
+    for dataset in _order({d for _, d in cells}, DATASET_ORDER):
+        points = []
+        for method in _order({m for m, d in cells if d == dataset}, METHOD_ORDER):
+            runs = cells[method, dataset]
+            means = {}
+            for _, key, scale, _ in COST_COLUMNS:
+                values = [r.cost[key] for r in runs if r.cost.get(key) is not None]
+                means[key] = scale * float(np.mean(values)) if values else None
+            rows.append([method, dataset, *("–" if means[key] is None else form.format(means[key])
+                                            for _, key, _, form in COST_COLUMNS)])
+            csv_rows.append([method, dataset, *(means[key] for _, key, _, _ in COST_COLUMNS),
+                             runs[0].cost.get("peak_memory_of")])
+            point = {"method": method, "flops": 1e6 * means["predict_flops_per_image"]} if means["predict_flops_per_image"] else None
+            for label, key in (("calibrated_nll", "test/calibrated/nll"), ("ece", "test/ece"), ("error", "test/error")):
+                values = [r.metrics[key] for r in runs if key in r.metrics]
+                if point is not None and values:
+                    cell = mean_std(values, [r.intervals.get(key) for r in runs if key in r.metrics])
+                    point[label] = cell.mean
+                    if cell.low is not None:
+                        point[f"{label}_low"], point[f"{label}_high"] = cell.low, cell.high
+            if point is not None:
+                points.append(point)
+        if len(points) > 1:
+            name = f"pareto_{dataset}.png"
+            if _figure(report, pareto_figure(points, title=f"Quality against prediction cost on {dataset}"), name):
+                text += (f"![Pareto view]({name})\n\nCalibrated NLL, ECE and error of every method on {dataset} against "
+                         "its prediction FLOPs per image (log scale), with 95 % intervals; the dashed steps join the "
+                         "methods no other method beats on both axes.\n\n")
+    _write_csv(report, "cost.csv", ["method", "dataset", *(key for _, key, _, _ in COST_COLUMNS), "peak_memory_of"], csv_rows)
+    table = md_table(["method", "dataset", *(label for label, *_ in COST_COLUMNS)], rows)
+    text = ("## Cost\n\nWhat each method costs (metrics.json's `cost`, mean over seeds): parameters learned, FLOPs of "
+            "one training step's forward and backward per image (all T structures, every member) and of the prediction "
+            "at its S, counted by torch's FlopCounterMode (matmuls and convolutions, 2 per multiply-add), the training "
+            "epoch's wall time (only comparable on the same hardware) and the process's peak memory (the GPU "
+            "allocator's on a GPU, the resident set on a CPU). Files: `cost.md`, `cost.csv`.\n\n" + table + "\n" + text)
+    _write(report, "cost.md", text.replace("## ", "# ", 1))
+    return text
+
+
+# ---------------------------------------------------------------------- the deep-ensemble equivalent
+def _ensemble_curve(run: Run) -> tuple[list[int], list[float]] | None:
+    path = Path(run.path) / "ablation" / "results.json"
+    if not path.is_file():
+        return None
+    rows = [r for r in json.loads(path.read_text()) if r.get("calibrated_nll") is not None]
+    if len(rows) < 2 or rows[0]["n_samples"] != 1:
+        return None
+    return [int(r["n_samples"]) for r in rows], [float(r["calibrated_nll"]) for r in rows]
+
+
+def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ensemble",
+                       statistics: Statistics | None = None) -> str:
+    """The deep-ensemble equivalent of every method on each dataset with a deep ensemble whose
+    ablation has calibrated NLLs (module docstring)."""
+    statistics = statistics or Statistics()
+    rows, csv_rows = [], []
+    for dataset in _order({r.dataset for r in ok}, DATASET_ORDER):
+        curves = [c for c in (_ensemble_curve(r) for r in ok if r.method == ensemble and r.dataset == dataset) if c]
+        if not curves:
+            continue
+        sizes = curves[0][0]
+        curve = [float(np.mean([c[1][i] for c in curves if c[0] == sizes])) for i in range(len(sizes))]
+        for method in _order({r.method for r in ok if r.dataset == dataset}, METHOD_ORDER):
+            values, bounds = [], []
+            for run in (r for r in ok if r.method == method and r.dataset == dataset):
+                predictions = load_predictions(run)
+                if predictions is None:
+                    continue
+                calibrated, _ = calibrate(predictions["log_probs"], predictions["targets"], seed=int(statistics.seed))
+                weights = statistics.weights(len(predictions["targets"]))
+                nll = weighted_nll(calibrated, predictions["targets"], weights)
+                values.append(float(nll[0]))
+                bounds.append(intervals_of({"nll": nll}, statistics.level)["nll"])
+            if not values:
+                continue
+            cell = mean_std(values, bounds)
+            best = min(curve)  # the ensemble's own NLL, recomputed from its float32 predictions, is the curve's end
+            snap = lambda v: best if abs(v - best) <= 1e-6 * max(1.0, abs(best)) else v  # noqa: E731
+            dee = deep_ensemble_equivalent(snap(cell.mean), sizes, curve)
+            low, high = ((None, None) if cell.low is None else
+                         deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve))
+            shown = lambda v: "–" if v is None else ("> " + str(sizes[-1]) if v == float("inf") else f"{v:.2f}")  # noqa: E731
+            rows.append([method, dataset, fmt(cell, 4), shown(dee) + ("" if low is None else f" [{shown(low)}, {shown(high)}]")])
+            csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high])
+    if not rows:
+        return ""
+    _write_csv(report, "equivalent.csv", ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low",
+                                          "dee_high"], csv_rows)
+    text = ("## Deep-ensemble equivalent\n\nThe number of networks a deep ensemble needs to reach each method's "
+            "calibrated NLL (Ashukha et al. 2020), interpolated between ensemble sizes, with the interval the NLL's "
+            "95 % interval maps to; 1 means no better than one network, `> M` better than the largest ensemble "
+            "measured. Both NLLs are calibrated by test-time 2-fold cross-validation. Files: `equivalent.md`, "
+            "`equivalent.csv`.\n\n" + md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent"], rows)
+            + "\n")
+    _write(report, "equivalent.md", text.replace("## ", "# ", 1))
+    return text

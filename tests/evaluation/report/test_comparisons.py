@@ -1,0 +1,120 @@
+"""The report's comparisons (dbsn.evaluation.report.comparisons): paired differences are
+antisymmetric, zero against oneself and of the right sign on a crafted case; Holm's procedure by
+hand; the paired, cost and deep-ensemble-equivalent sections on hand-made runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.comparisons import holm, paired_differences
+from dbsn.evaluation.statistics import Statistics
+from tests.support.fakeruns import MODELS, write_run
+
+N, C = 400, 4
+
+
+def _predictions(seed: int, accuracy: float, confidence: float = 0.7) -> dict[str, torch.Tensor]:
+    """Predictions on one fixed test set (the targets do not depend on `seed`): right on a share
+    `accuracy` of the examples (drawn with `seed`), with the given confidence in the argmax."""
+    targets = torch.arange(N) % C
+    g = torch.Generator().manual_seed(seed)
+    right = torch.rand(N, generator=g) < accuracy
+    predicted = torch.where(right, targets, (targets + 1) % C)
+    probs = torch.full((N, C), (1 - confidence) / (C - 1), dtype=torch.float64)
+    probs[torch.arange(N), predicted] = confidence
+    return {"log_probs": probs.log(), "targets": targets}
+
+
+def test_a_paired_difference_is_antisymmetric_and_zero_against_oneself():
+    statistics = Statistics(seed=1, resamples=300)
+    a = {1: _predictions(1, 0.8), 2: _predictions(2, 0.8)}
+    b = {1: _predictions(11, 0.75, 0.8), 2: _predictions(12, 0.75, 0.8)}
+    ab, ba, aa = paired_differences(a, b, statistics), paired_differences(b, a, statistics), paired_differences(a, a, statistics)
+    assert set(ab) == {"error", "NLL", "Brier", "ECE"}  # no calibrated predictions given
+    for name in ab:
+        for seed in (1, 2):
+            value, low, high = ab[name]["seeds"][seed]
+            other = ba[name]["seeds"][seed]
+            assert value == pytest.approx(-other[0]) and low == pytest.approx(-other[2]) and high == pytest.approx(-other[1])
+            assert aa[name]["seeds"][seed] == (0.0, 0.0, 0.0)
+        assert ab[name]["combined"][0] == pytest.approx(-ba[name]["combined"][0])
+        assert aa[name]["combined"] == (0.0, 0.0, 0.0) and aa[name]["p"] == 1.0
+
+
+def test_a_crafted_better_method_has_a_negative_difference_whose_interval_excludes_zero():
+    targets = torch.arange(N) % C
+    worse = _predictions(0, 0.6)
+    better = {"log_probs": worse["log_probs"].clone(), "targets": targets}
+    fixed = torch.arange(N) % 5 == 0  # the better method also gets every fifth example right that the worse one missed
+    wrong = worse["log_probs"].argmax(1) != targets
+    better["log_probs"][fixed & wrong] = worse["log_probs"][fixed & wrong].roll(-1, dims=1)  # moves the argmax to the target
+    assert bool((better["log_probs"].argmax(1) == targets)[fixed].all())
+    gained = int((fixed & wrong).sum()) / N
+    found = paired_differences({0: better}, {0: worse}, Statistics(resamples=500))
+    value, low, high = found["error"]["combined"]
+    assert value == pytest.approx(-gained) and low < value < high < 0
+    assert found["error"]["p"] < 0.01
+    # unpaired, the two error intervals overlap; paired, the difference is sharply negative
+    assert high - low < 2 * 1.96 * (0.6 * 0.4 / N) ** 0.5
+
+
+def test_holm_by_hand():
+    # sorted: 0.001 <= 0.05/4, 0.012 <= 0.05/3, 0.03 > 0.05/2: stop; 0.04 not rejected either
+    assert holm([0.03, 0.001, 0.04, 0.012]) == [False, True, False, True]
+    assert holm([0.2, 0.5]) == [False, False] and holm([]) == []
+
+
+def _run(folder: Path, method: str, seed: int, predictions: dict, cost: dict | None = None, ablation=None) -> Path:
+    write_run(folder, MODELS.get(method, {"_target_": "dbsn.methods.DeepEnsemble", "weights": None}),
+              "dbsn.data.CIFAR10DataModule", seed, 0.1)
+    record = json.loads((folder / "metrics.json").read_text())
+    record["metrics"]["test/calibrated/nll"] = 0.5
+    record["intervals"] = {"test/error": [0.05, 0.15]}
+    record["cost"] = cost or {}
+    (folder / "metrics.json").write_text(json.dumps(record))
+    np.savez(folder / "predictions.npz", log_probs=predictions["log_probs"].float().numpy(),
+             targets=predictions["targets"].numpy())
+    if ablation is not None:
+        (folder / "ablation").mkdir()
+        (folder / "ablation" / "results.json").write_text(json.dumps(ablation))
+    return folder
+
+
+def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_equivalent(tmp_path):
+    cost = {"params": 1000, "train_flops_per_image": 3e6, "predict_flops_per_image": 1e6, "n_samples": 1,
+            "epoch_seconds": 2.0, "peak_memory_mib": 100.0, "peak_memory_of": "cpu_max_rss"}
+    for seed in (1, 2):
+        _run(tmp_path / "runs" / f"dbsn{seed}", "dbsn", seed, _predictions(seed, 0.8), {**cost, "predict_flops_per_image": 5e6})
+        _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(10 + seed, 0.8), cost)
+    ensemble = _predictions(30, 0.85)
+    curve = [{"n_samples": 1, "calibrated_nll": 0.9}, {"n_samples": 2, "calibrated_nll": 0.6},
+             {"n_samples": 3, "calibrated_nll": 0.3}]
+    _run(tmp_path / "runs" / "de1", "deep_ensemble", 1, ensemble, {**cost, "predict_flops_per_image": 3e6}, ablation=curve)
+    out = tmp_path / "report"
+    report = build_report([tmp_path / "runs"], out)
+    text = (out / "report.md").read_text()
+    assert "## Paired differences against dbsn" in text and (out / "paired.md").is_file()
+    with (out / "paired.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == {"map", "deep_ensemble"} and {r["metric"] for r in rows} >= {"error", "NLL"}
+    error = next(r for r in rows if (r["method"], r["metric"]) == ("map", "error"))
+    assert set(json.loads(error["per_seed"])) == {"1", "2"} and float(error["low"]) <= float(error["difference"]) <= float(error["high"])
+    assert any(line.startswith("cifar10: indistinguishable from dbsn") for line in report.summary)
+    assert "## Cost" in text and (out / "pareto_cifar10.png").stat().st_size > 1000
+    assert "## Deep-ensemble equivalent" in text
+    with (out / "equivalent.csv").open() as f:
+        dee = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(dee) == {"dbsn", "map", "deep_ensemble"}
+    for row in dee.values():  # monotone: a lower calibrated NLL, a larger equivalent
+        assert 1.0 <= float(row["dee"])
+    ordered = sorted(dee.values(), key=lambda r: float(r["calibrated_nll"]))
+    assert [float(r["dee"]) for r in ordered] == sorted((float(r["dee"]) for r in ordered), reverse=True)
+    other = build_report([tmp_path / "runs"], tmp_path / "report_map", reference="map")
+    assert "## Paired differences against map" in (other.out / "report.md").read_text()
