@@ -227,7 +227,7 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
                      timeout=120, env=OFFLINE, check=False)
     assert dry.returncode == 0, dry.stderr
     spec = json.loads(dry.stdout)
-    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Accuracy", "Selective prediction", "OOD",
+    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Intervals", "Accuracy", "Selective prediction", "OOD",
                                                      "Dataset shift", "Adversarial", "Segmentation", "Structure posterior"]
     dashboard = sections(OOD_SETS)
     assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
@@ -251,7 +251,7 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         if section.posthoc:  # and the post-hoc methods' evaluate runs
             assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['laplace', 'swag', 'temperature']"), group}
         assert all(s.groupby == ["config.method"] and (s.entity, s.project) == ("lab", "dbsn") for s in sets)
-    assert [s.name for s in dashboard if s.posthoc] == ["Calibration", "Selective prediction"]
+    assert [s.name for s in dashboard if s.posthoc] == ["Calibration", "Intervals", "Selective prediction"]
     # what those sections read of a training run, a post-hoc evaluation logs too (not per-epoch curves)
     posthoc_reads = _logged_reads([logged["posthoc"]])
     for section in (s for s in dashboard if s.posthoc):

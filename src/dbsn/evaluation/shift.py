@@ -31,7 +31,9 @@ from dbsn.data.shift import (CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, check_
 from dbsn.evaluation.base import Evaluation, Subject
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
+from dbsn.evaluation.statistics import intervals_of
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
+from dbsn.metrics.intervals import weighted_brier, weighted_ece, weighted_error, weighted_nll
 
 __all__ = ["SHIFT_METRICS", "DatasetShift", "shift_boxplots", "shift_summary"]
 
@@ -42,6 +44,26 @@ def _metrics(log_probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     probs = log_probs.exp()
     return {"error": float(error_rate(probs, labels)), "nll": float(negative_log_likelihood(log_probs, labels)),
             "brier": float(brier_score(probs, labels)), "ece": float(expected_calibration_error(probs, labels))}
+
+
+def _resampled(log_probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`_metrics` at every row of `weights` (counts of the test images)."""
+    log_probs = log_probs.double()
+    probs = log_probs.exp()
+    return {"error": weighted_error(probs, labels, weights), "nll": weighted_nll(log_probs, labels, weights),
+            "brier": weighted_brier(probs, labels, weights), "ece": weighted_ece(probs, labels, weights)}
+
+
+def shift_intervals(resampled: Sequence[tuple[int, dict[str, torch.Tensor]]], level: float) -> dict[str, list[float]]:
+    """The 95 % intervals of the means of `shift_summary` from each (severity, metric rows) of the
+    corrupted sets, all resampled with the same counts of the same test images: a mean's rows are
+    the means of the sets' rows, resample by resample."""
+    rows: dict[str, torch.Tensor] = {}
+    for severity in sorted({s for s, _ in resampled}):
+        at = [r for s, r in resampled if s == severity]
+        rows.update({f"shift/mean/{severity}/{m}": torch.stack([r[m] for r in at]).mean(0) for m in SHIFT_METRICS})
+    rows.update({f"shift/mean/{m}": torch.stack([r[m] for _, r in resampled]).mean(0) for m in SHIFT_METRICS})
+    return intervals_of(rows, level)
 
 
 def shift_summary(rows: Sequence[dict]) -> dict[str, float]:
@@ -119,15 +141,21 @@ class DatasetShift(Evaluation):
         source = "generated (dbsn.data.shift: not the published files)" if generated else "published"
         model.eval()
         model.enable_test_noise()
-        rows = []
+        rows, resampled, weights = [], [], {}
         steps = [(c, s) for c in corruptions for s in self.severities]
         for corruption, severity in progress(steps, desc="Dataset shift", enabled=subject.progress):
             images, labels = corrupted_split(folder, corruption, severity)
-            rows.append({"corruption": corruption, "severity": int(severity),
-                         **_metrics(_predict(model, datamodule, images, subject.device, self.batch_size), labels)})
+            log_probs = _predict(model, datamodule, images, subject.device, self.batch_size)
+            rows.append({"corruption": corruption, "severity": int(severity), **_metrics(log_probs, labels)})
+            if len(labels) not in weights:  # every corrupted set: the same resamples of the same test images
+                weights[len(labels)] = subject.statistics.weights(len(labels))
+            resampled.append((int(severity), _resampled(log_probs, labels, weights[len(labels)])))
         means = shift_summary(rows)
+        intervals = shift_intervals(resampled, subject.statistics.level)
         record = {"source": source, "generated": generated, "folder": str(folder), "n_samples": model.num_members,
-                  "corruptions": list(corruptions), "severities": self.severities, "rows": rows, "metrics": means}
+                  "corruptions": list(corruptions), "severities": self.severities, "rows": rows, "metrics": means,
+                  "intervals": intervals, "statistics": {**subject.statistics.record(), "interval": (
+                      "percentile bootstrap over the test images, every corrupted set resampled alike")}}
         title = subject.title
         figure = shift_boxplots({title: rows}, title=f"{title}: dataset shift "
                                                      f"({'generated corruptions' if generated else 'published files'})")
@@ -135,6 +163,7 @@ class DatasetShift(Evaluation):
         summary = [[str(sv), *(means[f"shift/mean/{sv}/{m}"] for m in SHIFT_METRICS)] for sv in self.severities]
         return Results(
             metrics={**means, "shift/generated": float(generated)},
+            intervals=intervals,
             files={"shift/metrics.json": record, "shift/shift.csv": CsvTable(columns, rows),
                    "shift/shift_boxplots.png": figure},
             images={"shift/boxplots": "shift/shift_boxplots.png"},

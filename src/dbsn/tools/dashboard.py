@@ -103,6 +103,18 @@ def _per_epoch(title: str, *metrics: str) -> Panel:
     return Panel("line", title, metrics, x=EPOCH)
 
 
+def _interval(title: str, metric: str) -> Panel:
+    """A bar panel of a metric between its 95 % interval's ends: three bars per method (low, value,
+    high; `<name>/ci_low`, `<name>/ci_high`), each the mean over the method's seeds with their std."""
+    return Panel("bar", f"{title} [95 % interval: low, value, high]", (f"{metric}/ci_low", metric, f"{metric}/ci_high"))
+
+
+#: the metrics whose intervals the dashboard shows (label, name)
+INTERVAL_METRICS = (("Test error", "test/error"), ("Test NLL", "test/nll"), ("ECE", "test/ece"),
+                    ("Calibrated NLL", "test/calibrated/nll"), ("Calibrated ECE", "test/calibrated/ece"),
+                    ("AURC (max probability)", "selective/max_probability/aurc"))
+
+
 def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
     """The dashboard's sections and panels (W&B-independent: the dry run prints this)."""
     ood = []
@@ -136,6 +148,11 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                     Panel("line", "ECE against the number of MC samples S", ("ablation/ece",), x="ablation/n_samples"),
                     Panel("images", "Reliability diagrams", ("test/reliability_diagram",)),
                 ), posthoc=True),
+        Section("Intervals", "train", "Each run's 95 % bootstrap interval over the test examples beside its value "
+                "(`<name>/ci_low`, `<name>/ci_high`; dbsn.evaluation.statistics): a method's three bars are its low end, "
+                "value and high end, each averaged over its seeds with the seeds' std as the band. The report's paired "
+                "differences say which gaps between methods the test set resolves.",
+                tuple(_interval(title, metric) for title, metric in INTERVAL_METRICS), posthoc=True),
         Section("Accuracy", "train", "Test error and NLL of the Bayes ensemble, training curves, and the MC-sample "
                 "ablation (the first s of the S test members).", (
                     _bar("Test error (↓)", "test/error"),
