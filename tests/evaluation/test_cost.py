@@ -202,3 +202,18 @@ def test_epoch_timer_times_each_training_epoch_without_validation():
     resumed = EpochTimer()
     resumed.load_state_dict(timer.state_dict())
     assert resumed.epoch_seconds == timer.epoch_seconds and resumed.state_dict() is not timer.state_dict()
+
+
+def test_the_peak_memory_restarts_where_linux_lets_it():
+    from pathlib import Path
+
+    from dbsn.evaluation.cost import peak_memory_mib, reset_peak_memory
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/self/clear_refs: the peak is the process's since it started")
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    before, what = peak_memory_mib()
+    del block
+    reset_peak_memory()
+    after, _ = peak_memory_mib()
+    assert what == "cpu_max_rss" and after < before - 48

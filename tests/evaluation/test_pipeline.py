@@ -333,3 +333,12 @@ def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_s
     assert evaluated["cost"]["n_samples"] == 3 and evaluated["cost"]["train_flops_per_image"] > 0
     other = evaluate_quietly(dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "c", ["n_samples=3", "statistics.seed=1"])
     assert other["test/nll"] != first["test/nll"]  # other structures drawn
+
+
+def test_two_trainings_at_the_same_seed_give_the_same_metrics(tmp_path):
+    """Train and evaluate are reproducible on one machine: the same seed, the same numbers and
+    intervals (thread count and machine as in this process)."""
+    first, again = (_train("mc_dropout", tmp_path / name, epochs=1) for name in ("a", "b"))
+    assert first == again
+    records = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("a", "b")]
+    assert records[0]["intervals"] == records[1]["intervals"] and records[0]["calibration"] == records[1]["calibration"]

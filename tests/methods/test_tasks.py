@@ -70,7 +70,12 @@ def test_segmentation_model_trains_reports_and_reevaluates(model, camvid_root, t
     else:
         assert metrics["test/mutual_information"] > 0
     assert (run_dir / "uncertainty_maps.png").stat().st_size > 5000
-    assert json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/miou"] == pytest.approx(metrics["test/miou"])
+    record = json.loads((run_dir / "metrics.json").read_text())
+    assert record["metrics"]["test/miou"] == pytest.approx(metrics["test/miou"])
+    for key in ("test/miou", "test/global_acc", "test/ece", "test/nll"):  # resampling the test images
+        low, high = record["intervals"][key]
+        assert low - 1e-6 <= record["metrics"][key] <= high + 1e-6, key
+    assert record["statistics"]["interval"] == "percentile bootstrap over the test images"
     if model == "dbsn_seg":  # two structures, 3 edges each (B = 3), written out and watched
         summary = json.loads((run_dir / "structure" / "final.json").read_text())
         assert len(summary["probabilities"]) == 6

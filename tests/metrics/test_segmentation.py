@@ -269,3 +269,27 @@ def test_uncertainty_grid_one_row_per_image():
         np.testing.assert_allclose(np.asarray(ax_row[3].images[0].get_array()), row["entropy"].numpy())
         np.testing.assert_allclose(np.asarray(ax_row[2].images[0].get_array()), colorize(row["prediction"], palette))
     assert panels[5].get_ylabel() == "image 1"
+
+
+def test_resampled_metrics_are_those_of_the_data_set_that_repeats_the_images():
+    from dbsn.metrics.intervals import resample_counts
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [_random_batch(generator, b) for b in (2, 3)]
+    metrics = SegmentationMetrics()
+    for log_probs, target in batches:
+        metrics.update(log_probs, target)
+    log_probs, target = torch.cat([lp for lp, _ in batches]), torch.cat([t for _, t in batches])
+    per_image = metrics.per_image()
+    assert per_image.shape[0] == 5
+    counts = torch.cat([torch.ones(1, 5, dtype=torch.float64), resample_counts(5, 3, seed=2)])
+    found = metrics.resampled(counts)
+    for row, weights in enumerate(counts.long()):
+        repeated = torch.repeat_interleave(torch.arange(5), weights)
+        plain = SegmentationMetrics()
+        plain.update(log_probs[repeated], target[repeated])
+        expected = plain.compute()
+        for key in ("miou", "global_acc", "ece", "nll"):
+            assert float(found[key][row]) == pytest.approx(float(expected[key]), abs=1e-5), (key, row)
+    metrics.reset()
+    assert metrics.per_image() is None

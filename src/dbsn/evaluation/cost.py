@@ -125,15 +125,45 @@ def prediction_flops_per_image(method: Method, x: Tensor) -> float:
     return flops / x.shape[0]
 
 
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    """Start `peak_memory_mib` afresh (a training run does before it fits, so that runs one after
+    another in one process, as `dbsn-compare` makes them, each report their own peak): the CUDA
+    allocator's peak, or on Linux the resident set's high-water mark (`/proc/self/clear_refs`)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # elsewhere the peak is the process's since it started
+
+
+def _high_water_mark_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def peak_memory_mib(device: torch.device | str | None = None) -> tuple[float, str]:
     """(peak memory in MiB, what it is): on a CUDA device the most the caching allocator held
-    in tensors since the process started or its last `reset_peak_memory_stats`
-    (`torch.cuda.max_memory_allocated`, "cuda_max_allocated"); elsewhere the process's peak
-    resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`, "cpu_max_rss": everything the
-    process held, the Python interpreter and data included)."""
+    in tensors since the process started or its last `reset_peak_memory` (`torch.cuda.
+    max_memory_allocated`, "cuda_max_allocated"); elsewhere the process's peak resident set size
+    since it started or its last `reset_peak_memory` (Linux's VmHWM, else `getrusage`'s
+    ru_maxrss; "cpu_max_rss": everything the process held, the Python interpreter and data
+    included)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    hwm = _high_water_mark_kib()
+    if hwm is not None:
+        return hwm / 2**10, "cpu_max_rss"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "cpu_max_rss"
 

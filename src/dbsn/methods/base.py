@@ -132,6 +132,7 @@ class Method(pl.LightningModule):
         # uncertainty scores (for OOD detection and entropy plots), gathered over ranks.
         self.test_predictions: tuple[Tensor, Tensor] | None = None
         self.test_scores: dict[str, Tensor] | None = None
+        self.test_image_rows: Tensor | None = None  # segmentation: each test image's metric sums (SegmentationMetrics)
         self.test_maps: list[dict[str, Tensor]] = []  # segmentation: a few images' uncertainty maps
         # Set by the evaluation code before `trainer.test` to get the MC-sample ablation.
         self.sample_ablation: SampleAblation | None = None
@@ -592,6 +593,8 @@ class Method(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.log_dict({f"test/{k}": v for k, v in self.test_metrics.compute().items()})
+        per_image = getattr(self.test_metrics, "per_image", None)  # segmentation: per-image sums, for intervals
+        self.test_image_rows = per_image() if per_image is not None and self.trainer.world_size == 1 else None
         self.log_dict({f"test/{k}": v for k, v in self.test_uncertainty.compute().items()})
         self.test_metrics.reset()
         self.test_uncertainty.reset()

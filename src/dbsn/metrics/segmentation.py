@@ -173,6 +173,8 @@ class SegmentationMetrics(nn.Module):
         self.confusion = MulticlassConfusionMatrix(num_classes, ignore_index=ignore_index, validate_args=False)
         self.ece = StreamingCalibrationError(n_bins=ece_bins)
         self.nll = MeanMetric(nan_strategy="disable")
+        self.ece_bins = ece_bins
+        self._per_image: list[Tensor] = []  # one row per image: confusion, ECE bin sums, NLL sum, pixels
 
     def update(self, log_probs: Tensor, target: Tensor) -> None:
         """Add a batch: log-probabilities (..., C), class last, and targets (...)."""
@@ -181,6 +183,7 @@ class SegmentationMetrics(nn.Module):
                 f"expected log_probs (..., {self.num_classes}) and target (...), "
                 f"got {tuple(log_probs.shape)} and {tuple(target.shape)}"
             )
+        target_shape = target.shape
         log_probs = log_probs.detach().reshape(-1, self.num_classes)
         target = target.reshape(-1).long()
         # Confidence and prediction as in dbsn.metrics.classification: max of the probabilities.
@@ -195,6 +198,49 @@ class SegmentationMetrics(nn.Module):
         nll = -log_probs.gather(1, safe_target.unsqueeze(1)).squeeze(1)
         self.nll.update(nll[valid])
         self.ece.update(confidence[valid], (prediction == target)[valid])
+        images = target_shape[0] if len(target_shape) > 1 else 1
+        self._per_image.append(self._image_rows(images, prediction, safe_target, valid, confidence, nll))
+
+    def _image_rows(self, images: int, prediction: Tensor, target: Tensor, valid: Tensor, confidence: Tensor,
+                    nll: Tensor) -> Tensor:
+        """(images, C² + 2 (bins + 1) + 2) float64 sums of each image's valid pixels: its confusion
+        matrix (row-major, target by prediction), per ECE bin the count and the sum of
+        (correct - confidence), the NLL sum and the pixel count."""
+        c, slots = self.num_classes, self.ece_bins + 1
+        image = torch.arange(images, device=target.device).repeat_interleave(target.numel() // images)[valid]
+        target, prediction, confidence, nll = target[valid], prediction[valid], confidence[valid], nll[valid]
+        confusion = torch.zeros(images * c * c, dtype=torch.float64, device=target.device)
+        confusion.index_add_(0, image * c * c + target * c + prediction, torch.ones_like(nll, dtype=torch.float64))
+        edges = torch.linspace(0, 1, self.ece_bins + 1, dtype=confidence.dtype, device=confidence.device)
+        index = image * slots + torch.bucketize(confidence, edges, right=True) - 1
+        counts = torch.zeros(images * slots, dtype=torch.float64, device=target.device)
+        counts.index_add_(0, index, torch.ones_like(nll, dtype=torch.float64))
+        gaps = torch.zeros(images * slots, dtype=torch.float64, device=target.device)
+        gaps.index_add_(0, index, (prediction == target).double() - confidence.double())
+        nll_sum = torch.zeros(images, dtype=torch.float64, device=target.device).index_add_(0, image, nll.double())
+        pixels = torch.zeros(images, dtype=torch.float64, device=target.device).index_add_(
+            0, image, torch.ones_like(nll, dtype=torch.float64))
+        return torch.cat([confusion.view(images, -1), counts.view(images, -1), gaps.view(images, -1),
+                          nll_sum[:, None], pixels[:, None]], 1).cpu()
+
+    def per_image(self) -> Tensor | None:
+        """(images, ...) the rows of `_image_rows` of every image since the last reset (None if none)."""
+        return torch.cat(self._per_image) if self._per_image else None
+
+    def resampled(self, weights: Tensor, per_image: Tensor | None = None) -> dict[str, Tensor]:
+        """`miou`, `global_acc`, `ece` and `nll` at every row of `weights` (B, images): the
+        metrics of the data set that repeats image i w_i times (row 0 at unit weights equals
+        `compute`)."""
+        rows = (self.per_image() if per_image is None else per_image).double()
+        c, slots = self.num_classes, self.ece_bins + 1
+        sums = weights.double() @ rows  # (B, columns)
+        confusion = sums[:, : c * c].view(-1, c, c)
+        tp = confusion.diagonal(dim1=1, dim2=2)
+        iou = tp / (confusion.sum(1) + confusion.sum(2) - tp)
+        gaps = sums[:, c * c + slots: c * c + 2 * slots]
+        pixels = sums[:, -1]
+        return {"miou": iou.nanmean(1), "global_acc": tp.sum(1) / pixels,
+                "ece": gaps.abs().sum(1) / pixels, "nll": sums[:, -2] / pixels}
 
     def compute(self) -> dict[str, Tensor]:
         """The metrics over everything seen since the last reset."""
@@ -213,6 +259,7 @@ class SegmentationMetrics(nn.Module):
         """Clear the accumulated states."""
         for metric in (self.confusion, self.ece, self.nll):
             metric.reset()
+        self._per_image = []
 
 
 # ------------------------------------------------------------------------------ figures

@@ -343,6 +343,8 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         from dbsn.evaluation.report import build_sweep_report
 
         report = build_sweep_report(sweep_dir, reference=str((config.get("report") or {}).get("reference") or "dbsn"))
+        for line in report.summary:
+            print(line, flush=True)
         print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)
     return results
 

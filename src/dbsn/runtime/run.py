@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from dbsn.evaluation.base import Subject
-from dbsn.evaluation.cost import EpochTimer
+from dbsn.evaluation.cost import EpochTimer, reset_peak_memory
 from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report
 from dbsn.evaluation.runs import CONFIG_FILE, run_checkpoint
@@ -109,6 +109,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     for logger in loggers:
         logger.log_hyperparams(with_facts(plain, logger, facts, wandb))
 
+    reset_peak_memory(trainer.strategy.root_device)  # the cost's peak memory: this run's, not an earlier one's in this process
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     if model.temperature_scaling:
         temperature = model.fit_temperature(datamodule)
@@ -231,5 +232,7 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
         Console().print(f"[red]not evaluated[/red] {run}: {problem}")
     report = build_sweep_report(root, reference=str((cfg.get("report") or {}).get("reference") or "dbsn"),
                                 statistics=statistics_of(cfg))
+    for line in report.summary:
+        Console().print(line)
     Console().print(f"Report: {root / 'report'}")
     return {"runs": [str(r) for r in runs], "not_evaluated": problems, "report": report}

@@ -24,6 +24,10 @@ Cases (same network, same batch, same machine, interleaved repetitions, median t
              dbsn_t1 with model.execution.channels_last, model.execution.compile (inductor), and both
              (--no-compile leaves the compiled ones out: each compiles for a minute or two)
 
+What the evaluation's statistics cost (`statistics_cost`): the calibration and the 1,000-resample
+bootstrap intervals of every test-pass metric on a CIFAR-sized test set (10,000 examples, 10
+classes), and of one OOD set's detection metrics (three scores, SVHN's 26,032 examples).
+
 Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
 ens_100 / single_100 <= 1.0; every method's step over map_fixed's (no target: BBB and FBN
 pay for sampling weights and the KL of every layer). recal_100 / ens_100 is the cost of
@@ -266,7 +270,7 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
 
 def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
         samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4,
-        compiled: bool = True, pipeline_images: int = 10_000) -> dict:
+        compiled: bool = True, pipeline_images: int = 10_000, statistics_examples: int = 10_000) -> dict:
     keep_freed_memory()  # as train.py and evaluate.py do (dbsn.runtime.memory)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
@@ -318,6 +322,8 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
         result["pipeline"] = pipeline_rates(dev, pipeline_images, batch)
         result["ratios"]["on-device pipeline / DataLoader (images/s)"] = (
             result["pipeline"]["on_device"] / result["pipeline"]["dataloader"])
+    if statistics_examples:
+        result["statistics"] = statistics_cost(statistics_examples)
     if memory:
         result["peak_memory_mib"] = {  # a fresh process per case
             name: peak_memory_mib(name, net_name, batch, dev, samples_per_forward)
@@ -325,6 +331,35 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
         }
         result["training_memory"] = training_memory(memory_batch, dev, samples_per_forward)
     return result
+
+
+def statistics_cost(n: int = 10_000, classes: int = 10, resamples: int = 1000, n_out: int = 26_032) -> dict:
+    """Seconds of the evaluation's statistics on a CIFAR-sized test set (`n` examples, `classes`
+    classes, synthetic predictions): the calibration (test-time 2-fold cross-validation) and the
+    `resamples` bootstrap intervals of every test-pass metric (`dbsn.evaluation.statistics`), and
+    the intervals of one OOD set's detection metrics for three scores against `n_out` OOD
+    examples (SVHN's test set)."""
+    from dbsn.evaluation.ood import detection_statistics
+    from dbsn.evaluation.statistics import Statistics, calibrate, classification_statistics
+
+    g = torch.Generator().manual_seed(0)
+    log_probs = torch.log_softmax(3 * torch.randn(n, classes, generator=g, dtype=torch.float64), 1)
+    targets = torch.randint(classes, (n,), generator=g)
+    probs = log_probs.exp()
+    scores = {"max_probability": probs.max(1).values, "predictive_entropy": -(probs * log_probs).sum(1),
+              "mutual_information": torch.rand(n, generator=g, dtype=torch.float64)}
+    statistics = Statistics(resamples=resamples)
+    start = time.perf_counter()
+    calibrated, _ = calibrate(log_probs, targets)
+    classification_statistics(log_probs, targets, scores, statistics.weights(n), calibrated)
+    test_pass = time.perf_counter() - start
+    out_scores = torch.rand(n_out, generator=g, dtype=torch.float64)
+    start = time.perf_counter()
+    for score in scores.values():
+        detection_statistics(score, out_scores, statistics.weights(n), statistics.weights(n_out, stream=1))
+    ood = time.perf_counter() - start
+    return {"examples": n, "classes": classes, "resamples": resamples, "ood_examples": n_out,
+            "test_pass_seconds": test_pass, "ood_set_seconds": ood}
 
 
 def machine_fraction(step, seconds: float, device: torch.device, matmul_size: int = 2048) -> dict:
@@ -412,6 +447,11 @@ def _print(result: dict) -> None:
         console.print(f"dbsn_t4 step: {f['flops_per_step'] / 1e9:.1f} GFLOP (convolutions and matmuls), "
                       f"{f['flops_per_second'] / 1e9:.1f} GFLOP/s against {f['matmul_flops_per_second'] / 1e9:.1f} "
                       f"GFLOP/s of dense float32 matmul: {100 * f['fraction']:.1f} % of the machine's limit")
+    if "statistics" in result:
+        st = result["statistics"]
+        console.print(f"statistics: {st['resamples']} bootstrap resamples of {st['examples']:,} test examples "
+                      f"({st['classes']} classes): calibration and every test-pass interval {st['test_pass_seconds']:.1f} s; "
+                      f"one OOD set of {st['ood_examples']:,} examples, three scores {st['ood_set_seconds']:.1f} s")
     if "pipeline" in result:
         p = result["pipeline"]
         console.print(f"input pipeline: DataLoader {p['dataloader']:.0f} images/s, on-device {p['on_device']:.0f} images/s")
