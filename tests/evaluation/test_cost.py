@@ -211,9 +211,17 @@ def test_the_peak_memory_restarts_where_linux_lets_it():
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs: the peak is the process's since it started")
+    def resident_mib() -> float:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
     before, what = peak_memory_mib()
+    assert what == "cpu_max_rss" and before >= resident_mib() - 1
     del block
-    reset_peak_memory()
+    reset_peak_memory()  # the peak becomes what the process holds now (freed memory it keeps counts)
     after, _ = peak_memory_mib()
-    assert what == "cpu_max_rss" and after < before - 48
+    assert after <= resident_mib() + 8 and after <= before
+    grown = torch.ones(3 * int(after + 64) * 2**20 // 4 // 3)  # more than the process held: a new peak
+    assert peak_memory_mib()[0] >= after + 48
+    del grown

@@ -67,6 +67,11 @@ def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
     job = tmp_path / "ensemble"
     metrics = train(compose_config("train", ["model=deep_ensemble", "model.size=2", *tiny_member, *common], job), job)
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
+    rows = json.loads((job / "ablation" / "results.json").read_text())  # the deep-ensemble equivalent's curve
+    assert [r["n_samples"] for r in rows] == [1, 2] and all(math.isfinite(r["calibrated_nll"]) for r in rows)
+    record = json.loads((job / "metrics.json").read_text())
+    assert record["cost"]["n_samples"] == 2 and rows[-1]["calibrated_nll"] == pytest.approx(
+        record["metrics"]["test/calibrated/nll"], abs=0.05)  # the same ensemble, calibrated on the other halves
 
     runs = []
     for seed in (1, 2):

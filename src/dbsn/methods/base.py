@@ -132,6 +132,7 @@ class Method(pl.LightningModule):
         # uncertainty scores (for OOD detection and entropy plots), gathered over ranks.
         self.test_predictions: tuple[Tensor, Tensor] | None = None
         self.test_scores: dict[str, Tensor] | None = None
+        self.test_example: tuple[Tensor, Tensor] | None = None  # the first test batch's first inputs and targets
         self.test_image_rows: Tensor | None = None  # segmentation: each test image's metric sums (SegmentationMetrics)
         self.test_maps: list[dict[str, Tensor]] = []  # segmentation: a few images' uncertainty maps
         # Set by the evaluation code before `trainer.test` to get the MC-sample ablation.
@@ -552,6 +553,8 @@ class Method(pl.LightningModule):
         set of S member predictions. Segmentation: the same per pixel, and the maps of the
         first `task.num_maps` test images."""
         x, y = batch
+        if self.test_example is None:  # a few network inputs, for what is measured on inputs later (the cost)
+            self.test_example = (x[:4].detach(), y[:4].detach())
         members = self.predict_members(x)  # (S, b, C) or (S, b, H, W, C)
         shape = members.shape[1:-1]
         flat = self.task.flatten(members)  # (S, b·H·W, C)
@@ -587,6 +590,7 @@ class Method(pl.LightningModule):
         self.test_maps = []
         self.test_predictions = None
         self.test_scores = None
+        self.test_example = None
         self.ablation_rows = None
         if self.sample_ablation is not None:
             self.sample_ablation.to(self.device).reset()
