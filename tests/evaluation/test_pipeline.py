@@ -335,10 +335,11 @@ def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_s
     assert other["test/nll"] != first["test/nll"]  # other structures drawn
 
 
-def test_two_trainings_at_the_same_seed_give_the_same_metrics(tmp_path):
+def test_two_trainings_at_the_same_seed_give_the_same_metrics(dbsn_run, tmp_path):
     """Train and evaluate are reproducible on one machine: the same seed, the same numbers and
     intervals (thread count and machine as in this process)."""
-    first, again = (_train("mc_dropout", tmp_path / name, epochs=1) for name in ("a", "b"))
+    out, first = dbsn_run
+    again = _train("dbsn", tmp_path / "again")
     assert first == again
-    records = [json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("a", "b")]
+    records = [json.loads((folder / "metrics.json").read_text()) for folder in (out, tmp_path / "again")]
     assert records[0]["intervals"] == records[1]["intervals"] and records[0]["calibration"] == records[1]["calibration"]

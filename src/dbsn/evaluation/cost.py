@@ -111,16 +111,17 @@ def prediction_flops_per_image(method: Method, x: Tensor) -> float:
     (`prediction.n_samples`; one pass for a deterministic method, each member's own for a deep
     ensemble), in eval mode with test-time noise on (MC dropout), divided by the batch size.
 
-    Runs on a copy, after a one-image prediction outside the count: work a method does once
-    and keeps (DBSN's per-structure BatchNorm statistics of its fixed members) is not a
-    per-image cost."""
+    Runs on a copy; where the method computes per-structure BatchNorm statistics for its fixed
+    members (DBSN's `bn_recalibration`), after a one-image prediction outside the count: work a
+    method does once and keeps is not a per-image cost."""
     device = _device(method)
     x = x.to(device)
     with _own_random_stream(device), torch.no_grad():
         twin = _detached_copy(method)
         twin.eval()
         twin.enable_test_noise()
-        twin.predict_log_probs(x[:1])
+        if getattr(getattr(twin, "bn_recalibration", None), "enabled", False):
+            twin.predict_log_probs(x[:1])
         flops = _count_flops(lambda: twin.predict_log_probs(x))
     return flops / x.shape[0]
 
