@@ -118,3 +118,15 @@ def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_eq
     assert [float(r["dee"]) for r in ordered] == sorted((float(r["dee"]) for r in ordered), reverse=True)
     other = build_report([tmp_path / "runs"], tmp_path / "report_map", reference="map")
     assert "## Paired differences against map" in (other.out / "report.md").read_text()
+
+
+def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):
+    from dbsn.evaluation.report.collect import Run
+    from dbsn.evaluation.report.comparisons import load_predictions
+
+    folder = tmp_path / "run" / "posthoc" / "laplace"
+    (folder / "evaluation").mkdir(parents=True)
+    np.savez(folder / "evaluation" / "predictions.npz", log_probs=np.zeros((3, 2), np.float32), targets=np.arange(3) % 2)
+    found = load_predictions(Run(folder, "map_fixed+laplace", "digits", 0, "ok"))
+    assert found["log_probs"].dtype == torch.float64 and found["targets"].tolist() == [0, 1, 0]
+    assert load_predictions(Run(tmp_path / "run", "map_fixed", "digits", 0, "ok")) is None  # a run's own only

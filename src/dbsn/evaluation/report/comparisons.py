@@ -52,8 +52,12 @@ PAIRED_METRICS = {
 
 
 def load_predictions(run: Run) -> dict[str, torch.Tensor] | None:
-    """The run's `predictions.npz` as float64 / int64 tensors, or None."""
+    """The run's `predictions.npz` as float64 / int64 tensors, or None. A post-hoc posterior's run
+    folder (`<run>/posthoc/<name>/`) keeps its metrics.json at the top and its predictions in its
+    `evaluation/`, which is where they were made."""
     path = Path(run.path) / PREDICTIONS_FILE
+    if not path.is_file() and Path(run.path).parent.name == "posthoc":
+        path = Path(run.path) / "evaluation" / PREDICTIONS_FILE
     if not path.is_file():
         return None
     with np.load(path) as arrays:
