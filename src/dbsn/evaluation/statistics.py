@@ -46,7 +46,7 @@ __all__ = ["PREDICTIONS_FILE", "Statistics", "TestStatistics", "calibrate", "cla
 #: the per-example test predictions of an evaluation (log-probabilities, targets, calibrated
 #: log-probabilities, uncertainty scores): what the report pairs methods on
 PREDICTIONS_FILE = "predictions.npz"
-#: the uncertainty scores whose selective-prediction metrics get intervals
+#: the uncertainty scores whose ranking of errors selective prediction measures (and whose metrics get intervals)
 SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
 
 

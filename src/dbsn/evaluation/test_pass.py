@@ -26,7 +26,7 @@ from torch import Tensor
 from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
-from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, test_statistics
+from dbsn.evaluation.statistics import PREDICTIONS_FILE, SELECTIVE_SCORES, Statistics, calibrate, test_statistics
 from dbsn.evaluation.structure import edge_names_of, structure_files
 from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
@@ -38,8 +38,6 @@ __all__ = ["SELECTIVE_SCORES", "add_calibrated_ablation", "attach_sample_ablatio
 #: the metrics printed first, in this order (the rest follow alphabetically)
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
                 "mutual_information")
-#: the uncertainty scores whose ranking of errors selective prediction measures
-SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
 #: the ensemble sizes the console shows of the MC-sample ablation (all are written)
 SHOWN_ABLATION_SIZES = {1, 2, 5, 10, 20, 30, 50, 100}
 
