@@ -18,3 +18,21 @@ def test_method_inference_without_hydra():
     assert infer_method({"_target_": "dbsn.methods.natgrad.VOGNMethod", "structure": "dbsn"}) == "vogn_fbn"
     assert infer_method({"_target_": "dbsn.methods.natgrad.NEKFACMethod"}) == "nekfac"
     assert infer_method({"_target_": "my.pkg.Laplace"}) == "Laplace"
+
+
+def test_a_run_on_a_field_backbone_carries_it_in_its_name(tmp_path):
+    from dbsn.evaluation.runs import method_and_dataset
+
+    data = {"_target_": "dbsn.data.CIFAR10DataModule"}
+    on = {"_target_": "dbsn.methods.MIMO", "net": {"_target_": "dbsn.nets.WideResNet"}}
+    assert method_and_dataset(tmp_path, {"model": on, "data": data}) == ("mimo@wrn28_10", "cifar10")
+    cells = {"_target_": "dbsn.methods.MIMO", "net": {"_target_": "dbsn.nets.StructureNet"}}
+    assert method_and_dataset(tmp_path, {"model": cells, "data": data}) == ("mimo", "cifar10")
+    ensemble = {"_target_": "dbsn.methods.DeepEnsemble", "member": {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}}
+    assert method_and_dataset(tmp_path, {"model": ensemble, "data": data}) == ("deep_ensemble@resnet18", "cifar10")
+    (tmp_path / ".hydra").mkdir()  # Hydra's choices win over the config
+    (tmp_path / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  runtime:\n    choices:\n      model: batch_ensemble\n      model/net: resnet18\n      data: cifar100\n")
+    assert method_and_dataset(tmp_path, {"model": on, "data": data}) == ("batch_ensemble@resnet18", "cifar100")
+    for cls, name in {"BatchEnsemble": "batch_ensemble", "PackedEnsemble": "packed_ensemble", "SNGP": "sngp"}.items():
+        assert infer_method({"_target_": f"dbsn.methods.{cls}"}) == name

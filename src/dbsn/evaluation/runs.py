@@ -63,7 +63,30 @@ def infer_method(model: dict) -> str:
         return "vogn_fbn" if model.get("structure") == "dbsn" else "vogn"
     if cls == "NEKFACMethod":
         return "nekfac"
-    return "deep_ensemble" if cls == "DeepEnsemble" else cls
+    if cls == "DeepEnsemble":
+        return "deep_ensemble"
+    return SINGLE_CLASSES.get(cls, cls)
+
+
+#: Method classes whose config name is not their class name.
+SINGLE_CLASSES = {"BatchEnsemble": "batch_ensemble", "PackedEnsemble": "packed_ensemble", "MIMO": "mimo", "SNGP": "sngp"}
+
+#: The field's backbones by class and config name: a run on one of them is named `<method>@<backbone>`
+#: (`mimo@wrn28_10`), so that a method on DBSN's cell network and on a residual network are
+#: different rows of every table; the cell network (and a method's own network, e.g. NEK-FAC's
+#: VGG) adds nothing.
+BACKBONES = {"ResNet18": "resnet18", "WideResNet": "wrn28_10"}
+
+
+def backbone_of(model: dict, choices: dict | None = None) -> str | None:
+    """The field backbone (config name) a run's model uses, from Hydra's choices or the config;
+    None for any other network."""
+    choices = choices or {}
+    for key in ("model/net", "model/member/net"):
+        if choices.get(key) in BACKBONES.values():
+            return choices[key]
+    net = model.get("net") or (model.get("member") or {}).get("net") or {}
+    return BACKBONES.get(_short(net.get("_target_")))
 
 
 def infer_dataset(data: dict) -> str:
@@ -78,7 +101,10 @@ def method_and_dataset(run_dir: str | Path, config: dict) -> tuple[str, str]:
                                            {k: v for k, v in config.items() if k != "posthoc"})
         return f"{base}+{config['posthoc']}", dataset
     choices = hydra_choices(run_dir)
-    return (choices.get("model") or infer_method(config.get("model") or {}),
+    model = config.get("model") or {}
+    method = choices.get("model") or infer_method(model)
+    backbone = backbone_of(model, choices)
+    return (f"{method}@{backbone}" if backbone else method,
             choices.get("data") or infer_dataset(config.get("data") or {}))
 
 
