@@ -15,7 +15,7 @@ classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) 
 have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
 ood_groups.csv (near / far OOD means), shift.{md,csv} with Ovadia et al.'s box plots per
 dataset, adversarial.{md,csv} with one figure per dataset, evaluation_<name>.{md,csv} for any other
-evaluation (a user's own: every number of its summary.json), ablation.{md,csv}, and time.{md,csv} (training wall time and its ratio to DBSN's, from
+evaluation (a user's own: every number of its summary.json), ablation.{md,csv}, published.csv (runs on the field's backbones beside the published figures) and time.{md,csv} (training wall time and its ratio to DBSN's, from
 metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
 of runs in parentheses.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
 from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
+from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
                                            calibration_section, main_tables, ood_groups_section, ood_section,
                                            other_evaluations_section, runs_section, selective_section, shift_section,
@@ -65,7 +66,7 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
-        text += main_tables(report, ok) + paired_section(report, ok, reference, statistics)
+        text += main_tables(report, ok) + published_section(report, ok) + paired_section(report, ok, reference, statistics)
         text += calibration_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)

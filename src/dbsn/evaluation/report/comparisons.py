@@ -267,13 +267,17 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
     ablation has calibrated NLLs (module docstring)."""
     statistics = statistics or Statistics()
     rows, csv_rows = [], []
-    for dataset in _order({r.dataset for r in ok}, DATASET_ORDER):
-        curves = [c for c in (_ensemble_curve(r) for r in ok if r.method == ensemble and r.dataset == dataset) if c]
+    backbone = lambda name: name.partition("@")[2].partition("+")[0]  # noqa: E731 - "" on DBSN's cell network
+    for dataset, on in ((d, b) for d in _order({r.dataset for r in ok}, DATASET_ORDER)
+                        for b in sorted({backbone(r.method) for r in ok if r.dataset == d})):
+        # each backbone's methods against the deep ensemble of the same backbone
+        name = f"{ensemble}@{on}" if on else ensemble
+        curves = [c for c in (_ensemble_curve(r) for r in ok if r.method == name and r.dataset == dataset) if c]
         if not curves:
             continue
         sizes = curves[0][0]
         curve = [float(np.mean([c[1][i] for c in curves if c[0] == sizes])) for i in range(len(sizes))]
-        for method in _order({r.method for r in ok if r.dataset == dataset}, METHOD_ORDER):
+        for method in _order({r.method for r in ok if r.dataset == dataset and backbone(r.method) == on}, METHOD_ORDER):
             values, bounds = [], []
             for run in (r for r in ok if r.method == method and r.dataset == dataset):
                 predictions = load_predictions(run)

@@ -18,8 +18,9 @@ from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
 
-METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "laplace", "swag", "vogn", "vogn_fbn",
-                "nekfac")
+METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble", "packed_ensemble",
+                "mimo", "sngp", "laplace", "swag", "vogn", "vogn_fbn", "nekfac")
+BACKBONE_ORDER = ("", "resnet18", "wrn28_10")  # a method's runs on DBSN's cell network first, then on each field backbone
 DATASET_ORDER = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
 OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
@@ -38,8 +39,15 @@ MAIN_TABLES = (
 
 # ---------------------------------------------------------------------- statistics and output
 def _order(names, canonical) -> list[str]:
-    names = set(names)
-    return [n for n in canonical if n in names] + sorted(names - set(canonical))
+    """`names` in the order of `canonical`; method names `<method>@<backbone>[+posthoc]` grouped by
+    backbone (the cell network first), each group in the canonical order, unknown names last."""
+    def key(name: str):
+        base, _, rest = name.partition("@")
+        backbone, _, posthoc = rest.partition("+")
+        base = base + (f"+{posthoc}" if posthoc else "")
+        group = BACKBONE_ORDER.index(backbone) if backbone in BACKBONE_ORDER else len(BACKBONE_ORDER)
+        return (group, backbone, canonical.index(base) if base in canonical else len(canonical), base)
+    return sorted(set(names), key=key)
 
 
 class Cell(NamedTuple):
@@ -225,8 +233,8 @@ def _per_method_table(report: Report, ok: list[Run], stem: str, title: str, expl
                 bounds[r.method, r.dataset, label].append(_bounds(r, key, scale))
     if not values:
         return ""
-    cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], METHOD_ORDER.index(k[0])
-                                                            if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0]))
+    methods = _order({k[0] for k in values}, METHOD_ORDER)
+    cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], methods.index(k[0])))
     rows, csv_rows = [], []
     for method, dataset in cells:
         stats = {label: mean_std(values[method, dataset, label], bounds[method, dataset, label])

@@ -1,0 +1,56 @@
+"""The report's runs on the field's backbones beside the published figures (dbsn.evaluation.report.published)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.published import PUBLISHED, published_row
+from dbsn.evaluation.report.tables import METHOD_ORDER, _order
+from tests.support.fakeruns import write_run
+
+WRN = {"_target_": "dbsn.nets.WideResNet"}
+
+
+def test_a_run_finds_its_published_row_by_method_backbone_and_dataset():
+    assert published_row("batch_ensemble@wrn28_10", "cifar10").accuracy == 96.3
+    assert published_row("map@wrn28_10", "cifar100") == published_row("map_fixed@wrn28_10", "cifar100")
+    assert published_row("map_fixed@wrn28_10+swag", "cifar10").nll == pytest.approx(0.1122)
+    assert published_row("batch_ensemble", "cifar10") is None  # on DBSN's cell network: nothing published
+    assert published_row("mimo@resnet18", "cifar10") is None
+    assert all(p.accuracy is not None for rows in PUBLISHED.values() for p in rows.values())
+
+
+def test_methods_are_grouped_by_backbone_in_the_canonical_order():
+    names = {"mimo@wrn28_10", "dbsn", "map_fixed@wrn28_10", "map_fixed", "map_fixed@resnet18", "map_fixed@wrn28_10+swag",
+             "map_fixed+laplace", "mine"}
+    assert _order(names, METHOD_ORDER) == ["dbsn", "map_fixed", "map_fixed+laplace", "mine", "map_fixed@resnet18",
+                                           "map_fixed@wrn28_10", "mimo@wrn28_10", "map_fixed@wrn28_10+swag"]
+
+
+def test_the_report_sets_runs_beside_the_published_figures(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, error in ((1, 0.04), (2, 0.05)):  # two seeds of the deterministic WRN-28-10
+        write_run(runs / f"det{seed}", {"_target_": "dbsn.methods.MAP", "learn_structure": False, "net": WRN},
+                  "dbsn.data.CIFAR10DataModule", seed, error)
+    shift = runs / "det1" / "evaluation" / "shift"
+    shift.mkdir(parents=True)
+    shift.joinpath("metrics.json").write_text(json.dumps({"rows": [
+        {"corruption": "fog", "severity": 1, "error": 0.2, "nll": 0.8, "ece": 0.1, "brier": 0.3},
+        {"corruption": "fog", "severity": 5, "error": 0.4, "nll": 1.6, "ece": 0.3, "brier": 0.5}]}))
+    write_run(runs / "cells", {"_target_": "dbsn.methods.MAP", "learn_structure": False, "net": {"_target_": "dbsn.nets.StructureNet"}},
+              "dbsn.data.CIFAR10DataModule", 1, 0.05)
+    report = build_report([runs], tmp_path / "report")
+    with (report.out / "published.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["map_fixed@wrn28_10"]  # the cell-network run has no published figure
+    row = rows[0]
+    assert float(row["accuracy (%)"]) == pytest.approx(95.5) and float(row["published_accuracy (%)"]) == 96.0
+    assert float(row["NLL"]) == pytest.approx(0.45) and float(row["published_NLL"]) == pytest.approx(0.159)
+    assert float(row["cA (%)"]) == pytest.approx(70.0) and float(row["cNLL"]) == pytest.approx(1.2)
+    assert float(row["published_cA (%)"]) == 76.1
+    text = (report.out / "report.md").read_text()
+    assert "## Beside the published figures" in text and "| map_fixed@wrn28_10 | cifar10 | deterministic | 95.50 ± 0.71" in text
