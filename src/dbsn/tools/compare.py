@@ -1,7 +1,8 @@
 """A small end-to-end comparison of every method on any classification dataset (CPU-sized).
 
     python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
-                           [--batch-size 64] [--out DIR] [overrides ...]
+                           [--backbone structure_net|resnet18|wrn28_10] [--batch-size 64] [--out DIR]
+                           [overrides ...]
 
 `--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
 CPU, no files needed); `--subset N` trains on a seeded, class-stratified N images (or a fraction
@@ -11,9 +12,11 @@ E.g. CIFAR-10 on a 5,000-image subset on CPU:
 
     python -m dbsn.tools.compare --data cifar10 --subset 5000 --epochs 10 data.root=/path
 
-Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters) with
-the same data, batch, epochs and weight optimiser settings, and is tested with S = 100 members
-where it is stochastic. Schedules written for 100 CIFAR epochs are compressed into the run, the
+Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters), or
+with `--backbone resnet18|wrn28_10` a narrow ResNet-18 (width 16) / WideResNet-16-2 (DBSN, FBN and
+VOGN-FBN stay on the cell network), with the same data, batch, epochs and weight optimiser
+settings, and is tested with S = 100 members where it samples (MC dropout, BBB, DBSN; the
+single-pass ensembles with their M members, SNGP in one pass). Schedules written for 100 CIFAR epochs are compressed into the run, the
 only per-method settings, from the run's real steps per epoch (its training images over the
 batch size, counted once before any method trains, so that a missing dataset fails first):
 DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ reaches 1 and β reaches
@@ -44,9 +47,17 @@ from dbsn.evaluation.report import build_report
 from dbsn.runtime.config import CONF_DIR
 from dbsn.structure.schedules import REFERENCE_BATCH
 
-METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn")
+METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn",
+           "batch_ensemble", "packed_ensemble", "mimo", "sngp")
 STRUCTURE_SAMPLING = ("dbsn", "fbn", "vogn_fbn")
 VOGN_METHODS = ("vogn", "vogn_fbn")
+#: Methods whose members are fixed by the network (M), or that predict in one pass: S does not apply.
+FIXED_MEMBERS = ("map", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")
+#: The networks a comparison runs on, at CPU size: DBSN's small cell network (the paper's B = 4, one
+#: cell per stage), a ResNet-18 of width 16 and a WideResNet-16-2. Methods that need DBSN's cells
+#: (dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
+BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
+             "wrn28_10": ["depth=16", "widen_factor=2"]}
 
 
 def data_choices() -> list[str]:
@@ -85,17 +96,19 @@ def epoch_size(data_cfg: DictConfig) -> tuple[int, int]:
 
 
 def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: int = 100,
-                     net_overrides: list[str] = (), batch_size: int = 64) -> list[str]:
-    """One method's model and the schedules compressed into `epochs` of `steps_per_epoch`
+                     net_overrides: list[str] = (), batch_size: int = 64, backbone: str = "structure_net") -> list[str]:
+    """One method's model on `backbone` (at the CPU size of `BACKBONES`; the cell network for
+    the methods that need cells) and the schedules compressed into `epochs` of `steps_per_epoch`
     steps of `batch_size` images: τ's progress counts examples seen / REFERENCE_BATCH (τ
     reaches 1 at the end), β's counts epochs (0.5 at 80 %), VOGN's KL warm-up counts steps."""
     model = "model.member" if method == "deep_ensemble" else "model"
-    overrides = [f"model={method}", f"trainer.max_epochs={epochs}", "trainer.log_every_n_steps=10",
-                 f"{model}.net.num_nodes=4", f"{model}.net.cells_per_stage=1",
+    net = "structure_net" if method in STRUCTURE_SAMPLING else backbone
+    overrides = [f"model={method}", f"{model.replace('.', '/')}/net={net}", f"trainer.max_epochs={epochs}",
+                 "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES[net]],
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":
         overrides.append("model.size=3")
-    if method not in ("map", "map_fixed", "deep_ensemble"):
+    if method not in FIXED_MEMBERS:
         overrides.append(f"model.prediction.n_samples={n_samples}")
     total = epochs * steps_per_epoch
     if method in STRUCTURE_SAMPLING:  # compress the 100-epoch schedules into this run
@@ -114,7 +127,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
 def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
-                   subset: int | float | None = None) -> dict[str, dict[str, float]]:
+                   subset: int | float | None = None, backbone: str = "structure_net") -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
     ``output_dir/<method>``; returns its test metrics plus ``train_seconds`` (the fit's wall
     time) by method."""
@@ -131,7 +144,7 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
         run_dir = Path(output_dir) / method
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[
-                *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size),
+                *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone),
                 *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
         metrics = train(cfg, run_dir)
         record = json.loads((run_dir / "metrics.json").read_text())
@@ -224,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=100,
                         help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
                              "of the whole test set: fewer on a large test set on CPU)")
+    parser.add_argument("--backbone", choices=sorted(BACKBONES), default="structure_net",
+                        help="the network of the methods that do not need DBSN's cells, at CPU size: the small cell "
+                             "network (default), ResNet-18 of width 16, WideResNet-16-2")
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"))
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
@@ -235,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     if any(o.startswith("data=") for o in args.overrides):
         parser.error("choose the dataset with --data, not a data=... override")
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
-                          data=args.data, subset=args.subset, n_samples=args.samples)
+                          data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone)
 
 
 def cli() -> None:

@@ -3,6 +3,8 @@
     --suite cpu (default)  ratios of DBSN's hot paths on any device (`dbsn.tools.bench.cpu`)
     --suite gpu            the paper network's training configurations on one GPU
                            (`dbsn.tools.bench.gpu`)
+    --suite field          each field method's training step and prediction over one network's
+                           on the same backbone (`dbsn.tools.bench.field`)
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ def main(argv: list[str] | None = None) -> dict:
     from dbsn.tools.bench import cpu
 
     parser = argparse.ArgumentParser(description=cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("cpu", "gpu"), default="cpu",
+    parser.add_argument("--suite", choices=("cpu", "gpu", "field"), default="cpu",
                         help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
-                             "on one GPU (dbsn.tools.bench.gpu)")
+                             "on one GPU (dbsn.tools.bench.gpu); field: the field's methods over one network on a "
+                             "backbone (dbsn.tools.bench.field)")
+    parser.add_argument("--backbone", choices=("resnet18", "wrn28_10", "structure_net"), default="resnet18",
+                        help="field suite: the backbone every method runs on")
+    parser.add_argument("--size", choices=("quick", "paper"), default=None,
+                        help="field suite: quick = narrow backbones for a CPU (default there), paper = published size "
+                             "(default on a GPU)")
     parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -47,6 +55,16 @@ def main(argv: list[str] | None = None) -> dict:
         from dbsn.tools.bench import gpu
 
         return gpu.main(args)
+    if args.suite == "field":
+        from dbsn.tools.bench import field
+
+        size = args.size or ("paper" if torch.cuda.is_available() and args.device in ("auto", "cuda") else "quick")
+        result = field.run(args.backbone, size, args.batch, args.repeats, args.device)
+        field._print(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     result = cpu.run(args.net or "quick", args.batch, args.repeats, args.device, args.samples_per_forward,
                      not args.no_memory, args.memory_batch, compiled=not args.no_compile)
     cpu._print(result)

@@ -1,0 +1,142 @@
+"""The field's "ensemble at the cost of one network" claims, as ratios measured in one run.
+
+    python -m dbsn.tools.bench --suite field [--backbone resnet18|wrn28_10|structure_net]
+                                             [--size quick|paper] [--batch 64] [--repeats 5]
+
+On one backbone, every method of the field is built from its own config (`conf/model/<name>.yaml`,
+so the settings are the ones a run uses) and timed on the same batch, in interleaved repetitions
+(median):
+
+  train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble and
+             Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
+  predict    the test-time prediction of one batch: all members of the method's ensemble (S for
+             MC dropout, M for the ensembles), in eval mode
+
+Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
+backbone: a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
+prediction. Parameters are counted too. `--size quick` narrows the backbone so the suite runs on a
+CPU in minutes (ResNet-18 width 16, WideResNet-16-2, DBSN's small cell network); `paper` is the
+published size (a GPU's job).
+"""
+
+from __future__ import annotations
+
+import statistics
+from datetime import date
+
+import torch
+
+from dbsn.tools.bench.common import _device_name, timed_call
+
+#: The methods timed on every backbone (config names), one network first.
+FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")
+#: Methods that run only on DBSN's cell network, timed when the backbone is structure_net.
+CELL_METHODS = ("dbsn",)
+#: Network overrides of each backbone at each size.
+SIZES = {
+    "resnet18": {"quick": ["width=16"], "paper": []},
+    "wrn28_10": {"quick": ["depth=16", "widen_factor=2"], "paper": []},
+    "structure_net": {"quick": ["num_nodes=4", "cells_per_stage=1"], "paper": []},
+}
+
+
+def build_method(method: str, backbone: str, size: str = "quick", num_classes: int = 10, extra: list[str] = ()):
+    """`method` on `backbone` as its config builds it (the networks' widths from `SIZES`)."""
+    from hydra import compose, initialize_config_dir
+
+    from dbsn.runtime.build import build_model
+    from dbsn.runtime.config import CONF_DIR
+
+    prefix = "model/member" if method == "deep_ensemble" else "model"
+    key = prefix.replace("/", ".")
+    overrides = [f"model={method}", f"{prefix}/net={backbone}",
+                 *[f"{key}.net.{o}" for o in SIZES[backbone][size]], *extra]
+    if method == "deep_ensemble":
+        overrides.append("model.size=4")  # the field's ensembles of 4
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    torch.manual_seed(0)
+    return build_model(cfg.model, num_classes)
+
+
+def training_step(method, x: torch.Tensor, y: torch.Tensor):
+    """A callable running one training step of `method` as `Method.training_step` does, without
+    Lightning's logging (the same as the cpu suite's)."""
+    method.dataset_size = 50_000
+    groups = method.weight_parameter_groups()
+    opts = [method.optim.build(group, 100, method.no_decay_parameters())[0] for group in groups]
+    if method.structure_parameters():
+        opts.append(method.structure_optimizer().build(method.structure_parameters()))
+    method.train()
+
+    def step():
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
+        if method.optim.grad_clip_norm:
+            for group in groups:
+                torch.nn.utils.clip_grad_norm_(group, method.optim.grad_clip_norm)
+        for opt in opts:
+            opt.step()
+        method.on_after_optimizer_step(x.shape[0])
+    return step
+
+
+def prediction(method, x: torch.Tensor):
+    """A callable predicting `x` with every member of `method`'s ensemble, in eval mode."""
+    def predict():
+        method.eval()
+        method.enable_test_noise()
+        with torch.inference_mode():
+            method.predict_log_probs(x)
+    return predict
+
+
+def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
+        methods: tuple[str, ...] | None = None) -> dict:
+    """Seconds (median over `repeats`) and ratios to one network of every method on `backbone`."""
+    from dbsn.evaluation.progress import progress
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    names = methods or (FIELD_METHODS + (CELL_METHODS if backbone == "structure_net" else ()))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, generator=g).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
+    calls, parameters, members = {}, {}, {}
+    for name in names:
+        method = build_method(name, backbone, size).to(dev)
+        parameters[name] = sum(p.numel() for p in method.parameters() if p.requires_grad)
+        members[name] = method.num_members
+        calls[name, "train"] = training_step(method, x, y)
+        calls[name, "predict"] = prediction(method, x)
+    for call in calls.values():  # warm-up (allocator, lazy initialisation)
+        call()
+    times = {key: [] for key in calls}
+    for _ in progress(range(repeats), desc=f"bench field ({backbone}, {size})"):
+        for key, call in calls.items():  # interleaved: every case sees the same machine state
+            times[key].append(timed_call(call, dev))
+    seconds = {f"{name} {what}": statistics.median(times[name, what]) for name, what in calls}
+    one = {what: seconds[f"map_fixed {what}"] for what in ("train", "predict")}
+    return {
+        "date": date.today().isoformat(), "device": _device_name(dev), "torch": torch.__version__,
+        "backbone": backbone, "size": size, "batch": batch, "repeats": repeats,
+        "parameters": parameters, "members": members, "seconds": seconds,
+        "ratios": {f"{name} {what} / map_fixed {what}": seconds[f"{name} {what}"] / one[what]
+                   for name in names if name != "map_fixed" for what in ("train", "predict")},
+    }
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]dbsn bench field[/] {result['date']} on {result['device']}, torch {result['torch']}, "
+                  f"{result['backbone']} ({result['size']}), batch {result['batch']}, median of {result['repeats']}")
+    table = Table("method", "parameters", "members", "train s", "train / one network", "predict s",
+                  "predict / one network")
+    for name, count in result["parameters"].items():
+        ratio = lambda what: "1" if name == "map_fixed" else f"{result['ratios'][f'{name} {what} / map_fixed {what}']:.2f}"  # noqa: E731
+        table.add_row(name, f"{count:,}", str(result["members"][name]), f"{result['seconds'][f'{name} train']:.4f}",
+                      ratio("train"), f"{result['seconds'][f'{name} predict']:.4f}", ratio("predict"))
+    console.print(table)
