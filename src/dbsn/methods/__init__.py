@@ -12,6 +12,7 @@
 | vogn          | VOGNMethod(structure="map")   | softmax(θ)            | VOGN (diagonal GGN)        |
 | vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α|θ), sampled       | VOGN (diagonal GGN)        |
 | nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
+| mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -22,11 +23,12 @@ from dbsn.methods.settings import Compilation, Execution, Prediction, StructureO
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
+from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
     "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
-    "MCDropoutWeights", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
+    "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]
