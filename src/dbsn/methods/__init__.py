@@ -13,6 +13,7 @@
 | vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α|θ), sampled       | VOGN (diagonal GGN)        |
 | nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
 | mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
+| batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -21,6 +22,7 @@ dbsn_seg (DBSN on DBSNSegNet).
 from dbsn.methods.base import Method, NonFiniteLossError
 from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
+from dbsn.methods.batch_ensemble import BatchEnsemble
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
@@ -28,6 +30,7 @@ from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
+    "BatchEnsemble",
     "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",

@@ -355,6 +355,11 @@ class Method(pl.LightningModule):
         a Gaussian posterior's scales ρ; none for point weights and MC dropout)."""
         return self.weights.no_decay_parameters(self.net)
 
+    def lr_scales(self) -> dict[int, float]:
+        """Weights whose lr is a multiple of the optimiser's, {id(parameter): multiplier}
+        (BatchEnsemble's fast weights); none by default."""
+        return {}
+
     def configure_optimizers(self):
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs < 1:
@@ -363,9 +368,9 @@ class Method(pl.LightningModule):
                 f"{max_epochs})."
             )
         optimizers, schedules = [], []
-        no_decay = self.no_decay_parameters()
+        no_decay, lr_scales = self.no_decay_parameters(), self.lr_scales()
         for group in self.weight_parameter_groups():
-            sgd, schedule = self.optim.build(group, max_epochs, no_decay)
+            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales)
             optimizers.append(sgd)
             schedules.append(schedule)
         if self.structure_parameters():

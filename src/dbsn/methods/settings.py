@@ -6,7 +6,7 @@ temperature scaling) and how its network runs (`Execution`: memory layout, `Comp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,15 +47,20 @@ class WeightOptimizer:
         if not 0 <= self.decay_start < 1:
             raise ValueError(f"decay_start is a fraction of training in [0, 1), got {self.decay_start}")
 
-    def build(self, params, max_epochs: int, no_decay=()):
+    def build(self, params, max_epochs: int, no_decay=(), lr_scales: Mapping[int, float] | None = None):
         """SGD over `params` and its lr schedule. The parameters of `params` that are also in
         `no_decay` (a Gaussian posterior's scales, see `WeightPosterior.no_decay_parameters`)
         form a second param group with weight decay 0, in the same optimiser, so that gradient
-        clipping and the lr schedule still cover the whole group of weights."""
-        params, skip = list(params), {id(p) for p in no_decay}
-        decayed = {"params": [p for p in params if id(p) not in skip]}
-        undecayed = {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}
-        groups = [g for g in (decayed, undecayed) if g["params"]]
+        clipping and the lr schedule still cover the whole group of weights. `lr_scales`
+        ({id(parameter): multiplier}, see `Method.lr_scales`) gives parameters a multiple of
+        the lr, in param groups of their own (the schedule scales every group alike)."""
+        params, skip, scales = list(params), {id(p) for p in no_decay}, dict(lr_scales or {})
+        by_kind: dict[tuple[bool, float], list] = {}
+        for p in params:
+            by_kind.setdefault((id(p) in skip, float(scales.get(id(p), 1.0))), []).append(p)
+        groups = [{"params": by_kind[kind], **({"weight_decay": 0.0} if kind[0] else {}),
+                   **({"lr": self.lr * kind[1]} if kind[1] != 1.0 else {})}
+                  for kind in sorted(by_kind, key=lambda k: (k[0], k[1] != 1.0, k[1]))]
         opt = torch.optim.SGD(
             groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
             nesterov=self.nesterov,

@@ -1,0 +1,130 @@
+"""BatchEnsemble layers (Wen, Tran & Ba, ICLR 2020): M members that share one slow weight.
+
+Member m's weight is the shared ("slow") weight W times a rank-1 "fast" weight, W ∘ s_m r_mᵀ
+(paper, Eq. 1), which is computed without forming it (Eq. 2):
+
+    y = (W (x ∘ r_m)) ∘ s_m + b_m
+
+for a linear layer, and the same per channel for a convolution: r_m scales the input channels,
+s_m the output channels. b_m is the member's own bias (edward2's layers give every member one
+where the layer has a bias, none where it has not). A batch holds the M members' rows
+*interleaved*, as every grouped batch here: row r belongs to member r mod M, so
+`x.repeat_interleave(M, 0)` evaluates every example under every member (the paper's batch
+repetition) and `.view(b, M, ...)` separates them again.
+
+`batch_ensemble(net, M)` swaps every `nn.Conv2d` and `nn.Linear` of a network for these layers
+in place, keeping their weights as the slow weights, so any network built from them becomes a
+BatchEnsemble: ResNet-18, WideResNet and DBSN's cell network, whose depthwise convolutions
+become BatchEnsemble depthwise convolutions as edward2's `DepthwiseConv2DBatchEnsemble` (r_m and
+s_m per channel). BatchNorm stays shared; the method decides which rows its statistics cover
+(`dbsn.methods.BatchEnsemble`: the whole repeated batch, as the authors).
+
+Initialisation of the fast weights, the authors' `random_sign_init` (uncertainty-baselines,
+`baselines/cifar/batchensemble.py` and `models/wide_resnet_batchensemble.py`): a value p > 0
+draws random signs, +1 with probability p and -1 otherwise (edward2's `RandomSign`); a value
+≤ 0 draws N(1, p²) (their CIFAR default -0.5: N(1, 0.25)); 0 sets every fast weight to 1, which
+makes every member the slow network. Member biases start as copies of the slow bias.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BatchEnsembleConv2d", "BatchEnsembleLinear", "batch_ensemble", "fast_parameters",
+           "init_fast_weights_", "member_biases"]
+
+
+def init_fast_weights_(tensor: Tensor, random_sign_init: float) -> Tensor:
+    """The authors' initialisation of fast weights, in place (see the module docstring)."""
+    with torch.no_grad():
+        if random_sign_init > 0:
+            return tensor.copy_(2 * torch.bernoulli(torch.full_like(tensor, random_sign_init)) - 1)
+        return tensor.normal_(1.0, -random_sign_init)
+
+
+class _BatchEnsembleLayer(nn.Module):
+    """A slow layer (`layer`, without its bias) with M members' fast weights r (M, in),
+    s (M, out) and, where the slow layer had a bias, member biases (M, out)."""
+
+    def __init__(self, layer: nn.Module, size: int, in_features: int, out_features: int,
+                 random_sign_init: float) -> None:
+        super().__init__()
+        if size < 1:
+            raise ValueError(f"size (M, the number of members) must be >= 1, got {size}")
+        self.size = size
+        bias = layer.bias
+        layer.register_parameter("bias", None)  # the slow layer keeps only its weight
+        self.layer = layer
+        self.r = nn.Parameter(init_fast_weights_(layer.weight.new_empty(size, in_features), random_sign_init))
+        self.s = nn.Parameter(init_fast_weights_(layer.weight.new_empty(size, out_features), random_sign_init))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone().unsqueeze(0).repeat(size, 1))
+
+    def _rows(self, p: Tensor, x: Tensor) -> Tensor:
+        """p (M, C) per row of x (member r mod M), shaped to broadcast against x's channels."""
+        if x.shape[0] % self.size:
+            raise ValueError(f"a BatchEnsemble layer of M = {self.size} members needs a batch of whole member "
+                             f"groups (rows interleaved, row r = member r mod M); got {x.shape[0]} rows")
+        rows = p.repeat(x.shape[0] // self.size, 1)  # (b·M, C)
+        ones = (1,) * (x.dim() - 2)
+        return rows.view(*rows.shape, *ones) if self.channels_first else rows.view(rows.shape[0], *ones, -1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.layer(x * self._rows(self.r, x)) * self._rows(self.s, x)
+        return y if self.bias is None else y + self._rows(self.bias, x)
+
+
+class BatchEnsembleConv2d(_BatchEnsembleLayer):
+    """`nn.Conv2d` (grouped and depthwise too) with M members' rank-1 fast weights: r scales the
+    input channels, s the output channels (edward2's `Conv2DBatchEnsemble`,
+    `DepthwiseConv2DBatchEnsemble`)."""
+
+    channels_first = True
+
+    def __init__(self, conv: nn.Conv2d, size: int, random_sign_init: float = -0.5) -> None:
+        super().__init__(conv, size, conv.in_channels, conv.out_channels, random_sign_init)
+
+
+class BatchEnsembleLinear(_BatchEnsembleLayer):
+    """`nn.Linear` with M members' rank-1 fast weights (edward2's `DenseBatchEnsemble`)."""
+
+    channels_first = False  # (b, ..., C)
+
+    def __init__(self, linear: nn.Linear, size: int, random_sign_init: float = -0.5) -> None:
+        super().__init__(linear, size, linear.in_features, linear.out_features, random_sign_init)
+
+
+def batch_ensemble(net: nn.Module, size: int, random_sign_init: float = -0.5) -> nn.Module:
+    """Make `net` a BatchEnsemble of `size` members in place: every `nn.Conv2d` and `nn.Linear`
+    becomes a `BatchEnsembleConv2d` / `BatchEnsembleLinear` around it (its weight the slow
+    weight); BatchNorm and everything else stays shared. Returns `net`, which then takes
+    batches of whole member groups (row r = member r mod `size`)."""
+    swapped = 0
+    for parent in list(net.modules()):
+        if isinstance(parent, _BatchEnsembleLayer):
+            continue
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv2d):
+                setattr(parent, name, BatchEnsembleConv2d(child, size, random_sign_init))
+            elif isinstance(child, nn.Linear):
+                setattr(parent, name, BatchEnsembleLinear(child, size, random_sign_init))
+            else:
+                continue
+            swapped += 1
+    if swapped == 0:
+        raise ValueError(f"{type(net).__name__} has no nn.Conv2d or nn.Linear layer to give fast weights")
+    return net
+
+
+def _layers(net: nn.Module) -> list[_BatchEnsembleLayer]:
+    return [m for m in net.modules() if isinstance(m, _BatchEnsembleLayer)]
+
+
+def fast_parameters(net: nn.Module) -> list[nn.Parameter]:
+    """The fast weights r and s of every BatchEnsemble layer of `net`."""
+    return [p for m in _layers(net) for p in (m.r, m.s)]
+
+
+def member_biases(net: nn.Module) -> list[nn.Parameter]:
+    """The members' biases of every BatchEnsemble layer of `net` (layers with a bias only)."""
+    return [m.bias for m in _layers(net) if m.bias is not None]
