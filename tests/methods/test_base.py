@@ -586,3 +586,53 @@ def test_method_trains_and_evaluates(method, cifar_root, tmp_path):
     # the same numbers again, stochastic methods too: the evaluation is seeded (statistics.seed),
     # as the training run's test pass was (another seed draws other members: tests/evaluation)
     assert again["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-5)
+
+
+class _StepLRs(pl.Callback):
+    """The weights' lr each optimiser step used, and the lr the optimiser holds at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.used, self.after_epoch = [], []
+
+    def on_fit_start(self, trainer, module) -> None:
+        sgd = module._optimizers()[0]
+        step = sgd.step
+
+        def recording_step(*args, **kwargs):
+            self.used.append([g["lr"] for g in sgd.param_groups])
+            return step(*args, **kwargs)
+        sgd.step = recording_step
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        self.after_epoch.append(module._optimizers()[0].param_groups[0]["lr"])
+
+
+def test_lr_warm_up_ramps_linearly_step_by_step_then_hands_over_to_the_schedule():
+    """1.5 epochs of warm-up over 4 steps per epoch: steps use lr x 1/6, 2/6, ..., 1 (the
+    fraction done after each step), every param group alike (a scaled group too), and the epoch
+    schedule (x0.1 at 50 %, 75 % of 4 epochs) is the one it would be without a warm-up."""
+    from dbsn.methods import MAP, WeightOptimizer
+    from dbsn.nets import VGG16BN
+
+    assert WeightOptimizer(warmup_epochs=0).warmup_factor(0, 0, 4) == 1.0
+    assert WeightOptimizer(warmup_epochs=2).warmup_factor(1, 1, 4) == pytest.approx(0.75)
+    assert WeightOptimizer(warmup_epochs=2).warmup_factor(0, 0, float("inf")) == 1.0
+    with pytest.raises(ValueError, match="warmup_epochs"):
+        WeightOptimizer(warmup_epochs=-1)
+
+    class Scaled(MAP):
+        def lr_scales(self):  # the classifier at half the lr, in its own param group
+            return {id(p): 0.5 for p in self.net.classifier.parameters()}
+
+    torch.manual_seed(0)
+    method = Scaled(VGG16BN(5, width=0.125), learn_structure=False, dataset_size=32,
+                    optim=WeightOptimizer(lr=0.1, warmup_epochs=1.5, grad_clip_norm=None))
+    data = TensorDataset(torch.randn(32, 3, 32, 32), torch.randint(0, 5, (32,)))
+    lrs = _StepLRs()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[lrs])
+    trainer.fit(method, DataLoader(data, batch_size=8, drop_last=True))
+    ramp = [min(1.0, k / 6) for k in range(1, 17)]
+    schedule = [0.1] * 8 + [0.01] * 4 + [0.001] * 4  # milestones at epochs 2 and 3
+    assert [pytest.approx([s * r, 0.5 * s * r]) for s, r in zip(schedule, ramp)] == lrs.used
+    assert lrs.after_epoch == pytest.approx([0.1, 0.1, 0.01, 0.001])  # before each epoch's schedule step: untouched by the ramp

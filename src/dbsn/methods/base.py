@@ -30,7 +30,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -425,8 +425,9 @@ class Method(pl.LightningModule):
         if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
             for opt in opts[: len(self.lr_schedulers_list())]:
                 self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
-        for opt in opts:
-            opt.step()
+        with self._warmed_up(opts[: len(self.lr_schedulers_list())], batch_idx):
+            for opt in opts:
+                opt.step()
         if self.parallel == "structure" and self._world_size() > 1:
             self._average_running_statistics()
         self.on_after_optimizer_step(y.shape[0])
@@ -435,6 +436,26 @@ class Method(pl.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, on_step=True, on_epoch=True, batch_size=y.shape[0])
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
+
+    @contextmanager
+    def _warmed_up(self, weight_optimizers: list, batch_idx: int):
+        """The weights' lr during `optim.warmup_epochs`: the scheduled lr times the fraction of the
+        warm-up done after this step (`WeightOptimizer.warmup_factor`), put back after the step so
+        the epoch schedule never sees it."""
+        batches = self.trainer.num_training_batches if self._trainer is not None else float("inf")
+        factor = self.optim.warmup_factor(self.current_epoch, batch_idx, batches)
+        if factor == 1.0:
+            yield
+            return
+        groups = [g for opt in weight_optimizers for g in opt.param_groups]
+        scheduled = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * factor
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, scheduled):
+                g["lr"] = lr
 
     def accumulate_gradients(self, x: Tensor, y: Tensor, backward, batch_idx: int = 0) -> dict[str, Tensor]:
         """The gradients of one step's loss, chunk by chunk (`training_losses`), with one

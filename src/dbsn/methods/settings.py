@@ -5,6 +5,7 @@ temperature scaling) and how its network runs (`Execution`: memory layout, `Comp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -24,6 +25,9 @@ class WeightOptimizer:
       `max_epochs` (paper, CIFAR: 50% / 75%; the research code used 60% / 80%);
     - `schedule="linear"`: constant until the fraction `decay_start` of `max_epochs`, then
       decreasing linearly to 0 at the end (the CamVid recipe: constant for 350 of 850 epochs).
+
+    `warmup_epochs` > 0 ramps the lr linearly from 1 / steps of the warm-up up to the schedule's
+    over that many epochs, step by step (uncertainty-baselines' CIFAR recipes: 1 epoch).
     """
 
     lr: float = 0.1
@@ -35,6 +39,7 @@ class WeightOptimizer:
     gamma: float = 0.1
     schedule: str = "multistep"
     decay_start: float = 0.5
+    warmup_epochs: float = 0.0
 
     def __post_init__(self) -> None:
         self.milestones = tuple(float(m) for m in self.milestones)
@@ -46,6 +51,17 @@ class WeightOptimizer:
             raise ValueError(f"schedule must be 'multistep' or 'linear', got {self.schedule!r}")
         if not 0 <= self.decay_start < 1:
             raise ValueError(f"decay_start is a fraction of training in [0, 1), got {self.decay_start}")
+        if self.warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+
+    def warmup_factor(self, epoch: int, batch_idx: int, batches_per_epoch: float) -> float:
+        """The lr's multiplier at step `batch_idx` of `epoch` under the linear warm-up: the
+        fraction of `warmup_epochs` done after this step, (epoch + (batch_idx + 1) / batches) /
+        warmup_epochs, at most 1 (uncertainty-baselines' WarmUpPiecewiseConstantSchedule: one
+        epoch). 1 without a warm-up or an epoch length (an iterable without a length)."""
+        if self.warmup_epochs <= 0 or not math.isfinite(batches_per_epoch) or batches_per_epoch <= 0:
+            return 1.0
+        return min(1.0, (epoch + (batch_idx + 1) / batches_per_epoch) / self.warmup_epochs)
 
     def build(self, params, max_epochs: int, no_decay=(), lr_scales: Mapping[int, float] | None = None):
         """SGD over `params` and its lr schedule. The parameters of `params` that are also in
