@@ -103,7 +103,8 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     reaches 1 at the end), β's counts epochs (0.5 at 80 %), VOGN's KL warm-up counts steps."""
     model = "model.member" if method == "deep_ensemble" else "model"
     net = "structure_net" if method in STRUCTURE_SAMPLING else backbone
-    overrides = [f"model={method}", f"{model.replace('.', '/')}/net={net}", f"trainer.max_epochs={epochs}",
+    choice = "model/net@model.member.net" if method == "deep_ensemble" else "model/net"  # the members' network
+    overrides = [f"model={method}", f"{choice}={net}", f"trainer.max_epochs={epochs}",
                  "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES[net]],
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":

@@ -47,9 +47,9 @@ def build_method(method: str, backbone: str, size: str = "quick", num_classes: i
     from dbsn.runtime.build import build_model
     from dbsn.runtime.config import CONF_DIR
 
-    prefix = "model/member" if method == "deep_ensemble" else "model"
-    key = prefix.replace("/", ".")
-    overrides = [f"model={method}", f"{prefix}/net={backbone}",
+    key = "model.member" if method == "deep_ensemble" else "model"
+    choice = "model/net@model.member.net" if method == "deep_ensemble" else "model/net"  # the members' network
+    overrides = [f"model={method}", f"{choice}={backbone}",
                  *[f"{key}.net.{o}" for o in SIZES[backbone][size]], *extra]
     if method == "deep_ensemble":
         overrides.append("model.size=4")  # the field's ensembles of 4
@@ -64,7 +64,7 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor):
     Lightning's logging (the same as the cpu suite's)."""
     method.dataset_size = 50_000
     groups = method.weight_parameter_groups()
-    opts = [method.optim.build(group, 100, method.no_decay_parameters())[0] for group in groups]
+    opts = [method.optim.build(group, 100, method.no_decay_parameters(), method.lr_scales())[0] for group in groups]
     if method.structure_parameters():
         opts.append(method.structure_optimizer().build(method.structure_parameters()))
     method.train()
