@@ -113,6 +113,10 @@ class DBSN(Method):
         parallel: Parallel = "structure",
         **settings,
     ) -> None:
+        if net.num_edges == 0:  # before the weight posterior transforms the network
+            raise ValueError(f"{type(self).__name__} learns a distribution over the structure of DBSN's cells, and "
+                             f"{type(net).__name__} has no structure (num_edges = 0): use a StructureNet, or a method "
+                             "without structure (MAP, DeepEnsemble)")
         super().__init__(net, prediction=prediction or Prediction(n_samples=100, val_samples=10),
                          train_samples=train_samples, parallel=parallel, **settings)
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)

@@ -44,12 +44,14 @@ class MAP(Method):
         **settings,
     ) -> None:
         super().__init__(net, **settings)
-        self.learn_structure = learn_structure
+        if learn_structure and fixed_structure is not None:
+            raise ValueError("fixed_structure is only used with learn_structure=False")
+        # A network without structure (a `Backbone`: num_edges = 0) has no θ to learn: there MAP
+        # and MAP-fixed α are one method, the network alone (mc_dropout, bbb on ResNet-18 too).
+        self.learn_structure = learn_structure = learn_structure and net.num_edges > 0
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         shape = (net.num_edges, net.num_ops)
         if learn_structure:
-            if fixed_structure is not None:
-                raise ValueError("fixed_structure is only used with learn_structure=False")
             self.theta = nn.Parameter(theta_init_std * torch.randn(shape))
         else:
             alpha = torch.full(shape, 1.0 / max(net.num_ops, 1)) if fixed_structure is None else torch.as_tensor(fixed_structure, dtype=torch.float32)

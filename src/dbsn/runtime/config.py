@@ -331,6 +331,50 @@ def check_sync_batchnorm(cfg: DictConfig) -> None:
             )
 
 
+def _samples_structures(node: DictConfig) -> bool:
+    """Whether the method `node` builds learns a distribution over DBSN's cell structures (DBSN,
+    FBN, VOGN-FBN)."""
+    from dbsn.methods import DBSN, VOGNMethod
+
+    target = get_object(node["_target_"])
+    if target is VOGNMethod:
+        return node.get("structure", "map") == "dbsn"
+    return isinstance(target, type) and issubclass(target, DBSN)
+
+
+def check_backbone(cfg: DictConfig) -> None:
+    """Refuse, before anything is built, what needs DBSN's cells on a network without them (a
+    `Backbone`: ResNet-18, WideResNet, VGG16-BN; ``num_edges = 0``): a structure posterior (dbsn,
+    fbn, vogn_fbn), and MC dropout on the cells' node outputs (its default placement)."""
+    model = cfg.get("model") or {}
+    for where, node in (("model", model), ("model.member", model.get("member"))):
+        if not isinstance(node, DictConfig) or "_target_" not in node or not isinstance(node.get("net"), DictConfig):
+            continue
+        try:
+            net_class = get_object(node.net["_target_"])
+            samples_structures = _samples_structures(node)
+        except Exception:  # noqa: BLE001 - a target that does not import: check_node names it
+            continue
+        if getattr(net_class, "num_edges", None) != 0:  # a class without structure says so: Backbone
+            continue
+        net = f"{where}.net ({net_class.__name__})"
+        if samples_structures:
+            raise ConfigError(
+                f"{where}: {node['_target_'].rsplit('.', 1)[-1]} learns a distribution over the structure of DBSN's "
+                f"cells, and {net} has no structure (num_edges = 0). Use model/net=structure_net, or on this network a "
+                "method without structure: map, map_fixed, mc_dropout, bbb, deep_ensemble."
+            )
+        weights = node.get("weights")
+        if (isinstance(weights, DictConfig) and str(weights.get("_target_", "")).endswith(".MCDropoutWeights")
+                and weights.get("placement", "node_outputs") == "node_outputs"):
+            raise ConfigError(
+                f"{where}.weights.placement=node_outputs puts dropout on the node outputs of DBSN's cells, and {net} "
+                f"has none: set {where}.weights.placement=every_conv (dropout after every convolution; ResNet-18) or "
+                f"existing (the network's own dropout layers, with rate {where}.weights.p: WideResNet's between the "
+                "two convolutions of every block)."
+            )
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
     for key in cfg.keys():
@@ -344,6 +388,7 @@ def validate_config(cfg: DictConfig) -> None:
         if key in cfg and not (value is None and None in allowed) and not any(_fits(value, t) for t in allowed if t):
             expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
+    check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
         if isinstance(node, DictConfig):
