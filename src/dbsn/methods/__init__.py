@@ -14,6 +14,7 @@
 | nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
 | mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
 | batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
+| packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -27,10 +28,12 @@ from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
+from dbsn.methods.packed import PackedEnsemble
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
     "BatchEnsemble",
+    "PackedEnsemble",
     "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",

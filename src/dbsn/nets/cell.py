@@ -31,6 +31,11 @@ class Cell(nn.Module):
     ``node_output`` (identity) is applied to every node's value, as its successors and the
     output see it: a place for methods to put a layer there (MC dropout on every node output,
     as the DBSN research code's baseline does). It acts per row: shared rows are expanded first.
+
+    ``channel_groups`` (1): the number of ensemble members whose channels lie side by side in
+    every tensor, member m's the m-th of ``channel_groups`` equal blocks (Packed-Ensembles,
+    `dbsn.nets.packed.pack`, sets it). The split into nodes and the concatenation then go
+    member by member, so that each member's channels stay together.
     """
 
     def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
@@ -49,6 +54,7 @@ class Cell(nn.Module):
             nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges
         )
         self.node_output: nn.Module = nn.Identity()
+        self.channel_groups = 1
 
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
         """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G].
@@ -62,7 +68,7 @@ class Cell(nn.Module):
         groups = alpha.shape[0]
         projected = self.preprocess(x, 1 if expand else groups)
         layout = memory_format(projected)  # contiguous, or channels-last: the ops keep it
-        slices = list(projected.split(self.growth, dim=1))
+        slices = self._split_nodes(projected)
         shared = [expand] * len(slices)  # whether a node still holds b rows shared by all groups
         nodes: list[Tensor] = []
         for j in range(len(slices)):
@@ -82,8 +88,29 @@ class Cell(nn.Module):
         if expand:
             nodes = [expand_groups(n, groups) if s else n for n, s in zip(nodes, shared)]
         if not self.keep_input:
-            return torch.cat(nodes, dim=1)
-        return torch.cat([expand_groups(x, groups) if expand else x, *nodes], dim=1)
+            return self._concatenate(nodes)
+        return self._concatenate([expand_groups(x, groups) if expand else x, *nodes])
+
+    def _split_nodes(self, projected: Tensor) -> list[Tensor]:
+        """The projection's one slice per node (of each member, with ``channel_groups``)."""
+        if self.channel_groups == 1:
+            return list(projected.split(self.growth, dim=1))
+        b, c, h, w = projected.shape
+        members, width = self.channel_groups, c // self.num_nodes
+        if c % (members * self.num_nodes):
+            raise ValueError(f"a cell's {c} projected channels do not split into {self.num_nodes} nodes of each of "
+                             f"{members} members")
+        parts = projected.reshape(b, members, self.num_nodes, width // members, h, w)
+        return [parts[:, :, j].reshape(b, width, h, w) for j in range(self.num_nodes)]
+
+    def _concatenate(self, parts: list[Tensor]) -> Tensor:
+        """``parts`` joined along channels (member by member, with ``channel_groups``)."""
+        if self.channel_groups == 1:
+            return torch.cat(parts, dim=1)
+        b, _, h, w = parts[0].shape
+        members = self.channel_groups
+        joined = torch.cat([p.reshape(b, members, p.shape[1] // members, h, w) for p in parts], dim=2)
+        return joined.flatten(1, 2).contiguous(memory_format=memory_format(parts[0]))
 
     @staticmethod
     def _mixed_edge(node: Tensor, alpha_e: Tensor, ops: nn.ModuleList, shared: bool = False) -> Tensor:
