@@ -16,3 +16,12 @@ def test_sweep_expansion_handles_choice_range_and_lists(tmp_path):
     assert len(jobs) == 4
     assert {(j["seed"], j["model"], j["x"], j["trainer"]) for j in jobs} == {
         (s, m, "c", "cpu") for s in ("1", "2") for m in ("dbsn", "map")}
+
+
+def test_a_field_sweeps_missing_jobs_are_named_by_method_and_backbone(tmp_path):
+    from dbsn.evaluation.report.collect import missing_runs
+
+    write_yaml(tmp_path / "multirun.yaml", {"hydra": {
+        "sweeper": {"params": {"field": "structure_net/dbsn,wrn28_10/mimo,wrn28_10/sngp_cifar100", "seed": "1"}},
+        "runtime": {"choices": {"model": "dbsn", "data": "cifar100"}}}})
+    assert sorted(r.method for r in missing_runs(tmp_path, [])) == ["dbsn", "mimo@wrn28_10", "sngp@wrn28_10"]

@@ -131,6 +131,16 @@ def _as_dict(overrides: list[str]) -> dict[str, str]:
         return dict(str(o).split("=", 1) for o in overrides if "=" in str(o))
 
 
+def _expected_method(combo: dict, choices: dict) -> str:
+    """The method name a job of a sweep will have: `model=`, or a field job's `field=<backbone>/<method>`
+    (`<method>@<backbone>` on a field backbone, as `method_and_dataset` names the finished run)."""
+    if "field" in combo:
+        backbone, _, method = combo["field"].partition("/")
+        method = method.removesuffix("_cifar100")
+        return method if backbone == "structure_net" else f"{method}@{backbone}"
+    return combo.get("model", choices.get("model", "?"))
+
+
 def missing_runs(root: Path, runs: list[Run]) -> list[Run]:
     jobs = [_as_dict(r.overrides) for r in runs if r.status != "missing" and root in r.path.parents]
     multirun = _yaml(root / "multirun.yaml") or {}
@@ -138,7 +148,7 @@ def missing_runs(root: Path, runs: list[Run]) -> list[Run]:
     missing = []
     for combo in expected_jobs(root):
         if not any(all(job.get(k) == v for k, v in combo.items()) for job in jobs):
-            missing.append(Run(root, combo.get("model", choices.get("model", "?")), combo.get("data", choices.get("data", "?")),
+            missing.append(Run(root, _expected_method(combo, choices), combo.get("data", choices.get("data", "?")),
                                combo.get("seed", multirun.get("seed")), "missing",
                                overrides=[f"{k}={v}" for k, v in combo.items()], note="no job folder"))
     return missing
