@@ -35,6 +35,24 @@ def test_each_method_gets_its_schedule_compression_and_valid_overrides(tmp_path)
     assert abs(3.0 * 2.718281828 ** (-float(tau.split("=")[1]) * 210) - 1.0) < 1e-3  # tau hits 1 at the end
 
 
+@pytest.mark.parametrize("backbone", ["resnet18", "wrn28_10"])
+def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(backbone, tmp_path):
+    from dbsn.tools.compare import BACKBONES, STRUCTURE_SAMPLING
+
+    target = {"resnet18": "dbsn.nets.ResNet18", "wrn28_10": "dbsn.nets.WideResNet"}[backbone]
+    for method in ("dbsn", "map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"):
+        overrides = method_overrides(method, 10, 21, backbone=backbone)
+        cfg = compose_config("train", [*overrides, *shared_overrides()], tmp_path)
+        validate_config(cfg)
+        net = (cfg.model.member if method == "deep_ensemble" else cfg.model).net
+        assert net._target_ == ("dbsn.nets.StructureNet" if method in STRUCTURE_SAMPLING else target), method
+        for setting in BACKBONES["structure_net" if method in STRUCTURE_SAMPLING else backbone]:  # the CPU size
+            key, value = setting.split("=")
+            assert str(net[key]) == value, (method, setting)
+        if method == "mc_dropout":  # no cells: a placement that exists on this network
+            assert cfg.model.weights.placement == ("every_conv" if backbone == "resnet18" else "existing")
+
+
 @pytest.mark.parametrize("batch_size", [32, 64, 128])
 def test_tau_reaches_one_after_the_examples_of_the_whole_run(batch_size):
     """tau's progress is examples seen / 64: 10 epochs of 21 steps of `batch_size` images."""

@@ -58,6 +58,8 @@ FIXED_MEMBERS = ("map", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_
 #: (dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
 BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
              "wrn28_10": ["depth=16", "widen_factor=2"]}
+#: MC dropout on a network without cells (conf/field's choices): after every convolution, or WRN's own layers.
+DROPOUT_PLACEMENT = {"resnet18": "every_conv", "wrn28_10": "existing"}
 
 
 def data_choices() -> list[str]:
@@ -109,6 +111,8 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":
         overrides.append("model.size=3")
+    if method == "mc_dropout" and net in DROPOUT_PLACEMENT:  # no cells: after every conv, or WRN's own dropout layers
+        overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[net]}")
     if method not in FIXED_MEMBERS:
         overrides.append(f"model.prediction.n_samples={n_samples}")
     total = epochs * steps_per_epoch
