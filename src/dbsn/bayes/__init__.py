@@ -1,5 +1,7 @@
-"""Bayes by Backprop: Gaussian weight posteriors for the BBB and FBN baselines."""
+"""Bayesian layers: Bayes by Backprop's Gaussian weight posteriors (the BBB and FBN baselines) and
+SNGP's random-feature Gaussian-process output layer (`gp`)."""
 
+from dbsn.bayes.gp import RandomFeatureGaussianProcess, mean_field_logits, orthogonal_random_features
 from dbsn.bayes.layers import (
     BayesConv2d,
     BayesLayer,
@@ -14,8 +16,11 @@ __all__ = [
     "BayesConv2d",
     "BayesLayer",
     "BayesLinear",
+    "RandomFeatureGaussianProcess",
     "bayesianize",
     "gaussian_kl",
     "kl_divergence",
+    "mean_field_logits",
+    "orthogonal_random_features",
     "set_sampling",
 ]

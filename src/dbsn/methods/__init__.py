@@ -12,6 +12,7 @@
 | vogn          | VOGNMethod(structure="map")   | softmax(θ)            | VOGN (diagonal GGN)        |
 | vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α|θ), sampled       | VOGN (diagonal GGN)        |
 | nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
+| sngp          | SNGP (spectral norm, GP head) | softmax(θ)            | point; GP output layer (Laplace) |
 | mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
 | batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
 | packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
@@ -28,6 +29,7 @@ from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
+from dbsn.methods.sngp import SNGP
 from dbsn.methods.packed import PackedEnsemble
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
@@ -36,5 +38,5 @@ __all__ = [
     "PackedEnsemble",
     "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
-    "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
+    "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]

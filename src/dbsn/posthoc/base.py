@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from dbsn.methods.base import Method
 
 __all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier"]
@@ -65,8 +67,13 @@ class PosthocPosterior:
 
 def point_estimate_classifier(method: Method, name: str) -> str | None:
     """The reason `name` does not apply to `method` unless it is one point-estimate classifier
-    (map, map_fixed); None when it is."""
+    (map, map_fixed) whose last layer `classifier` is an nn.Linear; None when it is."""
     if getattr(method, "members", None) is not None or method.is_stochastic or not method.task.keeps_test_outputs:
         return (f"posthoc={name} works on a point-estimate classifier (map, map_fixed: one network, which may be one "
                 f"member of an ensemble trained as separate runs); this checkpoint is {type(method).__name__}")
+    head = getattr(getattr(method, "net", None), "classifier", None)
+    if not isinstance(head, nn.Linear):
+        return (f"posthoc={name} needs the network's last layer `classifier` to be an nn.Linear; this checkpoint's "
+                f"{type(method).__name__} has a {type(head).__name__} there (SNGP: a Gaussian-process output layer "
+                "with its own posterior)")
     return None
