@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "backbone (dbsn.tools.bench.field)")
     parser.add_argument("--backbone", choices=("resnet18", "wrn28_10", "structure_net"), default="resnet18",
                         help="field suite: the backbone every method runs on")
-    parser.add_argument("--size", choices=("quick", "paper"), default=None,
+    parser.add_argument("--size", choices=("quick", "paper", "tiny"), default=None,
                         help="field suite: quick = narrow backbones for a CPU (default there), paper = published size "
                              "(default on a GPU)")
     parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")

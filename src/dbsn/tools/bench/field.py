@@ -27,6 +27,7 @@ from datetime import date
 import torch
 
 from dbsn.tools.bench.common import _device_name, timed_call
+from dbsn.tools.compare import DROPOUT_PLACEMENT
 
 #: The methods timed on every backbone (config names), one network first.
 FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")
@@ -34,10 +35,11 @@ FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "
 CELL_METHODS = ("dbsn",)
 #: Network overrides of each backbone at each size.
 SIZES = {
-    "resnet18": {"quick": ["width=16"], "paper": []},
-    "wrn28_10": {"quick": ["depth=16", "widen_factor=2"], "paper": []},
-    "structure_net": {"quick": ["num_nodes=4", "cells_per_stage=1"], "paper": []},
-}
+    "resnet18": {"quick": ["width=16"], "paper": [], "tiny": ["width=8"]},
+    "wrn28_10": {"quick": ["depth=16", "widen_factor=2"], "paper": [], "tiny": ["depth=10", "widen_factor=1"]},
+    "structure_net": {"quick": ["num_nodes=4", "cells_per_stage=1"], "paper": [],
+                      "tiny": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=8", "stem_channels=16"]},
+}  # tiny: the suite's tests
 
 
 def build_method(method: str, backbone: str, size: str = "quick", num_classes: int = 10, extra: list[str] = ()):
@@ -53,6 +55,8 @@ def build_method(method: str, backbone: str, size: str = "quick", num_classes: i
                  *[f"{key}.net.{o}" for o in SIZES[backbone][size]], *extra]
     if method == "deep_ensemble":
         overrides.append("model.size=4")  # the field's ensembles of 4
+    if method == "mc_dropout" and backbone in DROPOUT_PLACEMENT:  # no cells: the field's placement
+        overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[backbone]}")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     torch.manual_seed(0)
@@ -62,7 +66,8 @@ def build_method(method: str, backbone: str, size: str = "quick", num_classes: i
 def training_step(method, x: torch.Tensor, y: torch.Tensor):
     """A callable running one training step of `method` as `Method.training_step` does, without
     Lightning's logging (the same as the cpu suite's)."""
-    method.dataset_size = 50_000
+    for m in (method, *getattr(method, "members", ())):  # as on_fit_start sets it (a deep ensemble's members too)
+        m.dataset_size = 50_000
     groups = method.weight_parameter_groups()
     opts = [method.optim.build(group, 100, method.no_decay_parameters(), method.lr_scales())[0] for group in groups]
     if method.structure_parameters():

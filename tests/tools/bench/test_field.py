@@ -1,0 +1,37 @@
+"""The field suite of the bench (dbsn.tools.bench.field): every method on one backbone, built from its
+config, timed beside one network, end to end on the CPU at a tiny width."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbsn.tools import bench
+
+
+@pytest.mark.parametrize("backbone, methods", [
+    ("resnet18", ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")),
+    ("structure_net", ("map_fixed", "dbsn", "mimo")),
+])
+def test_field_suite_times_every_method_against_one_network(backbone, methods, tmp_path, monkeypatch):
+    import json
+
+    from dbsn.tools.bench import field
+
+    monkeypatch.setattr(field, "FIELD_METHODS", tuple(m for m in methods if m != "dbsn"))
+    out = tmp_path / "field.json"
+    result = bench.main(["--suite", "field", "--backbone", backbone, "--size", "tiny", "--batch", "4", "--repeats", "1",
+                         "--device", "cpu", "--json", str(out)])
+    assert json.loads(out.read_text())["ratios"] == result["ratios"]
+    assert set(result["parameters"]) == set(methods)
+    for name in methods:
+        assert result["seconds"][f"{name} train"] > 0 and result["seconds"][f"{name} predict"] > 0
+        if name != "map_fixed":
+            assert result["ratios"][f"{name} predict / map_fixed predict"] == pytest.approx(
+                result["seconds"][f"{name} predict"] / result["seconds"]["map_fixed predict"])
+    params, members = result["parameters"], result["members"]
+    if "deep_ensemble" in params:  # four networks: four times the parameters, four members
+        assert params["deep_ensemble"] == 4 * params["map_fixed"] and members["deep_ensemble"] == 4
+        assert members["batch_ensemble"] == members["packed_ensemble"] == 4 and members["mimo"] == 3
+        assert members["mc_dropout"] > 1 and members["sngp"] == members["map_fixed"] == 1
+    if "dbsn" in params:
+        assert members["dbsn"] == 100 and members["mimo"] == 3
