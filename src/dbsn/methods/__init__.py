@@ -29,8 +29,8 @@ from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
-from dbsn.methods.sngp import SNGP
 from dbsn.methods.packed import PackedEnsemble
+from dbsn.methods.sngp import SNGP
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
