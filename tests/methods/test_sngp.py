@@ -225,3 +225,11 @@ def test_train_then_evaluate_the_checkpoint_with_the_final_epochs_covariance(tmp
     evaluated = evaluate_quietly(run / "checkpoints" / "last.ckpt", tmp_path / "eval", ["statistics.resamples=100"])
     assert evaluated["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)
     assert json.loads((run / "metrics.json").read_text())["metrics"]["test/nll"] == pytest.approx(metrics["test/nll"])
+
+
+def test_a_deep_ensemble_refuses_sngp_members_whose_precision_needs_their_epoch_hooks():
+    from dbsn.methods import SNGP, DeepEnsemble
+    from dbsn.nets import ResNet18
+
+    with pytest.raises(ValueError, match="separate runs"):
+        DeepEnsemble([SNGP(ResNet18(10, width=8)) for _ in range(2)])

@@ -90,13 +90,15 @@ def test_sweep_experiment_holds_the_paper_classification_sweep(dataset, tmp_path
 
 
 @pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "vogn",
-                                   "vogn_fbn"])
+                                   "vogn_fbn", "batch_ensemble", "packed_ensemble", "mimo", "sngp"])
 def test_every_method_config_builds(model, tmp_path):
     prefix = "model.member.net" if model == "deep_ensemble" else "model.net"
-    cfg = compose_config("train", [f"model={model}", f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1"], tmp_path)
+    net = [] if model in ("dbsn", "fbn", "vogn", "vogn_fbn", "deep_ensemble") else ["model/net=structure_net"]
+    cfg = compose_config("train", [f"model={model}", *net, f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1",
+                                   f"{prefix}.compression=0.5"], tmp_path)  # 0.5: channel counts the packed groups divide
     validate_config(cfg)
     method = build_model(cfg.model, num_classes=10)
-    assert method.is_stochastic == (model not in ("map", "map_fixed"))
+    assert method.is_stochastic == (model not in ("map", "map_fixed", "sngp"))
 
 
 @pytest.mark.parametrize("override, message", [

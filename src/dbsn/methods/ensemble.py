@@ -38,6 +38,10 @@ class DeepEnsemble(Method):
         if size is not None and size != len(members):
             raise ValueError(f"size = {size} but {len(members)} members were given")
         for m in members:
+            if getattr(m, "epoch_state", False):
+                raise ValueError(f"deep-ensemble members are trained side by side without their own epoch hooks, which a "
+                                 f"{type(m).__name__} needs (e.g. SNGP's precision, reset every epoch): train the members "
+                                 "as separate runs and ensemble them with evaluate.py ckpt_path=[run1,run2,...]")
             if not isinstance(m, MAP):
                 raise ValueError(
                     f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "

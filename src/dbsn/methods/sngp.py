@@ -74,6 +74,9 @@ class SNGP(MAP):
         super().__init__(net, **settings)
         self.spectral_bound, self.power_iterations = float(spectral_bound), int(power_iterations)
 
+    #: State kept by the epoch hooks (the precision): a deep ensemble cannot train it side by side.
+    epoch_state = True
+
     @property
     def gp(self) -> RandomFeatureGaussianProcess:
         """The Gaussian-process output layer."""

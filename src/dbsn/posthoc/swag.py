@@ -195,6 +195,9 @@ class SWAGCollector(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         try:
             swag_parameters(pl_module)
+            reason = point_estimate_classifier(pl_module, "swag")
+            if reason:  # e.g. SNGP: a point estimate whose head posthoc=swag refuses; nothing to collect for it
+                raise ValueError(reason)
         except ValueError as err:  # a sweep's stochastic methods (DBSN, MC dropout, ...): nothing to collect
             self.active = False
             rank_zero_info(f"SWAG collects the weights of point-estimate runs only; not this one ({err})")
