@@ -36,3 +36,18 @@ def test_a_run_on_a_field_backbone_carries_it_in_its_name(tmp_path):
     assert method_and_dataset(tmp_path, {"model": on, "data": data}) == ("batch_ensemble@resnet18", "cifar100")
     for cls, name in {"BatchEnsemble": "batch_ensemble", "PackedEnsemble": "packed_ensemble", "SNGP": "sngp"}.items():
         assert infer_method({"_target_": f"dbsn.methods.{cls}"}) == name
+
+
+def test_wandb_facts_name_the_network_and_a_single_pass_ensembles_members(tmp_path):
+    from dbsn.runtime.wandb_run import run_facts
+
+    data = {"_target_": "dbsn.data.CIFAR10DataModule"}
+    mimo = run_facts({"model": {"_target_": "dbsn.methods.MIMO", "size": 3, "net": {"_target_": "dbsn.nets.WideResNet"}},
+                      "data": data}, tmp_path)
+    assert (mimo["method"], mimo["network"], mimo["S"]) == ("mimo@wrn28_10", "wrn28_10", 3)
+    dbsn = run_facts({"model": {"_target_": "dbsn.methods.DBSN", "prediction": {"n_samples": 100},
+                                "net": {"_target_": "dbsn.nets.StructureNet"}}, "data": data}, tmp_path)
+    assert (dbsn["method"], dbsn["network"], dbsn["S"]) == ("dbsn", "StructureNet", 100)
+    ensemble = run_facts({"model": {"_target_": "dbsn.methods.DeepEnsemble", "size": 4, "member": {
+        "_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}}, "data": data}, tmp_path)
+    assert (ensemble["method"], ensemble["network"], ensemble["S"]) == ("deep_ensemble@resnet18", "resnet18", 4)

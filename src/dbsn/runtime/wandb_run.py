@@ -10,8 +10,9 @@
   synced (a later `wandb sync` of the same id replaces the history).
 - **name**: method, dataset and seed, e.g. `dbsn cifar10 seed=1`.
 - **config**: the resolved config, plus flat keys that W&B groups and filters on: `method`,
-  `dataset`, `seed`, `T` (structures per training step), `S` (members of the test ensemble),
-  `epochs`, `batch_size`, `sweep`, `job_type`.
+  `dataset`, `seed`, `network` (resnet18, wrn28_10, or the network's class: StructureNet, ...),
+  `T` (structures per training step), `S` (members of the test ensemble), `epochs`,
+  `batch_size`, `sweep`, `job_type`.
 A user's own `logger.wandb.{id,group,name,job_type}` wins over each of these.
 """
 
@@ -25,7 +26,8 @@ from typing import Any, Callable
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from dbsn.evaluation.runs import CONFIG_FILE, WANDB_ID_FILE, load_run_config, method_and_dataset, sweep_of
+from dbsn.evaluation.runs import (CONFIG_FILE, WANDB_ID_FILE, backbone_of, hydra_choices, load_run_config,
+                                  method_and_dataset, sweep_of)
 from dbsn.runtime.build import instantiate_group, with_facts
 from dbsn.runtime.config import to_plain
 from dbsn.runtime.rank import is_rank_zero
@@ -57,8 +59,11 @@ def run_facts(config: dict, run_dir: Path) -> dict[str, Any]:
     method, dataset = method_and_dataset(run_dir, config)
     member = model.get("member") or {}  # model=deep_ensemble: `size` members trained as one model
     size = model.get("size", 1) if member else 1
-    return {"method": method, "dataset": dataset, "seed": config.get("seed"),
-            "T": (member or model).get("train_samples", 1), "S": size * n_samples_of(member or model),
+    net = (member or model).get("net") or {}
+    network = backbone_of(model, hydra_choices(run_dir)) or str(net.get("_target_", "?")).rsplit(".", 1)[-1]
+    return {"method": method, "dataset": dataset, "seed": config.get("seed"), "network": network,
+            "T": (member or model).get("train_samples", 1),
+            "S": size * n_samples_of(member) if member else model.get("size") or n_samples_of(model),  # size: M of a single-pass ensemble
             "epochs": trainer.get("max_epochs"), "batch_size": data.get("batch_size")}
 
 
