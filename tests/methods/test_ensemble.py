@@ -88,3 +88,24 @@ def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
     # averaging probabilities can only help the NLL (Jensen): never worse than the worse member
     assert gathered["test/nll"] <= max(singles) + 1e-6
     assert math.isfinite(gathered["test/ece"])
+
+
+def test_a_step_member_by_member_has_the_gradients_of_the_summed_loss():
+    """One device: each member's backward before the next member's forward (one network's
+    activations at a time), the same gradients as the members' summed loss in one backward."""
+    import copy
+
+    ensemble = DeepEnsemble([_member(s) for s in range(3)])
+    joint = copy.deepcopy(ensemble)
+    torch.manual_seed(5)
+    x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 4, (6,))
+    parts = list(ensemble.training_losses(x, y))
+    assert [last for _, last, _ in parts] == [False, False, True] and len(parts) == 3
+    for _, _, out in parts:
+        out["loss"].backward()
+    joint.training_loss(x, y)["loss"].backward()
+    for (name, p), q in zip(ensemble.named_parameters(), joint.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    logs = DeepEnsemble([_member(s) for s in range(3)]).accumulate_gradients(x, y, lambda loss, last: loss.backward())
+    torch.testing.assert_close(logs["loss"], joint.training_loss(x, y)["loss"].detach())  # the sum over members
+    torch.testing.assert_close(logs["nll"], joint.training_loss(x, y)["nll"].detach())  # the mean member NLL

@@ -82,7 +82,7 @@ def backbone_of(model: dict, choices: dict | None = None) -> str | None:
     """The field backbone (config name) a run's model uses, from Hydra's choices or the config;
     None for any other network."""
     choices = choices or {}
-    for key in ("model/net", "model/member/net"):
+    for key in ("model/net", "model/net@model.member.net"):  # the second: a deep ensemble's members'
         if choices.get(key) in BACKBONES.values():
             return choices[key]
     net = model.get("net") or (model.get("member") or {}).get("net") or {}

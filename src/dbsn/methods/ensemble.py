@@ -74,6 +74,18 @@ class DeepEnsemble(Method):
         for m in self.members:
             m.dataset_size = self.dataset_size
 
+    def training_losses(self, x: Tensor, y: Tensor):
+        """The step's loss member by member on one device (each member's backward frees its graph
+        before the next member's forward: the activations of one network, not of M; the
+        parameters are disjoint, so the gradients are those of the summed loss). Under DDP the
+        summed loss in one part, so that every parameter is reduced in one backward."""
+        if self._world_size() > 1:
+            yield from super().training_losses(x, y)
+            return
+        for i, member in enumerate(self.members):
+            out = member.training_loss(x, y)
+            yield 1.0 / len(self.members), i == len(self.members) - 1, out  # loss adds up; nll, kl, error: means
+
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Σ_m loss_m: parameters are disjoint, so each member gets its own loss's gradient."""
         outs = [m.training_loss(x, y) for m in self.members]

@@ -15,7 +15,9 @@ training batch (the authors' code, google/uncertainty-baselines `baselines/cifar
   is scored against member m's label of row j;
 - the loss sums the members' NLLs (the mean over the n rows of the sum over the M heads), as
   the authors' code does: with SGD this is their step, so their learning rate and L2 apply
-  unchanged. The logged ``nll`` is the mean over members, comparable with every other method.
+  unchanged; `member_loss="mean"` averages them instead (torch-uncertainty's routine, and any
+  recipe written for one network's mean NLL). The logged ``nll`` is the mean over members,
+  comparable with every other method.
 
 At test time each image is tiled M times on the channels (every member sees it) and the M
 heads' softmaxes are averaged, like a deep ensemble's: `network(x, α)` returns the heads as
@@ -36,6 +38,12 @@ from dbsn.methods.tasks import Segmentation
 from dbsn.nets.mimo import mimo
 
 
+#: How the members' NLLs make the loss: "sum" (uncertainty-baselines' mimo.py: their lr and L2 apply
+#: unchanged) or "mean" (torch-uncertainty's routine, the mean over all rows; an optimiser recipe written
+#: for one network's mean NLL, e.g. the DBSN paper's, then gives the same step).
+MEMBER_LOSSES = ("sum", "mean")
+
+
 class MIMO(SinglePassEnsemble):
     """M subnetworks with their own inputs and heads in one network (see the module docstring).
 
@@ -47,11 +55,14 @@ class MIMO(SinglePassEnsemble):
             example (authors' code: 0 on CIFAR).
         batch_repetitions: r, how many times each example of the batch is repeated in a
             training step (authors' code: 4 on CIFAR).
+        member_loss: "sum" of the members' NLLs (authors' code) or their "mean" (`MEMBER_LOSSES`).
         settings: `SinglePassEnsemble`'s, `MAP`'s and `Method`'s settings.
     """
 
     def __init__(self, net: nn.Module, *, size: int = 3, input_repetition: float = 0.0, batch_repetitions: int = 4,
-                 **settings) -> None:
+                 member_loss: str = "sum", **settings) -> None:
+        if member_loss not in MEMBER_LOSSES:
+            raise ValueError(f"member_loss must be one of {MEMBER_LOSSES}, got {member_loss!r}")
         if not 0.0 <= input_repetition <= 1.0:
             raise ValueError(f"input_repetition (rho) is a probability in [0, 1], got {input_repetition}")
         if batch_repetitions < 1:
@@ -63,6 +74,7 @@ class MIMO(SinglePassEnsemble):
         super().__init__(mimo(net, size), size=size, **settings)
         self.input_repetition = float(input_repetition)
         self.batch_repetitions = int(batch_repetitions)
+        self.member_loss = member_loss
 
     # ------------------------------------------------------------------ the training batch
     def mimo_indices(self, batch_size: int) -> Tensor:
@@ -89,7 +101,7 @@ class MIMO(SinglePassEnsemble):
         inputs, targets = self.mimo_batch(x, y)
         logits = self.heads(inputs, self.alpha().unsqueeze(0))
         nll = self.task.loss(logits, targets)  # mean over the n·M rows = mean over members
-        out = {"nll": nll, "logits": logits, "targets": targets, "loss": self.size * nll}
+        out = {"nll": nll, "logits": logits, "targets": targets, "loss": (self.size if self.member_loss == "sum" else 1) * nll}
         if self.weights.stochastic:  # as `Method.structures_loss`
             kl = self.weights.kl(self.net, self.current_epoch)
             out["weight_kl"] = torch.as_tensor(kl)

@@ -19,6 +19,7 @@ over 1..M members and every evaluation.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from dbsn.methods.map import MAP
@@ -73,7 +74,12 @@ class SinglePassEnsemble(MAP):
         return self.size
 
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
-        """Logits of members first .. first + n - 1, (n, b, C), from one forward of all M."""
+        """Logits of members first .. first + n - 1 counted modulo M, (n, b, C), from one forward
+        of all M. The members are fixed, so an evaluation that asks for members beyond the first
+        M (the adversarial evaluation scores with members S_attack, S_attack + 1, ..., fresh draws
+        for a sampling method) gets the same M again: there are no others."""
         logits = self.network(x, self.prediction_structures(self.size))  # (b·M, C), row i·M + m
         members = logits.view(x.shape[0], self.size, *logits.shape[1:]).transpose(0, 1)
-        return members[first:first + n]
+        if first == 0 and n == self.size:
+            return members
+        return members[torch.arange(first, first + n, device=members.device) % self.size]

@@ -3,9 +3,9 @@
     python -m dbsn.tools.bench --suite field [--backbone resnet18|wrn28_10|structure_net]
                                              [--size quick|paper] [--batch 64] [--repeats 5]
 
-On one backbone, every method of the field is built from its own config (`conf/model/<name>.yaml`,
-so the settings are the ones a run uses) and timed on the same batch, in interleaved repetitions
-(median):
+On one backbone, every method of the field is built as the field sweep's job builds it
+(`conf/field/<backbone>/<method>.yaml`: its M, dropout rate, S; else the method's own config), so the
+settings are the ones a run uses, and timed on the same batch, in interleaved repetitions (median):
 
   train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble and
              Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
@@ -43,20 +43,24 @@ SIZES = {
 
 
 def build_method(method: str, backbone: str, size: str = "quick", num_classes: int = 10, extra: list[str] = ()):
-    """`method` on `backbone` as its config builds it (the networks' widths from `SIZES`)."""
+    """`method` on `backbone` as the field sweep's job builds it (conf/field/<backbone>/<method>.yaml:
+    its M, dropout rate, S), else as the method's own config does; the network's width from `SIZES`."""
     from hydra import compose, initialize_config_dir
 
     from dbsn.runtime.build import build_model
     from dbsn.runtime.config import CONF_DIR
 
     key = "model.member" if method == "deep_ensemble" else "model"
-    choice = "model/net@model.member.net" if method == "deep_ensemble" else "model/net"  # the members' network
-    overrides = [f"model={method}", f"{choice}={backbone}",
-                 *[f"{key}.net.{o}" for o in SIZES[backbone][size]], *extra]
-    if method == "deep_ensemble":
-        overrides.append("model.size=4")  # the field's ensembles of 4
-    if method == "mc_dropout" and backbone in DROPOUT_PLACEMENT:  # no cells: the field's placement
-        overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[backbone]}")
+    sizes = [f"{key}.net.{o}" for o in SIZES[backbone][size]]
+    if (CONF_DIR / "field" / backbone / f"{method}.yaml").is_file():  # the field sweep's job: its M, rates, S
+        overrides = [f"field={backbone}/{method}", *sizes, *extra]
+    else:
+        choice = "model/net@model.member.net" if method == "deep_ensemble" else "model/net"  # the members' network
+        overrides = [f"model={method}", f"{choice}={backbone}", *sizes, *extra]
+        if method == "deep_ensemble":
+            overrides.append("model.size=4")  # the field's ensembles of 4
+        if method == "mc_dropout" and backbone in DROPOUT_PLACEMENT:  # no cells: the field's placement
+            overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[backbone]}")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     torch.manual_seed(0)
