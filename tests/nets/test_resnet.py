@@ -105,3 +105,14 @@ def test_initialisation_follows_the_reference_code():
     resnet = ResNet18(10, width=8)  # PyTorch's default: Kaiming uniform (a = sqrt 5), bound 1 / sqrt(fan_in)
     conv = resnet.layer4[1].conv2
     assert conv.weight.abs().max().item() <= (1 / (9 * 64)) ** 0.5 and torch.count_nonzero(resnet.classifier.bias) > 0
+
+
+def test_the_field_methods_on_wrn_28_10_have_the_published_parameter_counts():
+    """uncertainty-baselines' table: BatchEnsemble (4) 36.6 M, MIMO 36.5 M on WideResNet-28-10 (Packed-Ensembles'
+    counts: tests/methods/test_packed_ensemble.py)."""
+    from dbsn.nets.batch_ensemble import batch_ensemble
+    from dbsn.nets.mimo import mimo
+
+    assert _count(batch_ensemble(WideResNet(10), 4)) == 36_557_548  # 36.6 M
+    assert _count(mimo(WideResNet(10), 3)) == 36_492_878  # 36.5 M
+    assert round(_count(batch_ensemble(ResNet18(10), 4)) / 1e6, 2) == 11.21
