@@ -49,6 +49,9 @@ def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(ba
         for setting in BACKBONES["structure_net" if method in STRUCTURE_SAMPLING else backbone]:  # the CPU size
             key, value = setting.split("=")
             assert str(net[key]) == value, (method, setting)
+        optim = (cfg.model.member if method == "deep_ensemble" else cfg.model).optim  # one weight optimiser for all
+        assert (optim.lr, optim.weight_decay, optim.nesterov, list(optim.milestones), optim.warmup_epochs) == (
+            0.1, 1e-4, False, [0.5, 0.75], 0), method
         if method == "mc_dropout":  # no cells: a placement that exists on this network
             assert cfg.model.weights.placement == ("every_conv" if backbone == "resnet18" else "existing")
 

@@ -58,6 +58,11 @@ FIXED_MEMBERS = ("map", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_
 #: (dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
 BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
              "wrn28_10": ["depth=16", "widen_factor=2"]}
+#: Methods whose configs carry their authors' optimiser recipe (conf/field's sweeps use them); a comparison
+#: trains every method with the same one, `SHARED_OPTIMIZER` (conf/model/optim/sgd.yaml: the paper's).
+OWN_RECIPES = ("batch_ensemble", "packed_ensemble", "mimo", "sngp")
+SHARED_OPTIMIZER = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1.0e-4, "nesterov": "false", "grad_clip_norm": 5.0,
+                    "milestones": "[0.5,0.75]", "gamma": 0.1, "warmup_epochs": 0}
 #: MC dropout on a network without cells (conf/field's choices): after every convolution, or WRN's own layers.
 DROPOUT_PLACEMENT = {"resnet18": "every_conv", "wrn28_10": "existing"}
 
@@ -111,6 +116,10 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":
         overrides.append("model.size=3")
+    if method in OWN_RECIPES:  # the shared weight optimiser, not the method's published recipe
+        overrides += [f"model.optim.{key}={value}" for key, value in SHARED_OPTIMIZER.items()]
+    if method == "mimo":  # the recipe is for one network's mean NLL
+        overrides.append("model.member_loss=mean")
     if method == "mc_dropout" and net in DROPOUT_PLACEMENT:  # no cells: after every conv, or WRN's own dropout layers
         overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[net]}")
     if method not in FIXED_MEMBERS:
