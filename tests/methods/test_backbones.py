@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dbsn.data.digits import DigitsDataModule, digits_splits
 from dbsn.runtime.build import build_model
 from dbsn.runtime.config import ConfigError, validate_config
 from dbsn.runtime.errors import one_line
 from dbsn.runtime.run import train
 from tests.support.configs import compose_config
+from tests.support.fakedata import normalised_digits
 from tests.support.steputil import prediction
 
 TINY_NETS = {"resnet18": ["model.net.width=8"], "wrn28_10": ["model.net.depth=10", "model.net.widen_factor=1"]}
@@ -38,10 +38,7 @@ def _overrides(model: str, net: str) -> list[str]:
 @pytest.fixture(scope="module")
 def digits():
     """32 digits, normalised as the data module does."""
-    (images, labels), _ = digits_splits()
-    mean, std = torch.tensor(DigitsDataModule.mean), torch.tensor(DigitsDataModule.std)
-    x = (images[:32].float() / 255 - mean[:, None, None]) / std[:, None, None]
-    return x, labels[:32]
+    return normalised_digits(32)
 
 
 @pytest.mark.parametrize("net", list(TINY_NETS))

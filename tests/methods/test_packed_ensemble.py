@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dbsn.data.digits import DigitsDataModule, digits_splits
 from dbsn.methods import MAP, PackedEnsemble
 from dbsn.nets import VGG16BN
 from dbsn.nets.packed import PackedLinear, pack
@@ -21,6 +20,7 @@ from dbsn.nets.wideresnet import WideResNet
 from dbsn.runtime.build import build_model
 from dbsn.runtime.config import validate_config
 from tests.support.configs import compose_config
+from tests.support.fakedata import normalised_digits
 from tests.support.netutil import set_random_affine, soft_alpha, tiny_structure_net
 from tests.support.steputil import assert_same, prediction, step_state
 
@@ -117,10 +117,7 @@ class _WithGroupNorm(nn.Module):
 @pytest.fixture(scope="module")
 def digits():
     """32 digits, normalised as the data module does."""
-    (images, labels), _ = digits_splits()
-    mean, std = torch.tensor(DigitsDataModule.mean), torch.tensor(DigitsDataModule.std)
-    x = (images[:32].float() / 255 - mean[:, None, None]) / std[:, None, None]
-    return x, labels[:32]
+    return normalised_digits(32)
 
 
 NETS = {  # widths that α = 2 and M = 4 divide; cells: num_nodes=4, cells_per_stage=1

@@ -268,3 +268,12 @@ def write_image_folder(root: Path, per_class: int = 20) -> None:
             (root / split / f"class{c}").mkdir(parents=True, exist_ok=True)
             for i in chosen:
                 Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(root / split / f"class{c}" / f"{i}.png")
+
+
+def normalised_digits(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `n` training digits, normalised as `DigitsDataModule` does, and their labels."""
+    from dbsn.data.digits import DigitsDataModule, digits_splits
+
+    (images, labels), _ = digits_splits()
+    mean, std = torch.tensor(DigitsDataModule.mean), torch.tensor(DigitsDataModule.std)
+    return (images[:n].float() / 255 - mean[:, None, None]) / std[:, None, None], labels[:n]
