@@ -21,7 +21,7 @@ Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP
 dbsn_seg (DBSN on DBSNSegNet).
 """
 
-from dbsn.methods.base import Method, NonFiniteLossError
+from dbsn.methods.base import FeaturesUnavailable, Method, NonFiniteLossError
 from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.batch_ensemble import BatchEnsemble
@@ -36,7 +36,8 @@ from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights
 __all__ = [
     "BatchEnsemble",
     "PackedEnsemble",
-    "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "GaussianWeights", "MAP",
+    "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
+    "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]

@@ -76,3 +76,14 @@ class BatchEnsemble(SinglePassEnsemble):
 
     def lr_scales(self) -> dict[int, float]:
         return {id(p): self.fast_weight_lr_multiplier for p in fast_parameters(self.net) + member_biases(self.net)}
+
+    def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]]:
+        """Member m's last layer as one linear map: W_m = diag(s_m) W diag(r_m), b_m its bias."""
+        head = self.feature_head()
+        weight = head.layer.weight.detach()
+        heads = []
+        for m in range(n):
+            r, s = head.r.detach()[m % self.size], head.s.detach()[m % self.size]
+            bias = weight.new_zeros(weight.shape[0]) if head.bias is None else head.bias.detach()[m % self.size]
+            heads.append((s[:, None] * weight * r[None, :], bias))
+        return heads

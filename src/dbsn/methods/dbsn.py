@@ -22,6 +22,7 @@ FBN (the paper's "fully Bayesian network") is DBSN with a Gaussian weight poster
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,7 @@ class DBSN(Method):
         # members so far (structures (M, E, K) and their statistics), grown on demand.
         self._calibration: list[Tensor] | None = None
         self._members: tuple[Tensor, Statistics] | None = None
+        self._held: Tensor | None = None  # structures held fixed by `fixed_members`
 
     # ------------------------------------------------------------------ schedules
     @property
@@ -234,9 +236,24 @@ class DBSN(Method):
         return self.structure.sample(n, self.beta, self.test_tau if tau is None else tau)
 
     def prediction_structures(self, n: int, first: int = 0) -> Tensor:
+        if self._held is not None and first + n <= self._held.shape[0]:
+            return self._held[first : first + n]
         if self._calibration is None:
             return self.sample_structures(n)
         return outside_inference(self._fixed_members(first + n)[0][first : first + n])
+
+    @contextmanager
+    def fixed_members(self, n: int):
+        """Members 0 .. n - 1 are n structures drawn once (with per-structure BatchNorm they are
+        fixed already), so that member s is the same network on training and test images."""
+        if self._calibration is not None or n < 1:
+            yield
+            return
+        held, self._held = self._held, self.sample_structures(n)
+        try:
+            yield
+        finally:
+            self._held = held
 
     # ------------------------------------------------------------------ per-structure BatchNorm
     def prepare_prediction(self, datamodule) -> None:

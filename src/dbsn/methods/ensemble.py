@@ -11,6 +11,7 @@ p(y|x) = 1/M Σ_m p_m(y|x), where each p_m is itself a Bayes ensemble for stocha
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Sequence
 
@@ -113,3 +114,32 @@ class DeepEnsemble(Method):
     def enable_test_noise(self) -> None:
         for m in self.members:
             m.enable_test_noise()
+
+    # ------------------------------------------------------------------ what detection scores read
+    # Member j of the ensemble is draw j // M of network j mod M: the networks first, then (for
+    # stochastic members: MC dropout, BBB) their further draws.
+    def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
+        """Logits of members first .. first + n - 1, (n, b, C), in the order above."""
+        size = len(self.members)
+        return torch.cat([self.members[j % size].stochastic_forward(x, 1, j // size) for j in range(first, first + n)])
+
+    @contextmanager
+    def fixed_members(self, n: int):
+        size = len(self.members)
+        with ExitStack() as stack:
+            for m, member in enumerate(self.members):
+                stack.enter_context(member.fixed_members(len(range(m, n, size))))
+            yield
+
+    def member_outputs(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        size = len(self.members)
+        parts = [self.members[m].member_outputs(x, len(range(m, n, size))) for m in range(min(n, size))]
+        order = [(j % size, j // size) for j in range(n)]
+        return (torch.stack([parts[m][0][d] for m, d in order]), torch.stack([parts[m][1][d] for m, d in order]))
+
+    def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]] | None:
+        size = len(self.members)
+        parts = [self.members[m].member_heads(len(range(m, n, size))) for m in range(min(n, size))]
+        if any(p is None for p in parts):
+            return None
+        return [parts[j % size][j // size] for j in range(n)]

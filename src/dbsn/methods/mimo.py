@@ -119,3 +119,15 @@ class MIMO(SinglePassEnsemble):
         """Every member on every image of x (tiled M times on the channels): (b · M, C), row
         i · M + m. The members share the point structure, alpha[0]."""
         return self.heads(x.repeat(1, self.size, 1, 1), alpha)
+
+    # ------------------------------------------------------------------ what detection scores read
+    def member_features(self, head_input: Tensor, batch: int) -> Tensor:
+        """The heads share the features: every member's are the same (b, D)."""
+        return head_input.flatten(1).unsqueeze(0).expand(self.size, -1, -1)
+
+    def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]]:
+        """Head m: rows m·C .. (m + 1)·C - 1 of the classifier."""
+        head = self.feature_head()
+        weight = head.weight.detach().view(self.size, -1, head.in_features)
+        bias = (weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1))
+        return [(weight[m % self.size], bias[m % self.size]) for m in range(n)]

@@ -48,3 +48,15 @@ class PackedEnsemble(SinglePassEnsemble):
         times)."""
         logits = super().network(x, alpha[:1])  # (b, M·C), member m's at columns m·C ...
         return logits.reshape(x.shape[0] * self.size, -1)
+
+    # ------------------------------------------------------------------ what detection scores read
+    def member_features(self, head_input: Tensor, batch: int) -> Tensor:
+        """Member m's features are its block of the packed head's input: (M, b, α·F / M)."""
+        return head_input.flatten(1).view(batch, self.size, -1).transpose(0, 1)
+
+    def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]]:
+        """Member m's block of the packed head (`PackedLinear`, M groups)."""
+        head = self.feature_head()
+        weight = head.weight.detach().view(self.size, -1, head.weight.shape[1])
+        bias = (weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1))
+        return [(weight[m % self.size], bias[m % self.size]) for m in range(n)]

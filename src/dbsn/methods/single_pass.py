@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dbsn.methods.base import FeaturesUnavailable
 from dbsn.methods.map import MAP
 
 
@@ -83,3 +84,25 @@ class SinglePassEnsemble(MAP):
         if first == 0 and n == self.size:
             return members
         return members[torch.arange(first, first + n, device=members.device) % self.size]
+
+    # ------------------------------------------------------------------ what detection scores read
+    def member_outputs(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Logits and features of members 0 .. n - 1 (modulo M) from one forward of all M."""
+        captured: list[Tensor] = []
+        head = self.feature_head()
+        if head is None:
+            raise FeaturesUnavailable(f"{type(self).__name__} has no last layer `classifier` to read features at")
+        handle = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            logits = self.stochastic_forward(x, self.size)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise FeaturesUnavailable(f"{type(self).__name__}'s last layer ran {len(captured)} times in one forward")
+        members = torch.arange(n, device=logits.device) % self.size
+        return logits[members], self.member_features(captured[0], x.shape[0])[members]
+
+    def member_features(self, head_input: Tensor, batch: int) -> Tensor:
+        """Each member's features (M, b, D) from the last layer's input in one forward: here rows
+        i·M + m (a network that runs every member on its own rows)."""
+        return head_input.flatten(1).view(batch, self.size, -1).transpose(0, 1)

@@ -111,5 +111,10 @@ class FixedStructurePosterior(Method):
     def weight_parameters(self) -> list[nn.Parameter]:
         return []
 
+    def feature_head(self) -> nn.Module:
+        """The network's last layer (its point weights: each member's own last layer, where
+        members differ there, is applied to these features)."""
+        return self.network_fixed.head
+
     def enable_test_noise(self) -> None:
         """Nothing is stochastic in the network itself (point weights)."""
