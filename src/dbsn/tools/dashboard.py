@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from dbsn.data.shift import SEVERITIES
-from dbsn.evaluation.ood import OOD_SCORES
+from dbsn.evaluation.ood import ALL_OOD_SCORES
 from dbsn.evaluation.test_pass import SELECTIVE_SCORES
 from dbsn.evaluation.shift import SHIFT_METRICS
 from dbsn.evaluation.tracking import EPOCH, summary_key
@@ -109,6 +109,10 @@ def _interval(title: str, metric: str) -> Panel:
     return Panel("bar", f"{title} [95 % interval: low, value, high]", (f"{metric}/ci_low", metric, f"{metric}/ci_high"))
 
 
+#: the conformal evaluation's default levels (100·(1 − α)) and scores, as its metric names write them
+CONFORMAL_LEVELS = ("90", "95")
+CONFORMAL_SCORES = ("thr", "aps", "aps_randomized", "raps", "raps_randomized")
+
 #: the metrics whose intervals the dashboard shows (label, name)
 INTERVAL_METRICS = (("Test error", "test/error"), ("Test NLL", "test/nll"), ("ECE", "test/ece"),
                     ("Calibrated NLL", "test/calibrated/nll"), ("Calibrated ECE", "test/calibrated/ece"),
@@ -120,17 +124,17 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
     ood = []
     for name in ood_sets:
         ood += [
-            _bar(f"AUROC, {name} as OOD (↑)", *(f"ood/{name}/{score}/auroc" for score in OOD_SCORES)),
-            _bar(f"FPR at 95 % TPR, {name} as OOD (↓)", *(f"ood/{name}/{score}/fpr95" for score in OOD_SCORES)),
+            _bar(f"AUROC, {name} as OOD (↑)", *(f"ood/{name}/{score}/auroc" for score in ALL_OOD_SCORES)),
+            _bar(f"FPR at 95 % TPR, {name} as OOD (↓)", *(f"ood/{name}/{score}/fpr95" for score in ALL_OOD_SCORES)),
             Panel("table", f"Predictive entropy CDF on {name}: further right is better", (f"ood/{name}/entropy_cdf_ood",),
                   x="entropy", y="cdf", chart="wandb/line/v0"),
             Panel("images", f"Entropy CDFs, in-distribution vs {name}", (f"ood/{name}/entropy_cdf",)),
         ]
     groups = [
-        _bar(f"AUROC, {group}-OOD mean (↑)", *(f"ood/{group}/{score}/auroc" for score in OOD_SCORES))
+        _bar(f"AUROC, {group}-OOD mean (↑)", *(f"ood/{group}/{score}/auroc" for score in ALL_OOD_SCORES))
         for group in ("near", "far")
     ] + [
-        _bar(f"FPR at 95 % TPR, {group}-OOD mean (↓)", *(f"ood/{group}/{score}/fpr95" for score in OOD_SCORES))
+        _bar(f"FPR at 95 % TPR, {group}-OOD mean (↓)", *(f"ood/{group}/{score}/fpr95" for score in ALL_OOD_SCORES))
         for group in ("near", "far")
     ]
     return [
@@ -176,9 +180,24 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
                     Panel("images", "Risk–coverage curves", ("selective/risk_coverage",)),
                 ), posthoc=True),
         Section("OOD", "evaluate", "Out-of-distribution detection (evaluate.py evaluations=[ood] ood=[...]): OOD "
-                "is the positive class; scores are predictive entropy, mutual information and 1 − max probability. "
-                "Near / far: the means over each group's sets (OpenOOD's for CIFAR, `ood_groups=` otherwise).",
+                "is the positive class; scores are the predictive's (entropy, mutual information, 1 − max probability) "
+                "and OpenOOD's post-hoc ones (max-logit, energy, Mahalanobis, KNN, ViM, ODIN; `_members`: averaged over "
+                "the members rather than computed on their mean). Near / far: the means over each group's sets "
+                "(OpenOOD's for CIFAR, `evaluations.ood.groups=` otherwise).",
                 tuple(groups + ood)),
+        Section("Conformal", "evaluate", "Conformal prediction sets (evaluate.py evaluations=[conformal]) on the "
+                "Bayes-ensemble predictive, calibrated on a split that never overlaps the evaluated images: empirical "
+                "coverage (aim: at least the nominal level), mean set size (smaller is better at the same coverage), "
+                "the lowest coverage over set-size strata (SSC) and over classes, and coverage under dataset shift.",
+                tuple(panel for level in CONFORMAL_LEVELS for panel in (
+                    _bar(f"Coverage at {level} % (nominal {level} %)",
+                         *(f"conformal/{level}/{score}/coverage" for score in CONFORMAL_SCORES)),
+                    _bar(f"Mean set size at {level} % (↓)", *(f"conformal/{level}/{score}/size" for score in CONFORMAL_SCORES)),
+                    _bar(f"Size-stratified coverage at {level} % (↑)",
+                         *(f"conformal/{level}/{score}/ssc" for score in CONFORMAL_SCORES)),
+                    _bar(f"Coverage under shift at {level} %, mean over corruptions and severities",
+                         *(f"conformal/{level}/{score}/shift/coverage" for score in CONFORMAL_SCORES)),
+                ))),
         Section("Dataset shift", "evaluate", "Corrupted test sets (evaluate.py evaluations=[shift]; CIFAR-10-C / "
                 "-100-C, or generated ones, which the run's `shift/generated` flags): means over the corruptions, "
                 "overall and per severity, and Ovadia et al.'s box plots.", (

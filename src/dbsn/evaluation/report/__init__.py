@@ -30,9 +30,9 @@ from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, 
 from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
 from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
-                                           calibration_section, main_tables, ood_groups_section, ood_section,
-                                           other_evaluations_section, runs_section, selective_section, shift_section,
-                                           time_section)
+                                           calibration_section, calibrators_section, main_tables, ood_groups_section,
+                                           ood_scores_section, ood_section, other_evaluations_section, runs_section,
+                                           selective_section, shift_section, time_section)
 
 from dbsn.evaluation.statistics import Statistics
 
@@ -67,9 +67,10 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
         text += main_tables(report, ok) + published_section(report, ok) + paired_section(report, ok, reference, statistics)
-        text += calibration_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
+        text += calibration_section(report, ok) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok)
-        text += ood_section(report, ok) + ood_groups_section(report, ok) + shift_section(report, ok)
+        text += ood_section(report, ok) + ood_groups_section(report, ok) + ood_scores_section(report, ok)
+        text += shift_section(report, ok)
         text += adversarial_section(report, ok) + other_evaluations_section(report, ok) + ablation_section(report, ok)
         text += time_section(report, ok)
     else:

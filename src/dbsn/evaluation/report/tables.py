@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.attacks import adversarial_figure
-from dbsn.evaluation.ood import OOD_SCORES, entropy_cdf_figure
+from dbsn.evaluation.ood import ALL_OOD_SCORES, entropy_cdf_figure
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
@@ -196,7 +196,7 @@ def ood_section(report: Report, ok: list[Run]) -> str:
     for dataset, ood in sorted({k[:2] for k in values}):
         table = []
         for method in _order({k[2] for k in values if k[:2] == (dataset, ood)}, METHOD_ORDER):
-            for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, OOD_SCORES):
+            for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, ALL_OOD_SCORES):
                 cell = {metric: mean_std(values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric])
                         for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
                 table.append([method, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
@@ -213,8 +213,8 @@ def ood_section(report: Report, ok: list[Run]) -> str:
                          "pooled over each method's seeds: a curve further right (more high-entropy "
                          "predictions on data it was not trained on) is better.\n\n")
     _write_csv(report, "ood.csv", ["method", "dataset", "ood", "score", "metric", *STATS], rows)
-    text = ("## Out-of-distribution detection\n\nEach score (predictive entropy, mutual information, "
-            "max probability) separates in-distribution test data from the OOD set; AUROC and AUPR (OOD as "
+    text = ("## Out-of-distribution detection\n\nEach score (the predictive's entropy, mutual information and "
+            "max probability; OpenOOD's max-logit, energy, Mahalanobis, KNN, ViM and ODIN where evaluated) separates in-distribution test data from the OOD set; AUROC and AUPR (OOD as "
             "positive) higher is better, FPR95 (false-positive rate at 95% true-positive rate) lower is better; "
             "fractions, mean ± std [95 % interval] (n seeds): one seed's interval resamples both test sets. Files: `ood.md`, `ood.csv`.\n\n" + text)
     _write(report, "ood.md", text.replace("## ", "# ", 1))
@@ -508,4 +508,103 @@ def other_evaluations_section(report: Report, ok: list[Run]) -> str:
                    [[*cell, *stats[cell]] for cell in order])
         text += (f"## Evaluation: {name}\n\nEvery number of `evaluations=[{name}]` (its `summary.json`), mean ± std "
                  f"over seeds (n). Files: `{stem}.md`, `{stem}.csv`.\n\n{table}\n")
+    return text
+
+
+def ood_scores_section(report: Report, ok: list[Run]) -> str:
+    """Score by method: for each in-distribution set and each OOD set or near / far group, one row
+    per method and one column per detection score, AUROC and FPR95 in %: which score detects best
+    for which method, and whether a method's own uncertainty beats a plain network's logits or
+    features."""
+    values: dict[tuple, list[float]] = defaultdict(list)
+    for r in ok:
+        folder = r.path / "evaluation" / "ood"
+        for path in ood_records(folder):
+            record = json.loads(path.read_text())
+            for score, metrics in record["scores"].items():
+                for metric in ("auroc", "fpr95"):
+                    if isinstance(metrics.get(metric), (int, float)):
+                        values[r.dataset, str(record["ood"]), r.method, score, metric].append(metrics[metric])
+        groups = folder / "groups.json"
+        if groups.is_file():
+            for key, value in json.loads(groups.read_text())["metrics"].items():
+                _, group, score, metric = key.split("/")
+                if metric in ("auroc", "fpr95"):
+                    values[r.dataset, f"{group} (group mean)", r.method, score, metric].append(value)
+    if not values:
+        return ""
+    text, rows = "", []
+    for dataset, target in sorted({k[:2] for k in values}, key=lambda k: (k[0], "group mean" not in k[1], k[1])):
+        keys = [k for k in values if k[:2] == (dataset, target)]
+        scores = _order({k[3] for k in keys}, ALL_OOD_SCORES)
+        methods = _order({k[2] for k in keys}, METHOD_ORDER)
+        for metric, label in (("auroc", "AUROC (%) ↑"), ("fpr95", "FPR95 (%) ↓")):
+            table = []
+            for method in methods:
+                cells = []
+                for score in scores:
+                    found = values.get((dataset, target, method, score, metric))
+                    cell = mean_std(found) if found else None
+                    cells.append("–" if cell is None else f"{100 * cell.mean:.1f}" + (
+                        f" ± {100 * cell.std:.1f}" if cell.std is not None else ""))
+                    if cell is not None:
+                        rows.append([method, dataset, target, score, metric, *cell])
+                table.append([method, *cells])
+            text += f"### {dataset} vs {target}: {label}\n\n" + md_table(["method", *scores], table) + "\n"
+    _write_csv(report, "ood_scores.csv", ["method", "dataset", "ood", "score", "metric", *STATS], rows)
+    text = ("## OOD detection by score and method\n\nOne column per detection score (higher is more OOD for every "
+            "score; `_members`: averaged over the members rather than computed on their mean logits or predictive; "
+            "Mahalanobis, KNN and ViM fit on each member's training features), one row per method; mean ± std over "
+            "seeds, in %. A dash: the score was not evaluated or does not apply (ViM needs a linear last layer; "
+            "a `_members` score needs more than one member). Files: `ood_scores.md`, `ood_scores.csv`.\n\n" + text)
+    _write(report, "ood_scores.md", text.replace("## ", "# ", 1))
+    return text
+
+
+#: the post-hoc calibrators the report sets side by side (`<method>+<name>` runs), after the uncalibrated method
+CALIBRATORS = ("temperature", "histogram_binning", "isotonic", "dirichlet")
+
+
+def calibrators_section(report: Report, ok: list[Run]) -> str:
+    """Each method uncalibrated and after every post-hoc calibrator it was evaluated with
+    (`evaluate.py ckpt_path=<run> posthoc=<calibrator>`): test NLL, ECE and error, one row per
+    method, one column per calibrator; "" when no run has a calibrator."""
+    values: dict[tuple, list[float]] = defaultdict(list)
+    found = False
+    for r in ok:
+        base, _, posthoc = r.method.rpartition("+")
+        base, posthoc = (base, posthoc) if posthoc in CALIBRATORS else (r.method, "")
+        found |= bool(posthoc)
+        for key in ("test/nll", "test/ece", "test/error"):
+            if key in r.metrics:
+                values[r.dataset, base, posthoc, key].append(float(r.metrics[key]))
+    if not found:
+        return ""
+    text, rows = "", []
+    columns = ["", *[c for c in CALIBRATORS if any(k[2] == c for k in values)]]
+    for dataset in sorted({k[0] for k in values}):
+        methods = _order({k[1] for k in values if k[0] == dataset and any(
+            (dataset, k[1], c, "test/nll") in values for c in columns[1:])}, METHOD_ORDER)
+        for key, label, scale, digits in (("test/nll", "test NLL ↓", 1.0, 4), ("test/ece", "ECE ↓", 1.0, 4),
+                                          ("test/error", "test error (%) (argmax moves under some calibrators)", 100.0, 2)):
+            table = []
+            for method in methods:
+                cells = []
+                for calibrator in columns:
+                    seen = values.get((dataset, method, calibrator, key))
+                    cell = mean_std([scale * v for v in seen]) if seen else None
+                    cells.append("–" if cell is None else f"{cell.mean:.{digits}f}" + (
+                        f" ± {cell.std:.{digits}f}" if cell.std is not None else "") + f" ({cell.n})")
+                    if cell is not None:
+                        rows.append([method, dataset, calibrator or "none", key, *cell])
+                table.append([method, *cells])
+            text += f"### {dataset}: {label}\n\n" + md_table(["method", *(c or "none" for c in columns)], table) + "\n"
+    _write_csv(report, "calibrators.csv", ["method", "dataset", "calibrator", "metric", *STATS], rows)
+    text = ("## Post-hoc calibrators\n\nEvery method as trained (none) and after each calibrator fitted on the "
+            "validation split (`evaluate.py ckpt_path=<run> posthoc=<calibrator>`): temperature scaling, histogram "
+            "binning, isotonic regression (one-vs-rest, renormalised) and Dirichlet calibration. Mean ± std over "
+            "seeds (n). Temperature scaling keeps every prediction's class; histogram binning, isotonic regression "
+            "and Dirichlet calibration with a full or diagonal map may move it, so their error is shown too. "
+            "Files: `calibrators.md`, `calibrators.csv`.\n\n" + text)
+    _write(report, "calibrators.md", text.replace("## ", "# ", 1))
     return text

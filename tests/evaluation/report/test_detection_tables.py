@@ -1,0 +1,89 @@
+"""The report's tables of the detection scores by method (ood_scores.md) and of the post-hoc
+calibrators beside each method (calibrators.md), from hand-made run folders with known numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from dbsn.evaluation.report import build_report
+from tests.support.fakeruns import DATA, MODELS, write_run
+
+
+def _ood(folder, ood_set, scores):
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"in_distribution": "cifar10", "ood": ood_set, "n_samples": 10,
+                                                     "scores": scores}))
+
+
+def _scores(**auroc):
+    return {name: {"auroc": value, "aupr": value, "aupr_in": value, "fpr95": 1 - value} for name, value in auroc.items()}
+
+
+def test_scores_by_method_one_column_per_score_groups_first(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, shift in ((1, 0.0), (2, 0.02)):
+        run = write_run(runs / f"dbsn_{seed}", MODELS["dbsn"], DATA["cifar10"], seed, 0.05)
+        _ood(run / "evaluation" / "ood" / "svhn", "svhn",
+             _scores(entropy=0.90 + shift, energy=0.80 + shift, energy_members=0.85, knn=0.95, odin=0.70))
+        (run / "evaluation" / "ood" / "groups.json").write_text(json.dumps(
+            {"groups": {"far": ["svhn"]}, "metrics": {"ood/far/entropy/auroc": 0.90 + shift, "ood/far/knn/auroc": 0.95,
+                                                      "ood/far/knn/fpr95": 0.05}}))
+    run = write_run(runs / "map_1", MODELS["map"], DATA["cifar10"], 1, 0.08)
+    _ood(run / "evaluation" / "ood" / "svhn", "svhn", _scores(entropy=0.80, energy=0.82, vim=0.88))
+
+    build_report([runs], tmp_path / "report")
+    text = (tmp_path / "report" / "ood_scores.md").read_text()
+    assert text.index("cifar10 vs far (group mean)") < text.index("cifar10 vs svhn")  # groups first
+    svhn = text.split("### cifar10 vs svhn: AUROC (%) ↑", 1)[1].split("###", 1)[0]
+    # columns in the canonical order, only the scores some method has
+    assert "| method | entropy | max_logit | energy | energy_members | knn | vim | odin |" not in svhn
+    assert "| method | entropy | energy | energy_members | knn | vim | odin |" in svhn
+    assert "| dbsn | 91.0 ± 1.4 | 81.0 ± 1.4 | 85.0 ± 0.0 | 95.0 ± 0.0 | – | 70.0 ± 0.0 |" in svhn
+    assert "| map | 80.0 | 82.0 | – | – | 88.0 | – |" in svhn
+    fpr = text.split("### cifar10 vs svhn: FPR95 (%) ↓", 1)[1].split("###", 1)[0]
+    assert "| map | 20.0 | 18.0 | – | – | 12.0 | – |" in fpr
+    assert "## OOD detection by score and method" in (tmp_path / "report" / "report.md").read_text()
+
+
+def _posthoc(run, name, nll, ece, error):
+    folder = run / "posthoc" / name
+    config = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    folder.mkdir(parents=True)
+    (folder / "resolved_config.yaml").write_text(yaml.safe_dump({**config, "posthoc": name}))
+    (folder / "metrics.json").write_text(json.dumps({"metrics": {"test/nll": nll, "test/ece": ece, "test/error": error},
+                                                     "seed": config["seed"]}))
+
+
+def test_calibrators_side_by_side_per_method(tmp_path):
+    runs = tmp_path / "runs"
+    for seed in (1, 2):
+        run = write_run(runs / f"dbsn_{seed}", MODELS["dbsn"], DATA["cifar10"], seed, 0.05)  # nll 0.5
+        _posthoc(run, "temperature", 0.40, 0.01, 0.05)
+        _posthoc(run, "isotonic", 0.42 + 0.02 * seed, 0.02, 0.06)
+    run = write_run(runs / "map_1", MODELS["map"], DATA["cifar10"], 1, 0.08)
+    _posthoc(run, "dirichlet", 0.60, 0.03, 0.09)
+    write_run(runs / "fbn_1", {"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.weights.GaussianWeights"}},
+              DATA["cifar10"], 1, 0.04)  # no calibrator: not a row
+
+    build_report([runs], tmp_path / "report")
+    text = (tmp_path / "report" / "calibrators.md").read_text()
+    nll = text.split("### cifar10: test NLL ↓", 1)[1].split("###", 1)[0]
+    assert "| method | none | temperature | isotonic | dirichlet |" in nll
+    assert "| dbsn | 0.5000 ± 0.0000 (2) | 0.4000 ± 0.0000 (2) | 0.4500 ± 0.0141 (2) | – |" in nll
+    assert "| map | 0.8000 (1) | – | – | 0.6000 (1) |" in nll
+    assert "fbn" not in nll
+    error = text.split("### cifar10: test error", 1)[1].split("###", 1)[0]
+    assert "| map | 8.00 (1) | – | – | 9.00 (1) |" in error
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Post-hoc calibrators" in report
+
+
+@pytest.mark.parametrize("section", ["## OOD detection by score and method", "## Post-hoc calibrators"])
+def test_sections_absent_without_their_evaluations(tmp_path, section):
+    runs = tmp_path / "runs"
+    write_run(runs / "dbsn_1", MODELS["dbsn"], DATA["cifar10"], 1, 0.05)
+    build_report([runs], tmp_path / "report")
+    assert section not in (tmp_path / "report" / "report.md").read_text()
