@@ -29,6 +29,7 @@ from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision, binary_roc
 
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
+from dbsn.evaluation.detection import COMPUTED_ON, NETWORK_SCORES, DetectionScores
 from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, Results
@@ -36,9 +37,15 @@ from dbsn.evaluation.statistics import intervals_of
 from dbsn.metrics.intervals import weighted_auroc, weighted_average_precision, weighted_fpr95
 from dbsn.metrics.uncertainty import detection_scores, ood_scores
 
-__all__ = ["OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
+__all__ = ["ALL_OOD_SCORES", "OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
 
+#: The predictive's own scores, from the test pass (every method has them).
 OOD_SCORES = ("entropy", "mutual_information", "max_probability")
+#: Every score the evaluation can give, in table order (`dbsn.evaluation.detection`: which
+#: apply to which method, and what each is computed on).
+ALL_OOD_SCORES = OOD_SCORES + tuple(name for score in NETWORK_SCORES
+                                    for name in ((score, f"{score}_members") if score in ("max_logit", "energy", "odin")
+                                                 else (score,)))
 
 
 def _as_scores(scores: Tensor | np.ndarray, name: str) -> Tensor:
@@ -221,7 +228,9 @@ class OODDetection(Evaluation):
     """How well the model's uncertainty tells each OOD set's test split from its own test set.
 
     For every set of `sets` (`ood=<set>` or `ood=[<set>,...]`, by config name): AUROC, AUPR
-    (OOD and in-distribution as positive) and FPR95 of three scores (`OOD_SCORES`) under
+    (OOD and in-distribution as positive) and FPR95 of the predictive's three scores
+    (`OOD_SCORES`) and of OpenOOD's post-hoc scores chosen in `scores` (max-logit, energy,
+    Mahalanobis, KNN, ViM, ODIN: `dbsn.evaluation.detection`, fitted on the training split) under
     `ood/<set>/<score>/<metric>`, in `ood/<set>/`: `metrics.json`, per-example scores of both
     sets (`scores.npz`) and the empirical CDF of predictive entropy (`entropy_cdf.png`). OOD
     images are normalised with the in-distribution statistics, as the model saw its training
@@ -232,14 +241,31 @@ class OODDetection(Evaluation):
     Args:
         sets: set name -> its data module (built from `conf/ood/<set>.yaml`).
         groups: group name -> set names, e.g. {near: [cifar100, tinyimagenet], far: [svhn]}.
+        scores: which of OpenOOD's scores to add (`dbsn.evaluation.detection.NETWORK_SCORES`; []: none).
+        members, fit_images, knn_k, vim_dim, energy_temperature, odin: their settings
+            (`DetectionScores`; `odin`: {temperature, epsilon}).
     """
 
     name = "ood"
 
-    def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None) -> None:
+    def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None,
+                 scores: Sequence[str] = NETWORK_SCORES, members: int | None = 10, fit_images: int | None = None,
+                 knn_k: int = 50, vim_dim: int | None = None, energy_temperature: float = 1.0,
+                 odin: Mapping[str, float] | None = None) -> None:
         self.sets = dict(sets or {})
         self._rows: dict[str, dict[str, Tensor]] = {}  # set -> "<score>/<metric>" -> its bootstrap rows
         self.groups = {str(k): [str(s) for s in v] for k, v in groups.items()} if groups else None
+        odin = dict(odin or {})
+        unknown = sorted(set(odin) - {"temperature", "epsilon"})
+        if unknown:
+            raise EvaluationError(f"evaluations.ood.odin.{unknown[0]} is not a setting: odin takes temperature and epsilon")
+        try:
+            self.detection = DetectionScores(list(scores or ()), members, fit_images, knn_k, vim_dim,
+                                             float(energy_temperature), float(odin.get("temperature", 1000.0)),
+                                             float(odin.get("epsilon", 0.0014)))
+        except ValueError as err:
+            raise EvaluationError(f"evaluations.ood: {err}") from err
+        self._in_network: dict[str, Tensor] = {}
 
     def check(self, subject: Subject) -> None:
         """A set is chosen; each set's files are there (downloaded first where `download=true`)
@@ -278,8 +304,15 @@ class OODDetection(Evaluation):
 
     def run(self, subject: Subject) -> Results:
         results, self._rows = Results(), {}
-        for name, datamodule in self.sets.items():  # one in-distribution pass (the test pass's) for all sets
-            results.add(self.one_set(subject, name, datamodule))
+        model, detection = subject.model, self.detection
+        model.eval()
+        model.enable_test_noise()
+        with detection.holding(model):  # DBSN's members: the same structures for training, test and OOD images
+            detection.fit(model, subject.datamodule, subject.device, subject.progress)
+            self._in_network = detection.of(model, subject.datamodule, subject.datamodule.test_dataloader(),
+                                            subject.device, "OOD scores: in-distribution test", subject.progress)
+            for name, datamodule in self.sets.items():  # one in-distribution pass for all sets
+                results.add(self.one_set(subject, name, datamodule))
         results.add(self.group_results(subject, results.metrics))
         return results
 
@@ -288,21 +321,28 @@ class OODDetection(Evaluation):
         datamodule.setup("test")
         out_scores = detection_scores(self.scores_of(subject, datamodule))
         in_scores = detection_scores(model.test_scores)
+        if self.detection.scores:
+            out_scores.update(self.detection.of(model, datamodule, datamodule.test_dataloader(), subject.device,
+                                                f"OOD scores: {datamodule.name}", subject.progress, in_data=in_data))
+            in_scores.update(self._in_network)
+        names = [s for s in ALL_OOD_SCORES if s in in_scores and s in out_scores]
         statistics = subject.statistics
         weights_in = statistics.weights(len(in_scores["entropy"]))  # the same in-set resamples for every set
         weights_out = statistics.weights(len(out_scores["entropy"]), stream=1 + sorted(self.sets).index(set_name))
-        rows = {f"{score}/{k}": v for score in OOD_SCORES
+        rows = {f"{score}/{k}": v for score in names
                 for k, v in detection_statistics(in_scores[score], out_scores[score], weights_in, weights_out).items()}
         self._rows[set_name] = rows
         intervals = intervals_of(rows, statistics.level)
         record = {
             "in_distribution": in_data.name, "ood": datamodule.name, "n_samples": model.num_members,
             "n_in": len(in_scores["entropy"]), "n_out": len(out_scores["entropy"]),
-            "scores": {name: detection_metrics(in_scores[name], out_scores[name]) for name in OOD_SCORES},
+            "scores": {name: detection_metrics(in_scores[name], out_scores[name]) for name in names},
             "intervals": {score: {k: intervals[f"{score}/{k}"] for k in ("auroc", "aupr", "aupr_in", "fpr95")}
-                          for score in OOD_SCORES},
+                          for score in names},
             "statistics": {**statistics.record(), "interval": "percentile bootstrap, the in- and OOD sets resampled independently"},
             "mean_entropy": {"in": float(in_scores["entropy"].mean()), "out": float(out_scores["entropy"].mean())},
+            "computed_on": {name: COMPUTED_ON[name] for name in names},
+            "detection": self.detection.record(self.detection.count(model)),
             "note": "OOD is the positive class; every score is higher for 'more OOD' "
                     "(max_probability is stored as 1 - max probability).",
         }
