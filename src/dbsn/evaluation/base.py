@@ -47,6 +47,10 @@ class Subject:
         device: where to predict.
         progress: show progress bars.
         statistics: the evaluation's seed and bootstrap (set by the `Evaluator`).
+        cache: what one evaluation predicted that another may need, by key, so that nothing
+            is predicted twice (`dbsn.evaluation.shift.corrupted_log_probs` keeps each
+            corrupted set's log-probabilities here for `shift` and `conformal`). It lives as
+            long as the subject, one model's evaluation.
     """
 
     model: Any
@@ -55,6 +59,7 @@ class Subject:
     device: torch.device
     progress: bool = True
     statistics: Statistics = field(default_factory=Statistics)
+    cache: dict = field(default_factory=dict)
 
     @property
     def is_classifier(self) -> bool:
