@@ -145,6 +145,8 @@ class Method(pl.LightningModule):
         self._test_outputs: list = []
         # post-hoc temperature, fitted on the validation split after training (T = 1 until then)
         self.temperature = TemperatureScaler()
+        # a post-hoc calibration map after it (`calibrate`), set by `dbsn.posthoc.calibrators`
+        self.calibrator: nn.Module | None = None
 
     # ------------------------------------------------------------------ the settings, by name
     @property
@@ -321,8 +323,9 @@ class Method(pl.LightningModule):
         examples per rank (`examples_per_step` says how many the whole step saw)."""
 
     def run_facts(self) -> dict[str, float]:
-        """Facts about the trained model that metrics.json records beside the test metrics."""
-        return {}
+        """Facts about the trained model that metrics.json records beside the test metrics (with
+        a calibrator: its `facts`, how it was fitted)."""
+        return dict(getattr(self.calibrator, "facts", {}))
 
     def examples_per_step(self, batch_size: int) -> int:
         """Training examples one optimiser step consumes over all ranks: `batch_size` per rank,
@@ -512,15 +515,14 @@ class Method(pl.LightningModule):
     # ------------------------------------------------------------------ prediction
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         """log p(y | x) of the Bayes ensemble over `n_samples` draws (default: S; members
-        first, first + 1, ...), divided by the post-hoc temperature when one has been fitted.
-        Streams over chunks of `samples_per_forward` draws, so S never multiplies the memory."""
+        first, first + 1, ...), calibrated (`calibrate`) when a temperature or a calibrator is
+        fitted. Streams over chunks of `samples_per_forward` draws, so S never multiplies the memory."""
         ensemble = BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward, first)
-        log_probs = ensemble(self.stochastic_forward, x)
-        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+        return self.calibrate(ensemble(self.stochastic_forward, x))
 
     def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
-        """Log-probabilities of every Monte Carlo member, (S, b, C), without temperature:
-        what the uncertainty decomposition and the sample ablation need. Deterministic
+        """Log-probabilities of every Monte Carlo member, (S, b, C), uncalibrated (no temperature, no
+        calibrator): what the uncertainty decomposition and the sample ablation need. Deterministic
         methods have one member."""
         return BayesEnsemble(self._num_draws(n_samples), self.samples_per_forward, first).member_log_probs(
             self.stochastic_forward, x
@@ -528,9 +530,22 @@ class Method(pl.LightningModule):
 
     def uncertainty_scores(self, x: Tensor, n_samples: int | None = None) -> dict[str, Tensor]:
         """Per-example uncertainty of the prediction on x (`uncertainty_decomposition` of the
-        members, each scaled by the fitted temperature when there is one)."""
-        members = self.predict_members(x, n_samples)
-        return uncertainty_decomposition(self.temperature(members) if self.temperature_scaling else members)
+        members, each calibrated as the prediction is, `calibrate`)."""
+        return uncertainty_decomposition(self.calibrate(self.predict_members(x, n_samples)))
+
+    @property
+    def is_calibrated(self) -> bool:
+        """Whether `calibrate` changes anything: a fitted temperature or a calibrator is applied."""
+        return self.temperature_scaling or self.calibrator is not None
+
+    def calibrate(self, log_probs: Tensor) -> Tensor:
+        """Log-probabilities (..., C), the ensemble's or each member's, as the method predicts
+        them: divided by the temperature when `temperature_scaling`, then through `calibrator`
+        (an nn.Module from log-probabilities to log-probabilities) when one is set; unchanged
+        otherwise."""
+        if self.temperature_scaling:
+            log_probs = self.temperature(log_probs)
+        return log_probs if self.calibrator is None else self.calibrator(log_probs)
 
     def _num_draws(self, n_samples: int | None) -> int:
         return (n_samples or self.n_samples) if self.is_stochastic else 1
@@ -642,16 +657,14 @@ class Method(pl.LightningModule):
         members = self.predict_members(x)  # (S, b, C) or (S, b, H, W, C)
         shape = members.shape[1:-1]
         flat = self.task.flatten(members)  # (S, b·H·W, C)
-        log_probs = ensemble_log_probs(flat)
-        if self.temperature_scaling:
-            log_probs = self.temperature(log_probs)
+        log_probs = self.calibrate(ensemble_log_probs(flat))
         self.test_metrics.update(log_probs.view(*shape, -1), y)
-        # With a fitted temperature each member is scaled for the decomposition, so that it
-        # describes the calibrated members (T = 1 otherwise).
-        scores = uncertainty_decomposition(self.temperature(flat) if self.temperature_scaling else flat)
+        # With a fitted temperature or calibrator each member is calibrated for the decomposition,
+        # so that it describes the calibrated members (unchanged otherwise).
+        scores = uncertainty_decomposition(self.calibrate(flat))
         self.test_uncertainty.update(scores)
         if self.sample_ablation is not None:
-            self.sample_ablation.update(flat, y.flatten(), self.temperature if self.temperature_scaling else None)
+            self.sample_ablation.update(flat, y.flatten(), self.calibrate if self.is_calibrated else None)
         if self.task.keeps_test_outputs:
             self._test_outputs.append((log_probs.detach().float(), y.detach(), {k: v.detach().float() for k, v in scores.items()}))
         else:

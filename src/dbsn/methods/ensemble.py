@@ -108,8 +108,7 @@ class DeepEnsemble(Method):
         return len(self.members)
 
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
-        log_probs = torch.logsumexp(self.predict_members(x, n_samples), dim=0) - math.log(len(self.members))
-        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+        return self.calibrate(torch.logsumexp(self.predict_members(x, n_samples), dim=0) - math.log(len(self.members)))
 
     def enable_test_noise(self) -> None:
         for m in self.members:

@@ -357,10 +357,9 @@ class LaplaceMethod(FixedStructurePosterior):
 
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         """The Monte Carlo GLM predictive log 1/S Σ_s softmax(W_s φ(x) + b_s) (then the
-        temperature, when one is fitted)."""
+        temperature and the calibrator, when fitted: `calibrate`)."""
         members = self.predict_members(x, n_samples, first)
-        log_probs = torch.logsumexp(members, dim=0) - math.log(members.shape[0])
-        return self.temperature(log_probs) if self.temperature_scaling else log_probs
+        return self.calibrate(torch.logsumexp(members, dim=0) - math.log(members.shape[0]))
 
     def run_facts(self) -> dict:
         return {**super().run_facts(), "posterior": "last-layer Laplace", "laplace": self.hessian_structure,
