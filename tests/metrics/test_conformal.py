@@ -17,9 +17,23 @@ import numpy as np
 import pytest
 import torch
 
-from dbsn.metrics.conformal import (LAMBDA_GRID, Calibrated, aps_scores, calibrate, conformal_quantile,
-                                    conformity_scores, label_ranks, pick_k_reg, prediction_sets, quantile_rank,
-                                    raps_scores, set_metrics, size_strata, thr_scores, weighted_set_metrics)
+from dbsn.metrics.conformal import (
+    LAMBDA_GRID,
+    Calibrated,
+    aps_scores,
+    calibrate,
+    conformal_quantile,
+    conformity_scores,
+    label_ranks,
+    pick_k_reg,
+    prediction_sets,
+    quantile_rank,
+    raps_scores,
+    set_metrics,
+    size_strata,
+    thr_scores,
+    weighted_set_metrics,
+)
 
 SPLITS = 500
 POOL = 1000
