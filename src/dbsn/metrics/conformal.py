@@ -10,7 +10,7 @@ at x (higher = worse). On n calibration examples (x_i, y_i),
 
 and for a test example exchangeable with the calibration examples P(y ∈ C(x)) ≥ 1 − α. Where the
 scores have no ties the coverage is exactly ⌈(n + 1)(1 − α)⌉ / (n + 1) in expectation over the
-calibration set, so at most 1 − α + 1 / (n + 1) (Angelopoulos & Bates, Theorem D.1; tested by
+calibration set, so at most 1 − α + 1 / (n + 1) (Angelopoulos & Bates, appendix D; tested by
 simulation). Nothing else is assumed: not that the probabilities are calibrated, only that the
 examples are exchangeable, which dataset shift breaks (`dbsn.evaluation.conformal` measures how much).
 
@@ -54,7 +54,7 @@ code always randomises them), and empty sets are kept.
 Set metrics (`set_metrics`; `weighted_set_metrics` at every row of a bootstrap count matrix, as
 `dbsn.metrics.intervals`): `coverage` (the share of examples whose set holds the label), `size`
 (the mean set size), `empty` (the share of empty sets), size-stratified coverage (Angelopoulos et al.
-2021, sec. 4: the coverage among examples whose sets have sizes in a stratum; `ssc` is the smallest
+2021: the coverage among examples whose sets have sizes in a stratum; `ssc` is the smallest
 over strata with at least one example; far below 1 − α where some set sizes are given to examples
 the sets fail, i.e. the sets do not adapt to difficulty) and classwise coverage (per class;
 `class_coverage_min` the smallest over classes present).
@@ -83,7 +83,8 @@ SET_METRICS = ("coverage", "size", "empty", "ssc", "class_coverage_min")
 TUNING_FRACTION = 0.3
 #: the λ the authors' `pick_lamda_size` chooses from
 LAMBDA_GRID = (0.001, 0.01, 0.1, 0.2, 0.5)
-#: the upper ends of the set-size strata (Angelopoulos et al. 2021's, with sizes 0 and 1 apart)
+#: the upper ends of the set-size strata: Angelopoulos et al. 2021's (0–1, 2–3, 4–6, 7–10, 11–100, 101–1000,
+#: the authors' `pick_lamda_adaptiveness`) with empty sets apart from size 1 and 4–10 in one
 STRATA_ENDS = (0, 1, 3, 10, 100, 1000)
 #: rounding allowance for ranks computed from α: (n + 1)(1 − α) = 9.000000000000002 is rank 9
 _EPS = 1e-9
