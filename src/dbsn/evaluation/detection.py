@@ -44,6 +44,7 @@ from dbsn.data.augment import normalize, to_unit_range
 from dbsn.data.base import in_memory_loader
 from dbsn.evaluation.progress import progress
 from dbsn.methods.base import FeaturesUnavailable
+from dbsn.metrics.ood_scores import KNN, Mahalanobis, ViM, energy, max_logit, odin
 
 __all__ = ["COMPUTED_ON", "NETWORK_SCORES", "DetectionScores"]
 
@@ -112,7 +113,6 @@ class DetectionScores:
     @torch.no_grad()
     def fit(self, model, datamodule, device: torch.device, show: bool = True) -> None:
         """Fit the feature scores on the training split (call inside `holding`)."""
-        from dbsn.metrics.ood_scores import KNN, ViM, Mahalanobis, energy, max_logit, odin  # noqa: F401  TEMPORARY
         self._fitted, self.notes = {}, {}
         wanted = [s for s in _FEATURE_SCORES if s in self.scores]
         if not wanted:
@@ -161,11 +161,10 @@ class DetectionScores:
            in_data=None) -> dict[str, Tensor]:
         """Every chosen score of the images of `loader` (uint8, normalised as `in_data`, the
         in-distribution data module; default `datamodule`), on the CPU (call inside `holding`)."""
-        from dbsn.metrics.ood_scores import KNN, ViM, Mahalanobis, energy, max_logit, odin  # noqa: F401  TEMPORARY
         in_data = in_data or datamodule
         n = self.count(model)
         out: dict[str, list[Tensor]] = {}
-        mean, std = in_data.statistics_on(device)
+        mean, std = (t.clone() for t in in_data.statistics_on(device))  # not inference tensors: ODIN differentiates
         for images, _ in progress(loader, desc=desc, enabled=show):
             x_unit = to_unit_range(images.to(device))
             with torch.no_grad():
@@ -177,13 +176,12 @@ class DetectionScores:
                     if on == "members" and n == 1:
                         continue
                     parts[name] = odin(member_logits, x_unit, n, temperature=self.odin_temperature,
-                                       epsilon=self.odin_epsilon, on=on)
+                                       epsilon=self.odin_epsilon, on=on, chunk=model.samples_per_forward)
             for key, value in parts.items():
                 out.setdefault(key, []).append(value.detach().float().cpu())
         return {k: torch.cat(v) for k, v in out.items()}
 
     def _network_scores(self, model, x: Tensor, n: int) -> dict[str, Tensor]:
-        from dbsn.metrics.ood_scores import KNN, ViM, Mahalanobis, energy, max_logit, odin  # noqa: F401  TEMPORARY
         wanted = [s for s in self.scores if s in ("max_logit", "energy") or s in self._fitted]
         if not wanted:
             return {}
@@ -201,7 +199,6 @@ class DetectionScores:
         return out
 
     def _energy(self, logits: Tensor) -> Tensor:
-        from dbsn.metrics.ood_scores import KNN, ViM, Mahalanobis, energy, max_logit, odin  # noqa: F401  TEMPORARY
         return energy(logits, self.energy_temperature)
 
     def names(self, n: int) -> list[str]:
