@@ -57,6 +57,7 @@ class TemperatureScaler(nn.Module):
     """
 
     log_temperature: Tensor
+    preserves_argmax = True  # T > 0 divides every class's logit alike: the predicted class stays
 
     def __init__(self, temperature: float = 1.0) -> None:
         super().__init__()

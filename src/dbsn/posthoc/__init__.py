@@ -3,7 +3,10 @@
 
 - `temperature`: temperature scaling of any classifier (`TemperatureScaling`);
 - `laplace`: a last-layer Laplace approximation of a point-estimate run (`LastLayerLaplace`);
-- `swag`: SWAG from the moments a point-estimate run collected (`SWAG`, `SWAGCollector`).
+- `swag`: SWAG from the moments a point-estimate run collected (`SWAG`, `SWAGCollector`);
+- `histogram_binning`, `isotonic`, `dirichlet`: calibration maps of any classifier's predictive
+  (`calibrators`: `HistogramBinning`, `IsotonicCalibration`, `DirichletCalibration`), alone or on
+  top of another posterior.
 
 Each is chosen by `conf/posthoc/<name>.yaml`, whose `_target_` builds it.
 """

@@ -2,7 +2,7 @@
 
 A post-hoc posterior turns a trained method into a new method without training it again:
 temperature scaling (`temperature`), a last-layer Laplace approximation (`laplace`), SWAG
-(`swag`), or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
+(`swag`), a calibration map (`histogram_binning`, `isotonic`, `dirichlet`), or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
 (`conf/posthoc/<name>.yaml`, whose `_target_` builds it) and evaluates what `fit` returns with the
 same test pass and evaluations as every other method, into `<run>/posthoc/<name>/`, where the
 report and the W&B dashboard read it as method `<run's method>+<name>`.
@@ -27,7 +27,7 @@ from torch import nn
 
 from dbsn.methods.base import Method
 
-__all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier"]
+__all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier", "use_samples"]
 
 
 class PosthocError(ValueError):
@@ -77,3 +77,12 @@ def point_estimate_classifier(method: Method, name: str) -> str | None:
                 f"{type(method).__name__} has a {type(head).__name__} there (SNGP: a Gaussian-process output layer "
                 "with its own posterior)")
     return None
+
+
+def use_samples(method: Method, n_samples: int | None) -> None:
+    """Make `method` and every method inside it (an ensemble's members) predict with
+    `n_samples` members; None leaves each its own S."""
+    if n_samples is not None:
+        for inner in method.modules():
+            if isinstance(inner, Method):
+                inner.n_samples = int(n_samples)

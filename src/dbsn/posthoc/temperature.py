@@ -11,7 +11,7 @@ from rich.console import Console
 
 from dbsn.methods.base import Method
 from dbsn.methods.temperature import require_validation
-from dbsn.posthoc.base import PosthocError, PosthocPosterior
+from dbsn.posthoc.base import PosthocError, PosthocPosterior, use_samples
 
 __all__ = ["TemperatureScaling"]
 
@@ -36,10 +36,7 @@ class TemperatureScaling(PosthocPosterior):
         require_validation(datamodule)
 
     def fit(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> Method:
-        if n_samples is not None:  # every method inside too: an ensemble's members
-            for inner in method.modules():
-                if isinstance(inner, Method):
-                    inner.n_samples = int(n_samples)
+        use_samples(method, n_samples)  # every method inside too: an ensemble's members
         datamodule.setup("fit")
         method.temperature_scaling = True
         temperature = method.fit_temperature(datamodule)

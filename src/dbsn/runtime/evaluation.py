@@ -89,7 +89,7 @@ def build_posterior(cfg: DictConfig) -> PosthocPosterior | None:
         return None
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ConfigError(f"posthoc={node}: choose a post-hoc posterior by name, e.g. posthoc=laplace "
-                          "(conf/posthoc/ lists them: laplace, swag, temperature).")
+                          "(conf/posthoc/ lists them: dirichlet, histogram_binning, isotonic, laplace, swag, temperature).")
     posterior = _build(node, "posthoc")
     if not isinstance(posterior, PosthocPosterior):
         raise ConfigError(f"posthoc: {type(posterior).__name__} is not a dbsn.posthoc.PosthocPosterior")
