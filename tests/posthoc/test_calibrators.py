@@ -227,12 +227,17 @@ def digits_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, extra", [("isotonic", []), ("dirichlet", ["posthoc.reg_lambda=0.01"])])
-def test_evaluate_with_a_calibrator_writes_its_posthoc_run(digits_run, tmp_path, name, extra):
-    evaluate_quietly(digits_run / "checkpoints" / "last.ckpt", tmp_path, [f"posthoc={name}", *extra])
+@pytest.mark.parametrize("name, overrides", [
+    ("isotonic", ["posthoc=isotonic"]),
+    ("dirichlet", ["posthoc=dirichlet", "posthoc.reg_lambda=0.01"]),
+    ("laplace+histogram_binning", ["posthoc=histogram_binning", "+posthoc@posthoc.base=laplace",
+                                   "posthoc.base.n_samples=4", "posthoc.base.hessian=diag"]),
+])
+def test_evaluate_with_a_calibrator_writes_its_posthoc_run(digits_run, tmp_path, name, overrides):
+    evaluate_quietly(digits_run / "checkpoints" / "last.ckpt", tmp_path, overrides)
     folder = digits_run / "posthoc" / name
     record = json.loads((folder / "metrics.json").read_text())
-    assert record["posthoc"] == name and record["calibrator"] == name
+    assert record["posthoc"] == name and record["calibrator"] == name.split("+")[-1]
     assert np.isfinite(record["metrics"]["test/nll"]) and 0 <= record["metrics"]["test/error"] <= 1
     assert record["calibrator_nll_after"] < record["calibrator_nll_before"]
     assert 0 <= record["calibrator_argmax_changed"] <= 1

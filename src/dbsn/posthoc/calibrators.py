@@ -511,7 +511,7 @@ class PosthocCalibration(PosthocPosterior):
         log_probs, targets = validation_predictive(method, datamodule)
         calibrator = self.make_map(method.num_classes).fit(log_probs, targets)
         method.calibrator = calibrator.to(next(itertools.chain(method.parameters(), method.buffers())).device)
-        Console().print(calibrator.summary())
+        Console().print(calibrator.summary(), soft_wrap=True)
         return method
 
 
