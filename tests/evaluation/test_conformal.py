@@ -64,7 +64,7 @@ def test_every_name_is_written_and_each_corrupted_set_predicted_once(evaluated):
     assert predicted == [450] * 4  # 2 corruptions × 2 severities, for shift and conformal together
     record = json.loads((folder / "conformal" / "metrics.json").read_text())
     assert record["calibration"]["asked"] == "auto" and record["calibration"]["source"] == "test"
-    assert record["strata"] == ["0", "1", "2-3", "4-10"]
+    assert record["strata"] == ["0-1", "2-3", "4-6", "7-10"]
     for level in ("90", "95"):
         for score in SCORES:
             prefix = f"conformal/{level}/{score}"

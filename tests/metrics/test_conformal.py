@@ -204,9 +204,10 @@ def test_set_metrics_by_hand_and_their_weighted_rows():
     # covered: 1, 0, 0, 1, 0, 1; sizes 1, 0, 2, 3, 3, 1
     assert found["coverage"] == pytest.approx(0.5) and found["size"] == pytest.approx(10 / 6)
     assert found["empty"] == pytest.approx(1 / 6)
-    assert found["strata"] == [{"sizes": "0", "count": 1, "coverage": 0.0}, {"sizes": "1", "count": 2, "coverage": 1.0},
+    assert found["strata"] == [{"sizes": "0-1", "count": 3, "coverage": pytest.approx(2 / 3)},
                                {"sizes": "2-3", "count": 3, "coverage": pytest.approx(1 / 3)}]
-    assert found["ssc"] == 0.0  # an empty set never covers
+    assert found["ssc"] == pytest.approx(1 / 3)  # the empty set counts in the 0-1 stratum, as the authors'
+
     assert [(c["class"], c["count"], c["coverage"]) for c in found["classes"]] == [(0, 1, 1.0), (1, 2, 0.5), (2, 1, 0.0),
                                                                                   (3, 2, 0.5)]
     assert found["class_coverage_min"] == 0.0
@@ -220,7 +221,7 @@ def test_set_metrics_by_hand_and_their_weighted_rows():
 
 
 def test_size_strata_cut_at_the_number_of_classes():
-    assert size_strata(10) == [(0, 0), (1, 1), (2, 3), (4, 10)]
-    assert size_strata(100) == [(0, 0), (1, 1), (2, 3), (4, 10), (11, 100)]
-    assert size_strata(2) == [(0, 0), (1, 1), (2, 2)]
+    assert size_strata(10) == [(0, 1), (2, 3), (4, 6), (7, 10)]
+    assert size_strata(100) == [(0, 1), (2, 3), (4, 6), (7, 10), (11, 100)]
+    assert size_strata(2) == [(0, 1), (2, 2)]
     assert size_strata(1000)[-1] == (101, 1000) and size_strata(1500)[-1] == (1001, 1500)

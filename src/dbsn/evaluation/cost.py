@@ -132,7 +132,8 @@ def reset_peak_memory(device: torch.device | str | None = None) -> None:
     allocator's peak, or on Linux the resident set's high-water mark (`/proc/self/clear_refs`)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        if torch.cuda.is_initialized():  # before CUDA starts nothing is allocated (and resetting fails)
+            torch.cuda.reset_peak_memory_stats(device)
         return
     try:
         with open("/proc/self/clear_refs", "w") as f:

@@ -84,8 +84,10 @@ TUNING_FRACTION = 0.3
 #: the λ the authors' `pick_lamda_size` chooses from
 LAMBDA_GRID = (0.001, 0.01, 0.1, 0.2, 0.5)
 #: the upper ends of the set-size strata: Angelopoulos et al. 2021's (0–1, 2–3, 4–6, 7–10, 11–100, 101–1000,
-#: the authors' `pick_lamda_adaptiveness`) with empty sets apart from size 1 and 4–10 in one
-STRATA_ENDS = (0, 1, 3, 10, 100, 1000)
+#: the authors' `pick_lamda_adaptiveness`). Empty sets share the first stratum with sets of one label, as
+#: theirs: a stratum of empty sets alone would have coverage 0 by definition and make `ssc` 0 whenever a
+#: non-randomised set is empty (their share is `empty`).
+STRATA_ENDS = (1, 3, 6, 10, 100, 1000)
 #: rounding allowance for ranks computed from α: (n + 1)(1 − α) = 9.000000000000002 is rank 9
 _EPS = 1e-9
 
@@ -258,7 +260,7 @@ def calibrate(probs: Tensor, targets: Tensor, score: str, alpha: float, generato
 
 
 def size_strata(num_classes: int) -> list[tuple[int, int]]:
-    """The set-size strata (lowest, highest) for C classes: 0, 1, 2–3, 4–10, 11–100, 101–1000,
+    """The set-size strata (lowest, highest) for C classes: 0–1, 2–3, 4–6, 7–10, 11–100, 101–1000,
     1001–C, cut at C (only strata a set can fall in)."""
     strata, low = [], 0
     for end in STRATA_ENDS:
@@ -272,7 +274,7 @@ def size_strata(num_classes: int) -> list[tuple[int, int]]:
 
 
 def stratum_name(stratum: tuple[int, int]) -> str:
-    """'0', '1', '2-3', ...: how files name a stratum."""
+    """'0-1', '2-3', ...: how files name a stratum."""
     low, high = stratum
     return str(low) if low == high else f"{low}-{high}"
 
