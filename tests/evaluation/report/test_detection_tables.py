@@ -87,3 +87,32 @@ def test_sections_absent_without_their_evaluations(tmp_path, section):
     write_run(runs / "dbsn_1", MODELS["dbsn"], DATA["cifar10"], 1, 0.05)
     build_report([runs], tmp_path / "report")
     assert section not in (tmp_path / "report" / "report.md").read_text()
+
+
+def _conformal(run, metrics):
+    folder = run / "evaluation" / "conformal"
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({"metrics": metrics}))
+    (folder / "summary.json").write_text(json.dumps({"evaluation": "conformal", "metrics": metrics}))
+
+
+def test_conformal_table_per_level_one_row_per_method_and_score(tmp_path):
+    runs = tmp_path / "runs"
+    for seed, coverage in ((1, 0.90), (2, 0.92)):
+        run = write_run(runs / f"dbsn_{seed}", MODELS["dbsn"], DATA["cifar10"], seed, 0.05)
+        _conformal(run, {"conformal/90/thr/coverage": coverage, "conformal/90/thr/size": 1.5,
+                         "conformal/90/aps/coverage": 0.95, "conformal/90/aps/size": 2.5, "conformal/90/aps/ssc": 0.8,
+                         "conformal/90/aps/shift/coverage": 0.7, "conformal/90/aps/shift/2/coverage": 0.75,
+                         "conformal/95/thr/coverage": 0.96})
+    build_report([runs], tmp_path / "report")
+    text = (tmp_path / "report" / "conformal.md").read_text()
+    at90 = text.split("### cifar10, nominal coverage 90 %", 1)[1].split("###", 1)[0]
+    assert ("| method | score | coverage | mean size ↓ | size-stratified coverage ↑ | coverage under shift |"
+            in at90)
+    assert at90.index("| dbsn | thr |") < at90.index("| dbsn | aps |")  # the canonical order of the scores
+    assert "| dbsn | thr | 0.910 ± 0.014 | 1.50 ± 0.00 | – | – |" in at90
+    assert "| dbsn | aps | 0.950 ± 0.000 | 2.50 ± 0.00 | 0.800 ± 0.000 | 0.700 ± 0.000 |" in at90
+    assert "| dbsn | thr | 0.960 ± 0.000 |" in text.split("nominal coverage 95 %", 1)[1]
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Conformal prediction sets" in report
+    assert "evaluation_conformal" not in report  # its own section, not the generic one

@@ -13,8 +13,9 @@ Writes into OUT (default outputs/report): report.md, runs.csv, table1_error.{md,
 table2_ece.{md,csv}, table_nll.{md,csv}, calibration.{md,csv} (equal-width, equal-mass and
 classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
 have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
-ood_groups.csv (near / far OOD means), shift.{md,csv} with Ovadia et al.'s box plots per
-dataset, adversarial.{md,csv} with one figure per dataset, evaluation_<name>.{md,csv} for any other
+ood_groups.csv (near / far OOD means), ood_scores.{md,csv} (every detection score by method), shift.{md,csv} with Ovadia et al.'s box plots per
+dataset, conformal.{md,csv} (coverage and set sizes), calibrators.{md,csv} (each method after every post-hoc
+calibrator), adversarial.{md,csv} with one figure per dataset, evaluation_<name>.{md,csv} for any other
 evaluation (a user's own: every number of its summary.json), ablation.{md,csv}, published.csv (runs on the field's backbones beside the published figures) and time.{md,csv} (training wall time and its ratio to DBSN's, from
 metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
 of runs in parentheses.
@@ -30,7 +31,7 @@ from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, 
 from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
 from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
-                                           calibration_section, calibrators_section, main_tables, ood_groups_section,
+                                           calibration_section, calibrators_section, conformal_section, main_tables, ood_groups_section,
                                            ood_scores_section, ood_section, other_evaluations_section, runs_section,
                                            selective_section, shift_section, time_section)
 
@@ -70,7 +71,7 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
         text += calibration_section(report, ok) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + ood_scores_section(report, ok)
-        text += shift_section(report, ok)
+        text += shift_section(report, ok) + conformal_section(report, ok)
         text += adversarial_section(report, ok) + other_evaluations_section(report, ok) + ablation_section(report, ok)
         text += time_section(report, ok)
     else:

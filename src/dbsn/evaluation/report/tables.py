@@ -476,7 +476,7 @@ def runs_section(report: Report) -> str:
 
 #: evaluations with a section of their own above; any other evaluation's numbers (its
 #: `<name>/summary.json`) go into `other_evaluations_section`
-OWN_SECTIONS = ("ood", "shift", "adversarial")
+OWN_SECTIONS = ("ood", "shift", "adversarial", "conformal")
 
 
 def other_evaluations_section(report: Report, ok: list[Run]) -> str:
@@ -607,4 +607,57 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
             "and Dirichlet calibration with a full or diagonal map may move it, so their error is shown too. "
             "Files: `calibrators.md`, `calibrators.csv`.\n\n" + text)
     _write(report, "calibrators.md", text.replace("## ", "# ", 1))
+    return text
+
+
+#: the conformal table's columns: (metric under conformal/<level>/<score>/, label, digits)
+CONFORMAL_COLUMNS = (("coverage", "coverage", 3), ("size", "mean size ↓", 2), ("ssc", "size-stratified coverage ↑", 3),
+                     ("class_coverage_min", "lowest class coverage ↑", 3), ("empty", "empty sets", 3),
+                     ("shift/coverage", "coverage under shift", 3), ("shift/size", "size under shift", 2))
+CONFORMAL_SCORES = ("thr", "aps", "aps_randomized", "raps", "raps_randomized")
+
+
+def conformal_section(report: Report, ok: list[Run]) -> str:
+    """Conformal prediction sets (`evaluations=[conformal]`): per dataset and level, one row per
+    (method, score) with coverage, mean set size, size-stratified and classwise coverage, the share
+    of empty sets and, where the shift evaluation ran beside it, coverage and size under shift
+    (means over corruptions and severities); "" when no run has them."""
+    values: dict[tuple, list[float]] = defaultdict(list)
+    for r in ok:
+        path = r.path / "evaluation" / "conformal" / "metrics.json"
+        if not path.is_file():
+            continue
+        for key, value in (json.loads(path.read_text()).get("metrics") or {}).items():
+            parts = key.split("/")
+            if len(parts) >= 4 and parts[0] == "conformal" and isinstance(value, (int, float)):
+                values[r.dataset, parts[1], r.method, parts[2], "/".join(parts[3:])].append(float(value))
+    if not values:
+        return ""
+    text, rows = "", []
+    for dataset, level in sorted({k[:2] for k in values}, key=lambda k: (k[0], float(k[1]))):
+        keys = [k for k in values if k[:2] == (dataset, level)]
+        columns = [c for c in CONFORMAL_COLUMNS if any(k[4] == c[0] for k in keys)]
+        table = []
+        for method in _order({k[2] for k in keys}, METHOD_ORDER):
+            for score in _order({k[3] for k in keys if k[2] == method}, CONFORMAL_SCORES):
+                cells = []
+                for metric, _, digits in columns:
+                    found = values.get((dataset, level, method, score, metric))
+                    cell = mean_std(found) if found else None
+                    cells.append("–" if cell is None else f"{cell.mean:.{digits}f}" + (
+                        f" ± {cell.std:.{digits}f}" if cell.std is not None else ""))
+                    if cell is not None:
+                        rows.append([method, dataset, level, score, metric, *cell])
+                table.append([method, score, *cells])
+        text += (f"### {dataset}, nominal coverage {level} %\n\n"
+                 + md_table(["method", "score", *(label for _, label, _ in columns)], table) + "\n")
+    _write_csv(report, "conformal.csv", ["method", "dataset", "level", "score", "metric", *STATS], rows)
+    text = ("## Conformal prediction sets\n\nSets of labels from each method's predictive that hold the true label "
+            "with the nominal probability (`evaluate.py evaluations=[conformal]`), calibrated on a split that never "
+            "overlaps the evaluated images: THR (Sadinle et al. 2019), APS (Romano et al. 2020) and RAPS (Angelopoulos "
+            "et al. 2021), each also randomised. Coverage should be at least the nominal level; at equal coverage "
+            "smaller sets are better; size-stratified and lowest class coverage show whether sets adapt to "
+            "difficulty (no conformal method guarantees them); under shift the calibration split stays clean, so "
+            "coverage falls. Mean ± std over seeds. Files: `conformal.md`, `conformal.csv`.\n\n" + text)
+    _write(report, "conformal.md", text.replace("## ", "# ", 1))
     return text
