@@ -20,6 +20,7 @@ import torch
 import yaml
 from hydra.errors import MissingConfigException
 
+from dbsn.evaluation.ood import ALL_OOD_SCORES
 from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.posthoc.base import PosthocError
 from dbsn.runtime.config import ConfigError
@@ -71,6 +72,7 @@ def evaluated_run(dbsn_run, tmp_path_factory):
     results = evaluate_quietly(
         out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"),
         ["evaluations=[ood,adversarial]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
+         "evaluations.ood.fit_images=300",
          "evaluations.adversarial.epsilons=[0.0,0.05,0.1]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
          "evaluations.adversarial.max_examples=40", "evaluations.adversarial.batch_size=20"],
     )
@@ -99,6 +101,15 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
     np.testing.assert_array_equal(np.load(folder / "ood" / "noise" / "scores.npz")["in_entropy"], scores["in_entropy"])
     for name in ("photos", "noise"):
         assert (folder / "ood" / name / "entropy_cdf.png").stat().st_size > 1000
+    # OpenOOD's scores beside the predictive's: every one for DBSN (linear head, S = 3 members, fitted on the
+    # training features), each through both sets and its bootstrap interval, saying what it is computed on
+    assert list(ood["scores"]) == list(ALL_OOD_SCORES)
+    assert ood["computed_on"]["knn"] == "mean over members" and ood["computed_on"]["odin"] == "averaged predictive"
+    assert ood["detection"]["members"] == 3 and ood["detection"]["left_out"] == {}
+    for score in ALL_OOD_SCORES:
+        assert results[f"ood/noise/{score}/fpr95"] == pytest.approx(noise["scores"][score]["fpr95"])
+        assert scores[f"in_{score}"].shape == (450,) and np.isfinite(scores[f"out_{score}"]).all()
+        assert len(ood["intervals"][score]["auroc"]) == 2
 
     rows = _csv(folder / "adversarial" / "results.csv")
     assert [(r["attack"], float(r["epsilon"])) for r in rows] == [
@@ -152,7 +163,7 @@ def test_folder_of_runs_is_evaluated_and_reported_with_failed_runs_listed(dbsn_r
     shutil.copytree(out, sweep / "0", ignore=shutil.ignore_patterns("evaluation"))
     (sweep / "1").mkdir()
     shutil.copy(out / "resolved_config.yaml", sweep / "1")  # a run that died before finishing
-    result = evaluate_quietly(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32"])
+    result = evaluate_quietly(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32", "evaluations.ood.scores=[]"])
     assert list(result["not_evaluated"]) == [str(sweep / "1")]
     assert (sweep / "0" / "evaluation" / "ood" / "noise" / "metrics.json").exists()
     report = (sweep / "report" / "report.md").read_text()
@@ -212,6 +223,7 @@ def evaluated(map_run, tmp_path_factory):
     shift_root = tmp_path_factory.mktemp("digits-C")
     results = evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"), [
         "evaluations=[ood,shift]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32",
+        "evaluations.ood.scores=[max_logit,mahalanobis]", "evaluations.ood.fit_images=128",
         "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={shift_root}", "evaluations.shift.generate=true",
         "evaluations.shift.corruptions=[gaussian_noise,contrast]", "evaluations.shift.severities=[1,5]"])
     return out, results, shift_root
@@ -235,7 +247,7 @@ def test_dataset_shift_on_generated_corruptions_writes_its_table_and_figure(eval
 
 def test_near_and_far_ood_are_the_means_of_their_sets(evaluated):
     out, results, _ = evaluated
-    for score in ("entropy", "mutual_information", "max_probability"):
+    for score in ("entropy", "mutual_information", "max_probability", "max_logit", "max_logit_members", "mahalanobis"):
         for metric in ("auroc", "aupr", "fpr95"):
             assert results[f"ood/near/{score}/{metric}"] == results[f"ood/photos/{score}/{metric}"]
             assert results[f"ood/far/{score}/{metric}"] == results[f"ood/noise/{score}/{metric}"]

@@ -40,8 +40,9 @@ def logged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb")
     sweep = tmp / "sweep"
     run_python(ROOT / "train.py", "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp, env=OFFLINE)
-    run_python(ROOT / "evaluate.py", f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift]",
+    run_python(ROOT / "evaluate.py", f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift,conformal]",
                f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
+               "evaluations.ood.scores=[energy,knn]", "evaluations.ood.fit_images=128",
                "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={tmp / 'digits-C'}", "evaluations.shift.generate=true",
                "evaluations.shift.corruptions=[contrast]",
                "evaluations.adversarial.epsilons=[0.0,0.05]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
@@ -132,8 +133,13 @@ def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
         stored = summary(path)
         groups = json.loads((run_dir / "evaluation" / "ood" / "groups.json").read_text())
         assert groups["groups"] == {"near": ["photos"], "far": ["noise"]}
-        for key in ("ood/near/entropy/auroc", "ood/far/mutual_information/auroc"):
-            assert stored[key] == {"max": pytest.approx(groups["metrics"][key], rel=1e-6)}, key
+        for key in ("ood/near/entropy/auroc", "ood/far/mutual_information/auroc", "ood/near/knn/auroc",
+                    "ood/far/energy_members/fpr95"):
+            best = "min" if key.endswith("fpr95") else "max"
+            assert stored[key] == {best: pytest.approx(groups["metrics"][key], rel=1e-6)}, key
+        conformal = json.loads((run_dir / "evaluation" / "conformal" / "metrics.json").read_text())["metrics"]
+        for key in ("conformal/90/aps/coverage", "conformal/95/raps_randomized/size", "conformal/90/thr/shift/3/coverage"):
+            assert stored[key] == pytest.approx(conformal[key], rel=1e-6), key  # no best value: the last
         shift = json.loads((run_dir / "evaluation" / "shift" / "metrics.json").read_text())
         assert shift["generated"] and stored["shift/generated"] == 1.0
         for key in ("shift/mean/error", "shift/mean/3/ece", "shift/contrast/5/nll"):
