@@ -148,3 +148,83 @@ def test_comparison_runs_every_method(tmp_path):
         assert {"test/error", "test/nll", "test/ece"} <= set(results[method])
         assert results[method]["train_seconds"] > 0
     assert json.loads((tmp_path / "comparison.json").read_text())["results"] == results
+
+
+def test_evaluation_passes_reuse_the_trainer_and_route_evaluate_overrides(tmp_path):
+    from dbsn.tools.compare import evaluation_passes
+
+    train = [*shared_overrides("digits"), "trainer=gpu", "statistics.resamples=50", "seed=3", "model.x=1"]
+    passes = evaluation_passes(["ood", "shift", "conformal"], ["temperature", "dirichlet"], ["photos", "noise"], "digits",
+                               tmp_path, train, ["ood.noise.size=32", "n_samples=3", "posthoc.map=diagonal"])
+    assert list(passes) == ["evaluations", "posthoc=temperature", "posthoc=dirichlet"]
+    assert passes["evaluations"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50",
+                                     "evaluations=[ood,shift,conformal]", "ood=[photos,noise]",
+                                     "evaluations.shift.generate=true", f"evaluations.shift.root={tmp_path.resolve() / 'digits-C'}",
+                                     "ood.noise.size=32", "n_samples=3"]
+    assert passes["posthoc=dirichlet"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50", "posthoc=dirichlet",
+                                           "n_samples=3", "posthoc.map=diagonal"]
+    cifar = evaluation_passes(["shift"], data="cifar10", output_dir=tmp_path)["evaluations"]
+    assert cifar == ["evaluations=[shift]"]  # the published CIFAR-10-C under the data root
+    assert evaluation_passes() == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "cifar10", "--evaluations", "ood"], "--evaluations ood on cifar10 needs --ood"),
+    (["--ood", "noise"], "--ood noise chooses the sets of the ood evaluation, which is not chosen"),
+    (["--evaluations", "ood,drift"], "unknown --evaluations ['drift']"),
+    (["--posthoc", "platt"], "unknown --posthoc ['platt']"),
+    (["--evaluations", "ood", "--ood", "svhm"], "unknown --ood ['svhm']")])
+def test_evaluation_choices_are_refused_before_anything_trains(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: pytest.fail("trained before refusing"))
+    with pytest.raises(SystemExit):
+        main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # the usage, then one line
+    assert "error:" in last and message in last
+
+
+def test_a_bad_evaluate_override_or_no_validation_split_fails_before_any_training(tmp_path, monkeypatch):
+    from dbsn.runtime.config import ConfigError
+
+    monkeypatch.setattr("dbsn.runtime.run.train", lambda *args: pytest.fail("trained before checking the evaluations"))
+    with pytest.raises(ConfigError, match="evaluate.py's config"):
+        run_comparison(["map"], output_dir=tmp_path, evaluations=["ood"], evaluate_extra=["ood.nosie.size=3"])
+    with pytest.raises(ConfigError, match="data.val_size=0 leaves none"):
+        run_comparison(["map"], output_dir=tmp_path, posthoc=["temperature"], extra=["data.val_size=0"])
+
+
+@pytest.mark.slow
+def test_one_command_trains_evaluates_and_calibrates_every_method_into_the_report(tmp_path, capsys):
+    """Two cheap methods on a tiny network, 1 epoch on 128 images, S = 2; the evaluations made
+    small through the evaluate overrides; SWAG does not apply (no moments collected): skipped."""
+    cheap = ["ood.photos.size=32", "ood.noise.size=32", "evaluations.ood.scores=[max_logit]", "evaluations.ood.fit_images=64",
+             "evaluations.shift.corruptions=[contrast]", "evaluations.shift.severities=[1]", "ablation.sizes=[]"]
+    run_comparison(["map", "mc_dropout"], epochs=1, output_dir=tmp_path, subset=128, n_samples=2,
+                   net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"],
+                   extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"],
+                   evaluations=["ood", "shift", "conformal"], posthoc=["temperature", "swag"], evaluate_extra=cheap)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every method trains with data.val_size=0.15" in out
+    assert out.count("posthoc=swag skipped for") == 2
+    for method in ("map", "mc_dropout"):
+        run = tmp_path / method
+        for evaluation in ("ood", "shift", "conformal"):
+            assert (run / "evaluation" / evaluation).is_dir(), (method, evaluation)
+        record = json.loads((run / "evaluation" / "metrics.json").read_text())
+        assert record["n_samples"] == (2 if method == "mc_dropout" else 1)  # the run's own S
+        assert (run / "posthoc" / "temperature" / "metrics.json").is_file() and not (run / "posthoc" / "swag").exists()
+    assert json.loads((tmp_path / "digits-C" / "GENERATED.json").read_text())  # generated once, beside the runs
+    report = (tmp_path / "report" / "report.md").read_text()
+    for section in ("## Conformal prediction sets", "## OOD detection by score and method", "## Post-hoc calibrators"):
+        assert section in report, section
+
+
+def test_cli_passes_the_evaluations_posthoc_and_evaluate_overrides(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: calls.append(kwargs))
+    main(["--evaluations", "ood,shift,conformal", "--posthoc", "temperature,isotonic", "--evaluate-overrides",
+          "ood.noise.size=32 evaluations.ood.scores=[energy,knn]", "--evaluate-overrides", "n_samples=3", "trainer=gpu"])
+    main(["--data", "cifar10", "--evaluations", "ood", "--ood", "svhn,cifar100"])
+    first, second = calls
+    assert (first["evaluations"], first["posthoc"], first["ood"]) == (["ood", "shift", "conformal"], ["temperature", "isotonic"], None)
+    assert first["evaluate_extra"] == ["ood.noise.size=32", "evaluations.ood.scores=[energy,knn]", "n_samples=3"]
+    assert (second["ood"], second["posthoc"], second["evaluate_extra"]) == (["svhn", "cifar100"], [], [])

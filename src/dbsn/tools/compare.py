@@ -2,7 +2,8 @@
 
     python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
                            [--backbone structure_net|resnet18|wrn28_10] [--batch-size 64] [--out DIR]
-                           [overrides ...]
+                           [--evaluations ood,shift,conformal] [--ood SETS] [--posthoc temperature,...]
+                           [--evaluate-overrides "KEY=VALUE ..."] [overrides ...]
 
 `--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
 CPU, no files needed); `--subset N` trains on a seeded, class-stratified N images (or a fraction
@@ -29,6 +30,31 @@ against DBSN (or the first method) on the same test examples, with the line nami
 indistinguishable from noise, from the report that it writes into DIR/report (every table, the
 cost table and the Pareto figure; training time as a ratio to DBSN: the paper's Table 5
 comparison is `--methods dbsn,vogn,vogn_fbn --batch-size 32`).
+
+The same command can evaluate every method after its training, with the evaluations and post-hoc
+calibrators of evaluate.py (`dbsn.runtime.run.evaluate` on `<method>/checkpoints/last.ckpt`, in
+this process), so that the report also has the conformal, OOD-score-by-method and calibrator tables:
+
+    python -m dbsn.tools.compare --epochs 10 --evaluations ood,shift,conformal \
+        --posthoc temperature,histogram_binning,isotonic,dirichlet
+
+`--evaluations a,b` (any of conf/evaluations/) evaluates each method into `<method>/evaluation`:
+`ood` on the `--ood` sets (any of conf/ood/; on digits `photos,noise` by default, elsewhere
+required), `shift` on the published CIFAR-10-C / -100-C under the data root, or, on a dataset
+without published corruptions (digits, SVHN), on corruptions generated once into `DIR/<data>-C`
+and shared by every method. `--posthoc a,b` (any of conf/posthoc/) then evaluates each method's
+post-hoc posterior or calibrator (the test pass only) into `<method>/posthoc/<name>/`, the report's
+method `<method>+<name>`; one that does not apply to a method (e.g. laplace on dbsn) is skipped with
+a line on the console. Calibrators are fitted on a validation split, never on the test set: with
+`--posthoc` every method trains with `data.val_size=0.15` unless the overrides set it (the
+conformal sets then calibrate on it too). Every evaluation predicts with the run's own S and reuses
+the training's `trainer` and `statistics` overrides (e.g. `trainer=gpu`); the trailing overrides
+are train.py's only. evaluate.py's own go in `--evaluate-overrides "KEY=VALUE ..."` (split like a
+shell line; repeatable): those under `evaluations.` and `ood.` reach the evaluations pass only,
+those under `posthoc` the post-hoc passes only, the others (`n_samples=`, `ablation.sizes=[]`)
+every pass; e.g. a cheaper OOD evaluation:
+`--evaluate-overrides "ood.photos.size=200 evaluations.ood.scores=[energy,knn]"`. These options
+and overrides are composed and checked before anything trains.
 """
 
 from __future__ import annotations
@@ -36,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 from datetime import date
 from pathlib import Path
 
@@ -44,7 +71,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn.evaluation.report import build_report
-from dbsn.runtime.config import CONF_DIR
+from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH
 
 METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn",
@@ -65,6 +92,17 @@ SHARED_OPTIMIZER = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1.0e-4, "nestero
                     "milestones": "[0.5,0.75]", "gamma": 0.1, "warmup_epochs": 0}
 #: MC dropout on a network without cells (conf/field's choices): after every convolution, or WRN's own layers.
 DROPOUT_PLACEMENT = {"resnet18": "every_conv", "wrn28_10": "existing"}
+#: `--ood`'s default where the OOD sets need no files: the embedded digits against photo patches and noise.
+DEFAULT_OOD = {"digits": ("photos", "noise")}
+#: Datasets with published corrupted test sets (CIFAR-10-C / -100-C, under the data root); the shift
+#: evaluation of any other generates its corruptions once into `<out>/<data>-C`.
+PUBLISHED_SHIFT = ("cifar10", "cifar100")
+#: The validation split every method trains with when post-hoc calibrators are fitted (`--posthoc`).
+POSTHOC_VAL_SIZE = 0.15
+#: evaluate.py's settings that belong to the evaluations pass alone, and to the post-hoc passes alone.
+EVALUATION_KEYS, POSTHOC_KEYS = ("evaluations", "ood"), ("posthoc",)
+#: The training's settings every evaluation reuses: the trainer (device, precision) and the intervals.
+SHARED_WITH_EVALUATION = ("trainer", "statistics")
 
 
 def data_choices() -> list[str]:
@@ -75,6 +113,115 @@ def data_choices() -> list[str]:
 
     return sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")
                   if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule))
+
+
+def conf_choices(group: str) -> list[str]:
+    """The options of a config group of conf/ (evaluations, posthoc, ood)."""
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets (`+posthoc@posthoc.base=laplace`: `posthoc.base`'s group,
+    `posthoc`), without Hydra's `+`, `++`, `~` prefixes."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def top_key(override: str) -> str:
+    return override_key(override).split(".", 1)[0]
+
+
+def ood_sets(evaluations, ood, data: str) -> list[str]:
+    """The OOD sets of `--evaluations ...,ood`: `ood`, else the dataset's default; a ConfigError
+    when ood is chosen without sets, or sets are given without ood."""
+    if "ood" not in evaluations:
+        if ood:
+            raise ConfigError(f"--ood {','.join(ood)} chooses the sets of the ood evaluation, which is not chosen: add "
+                              "ood to --evaluations")
+        return []
+    sets = list(ood or DEFAULT_OOD.get(data, ()))
+    if not sets:
+        raise ConfigError(f"--evaluations ood on {data} needs --ood (sets of conf/ood/: {', '.join(conf_choices('ood'))})")
+    return sets
+
+
+def evaluation_passes(evaluations=(), posthoc=(), ood=(), data: str = "digits", output_dir: Path = Path("outputs/compare"),
+                      train_overrides: list[str] = (), evaluate_extra: list[str] = ()) -> dict[str, list[str]]:
+    """evaluate.py's overrides of each pass after a method's training, by name: "evaluations" (the
+    chosen evaluations, when any), then "posthoc=<name>" for each post-hoc posterior (the test pass
+    only). Each reuses the training's `trainer` and `statistics` overrides; `evaluate_extra` under
+    `evaluations.`/`ood.` reaches the evaluations pass, under `posthoc` the post-hoc passes, the
+    rest every pass."""
+    shared = [o for o in train_overrides if top_key(o) in SHARED_WITH_EVALUATION]
+    passes = {}
+    if evaluations:
+        chosen = [f"evaluations=[{','.join(evaluations)}]"]
+        if "ood" in evaluations:
+            chosen.append(f"ood=[{','.join(ood)}]")
+        if "shift" in evaluations and data not in PUBLISHED_SHIFT:  # generated once, shared by every method
+            chosen += ["evaluations.shift.generate=true", f"evaluations.shift.root={Path(output_dir).resolve() / f'{data}-C'}"]
+        passes["evaluations"] = [*shared, *chosen, *(o for o in evaluate_extra if top_key(o) not in POSTHOC_KEYS)]
+    for name in posthoc:
+        passes[f"posthoc={name}"] = [*shared, f"posthoc={name}",
+                                     *(o for o in evaluate_extra if top_key(o) not in EVALUATION_KEYS)]
+    return passes
+
+
+def compose_evaluate(overrides: list[str], ckpt: Path, output_dir: Path) -> DictConfig:
+    """evaluate.py's config for `ckpt`, composed in this process (Hydra's errors as ConfigError)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("evaluate", overrides=[f"ckpt_path={ckpt}", *overrides, f"paths.output_dir={output_dir}"])
+    except HydraException as err:
+        raise ConfigError(f"evaluate.py's config ({' '.join(overrides)}): {err}") from err
+
+
+def check_passes(passes: dict[str, list[str]], output_dir: Path) -> None:
+    """Compose every pass and build its evaluations and posterior, so that a mistake in them fails
+    before any method trains."""
+    from dbsn.runtime.config import check_trainer
+    from dbsn.runtime.evaluation import build_evaluator, build_posterior
+
+    for overrides in passes.values():
+        cfg = compose_evaluate(overrides, Path(output_dir) / "checkpoints" / "last.ckpt", Path(output_dir))
+        check_trainer(cfg.get("trainer"))
+        build_evaluator(cfg)
+        build_posterior(cfg)
+
+
+def posthoc_why_not(cfg: DictConfig, ckpt: Path) -> str | None:
+    """Why the post-hoc posterior of the evaluate config `cfg` does not apply to the method in
+    `ckpt` (its `why_not`, where evaluate.py would refuse it), or None."""
+    from hydra.utils import get_class
+
+    from dbsn.runtime.build import load_method
+    from dbsn.runtime.checkpoint import CONFIG_KEY, load_checkpoint
+    from dbsn.runtime.evaluation import build_posterior
+
+    checkpoint = load_checkpoint(ckpt)
+    model = load_method(ckpt, get_class(checkpoint[CONFIG_KEY]["data"]["_target_"]).num_classes, checkpoint=checkpoint)
+    return build_posterior(cfg).why_not(model, checkpoint)
+
+
+def evaluate_run(run_dir: Path, method: str, passes: dict[str, list[str]]) -> None:
+    """Every pass of `evaluation_passes` on the run's last checkpoint, into evaluate.py's default
+    folders (`<run>/evaluation`, `<run>/posthoc/<name>/evaluation`); a posterior that does not apply
+    to the method is skipped with one line."""
+    from dbsn.evaluation.runs import last_checkpoint
+    from dbsn.runtime.run import evaluate
+
+    ckpt = last_checkpoint(run_dir)
+    for name, overrides in passes.items():
+        posthoc = name.removeprefix("posthoc=") if name.startswith("posthoc=") else None
+        out = run_dir / "posthoc" / posthoc / "evaluation" if posthoc else run_dir / "evaluation"
+        cfg = compose_evaluate(overrides, ckpt, out)
+        if posthoc and (reason := posthoc_why_not(cfg, ckpt)) is not None:
+            Console().print(f"[yellow]posthoc={posthoc} skipped for {method}:[/yellow] {reason}", soft_wrap=True)
+            continue
+        Console().print(f"[bold]Evaluating {method}: {name}[/bold]")
+        evaluate(cfg, out)
 
 
 def shared_overrides(data: str = "digits", batch_size: int = 64, subset: int | float | None = None) -> list[str]:
@@ -141,15 +288,30 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
 def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
-                   subset: int | float | None = None, backbone: str = "structure_net") -> dict[str, dict[str, float]]:
+                   subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
+                   ood=None, evaluate_extra: list[str] = ()) -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
-    ``output_dir/<method>``; returns its test metrics plus ``train_seconds`` (the fit's wall
-    time) by method."""
+    ``output_dir/<method>``, then evaluate it with `evaluations` and each of `posthoc`
+    (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default); returns its test
+    metrics plus ``train_seconds`` (the fit's wall time) by method."""
     from hydra import compose, initialize_config_dir
 
     from dbsn.runtime.run import train
 
-    shared = [*shared_overrides(data, batch_size, subset), *(extra or [])]
+    extra = list(extra or [])
+    val_size = next((o.split("=", 1)[1] for o in reversed(extra) if override_key(o) == "data.val_size"), None)
+    if posthoc and val_size is None:
+        extra.append(f"data.val_size={POSTHOC_VAL_SIZE}")
+        Console().print(f"--posthoc: every method trains with data.val_size={POSTHOC_VAL_SIZE}, the validation split the "
+                        "calibrators are fitted on (never the test set; the conformal sets calibrate on it too)",
+                        soft_wrap=True)
+    elif posthoc and val_size in ("0", "0.0", "null"):
+        raise ConfigError(f"--posthoc {','.join(posthoc)} is fitted on a validation split, and data.val_size={val_size} "
+                          f"leaves none: drop it (--posthoc adds data.val_size={POSTHOC_VAL_SIZE}) or set a size")
+    shared = [*shared_overrides(data, batch_size, subset), *extra]
+    passes = evaluation_passes(evaluations, posthoc, ood_sets(evaluations, ood, data), data, output_dir, shared,
+                               evaluate_extra)
+    check_passes(passes, Path(output_dir) / methods[0])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         data_cfg = compose("train", overrides=[f"model={methods[0]}", *shared]).data
     num_train, steps_per_epoch = epoch_size(data_cfg)
@@ -164,10 +326,13 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
         record = json.loads((run_dir / "metrics.json").read_text())
         results[method] = {**metrics, "train_seconds": record["train_seconds"], "intervals": record.get("intervals", {}),
                            "cost": record.get("cost", {})}
+        evaluate_run(run_dir, method, passes)
     write_table(results, Path(output_dir), epochs, batch_size, data, num_train if data_cfg.train_subset else None)
     reference = "dbsn" if "dbsn" in methods else methods[0]
-    if len(methods) > 1:
-        print_paired(build_report([Path(output_dir)], Path(output_dir) / "report", reference), reference)
+    if len(methods) > 1 or passes:
+        report = build_report([Path(output_dir)], Path(output_dir) / "report", reference)
+        print_paired(report, reference)
+        Console().print(f"Report with every table and the Pareto figure: {report.out / 'report.md'}")
     return results
 
 
@@ -190,7 +355,6 @@ def print_paired(report, reference: str) -> None:
     Console().print(table)
     for line in report.summary:
         Console().print(line)
-    Console().print(f"Report with every table and the Pareto figure: {report.out / 'report.md'}")
 
 
 def _with_interval(scale: float, digits: int):
@@ -240,6 +404,11 @@ def count_or_fraction(text: str) -> int | float:
         return float(text)
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated option's names (`--evaluations ood,shift`), in order, without repeats."""
+    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="digits", help="a classification dataset of conf/data/")
@@ -255,6 +424,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the network of the methods that do not need DBSN's cells, at CPU size: the small cell "
                              "network (default), ResNet-18 of width 16, WideResNet-16-2")
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"))
+    parser.add_argument("--evaluations", type=names, default=[],
+                        help="after each method's training, these evaluations of conf/evaluations/ (comma-separated: "
+                             "ood,shift,conformal,adversarial) into <method>/evaluation")
+    parser.add_argument("--ood", type=names, default=None,
+                        help="the OOD evaluation's sets of conf/ood/ (default on digits: photos,noise)")
+    parser.add_argument("--posthoc", type=names, default=[],
+                        help="then each of these post-hoc posteriors of conf/posthoc/ (comma-separated: temperature,"
+                             "histogram_binning,isotonic,dirichlet,...) into <method>/posthoc/<name>/")
+    parser.add_argument("--evaluate-overrides", action="append", type=shlex.split, default=[], metavar='"KEY=VALUE ..."',
+                        help="evaluate.py overrides of the evaluations (evaluations.*, ood.*) and post-hoc passes "
+                             "(posthoc.*), or of both (the rest); repeatable")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(METHODS))
@@ -264,8 +444,18 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
     if any(o.startswith("data=") for o in args.overrides):
         parser.error("choose the dataset with --data, not a data=... override")
+    for option, group in (("evaluations", "evaluations"), ("ood", "ood"), ("posthoc", "posthoc")):
+        unknown = sorted(set(getattr(args, option) or ()) - set(conf_choices(group)))
+        if unknown:
+            parser.error(f"unknown --{option} {unknown}; choose from {', '.join(conf_choices(group))}")
+    try:
+        ood_sets(args.evaluations, args.ood, args.data)
+    except ConfigError as err:
+        parser.error(str(err))
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
-                          data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone)
+                          data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
+                          evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,
+                          evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk])
 
 
 def cli() -> None:
