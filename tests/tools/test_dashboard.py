@@ -42,7 +42,7 @@ def logged(tmp_path_factory):
     run_python(ROOT / "train.py", "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp, env=OFFLINE)
     run_python(ROOT / "evaluate.py", f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift,conformal]",
                f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
-               "evaluations.ood.scores=[energy,knn]", "evaluations.ood.fit_images=128",
+               "evaluations.ood.fit_images=128", "evaluations.ood.members=2",
                "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={tmp / 'digits-C'}", "evaluations.shift.generate=true",
                "evaluations.shift.corruptions=[contrast]",
                "evaluations.adversarial.epsilons=[0.0,0.05]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
@@ -234,7 +234,8 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
     assert dry.returncode == 0, dry.stderr
     spec = json.loads(dry.stdout)
     assert [s["name"] for s in spec["sections"]] == ["Calibration", "Intervals", "Accuracy", "Selective prediction", "OOD",
-                                                     "Dataset shift", "Adversarial", "Segmentation", "Structure posterior"]
+                                                     "Conformal", "Dataset shift", "Adversarial", "Segmentation",
+                                                     "Structure posterior"]
     dashboard = sections(OOD_SETS)
     assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
     logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"]]),
@@ -255,7 +256,7 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         leaves = [{(f.key.name, f.op, str(f.value)) for f in expr.expr_to_filters(s.filters).filters} for s in sets]
         assert leaves[0] == {("jobType", "=", section.job_type), group}
         if section.posthoc:  # and the post-hoc methods' evaluate runs
-            assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['laplace', 'swag', 'temperature']"), group}
+            assert leaves[1] == {("jobType", "=", "evaluate"), ("posthoc", "IN", "['dirichlet', 'histogram_binning', 'isotonic', 'laplace', 'swag', 'temperature']"), group}
         assert all(s.groupby == ["config.method"] and (s.entity, s.project) == ("lab", "dbsn") for s in sets)
     assert [s.name for s in dashboard if s.posthoc] == ["Calibration", "Intervals", "Selective prediction"]
     # what those sections read of a training run, a post-hoc evaluation logs too (not per-epoch curves)
