@@ -95,6 +95,14 @@ def fmt(stats, digits: int) -> str:
     return f"{text} ({n})"
 
 
+def short(cell: Cell | None, digits: int, scale: float = 1.0) -> str:
+    """`mean ± std` of a cell scaled for display (one seed: the value), "–" for none: the compact
+    cells of the tables with many columns."""
+    if cell is None:
+        return "–"
+    return f"{scale * cell.mean:.{digits}f}" + (f" ± {scale * cell.std:.{digits}f}" if cell.std is not None else "")
+
+
 def _bounds(run: Run, key: str, scale: float = 1.0) -> list[float] | None:
     """The run's bootstrap interval of `key`, scaled, or None."""
     found = run.intervals.get(key)
@@ -545,8 +553,7 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
                 for score in scores:
                     found = values.get((dataset, target, method, score, metric))
                     cell = mean_std(found) if found else None
-                    cells.append("–" if cell is None else f"{100 * cell.mean:.1f}" + (
-                        f" ± {100 * cell.std:.1f}" if cell.std is not None else ""))
+                    cells.append(short(cell, 1, 100.0))
                     if cell is not None:
                         rows.append([method, dataset, target, score, metric, *cell])
                 table.append([method, *cells])
@@ -593,8 +600,7 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
                 for calibrator in columns:
                     seen = values.get((dataset, method, calibrator, key))
                     cell = mean_std([scale * v for v in seen]) if seen else None
-                    cells.append("–" if cell is None else f"{cell.mean:.{digits}f}" + (
-                        f" ± {cell.std:.{digits}f}" if cell.std is not None else "") + f" ({cell.n})")
+                    cells.append(short(cell, digits) + ("" if cell is None else f" ({cell.n})"))
                     if cell is not None:
                         rows.append([method, dataset, calibrator or "none", key, *cell])
                 table.append([method, *cells])
@@ -644,8 +650,7 @@ def conformal_section(report: Report, ok: list[Run]) -> str:
                 for metric, _, digits in columns:
                     found = values.get((dataset, level, method, score, metric))
                     cell = mean_std(found) if found else None
-                    cells.append("–" if cell is None else f"{cell.mean:.{digits}f}" + (
-                        f" ± {cell.std:.{digits}f}" if cell.std is not None else ""))
+                    cells.append(short(cell, digits))
                     if cell is not None:
                         rows.append([method, dataset, level, score, metric, *cell])
                 table.append([method, score, *cells])
