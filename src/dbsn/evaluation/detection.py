@@ -62,6 +62,9 @@ COMPUTED_ON = {
 }
 
 _FEATURE_SCORES = ("mahalanobis", "knn", "vim")
+#: images per ODIN gradient: its graph holds every member's activations (a single-pass ensemble's
+#: tiled batch too), which for a whole evaluation batch can exhaust the memory
+ODIN_BATCH = 64
 
 
 @dataclass
@@ -175,8 +178,9 @@ class DetectionScores:
                 for on, name in (("predictive", "odin"), ("members", "odin_members")):
                     if on == "members" and n == 1:
                         continue
-                    parts[name] = odin(member_logits, x_unit, n, temperature=self.odin_temperature,
-                                       epsilon=self.odin_epsilon, on=on, chunk=model.samples_per_forward)
+                    parts[name] = torch.cat([  # the gradient's graph for ODIN_BATCH images at a time
+                        odin(member_logits, x, n, temperature=self.odin_temperature, epsilon=self.odin_epsilon, on=on,
+                             chunk=model.samples_per_forward) for x in x_unit.split(ODIN_BATCH)])
             for key, value in parts.items():
                 out.setdefault(key, []).append(value.detach().float().cpu())
         return {k: torch.cat(v) for k, v in out.items()}
