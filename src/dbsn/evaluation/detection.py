@@ -189,7 +189,8 @@ class DetectionScores:
         wanted = [s for s in self.scores if s in ("max_logit", "energy") or s in self._fitted]
         if not wanted:
             return {}
-        logits, features = model.member_outputs(x, n) if self._fitted else (_logits_only(model, x, n), None)
+        # without a fitted feature score the logits alone, all members in one call
+        logits, features = model.member_outputs(x, n) if self._fitted else (model.stochastic_forward(x, n, 0), None)
         logits = logits.float()
         out: dict[str, Tensor] = {}
         mean_logits = logits.mean(0)
@@ -221,7 +222,3 @@ class DetectionScores:
                 "energy_temperature": self.energy_temperature, "odin_temperature": self.odin_temperature,
                 "odin_epsilon": self.odin_epsilon, "left_out": dict(self.notes)}
 
-
-def _logits_only(model, x: Tensor, n: int) -> Tensor:
-    """Logits of members 0 .. n - 1 without features (a method without a feature layer)."""
-    return model.stochastic_forward(x, n, 0)
