@@ -225,3 +225,53 @@ def test_the_peak_memory_restarts_where_linux_lets_it():
     grown = torch.ones(3 * int(after + 64) * 2**20 // 4 // 3)  # more than the process held: a new peak
     assert peak_memory_mib()[0] >= after + 48
     del grown
+
+
+# ---------------------------------------------------------------------- on a test pass's examples
+def _inference_copies(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as a test pass keeps them: made under inference mode (Lightning's test loop)."""
+    with torch.inference_mode():
+        return tuple(t.clone() for t in tensors)
+
+
+@pytest.mark.parametrize("caller", ["plain", "no_grad", "inference_mode"])
+def test_examples_kept_from_a_test_pass_are_counted_like_any_other(caller):
+    """`cost_of` measures the examples the test pass kept, made under inference mode, which autograd
+    cannot save for backward. The training step's count is that of normal tensors, also when the
+    caller is in `no_grad` or inference mode. The network takes x as it comes (channels_last off,
+    the layout of a GPU and of bf16 on a CPU with native bf16), so the first convolution saves x
+    itself: a channels-last copy of it would be a normal tensor."""
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,))
+    method = _tiny_dbsn(2)
+    assert not method.channels_last
+    expected = measure_cost(method, x, y)
+    xi, yi = _inference_copies(x, y)
+    assert xi.is_inference()
+    context = {"plain": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[caller]
+    with context():
+        cost = measure_cost(method, xi, yi)
+    assert cost.train_flops_per_image == expected.train_flops_per_image > 0
+    assert cost.predict_flops_per_image == expected.predict_flops_per_image > 0
+
+
+@pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "vogn", "vogn_fbn", "nekfac",
+                                   "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"])
+def test_every_method_is_measured_on_inference_tensors_without_channels_last(model, tmp_path):
+    """Each method as configured (small: DBSN's cell network with 3 nodes, Packed-Ensembles on a
+    ResNet-18 of width 4, NEK-FAC on VGG16-BN at width 0.25), in the layout without channels-last,
+    on a test pass's kind of examples: its training step's FLOPs are counted."""
+    from dbsn.runtime.build import build_model
+    from tests.support.configs import compose_config, small_model
+
+    prefix = "model.member" if model == "deep_ensemble" else "model"
+    if model == "packed_ensemble":
+        overrides = ["model=packed_ensemble", "model/net=resnet18", "model.net.width=4"]
+    elif model in ("batch_ensemble", "mimo", "sngp"):
+        overrides = small_model(model, "model/net=structure_net")
+    else:
+        overrides = small_model(model)
+    cfg = compose_config("train", [*overrides, f"{prefix}.execution.channels_last=false"], tmp_path)
+    method = build_model(cfg.model, num_classes=10)
+    x, y = _inference_copies(torch.rand(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+    cost = measure_cost(method, x, y)
+    assert cost.train_flops_per_image > 0 and cost.predict_flops_per_image > 0

@@ -80,6 +80,11 @@ def _own_random_stream(device: torch.device):
         yield
 
 
+def _outside_inference(t: Tensor) -> Tensor:
+    """`t`, or a normal copy of it where it is an inference tensor (called outside inference mode)."""
+    return t.clone() if t.is_inference() else t
+
+
 def _count_flops(run) -> int:
     with FlopCounterMode(display=False) as counter:
         run()
@@ -91,10 +96,15 @@ def training_flops_per_image(method: Method, x: Tensor, y: Tensor) -> float:
     size: `method.accumulate_gradients` in train mode, every chunk of the T structures and every
     member of an ensemble, without the optimiser step (see the module docstring for what is
     counted). Runs on a copy; a method whose `dataset_size` is unset gets the batch size there
-    (N only scales the KL term, which has no matmuls)."""
+    (N only scales the KL term, which has no matmuls).
+
+    The inputs may be inference tensors (the examples a test pass keeps were made under Lightning's
+    `torch.inference_mode`), and the caller may be inside `torch.no_grad()` or inference mode:
+    the step runs with gradients on, outside inference mode, on normal copies of such inputs
+    (autograd cannot save an inference tensor for backward)."""
     device = _device(method)
-    x, y = x.to(device), y.to(device)
-    with _own_random_stream(device):
+    with torch.inference_mode(False), torch.enable_grad(), _own_random_stream(device):
+        x, y = _outside_inference(x.to(device)), _outside_inference(y.to(device))
         twin = _detached_copy(method)
         twin.train()
         for m in twin.modules():
