@@ -41,70 +41,46 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
     would hold after one step each. With ``groups == 1`` or in eval mode it is
     exactly ``nn.BatchNorm2d`` -- unless the tools of this module have set
     ``statistics`` (per-group statistics for prediction), ``collected`` (record each
-    group's batch statistics) or ``pending`` (accumulate the running-statistics update).
+    group's batch statistics) or ``pending`` (a `RunningStatistics` of the training step:
+    the running statistics move once, at its end).
 
     Layout. An NCHW-contiguous batch is viewed as (b, G*C, H, W), which puts group g's
-    channels at g*C..(g+1)*C, so one fused ``F.batch_norm`` call computes per-group
-    statistics. A channels-last batch has no such view (its channels are innermost, the
-    groups outermost); it is normalised from per-group moments over a (b, G, C, H, W) view
-    instead (`_moments`, `_scale_shift`): the same function, in float32, without a copy
-    of the input's layout.
+    channels at g*C..(g+1)*C, so one ``native_batch_norm`` call without running statistics
+    computes per-group statistics and returns each group's mean and 1/std: no copy of the
+    running statistics per call. A channels-last batch has no such view (its channels are
+    innermost, the groups outermost); it is normalised from per-group moments over a
+    (b, G, C, H, W) view instead (`_moments`, `_scale_shift`): the same function, in float32,
+    without a copy of the input's layout.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.statistics: tuple[Tensor, Tensor] | None = None
         self.collected: list[tuple[Tensor, Tensor]] | None = None
-        # [Σ group means, Σ group unbiased variances, number of groups (a tensor, so that a
-        # compiled forward does not specialise on it)]
-        self.pending: list[Tensor] | None = None
+        self.pending: RunningStatistics | None = None
 
     def forward(self, x: Tensor, groups: int = 1) -> Tensor:  # type: ignore[override]
         if self.statistics is not None:
             return self._normalise(x, groups, *self.statistics)
-        if self.collected is not None or (self.pending is not None and self.training):
-            y, mean, var = self._batch_statistics(x, groups)
-            if self.collected is not None:
-                self.collected.append((mean, var))
-            else:
-                self.pending[0].add_(mean.sum(0))
-                self.pending[1].add_(var.sum(0))
-                self.pending[2].add_(mean.shape[0])
-            return y
         uses_batch_stats = self.training or self.running_mean is None
-        if groups == 1 or not uses_batch_stats:
-            return super().forward(x)
-        update = self.training and self.track_running_stats
-        if _channels_last(x):
-            y, mean, var = self._batch_statistics(x, groups)
-            if update:
-                with torch.no_grad():
-                    factor = self._next_factor()
-                    self.running_mean.mul_(1 - factor).add_(mean.mean(0), alpha=factor)
-                    self.running_var.mul_(1 - factor).add_(var.mean(0), alpha=factor)
-            return y
-
-        # With interleaved groups, (b*G, C, H, W) viewed as (b, G*C, H, W) is free and
-        # puts group g's channels at g*C..(g+1)*C: one fused batch_norm call computes
-        # per-group statistics, with no copy.
-        n, c, h, w = x.shape
-        xt = x.reshape(n // groups, groups * c, h, w)  # a view unless x is a channel slice
-        running_mean = self.running_mean.repeat(groups) if update else None
-        running_var = self.running_var.repeat(groups) if update else None
-        factor = self._next_factor() if update else 0.0
-        y = F.batch_norm(
-            xt, running_mean, running_var, *self._affine(groups), True, factor, self.eps,
-        )
-        if update:  # each copy moved by factor towards its group's stats; keep their mean
+        update = self.training and self.track_running_stats and self.running_mean is not None
+        if self.collected is None and (not uses_batch_stats or (groups == 1 and (self.pending is None or not update))):
+            return super().forward(x)  # nn.BatchNorm2d: eval, or one group moving its statistics itself
+        y, mean, invstd = self._group_statistics(x, groups)
+        n, _, h, w = x.shape
+        count = (n // groups) * h * w
+        if self.collected is not None:
+            var = _unbiased(invstd, self.eps, count)
+            self.collected.append((mean.view(groups, -1).detach(), var.view(groups, -1).detach()))
+        elif update and self.pending is not None:
+            self.pending.add(self, mean, invstd, groups, count)
+        elif update:
             with torch.no_grad():
-                self.running_mean.copy_(running_mean.view(groups, c).mean(0))
-                self.running_var.copy_(running_var.view(groups, c).mean(0))
-        return y.view(n, c, h, w)
-
-    def _affine(self, groups: int) -> tuple[Tensor | None, Tensor | None]:
-        if not self.affine:
-            return None, None
-        return self.weight.repeat(groups), self.bias.repeat(groups)
+                factor = self._next_factor()
+                self.running_mean.lerp_(mean.view(groups, -1).mean(0).to(self.running_mean.dtype), factor)
+                var = _unbiased(invstd, self.eps, count).view(groups, -1).mean(0)
+                self.running_var.lerp_(var.to(self.running_var.dtype), factor)
+        return y
 
     def _next_factor(self) -> float:
         """Count one more batch and return the running statistics' update factor."""
@@ -112,21 +88,35 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         # momentum=None: cumulative moving average, as in nn.BatchNorm2d.
         return self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
 
-    def _batch_statistics(self, x: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _group_statistics(self, x: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
         """Normalise each group with its batch statistics; return the output and each group's
-        mean and unbiased variance, (G, C), in float32."""
+        mean and 1 / sqrt(biased variance + eps), flat (G*C,), in float32 (float64 for a
+        float64 x), detached."""
         n, c, h, w = x.shape
         if _channels_last(x):
             mean, var = _moments(x, groups)
-            count = (n // groups) * h * w
             y = self._scale_shift(x, groups, mean, var)
-            unbiased = var * (count / max(count - 1, 1))
-            return y, mean.detach(), unbiased.detach()
-        mean = x.new_zeros(groups * c, dtype=torch.float32)
-        var = x.new_ones(groups * c, dtype=torch.float32)
-        # momentum 1: the "running" buffers become this batch's statistics
-        y = F.batch_norm(x.reshape(n // groups, groups * c, h, w), mean, var, *self._affine(groups), True, 1.0, self.eps)
-        return y.view(n, c, h, w), mean.view(groups, c).detach(), var.view(groups, c).detach()
+            return y, mean.detach().reshape(-1), torch.rsqrt(var.detach() + self.eps).reshape(-1)
+        weight, bias = self._affine(groups)
+        # (its mean and 1/std come out of autograd's graph: nothing to detach)
+        y, mean, invstd = torch.native_batch_norm(x.reshape(n // groups, groups * c, h, w), weight, bias,
+                                                  None, None, True, 0.0, self.eps)
+        return y.view(n, c, h, w), mean, invstd
+
+    def _affine(self, groups: int) -> tuple[Tensor | None, Tensor | None]:
+        if not self.affine:
+            return None, None
+        if groups == 1:
+            return self.weight, self.bias
+        return self.weight.repeat(groups), self.bias.repeat(groups)
+
+    def _batch_statistics(self, x: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Normalise each group with its batch statistics; return the output and each group's
+        mean and unbiased variance, (G, C), in float32."""
+        y, mean, invstd = self._group_statistics(x, groups)
+        n, _, h, w = x.shape
+        var = _unbiased(invstd, self.eps, (n // groups) * h * w)
+        return y, mean.view(groups, -1), var.view(groups, -1)
 
     def _normalise(self, x: Tensor, groups: int, mean: Tensor, var: Tensor) -> Tensor:
         """Group g normalised with (mean[g], var[g])."""
@@ -148,14 +138,107 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         (b, G, C, H, W) view of x (any layout); returned in x's dtype and layout."""
         n, c, h, w = x.shape
         with float32():
-            scale = torch.rsqrt(var.float() + self.eps)  # (G, C)
+            scale = torch.rsqrt(full(var) + self.eps)  # (G, C)
             if self.affine:
                 scale = scale * self.weight
-            shift = -mean.float() * scale
+            shift = -full(mean) * scale
             if self.affine:
                 shift = shift + self.bias
             y = full(x.view(n // groups, groups, c, h, w)) * scale[:, :, None, None] + shift[:, :, None, None]
         return y.to(x.dtype).view(n, c, h, w)
+
+
+def _unbiased(invstd: Tensor, eps: float, count: int) -> Tensor:
+    """The unbiased variance from 1 / sqrt(biased variance + eps) over `count` values."""
+    return (invstd.pow(-2) - eps) * (count / max(count - 1, 1))
+
+
+class RunningStatistics:
+    """The running-statistics updates of one training step, made at its end in a few operations.
+
+    Every `GroupBatchNorm2d` call of the step (`pending` set by `accumulated_running_statistics`)
+    hands over its groups' batch means and 1/std; `apply` then moves each module's running
+    statistics once, towards the mean over all the groups it saw, by the module's factor, and
+    counts one batch for it: what one grouped forward over all of them does. For all modules
+    together it is a handful of operations (one concatenation, one `index_add_` per statistic,
+    one `_foreach_lerp_`), not a dozen per call: the per-structure BatchNorm's bookkeeping
+    dominated the eager step's operation count. The index and scale tensors are made once for
+    each pattern of calls (the same every step), so `apply` makes no host-to-device copy after
+    the first step and can be captured in a CUDA graph.
+
+    ``keep`` (a one-element tensor) given to `apply` leaves every running statistic where it was
+    when it is true (a step whose loss was not finite), without a host synchronisation.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[GroupBatchNorm2d, Tensor, Tensor, int, int]] = []
+        self._plans: dict[tuple, tuple] = {}
+
+    def add(self, module: GroupBatchNorm2d, mean: Tensor, invstd: Tensor, groups: int, count: int) -> None:
+        self.calls.append((module, mean, invstd, groups, count))
+
+    def _plan(self, calls) -> tuple:
+        key = tuple((id(m), groups, count, mean.numel(), mean.dtype, mean.device) for m, mean, _, groups, count in calls)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        modules: list[GroupBatchNorm2d] = []
+        offsets: dict[int, int] = {}
+        for m, *_ in calls:
+            if id(m) not in offsets:
+                offsets[id(m)] = sum(x.num_features for x in modules)
+                modules.append(m)
+        seen = {id(m): 0 for m in modules}  # groups each module saw in the step
+        for m, _, _, groups, _ in calls:
+            seen[id(m)] += groups
+        index, scale, correction, eps = [], [], [], []
+        for m, mean, _, groups, count in calls:
+            c = m.num_features
+            index += [offsets[id(m)] + k for _ in range(groups) for k in range(c)]
+            scale += [1.0 / seen[id(m)]] * (groups * c)
+            correction += [count / max(count - 1, 1)] * (groups * c)
+            eps += [m.eps] * (groups * c)
+        device, dtype = calls[0][1].device, calls[0][1].dtype
+        as_tensor = lambda values, kind=dtype: torch.tensor(values, dtype=kind, device=device)  # noqa: E731
+        plan = (modules, as_tensor(index, torch.long), as_tensor(scale), as_tensor(correction), as_tensor(eps),
+                [m.num_features for m in modules])
+        self._plans[key] = plan
+        return plan
+
+    @torch.no_grad()
+    def apply(self, keep: Tensor | None = None) -> None:
+        calls, self.calls = self.calls, []
+        if not calls:
+            return
+        modules, index, scale, correction, eps, sizes = self._plan(calls)
+        means = torch.cat([mean for _, mean, _, _, _ in calls])
+        variances = (torch.cat([invstd for _, _, invstd, _, _ in calls]).pow(-2) - eps) * correction
+        total = sum(sizes)
+        targets = []
+        for values in (means, variances):
+            moved = torch.zeros(total, dtype=values.dtype, device=values.device).index_add_(0, index, values * scale)
+            targets.append(moved)
+        running = ([m.running_mean for m in modules], [m.running_var for m in modules])
+        if keep is not None:
+            keep = keep.reshape(()) != 0
+            targets = [torch.where(keep, torch.cat(r).to(t.dtype), t) for r, t in zip(running, targets)]
+        counters = [m.num_batches_tracked for m in modules]
+        torch._foreach_add_(counters, 1)
+        by_momentum: dict[float, list[int]] = {}
+        for k, m in enumerate(modules):
+            if m.momentum is not None:
+                by_momentum.setdefault(float(m.momentum), []).append(k)
+                continue
+            factor = 1.0 / m.num_batches_tracked.to(m.running_mean.dtype)  # cumulative average, on the device
+            start = sum(sizes[:k])
+            for buffer, target in zip((m.running_mean, m.running_var), targets):
+                buffer.lerp_(target.narrow(0, start, sizes[k]).to(buffer.dtype), factor)
+        for buffers, target in zip(running, targets):
+            parts = target.split(sizes)
+            for momentum, ks in by_momentum.items():
+                torch._foreach_lerp_([buffers[k] for k in ks], [parts[k].to(buffers[k].dtype) for k in ks], momentum)
+        if keep is not None:  # a kept step counts no batch either
+            torch._foreach_add_(counters, keep.long(), alpha=-1)
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -177,31 +260,33 @@ def _group_norms(net: nn.Module) -> list[tuple[str, GroupBatchNorm2d]]:
 
 
 @contextmanager
-def accumulated_running_statistics(net: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, training forwards add their per-group batch statistics up instead of
-    moving the running statistics; on exit the running statistics move once, by the usual
-    factor, towards the mean over all the groups seen. T structures run in chunks then leave
-    the running statistics exactly where one grouped forward over all T leaves them."""
+def accumulated_running_statistics(net: nn.Module, enabled: bool = True,
+                                   statistics: RunningStatistics | None = None,
+                                   keep: Tensor | None = None) -> Iterator[RunningStatistics | None]:
+    """Within the block, training forwards hand their per-group batch statistics to a
+    `RunningStatistics` instead of moving the running statistics; on exit the running
+    statistics move once, by the usual factor, towards the mean over all the groups seen. T
+    structures run in chunks then leave the running statistics exactly where one grouped
+    forward over all T leaves them, and one grouped forward makes its updates in a handful of
+    operations instead of a dozen per BatchNorm call. ``statistics``: a `RunningStatistics` to
+    reuse (it keeps its index tensors from step to step); ``keep``: see `RunningStatistics.apply`.
+    Nothing is applied when the block raises."""
     norms = [m for _, m in _group_norms(net) if m.track_running_stats] if enabled else []
+    if not norms:
+        yield None
+        return
+    collector = statistics if statistics is not None else RunningStatistics()
     for m in norms:
-        m.pending = [torch.zeros_like(m.running_mean), torch.zeros_like(m.running_var),
-                     torch.zeros((), dtype=torch.long, device=m.running_mean.device)]
+        m.pending = collector
     try:
-        yield
+        yield collector
+    except BaseException:
+        collector.calls = []
+        raise
     finally:
         for m in norms:
-            (mean_sum, var_sum, count), m.pending = m.pending, None
-            with torch.no_grad():  # on the device, without reading `count` back: no sync per module
-                seen = count > 0  # modules the forwards did not reach keep their statistics
-                m.num_batches_tracked.add_(seen.long())
-                if m.momentum is not None:
-                    factor: Tensor | float = m.momentum
-                else:  # cumulative moving average, as in nn.BatchNorm2d
-                    factor = 1.0 / m.num_batches_tracked.clamp_min(1).to(m.running_mean.dtype)
-                groups = count.clamp_min(1).to(mean_sum.dtype)
-                for running, total in ((m.running_mean, mean_sum), (m.running_var, var_sum)):
-                    moved = running * (1 - factor) + total / groups * factor
-                    running.copy_(torch.where(seen, moved, running))
+            m.pending = None
+    collector.apply(keep)
 
 
 @torch.no_grad()

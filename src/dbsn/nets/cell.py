@@ -1,4 +1,5 @@
-"""The structure-learnable cell (paper Eq. 1)."""
+"""The structure-learnable cell (paper Eq. 1): `Cell`, which runs every edge's ops one by one
+(the reference), and what it shares with `dbsn.nets.fused_cell.FusedCell`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,59 @@ from torch import Tensor, nn
 from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, Zero, expand_groups, memory_format
 
 
-class Cell(nn.Module):
+class CellBase(nn.Module):
+    """What the per-edge `Cell` and the `FusedCell` share: the input projection split into one
+    slice per node, the node outputs, the output's concatenation, and the edge numbering
+    (see `Cell`). Subclasses compute the nodes."""
+
+    def __init__(self, in_channels: int, num_nodes: int, growth: int, projection_kernel: int = 1,
+                 keep_input: bool = True):
+        super().__init__()
+        self.num_nodes, self.growth, self.keep_input = num_nodes, growth, keep_input
+        self.out_channels = (in_channels if keep_input else 0) + num_nodes * growth
+        self.edges = [(i, j) for j in range(1, num_nodes) for i in range(j)]
+        self.preprocess = GroupedSequential(
+            GroupBatchNorm2d(in_channels), nn.ReLU(),
+            nn.Conv2d(in_channels, num_nodes * growth, projection_kernel,
+                      padding=projection_kernel // 2, bias=False),
+            GroupBatchNorm2d(num_nodes * growth, affine=False),
+        )
+        self.node_output: nn.Module = nn.Identity()
+        self.channel_groups = 1
+
+    @staticmethod
+    def edge_index(i: int, j: int) -> int:
+        """The row of alpha of edge (i, j), i < j (edges are numbered j-major)."""
+        return j * (j - 1) // 2 + i
+
+    def _output(self, x: Tensor, nodes: list[Tensor], groups: int, expand: bool) -> Tensor:
+        if not self.keep_input:
+            return self._concatenate(nodes)
+        return self._concatenate([expand_groups(x, groups) if expand else x, *nodes])
+
+    def _split_nodes(self, projected: Tensor) -> list[Tensor]:
+        """The projection's one slice per node (of each member, with ``channel_groups``)."""
+        if self.channel_groups == 1:
+            return list(projected.split(self.growth, dim=1))
+        b, c, h, w = projected.shape
+        members, width = self.channel_groups, c // self.num_nodes
+        if c % (members * self.num_nodes):
+            raise ValueError(f"a cell's {c} projected channels do not split into {self.num_nodes} nodes of each of "
+                             f"{members} members")
+        parts = projected.reshape(b, members, self.num_nodes, width // members, h, w)
+        return [parts[:, :, j].reshape(b, width, h, w) for j in range(self.num_nodes)]
+
+    def _concatenate(self, parts: list[Tensor]) -> Tensor:
+        """``parts`` joined along channels (member by member, with ``channel_groups``)."""
+        if self.channel_groups == 1:
+            return torch.cat(parts, dim=1)
+        b, _, h, w = parts[0].shape
+        members = self.channel_groups
+        joined = torch.cat([p.reshape(b, members, p.shape[1] // members, h, w) for p in parts], dim=2)
+        return joined.flatten(1, 2).contiguous(memory_format=memory_format(parts[0]))
+
+
+class Cell(CellBase):
     """A DenseNet-like cell of ``num_nodes`` nodes whose edges mix K candidate ops.
 
     The input is projected (BN-ReLU-1x1 conv-BN, last BN non-affine) to
@@ -40,21 +93,12 @@ class Cell(nn.Module):
 
     def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
                  projection_kernel: int = 1, keep_input: bool = True):
-        super().__init__()
-        self.num_nodes, self.growth, self.keep_input = num_nodes, growth, keep_input
-        self.out_channels = (in_channels if keep_input else 0) + num_nodes * growth
-        self.edges = [(i, j) for j in range(1, num_nodes) for i in range(j)]
-        self.preprocess = GroupedSequential(
-            GroupBatchNorm2d(in_channels), nn.ReLU(),
-            nn.Conv2d(in_channels, num_nodes * growth, projection_kernel,
-                      padding=projection_kernel // 2, bias=False),
-            GroupBatchNorm2d(num_nodes * growth, affine=False),
-        )
+        super().__init__(in_channels, num_nodes, growth, projection_kernel, keep_input)
+        self.op_names = list(op_names)
         self.edge_ops = nn.ModuleList(
             nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges
         )
-        self.node_output: nn.Module = nn.Identity()
-        self.channel_groups = 1
+        self._register_load_state_dict_pre_hook(_from_fused_state, with_module=True)
 
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
         """``x``: (b*G, C, H, W); ``alpha``: (G, E, K); row r uses alpha[r mod G].
@@ -87,30 +131,7 @@ class Cell(nn.Module):
             nodes.append(node)
         if expand:
             nodes = [expand_groups(n, groups) if s else n for n, s in zip(nodes, shared)]
-        if not self.keep_input:
-            return self._concatenate(nodes)
-        return self._concatenate([expand_groups(x, groups) if expand else x, *nodes])
-
-    def _split_nodes(self, projected: Tensor) -> list[Tensor]:
-        """The projection's one slice per node (of each member, with ``channel_groups``)."""
-        if self.channel_groups == 1:
-            return list(projected.split(self.growth, dim=1))
-        b, c, h, w = projected.shape
-        members, width = self.channel_groups, c // self.num_nodes
-        if c % (members * self.num_nodes):
-            raise ValueError(f"a cell's {c} projected channels do not split into {self.num_nodes} nodes of each of "
-                             f"{members} members")
-        parts = projected.reshape(b, members, self.num_nodes, width // members, h, w)
-        return [parts[:, :, j].reshape(b, width, h, w) for j in range(self.num_nodes)]
-
-    def _concatenate(self, parts: list[Tensor]) -> Tensor:
-        """``parts`` joined along channels (member by member, with ``channel_groups``)."""
-        if self.channel_groups == 1:
-            return torch.cat(parts, dim=1)
-        b, _, h, w = parts[0].shape
-        members = self.channel_groups
-        joined = torch.cat([p.reshape(b, members, p.shape[1] // members, h, w) for p in parts], dim=2)
-        return joined.flatten(1, 2).contiguous(memory_format=memory_format(parts[0]))
+        return self._output(x, nodes, groups, expand)
 
     @staticmethod
     def _mixed_edge(node: Tensor, alpha_e: Tensor, ops: nn.ModuleList, shared: bool = False) -> Tensor:
@@ -131,3 +152,10 @@ class Cell(nn.Module):
             return node.new_zeros(b * groups, c, h, w).contiguous(memory_format=memory_format(node))
         return out.reshape(b * groups, c, h, w)
 
+
+
+def _from_fused_state(cell: Cell, state_dict: dict, prefix: str, *args) -> None:
+    """A `FusedCell`'s state loads into a `Cell` (and back: `FusedCell` converts the other way)."""
+    from dbsn.nets.fused_cell import per_edge_state
+
+    per_edge_state(cell, state_dict, prefix)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from torch import Tensor, nn
 
-from dbsn.nets.cell import Cell
+from dbsn.nets.fused_cell import cell_class
 from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, research_init_
 
 
@@ -27,6 +27,11 @@ class StructureNet(nn.Module):
     Defaults are the paper's CIFAR model (B = 7, 3 x 4 cells, about 1.0M
     parameters for 10 classes). ``num_nodes=4, cells_per_stage=1`` is the
     small model of the VOGN comparison (about 41K parameters).
+
+    ``cell``: "fused" (`dbsn.nets.fused_cell.FusedCell`, the default: the ops of each node's
+    out-edges run together, about a fifth of the operations) or "per_edge" (`dbsn.nets.cell.Cell`,
+    every edge's ops one by one: the reference, and what methods that transform every edge's
+    layers need). Both compute the same function and load each other's checkpoints.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class StructureNet(nn.Module):
         compression: float = 0.4,
         ops: Sequence[str] = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3"),
         in_channels: int = 3,
+        cell: str = "fused",
     ):
         super().__init__()
         unknown = [name for name in ops if name not in OPS]
@@ -49,6 +55,8 @@ class StructureNet(nn.Module):
         self.op_names = list(ops)
         self.num_ops = len(self.op_names)
         self.num_edges = num_nodes * (num_nodes - 1) // 2
+        self.cell = cell
+        make_cell = cell_class(cell)
 
         self.stem = nn.Conv2d(in_channels, stem_channels, 3, padding=1, bias=False)
         channels = stem_channels
@@ -64,7 +72,7 @@ class StructureNet(nn.Module):
                 channels = reduced
             stage = nn.ModuleList()
             for _ in range(cells_per_stage):
-                stage.append(Cell(channels, num_nodes, growth, self.op_names))
+                stage.append(make_cell(channels, num_nodes, growth, self.op_names))
                 channels = stage[-1].out_channels
             self.stages.append(stage)
         self.head = GroupedSequential(

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dbsn.nets.cell import Cell
+from dbsn.nets.cell import CellBase
+from dbsn.nets.fused_cell import cell_class
 from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, expand_groups, research_init_
 
 
@@ -167,12 +168,15 @@ class DBSNSegNet(nn.Module):
     equals G separate forwards in training mode too. ``replicate=True`` runs the
     structure-independent prefix (padding, first conv, first cell's projection) once.
     No dropout; convs without bias except the final classifier; init as ``StructureNet``.
+    ``cell``: "fused" or "per_edge", as ``StructureNet``'s.
     """
 
     def __init__(self, num_classes: int = 11, in_channels: int = 3, first_channels: int = 48,
                  growth: int = 16, num_nodes: int = 5, num_down: int = 5,
-                 ops: Sequence[str] = ("identity", "sep_conv_3x3", "dil_conv_3x3")):
+                 ops: Sequence[str] = ("identity", "sep_conv_3x3", "dil_conv_3x3"), cell: str = "fused"):
         super().__init__()
+        self.cell = cell
+        make_cell = cell_class(cell)
         unknown = [name for name in ops if name not in OPS]
         if unknown:
             raise ValueError(f"unknown op name(s) {unknown}; valid names are {list(OPS)}")
@@ -183,26 +187,26 @@ class DBSNSegNet(nn.Module):
         self.num_edges = 2 * cell_edges
         self.structure_slices = {"down": slice(0, cell_edges), "up": slice(cell_edges, 2 * cell_edges)}
 
-        def cell(channels: int, keep_input: bool) -> Cell:
-            return Cell(channels, num_nodes, growth, self.op_names, projection_kernel=3, keep_input=keep_input)
+        def new_cell(channels: int, keep_input: bool) -> CellBase:
+            return make_cell(channels, num_nodes, growth, self.op_names, projection_kernel=3, keep_input=keep_input)
 
         self.first_conv = nn.Conv2d(in_channels, first_channels, 3, padding=1, bias=False)
         channels, skips = first_channels, []
         self.down_cells, self.down_transitions = nn.ModuleList(), nn.ModuleList()
         for _ in range(num_down):
-            self.down_cells.append(cell(channels, keep_input=True))
+            self.down_cells.append(new_cell(channels, keep_input=True))
             channels = self.down_cells[-1].out_channels
             skips.append(channels)
             self.down_transitions.append(GroupedSequential(
                 GroupBatchNorm2d(channels), nn.ReLU(),
                 nn.Conv2d(channels, channels, 1, bias=False), nn.MaxPool2d(2),
             ))
-        self.bottleneck = cell(channels, keep_input=False)
+        self.bottleneck = new_cell(channels, keep_input=False)
         channels = self.bottleneck.out_channels
         self.up_transitions, self.up_cells = nn.ModuleList(), nn.ModuleList()
         for i, skip in enumerate(reversed(skips)):
             self.up_transitions.append(_transition_up(channels, bias=False))
-            self.up_cells.append(cell(channels + skip, keep_input=i == num_down - 1))
+            self.up_cells.append(new_cell(channels + skip, keep_input=i == num_down - 1))
             channels = self.up_cells[-1].out_channels
         self.final_conv = nn.Conv2d(channels, num_classes, 1)
         self.reset_parameters()

@@ -100,10 +100,11 @@ OPS: dict[str, Callable[[int], nn.Module]] = {
 def research_init_(module: nn.Module) -> None:
     """The research code's initialisation, in place: He (fan-out) normal for every convolution
     (transposed ones too) with zero bias, BatchNorm to identity, zero Linear bias (Linear
-    weights keep PyTorch's default)."""
+    weights keep PyTorch's default). A convolution that stacks the convolutions of several
+    edges (`dbsn.nets.fused_cell`, ``stacked_edges``) gets each edge's own fan-out."""
     for m in module.modules():
         if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
-            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels
+            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // getattr(m, "stacked_edges", 1)
             nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / fan_out))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

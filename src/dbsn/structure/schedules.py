@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 __all__ = ["REFERENCE_BATCH", "BetaSchedule", "TauSchedule"]
 
 #: The batch size that the paper's per-step schedules are written for (CIFAR, batch 64): tau's
@@ -52,8 +55,11 @@ class TauSchedule:
         if not self.decay >= 0:
             raise ValueError(f"TauSchedule.decay must be >= 0, got {self.decay}")
 
-    def __call__(self, step: float) -> float:
-        """tau at progress `step` (examples seen / REFERENCE_BATCH; may be fractional)."""
+    def __call__(self, step: float | Tensor) -> float | Tensor:
+        """tau at progress `step` (examples seen / REFERENCE_BATCH; may be fractional). A tensor
+        step gives a tensor on its device, computed there: a training step reads no host value."""
+        if isinstance(step, Tensor):
+            return (self.initial * torch.exp(-self.decay * step)).clamp_min(self.minimum)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return max(self.initial * math.exp(-self.decay * step), self.minimum)

@@ -1,0 +1,313 @@
+"""The fused cell: the same function as `dbsn.nets.cell.Cell`, in about a fifth of the operations.
+
+In a DARTS-style cell every out-edge (i, j), j > i, of node i applies the same candidate ops
+to the same input N^i, each with its own weights. `FusedCell` runs them together, source node by
+source node (`SourceOps`):
+
+- one normalisation of N^i serves the ``identity`` op of every out-edge and the first
+  BatchNorm of every other op: they all normalise the same input with the same batch
+  statistics, so their running statistics are always equal and are kept once (``norm``);
+  each op's first affine transform is then an `EdgeAffine` on the normalised input;
+- each op's chain (ReLU, depthwise and 1×1 convolutions, BatchNorm) runs once on the n_i
+  out-edges' n_i·C channels: depthwise convolutions with n_i·C groups, 1×1 convolutions with
+  n_i groups (edge t's block of channels is edge t's own convolution), one BatchNorm over all
+  of them;
+- the α-weighted sum of the ops of all out-edges is one multiply-add per op on a
+  (b, G, n_i, C, H, W) view, and node j gathers its incoming edges with ``unbind``.
+
+Parameters are stacked per source node (edge t = (i, i + 1 + t) is slot t); the state dict
+converts both ways, so a checkpoint written with one cell loads into the other
+(`fused_state`, `per_edge_state`). The reference `Cell` stays for the tests that hold this one
+to it (float64, every gradient and running statistic) and for the methods that transform the
+cell's layers in ways that need an op per edge (`refuse_fused`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dbsn.nets.batchnorm import GroupBatchNorm2d
+from dbsn.nets.cell import Cell, CellBase
+from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
+
+__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "fused_state", "per_edge_state",
+           "refuse_fused"]
+
+#: the ops a `FusedCell` computes; any other op name needs the per-edge `Cell`
+FUSABLE_OPS = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
+#: the chains of the ops with weights: (dilation of each separable convolution)
+_CHAINS = {"sep_conv_3x3": (1, 1), "dil_conv_3x3": (2,)}
+
+
+class EdgeAffine(nn.Module):
+    """The first BatchNorm's affine transform and the ReLU that follows it, of M chains (ops with
+    weights) on n edges at once: from the (b, C, H, W) normalised input x̂ to M inputs of the
+    chains' convolutions, each (b, n·C, H, W), edge t's block ``relu(x̂ · γ + β)`` with edge t's
+    own γ and β of that op. ``weight`` and ``bias`` are (M·n, C, 1, 1), chain by chain, edge by
+    edge (4-D, as `nn.Module.to(memory_format=...)` wants a network's parameters to be)."""
+
+    def __init__(self, chains: int, edges: int, channels: int):
+        super().__init__()
+        self.chains, self.edges, self.channels = chains, edges, channels
+        self.weight = nn.Parameter(torch.ones(chains * edges, channels, 1, 1))
+        self.bias = nn.Parameter(torch.zeros(chains * edges, channels, 1, 1))
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        m, n, c = self.chains, self.edges, self.channels
+        b, _, h, w = x.shape
+        if memory_format(x) == torch.channels_last:  # (b, H, W, C) in memory: keep channels innermost
+            y = torch.addcmul(self.bias.view(m, 1, 1, 1, n, c), x.permute(0, 2, 3, 1).view(1, b, h, w, 1, c),
+                              self.weight.view(m, 1, 1, 1, n, c))
+            return [part.view(b, h, w, n * c).permute(0, 3, 1, 2) for part in torch.relu(y).unbind(0)]
+        y = torch.addcmul(self.bias.view(m, 1, n, c, 1, 1), x.view(1, b, 1, c, h, w), self.weight.view(m, 1, n, c, 1, 1))
+        return [part.view(b, n * c, h, w) for part in torch.relu(y).unbind(0)]
+
+    def extra_repr(self) -> str:
+        return f"chains={self.chains}, edges={self.edges}, channels={self.channels}"
+
+
+def _stacked_conv(edges: int, channels: int, kernel: int, dilation: int = 1) -> nn.Conv2d:
+    """n edges' convolutions of C channels as one: depthwise (kernel 3) or 1×1 (edge t's block
+    of channels to itself). ``stacked_edges`` tells the initialisation each edge's own fan-out."""
+    width = edges * channels
+    conv = nn.Conv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
+                     groups=width if kernel > 1 else edges, bias=False)
+    conv.stacked_edges = edges
+    return conv
+
+
+def _chain(name: str, edges: int, channels: int) -> GroupedSequential:
+    """One op on n edges, laid out as the op's `GroupedSequential` in `dbsn.nets.ops` (index
+    for index, so that state-dict keys convert), without its first BatchNorm and ReLU (two
+    placeholders): `SourceOps` computes those of every chain at once (`EdgeAffine`)."""
+    width = edges * channels
+    layers: list[nn.Module] = []
+    for s, dilation in enumerate(_CHAINS[name]):
+        layers += [nn.Identity() if s == 0 else GroupBatchNorm2d(width), nn.Identity() if s == 0 else nn.ReLU(),
+                   _stacked_conv(edges, channels, 3, dilation), _stacked_conv(edges, channels, 1)]
+    layers.append(GroupBatchNorm2d(width, affine=False))
+    return GroupedSequential(*layers)
+
+
+class SourceOps(nn.Module):
+    """Every candidate op of the n out-edges of one node, stacked (see the module docstring).
+
+    ``forward(node, weights, groups, shared)``: ``node`` (b·g, C, H, W) with g = 1 when ``shared``
+    (b rows common to all G structures) else G; ``weights``, one (1, G, n, 1, 1, 1) tensor per op
+    that is not ``zero`` (`present`, in the op list's order): α of this node's out-edges. Returns
+    the weighted sums Σ_k α[g, t, k] op_k^(t)(node) as (b, G, n, C, H, W)."""
+
+    def __init__(self, channels: int, edges: int, op_names: Sequence[str]):
+        super().__init__()
+        self.channels, self.edges, self.op_names = channels, edges, list(op_names)
+        self.present = [name for name in op_names if name != "zero"]
+        if self.present:
+            self.norm = GroupBatchNorm2d(channels, affine=False)
+        self.chains = nn.ModuleDict({name: _chain(name, edges, channels) for name in op_names if name in _CHAINS})
+        if self.chains:
+            self.affine = EdgeAffine(len(self.chains), edges, channels)
+
+    def forward(self, node: Tensor, weights: Sequence[Tensor], groups: int, shared: bool) -> Tensor:
+        rows, c, h, w = node.shape
+        g = 1 if shared else groups
+        b, n = rows // g, self.edges
+        normalised = self.norm(node, g) if self.present else None
+        inputs = dict(zip(self.chains, self.affine(normalised))) if self.chains else {}
+        out = None
+        for name, weight in zip(self.present, weights):
+            if name == "identity":
+                term = normalised.view(b, g, 1, c, h, w)
+            else:
+                term = self.chains[name](inputs[name], g).view(b, g, n, c, h, w)
+            out = term * weight if out is None else torch.addcmul(out, term, weight)
+        if out is None:  # every op is zero
+            return node.new_zeros(b, groups, n, c, h, w)
+        if out.shape[2] != n:  # identity alone: one normalised input for every edge
+            out = out.expand(b, groups, n, c, h, w)
+        return out
+
+
+class FusedCell(CellBase):
+    """`dbsn.nets.cell.Cell`'s function (same arguments, same edge numbering, same state once
+    converted), with the ops of each node's out-edges fused (see the module docstring)."""
+
+    def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
+                 projection_kernel: int = 1, keep_input: bool = True):
+        super().__init__(in_channels, num_nodes, growth, projection_kernel, keep_input)
+        unknown = [name for name in op_names if name not in FUSABLE_OPS]
+        if unknown:
+            raise ValueError(f"the fused cell computes the ops {list(FUSABLE_OPS)}, not {unknown}: set model.net.cell=per_edge")
+        self.op_names = list(op_names)
+        self.sources = nn.ModuleList(SourceOps(growth, num_nodes - 1 - i, op_names) for i in range(num_nodes - 1))
+        # the entries of alpha (E, K) flattened that the ops use: edges source node by source node,
+        # (0, 1), (0, 2), ..., (1, 2), ..., each edge's ops that are not zero
+        present = [k for k, name in enumerate(op_names) if name != "zero"]
+        order = [self.edge_index(i, j) * len(op_names) + k
+                 for i in range(num_nodes - 1) for j in range(i + 1, num_nodes) for k in present]
+        self.num_present = len(present)
+        self.register_buffer("source_order", torch.tensor(order, dtype=torch.long), persistent=False)
+        self._register_load_state_dict_pre_hook(_from_per_edge_state, with_module=True)
+
+    def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
+        """As `Cell.forward`: ``x`` (b*G, C, H, W) or, with ``expand``, (b, C, H, W) shared by all
+        G structures; ``alpha`` (G, E, K)."""
+        groups = alpha.shape[0]
+        projected = self.preprocess(x, 1 if expand else groups)
+        layout = memory_format(projected)
+        slices = self._split_nodes(projected)
+        rows, c, h, w = slices[0].shape
+        b = rows if expand else rows // groups
+        # α of the ops used, as (K', 1, G, E, 1, 1, 1), split by source node: one gather per cell
+        kept = alpha.flatten(1).index_select(1, self.source_order).view(groups, -1, self.num_present)
+        kept = kept.to(slices[0].dtype).permute(2, 0, 1).view(self.num_present, 1, groups, -1, 1, 1, 1)
+        by_source = [part.unbind(0) for part in kept.split([source.edges for source in self.sources], dim=3)]
+        incoming: list[list[Tensor]] = [[] for _ in slices]
+        nodes: list[Tensor] = []
+        for j, piece in enumerate(slices):
+            # node 0 is a channel slice, which BatchNorm's grouped view and the ops want dense; the
+            # others become dense in the sum with their incoming edges
+            node, shared = piece.contiguous(memory_format=layout) if j == 0 else piece, expand
+            if j > 0:
+                total = incoming[j][0]
+                for edge in incoming[j][1:]:
+                    total = total + edge
+                node = (node.view(b, 1 if shared else groups, c, h, w) + total).reshape(b * groups, c, h, w)
+                shared = False
+            if not isinstance(self.node_output, nn.Identity):
+                if shared:  # per-row layers (dropout masks) must not be shared by the groups
+                    node, shared = expand_groups(node, groups), False
+                node = self.node_output(node)
+            if j < len(self.sources):
+                for t, edge in enumerate(self.sources[j](node, by_source[j], groups, shared).unbind(2)):
+                    incoming[j + 1 + t].append(edge)
+            nodes.append(expand_groups(node, groups) if shared else node)
+        return self._output(x, nodes, groups, expand)
+
+
+#: the networks' ``cell`` choice: the fused cell (the default) or the per-edge reference
+CELLS: dict[str, type[CellBase]] = {"fused": FusedCell, "per_edge": Cell}
+
+
+def cell_class(kind: str) -> type[CellBase]:
+    """The cell class of a network's ``cell`` setting."""
+    if kind not in CELLS:
+        raise ValueError(f"cell must be one of {list(CELLS)}, got {kind!r}")
+    return CELLS[kind]
+
+
+# ---------------------------------------------------------------------- state dicts, both ways
+def refuse_fused(net: nn.Module, what: str) -> None:
+    """Raise one line when `net` has fused cells and `what` (a method or transform) needs an op per edge."""
+    if any(isinstance(m, FusedCell) for m in net.modules()):
+        raise ValueError(f"{what} needs the per-edge cell, not the fused one: set model.net.cell=per_edge")
+
+
+def _edge_slots(cell: CellBase):
+    """(source i, slot t, edge e) of every edge."""
+    for i in range(cell.num_nodes - 1):
+        for t, j in enumerate(range(i + 1, cell.num_nodes)):
+            yield i, t, cell.edge_index(i, j)
+
+
+def _stack(parts: list[Tensor], stacked: torch.Size) -> Tensor:
+    """`parts`, one per edge, as the fused tensor of shape `stacked`."""
+    dim = _stack_dim(stacked, parts[0].shape, len(parts))
+    if dim == "edge-major":
+        return torch.stack(parts).reshape(stacked)
+    return parts[0] if dim is None else torch.cat(parts, dim)
+
+
+def _unstack(stacked: Tensor, one: torch.Size, edges: int, t: int) -> Tensor:
+    """Edge t's part, of shape `one`, of the fused tensor `stacked`."""
+    dim = _stack_dim(stacked.shape, one, edges)
+    if dim == "edge-major":
+        return stacked.reshape(edges, *one)[t].clone()
+    return stacked if dim is None else stacked.chunk(edges, dim)[t].clone()
+
+
+def _stack_dim(stacked: torch.Size, one: torch.Size, edges: int) -> int | str | None:
+    """The dimension along which `edges` tensors of shape `one` concatenate to `stacked` (None:
+    the same shape, one edge or a count; "edge-major": a shape of its own whose outermost
+    varying index is the edge, as `EdgeAffine`'s (n, C, 1, 1))."""
+    if stacked == one:
+        return None
+    if len(stacked) != len(one) and stacked.numel() == edges * one.numel():
+        return "edge-major"
+    dims = [d for d in range(len(one)) if stacked[d] == edges * one[d]
+            and all(stacked[k] == one[k] for k in range(len(one)) if k != d)]
+    if len(stacked) != len(one) or len(dims) != 1:
+        raise ValueError(f"cannot stack {edges} edges' tensors of shape {tuple(one)} into {tuple(stacked)}")
+    return dims[0]
+
+
+def _first_norm_keys(op_names: Sequence[str], e: int) -> list[str]:
+    """Per-edge keys (after ``edge_ops.e.``) of the BatchNorms whose statistics `SourceOps.norm`
+    keeps: the identity itself, and the first BatchNorm of each chain."""
+    return [f"{k}." if name == "identity" else f"{k}.0." for k, name in enumerate(op_names) if name != "zero"]
+
+
+def cell_chains(op_names: Sequence[str]) -> list[str]:
+    """The ops with a chain of layers (not zero, not identity), in the op list's order."""
+    return [name for name in op_names if name in _CHAINS]
+
+
+def _from_per_edge_state(cell: FusedCell, state_dict: dict, prefix: str, *args) -> None:
+    fused_state(cell, state_dict, prefix)
+
+
+def fused_state(cell: FusedCell, state_dict: dict, prefix: str = "") -> None:
+    """In place: the per-edge `Cell` entries of `state_dict` under `prefix` replaced by the
+    `FusedCell`'s (nothing to do when it holds none)."""
+    edge_prefix = prefix + "edge_ops."
+    if not any(key.startswith(edge_prefix) for key in state_dict):
+        return
+    own = {key: value for key, value in cell.state_dict().items() if key.startswith("sources.")}
+    for key, mine in own.items():
+        _, i, part, rest = key.split(".", 3)
+        source = cell.sources[int(i)]
+        edges = [e for s, _, e in _edge_slots(cell) if s == int(i)]
+        if part == "norm":  # one statistic for the identity and every op's first BatchNorm
+            name = _first_norm_keys(cell.op_names, edges[0])[0] + rest
+            state_dict[prefix + key] = state_dict[f"{edge_prefix}{edges[0]}.{name}"]
+            continue
+        if part == "affine":  # every chain's first BatchNorm's γ or β, chain by chain, edge by edge
+            ks = [source.op_names.index(op) for op in source.chains]
+            parts = [state_dict[f"{edge_prefix}{e}.{k}.0.{rest}"] for k in ks for e in edges]
+            state_dict[prefix + key] = torch.stack(parts).reshape(mine.shape)
+            continue
+        op, index, leaf = rest.split(".", 2)
+        k = source.op_names.index(op)
+        state_dict[prefix + key] = _stack([state_dict[f"{edge_prefix}{e}.{k}.{index}.{leaf}"] for e in edges], mine.shape)
+    for key in [key for key in state_dict if key.startswith(edge_prefix)]:
+        del state_dict[key]
+
+
+def per_edge_state(cell: CellBase, state_dict: dict, prefix: str = "") -> None:
+    """In place: the `FusedCell` entries of `state_dict` under `prefix` replaced by the per-edge
+    `Cell`'s (nothing to do when it holds none)."""
+    source_prefix = prefix + "sources."
+    if not any(key.startswith(source_prefix) for key in state_dict):
+        return
+    slots = {e: (i, t) for i, t, e in _edge_slots(cell)}
+    for key, mine in cell.state_dict().items():
+        if not key.startswith("edge_ops."):
+            continue
+        _, e, k, rest = key.split(".", 3)
+        (i, t), name = slots[int(e)], cell.op_names[int(k)]
+        if name == "identity" or rest.split(".", 1)[0] == "0" and rest.rsplit(".", 1)[-1] in (
+                "running_mean", "running_var", "num_batches_tracked"):
+            state_dict[prefix + key] = state_dict[f"{source_prefix}{i}.norm.{rest.rsplit('.', 1)[-1]}"]
+            continue
+        if rest in ("0.weight", "0.bias"):  # the chain's first γ or β: in the node's EdgeAffine
+            chains = list(cell_chains(cell.op_names))
+            affine = state_dict[f"{source_prefix}{i}.affine.{rest[2:]}"]
+            edges = cell.num_nodes - 1 - i
+            state_dict[prefix + key] = affine.reshape(len(chains), edges, *mine.shape)[chains.index(name), t].clone()
+            continue
+        stacked = state_dict[f"{source_prefix}{i}.chains.{name}.{rest}"]
+        state_dict[prefix + key] = _unstack(stacked, mine.shape, cell.num_nodes - 1 - i, t)
+    for key in [key for key in state_dict if key.startswith(source_prefix)]:
+        del state_dict[key]
