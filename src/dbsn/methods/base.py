@@ -18,7 +18,11 @@ optimisers. `Method` provides the common parts:
   weights, which only their KL regularises), lr ÷ `gamma` at fractions of training,
   gradient-norm clipping on the weights only (the paper's CIFAR recipe);
 - an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
-- a NaN/inf guard that stops the run at the first bad loss and names the step;
+- a NaN/inf guard that stops the run at the first bad loss and names the step, without a host
+  synchronisation per step (`dbsn.methods.step.FiniteGuard`);
+- a training step that synchronises with the host nowhere (BatchNorm running statistics moved
+  once per step, τ, β and the learning rates in device tensors, fused optimisers), so that
+  `execution.cuda_graph` can capture it whole (`dbsn.methods.step.GraphedStep`);
 - Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`, with the
   test metrics under stable names `test/{error,nll,brier,ece}`;
 - under data-parallel DDP, different random streams per rank, so each rank draws its own
@@ -45,7 +49,8 @@ from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
-from dbsn.nets.batchnorm import accumulated_running_statistics
+from dbsn.methods.step import FiniteGuard, GraphedStep, NonFiniteLossError
+from dbsn.nets.batchnorm import RunningStatistics, accumulated_running_statistics
 
 Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)
 
@@ -56,10 +61,6 @@ PARALLEL_MODES = ("data", "structure")
 
 class FeaturesUnavailable(RuntimeError):
     """A method cannot give each member's features at its last layer (the message says why)."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised at the first NaN/inf training loss, before it can reach the weights."""
 
 
 class Method(pl.LightningModule):
@@ -147,6 +148,11 @@ class Method(pl.LightningModule):
         self.temperature = TemperatureScaler()
         # a post-hoc calibration map after it (`calibrate`), set by `dbsn.posthoc.calibrators`
         self.calibrator: nn.Module | None = None
+        # the training step's machinery: one BatchNorm update per step, the NaN/inf guard, the graph
+        self._running_statistics = RunningStatistics()
+        self._guard = FiniteGuard()
+        self._graphed: GraphedStep | None = None
+        self._scheduled_lrs: tuple[int, list[float]] = (-1, [])  # (epoch, lr of each weight group) under warm-up
 
     # ------------------------------------------------------------------ the settings, by name
     @property
@@ -377,11 +383,12 @@ class Method(pl.LightningModule):
         optimizers, schedules = [], []
         no_decay, lr_scales = self.no_decay_parameters(), self.lr_scales()
         for group in self.weight_parameter_groups():
-            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales)
+            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales, capturable=self.execution.cuda_graph)
             optimizers.append(sgd)
             schedules.append(schedule)
         if self.structure_parameters():
-            optimizers.append(self.structure_optimizer().build(self.structure_parameters()))
+            optimizers.append(self.structure_optimizer().build(self.structure_parameters(),
+                                                               capturable=self.execution.cuda_graph))
         return optimizers, schedules
 
     def on_fit_start(self) -> None:
@@ -414,7 +421,7 @@ class Method(pl.LightningModule):
     def _check_finite(self, loss: Tensor, batch_idx: int) -> None:
         if torch.isfinite(loss.detach()).item():
             return
-        last = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
+        last = self._last_checkpoint()
         raise NonFiniteLossError(
             f"Training loss is {loss.item()} at global step {self.trainer.global_step} "
             f"(epoch {self.current_epoch}, batch {batch_idx}); the weights were not updated with it. "
@@ -426,15 +433,19 @@ class Method(pl.LightningModule):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
         opts = self._optimizers()
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        logs = self.accumulate_gradients(x, y, self._backward, batch_idx)
-        if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
-            for opt in opts[: len(self.lr_schedulers_list())]:
-                self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip_norm, gradient_clip_algorithm="norm")
-        with self._warmed_up(opts[: len(self.lr_schedulers_list())], batch_idx):
-            for opt in opts:
-                opt.step()
+        weights = opts[: len(self.lr_schedulers_list())]
+        if self._guard.attached:
+            self._guard.begin(self.global_step, self.current_epoch, batch_idx)
+        with self._warmed_up(weights, batch_idx):
+            if self._graphed is not None:
+                logs = self._graphed(x, y)
+                for opt in opts:  # Lightning counts the optimiser steps it did not see
+                    opt._on_before_step()
+                    opt._on_after_step()
+            else:
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
+                logs = self.step_body(x, y, opts, batch_idx)
         if self.parallel == "structure" and self._world_size() > 1:
             self._average_running_statistics()
         self.on_after_optimizer_step(y.shape[0])
@@ -443,6 +454,58 @@ class Method(pl.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, on_step=True, on_epoch=True, batch_size=y.shape[0])
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
+
+    def step_body(self, x: Tensor, y: Tensor, opts: list, batch_idx: int = 0) -> dict[str, Tensor]:
+        """One step after the gradients were zeroed: the loss's gradients (`accumulate_gradients`),
+        the weights' gradient clipping and every optimiser's update; the detached logs. Nothing
+        in it reads a device value on the host, so a CUDA graph can capture it (`GraphedStep`)."""
+        logs = self.accumulate_gradients(x, y, self._backward, batch_idx)
+        if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
+            for opt in opts[: len(self.lr_schedulers_list())]:
+                params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip_norm, foreach=True)
+        for opt in opts:
+            opt.step()
+        return logs
+
+    def attach_guard(self, optimizers: list) -> None:
+        """Give the NaN/inf guard the optimisers (their own objects, not Lightning's wrappers)."""
+        self._guard.attach([getattr(o, "optimizer", o) for o in optimizers], self.device)
+
+    def cuda_graph_refusal(self) -> str | None:
+        """Why this method's training step cannot be captured in a CUDA graph (None: it can).
+        Methods whose step was checked against the eager one say so by overriding this."""
+        return f"{type(self).__name__} has not been checked under a CUDA graph"
+
+    def on_train_start(self) -> None:
+        opts = self._optimizers()
+        self.attach_guard(opts)
+        self._graphed = None
+        if not self.execution.cuda_graph:
+            return
+        reason = self.cuda_graph_refusal()
+        if reason is None and self.device.type != "cuda":
+            reason = f"it captures the step on a CUDA device, and this run trains on {self.device.type}"
+        if reason is None and self._world_size() > 1:
+            reason = "it captures one process's step; this run has several devices (use one GPU)"
+        if reason is None and not self._guard.attached:
+            reason = "its optimisers cannot skip a non-finite step on the device"
+        if reason is not None:
+            raise ValueError(f"model.execution.cuda_graph=true: {reason}. Set model.execution.cuda_graph=false.")
+        raw = [getattr(o, "optimizer", o) for o in opts]
+        self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw),
+                                    lambda: [o.zero_grad(set_to_none=True) for o in raw])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self._guard.attached and self._guard.due(self.global_step, batch_idx + 1 == self.trainer.num_training_batches):
+            self._guard.check(self._last_checkpoint())
+
+    def on_train_end(self) -> None:
+        self._guard.check(self._last_checkpoint())
+        self._graphed = None  # the graph holds the optimisers' tensors: free it with the fit
+
+    def _last_checkpoint(self) -> str:
+        return getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none written yet"
 
     @contextmanager
     def _warmed_up(self, weight_optimizers: list, batch_idx: int):
@@ -455,6 +518,18 @@ class Method(pl.LightningModule):
             yield
             return
         groups = [g for opt in weight_optimizers for g in opt.param_groups]
+        if any(isinstance(g["lr"], Tensor) for g in groups):  # captured learning rates: written in place
+            if self._scheduled_lrs[0] != self.current_epoch:  # the schedule's values, read once an epoch
+                self._scheduled_lrs = (self.current_epoch, [float(g["lr"]) for g in groups])
+            scheduled = self._scheduled_lrs[1]
+            for g, lr in zip(groups, scheduled):
+                g["lr"].fill_(lr * factor)
+            try:
+                yield
+            finally:
+                for g, lr in zip(groups, scheduled):
+                    g["lr"].fill_(lr)
+            return
         scheduled = [g["lr"] for g in groups]
         for g in groups:
             g["lr"] = g["lr"] * factor
@@ -468,11 +543,15 @@ class Method(pl.LightningModule):
         """The gradients of one step's loss, chunk by chunk (`training_losses`), with one
         BatchNorm running-statistics update for the step; returns the detached logs (loss: the
         sum of the parts; nll, kl, error: means over the structures). `backward(loss, last)`
-        back-propagates one part."""
+        back-propagates one part. With the guard attached (`attach_guard`) a non-finite loss
+        is marked on the device; without, it raises at once (one synchronisation)."""
         logs: dict[str, Tensor] = {}
-        with accumulated_running_statistics(self, self.train_samples_per_forward is not None):
+        with accumulated_running_statistics(self, statistics=self._running_statistics, keep=self._guard.found_inf):
             for share, last, out in self.training_losses(x, y):
-                self._check_finite(out["loss"], batch_idx)
+                if self._guard.attached:
+                    self._guard.mark(out["loss"])
+                else:
+                    self._check_finite(out["loss"], batch_idx)
                 extra = out.pop("backward_extra", None)
                 backward(out["loss"] if extra is None else out["loss"] + extra, last)
                 out["error"] = self.task.error(out.pop("logits").detach(), out.pop("targets"))
@@ -499,8 +578,7 @@ class Method(pl.LightningModule):
         if not buffers:
             return
         flat = self.trainer.strategy.reduce(torch.cat([b.flatten() for b in buffers]), reduce_op="mean")
-        for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
-            b.copy_(value.view_as(b))
+        torch._foreach_copy_(buffers, [v.view_as(b) for b, v in zip(buffers, flat.split([b.numel() for b in buffers]))])
 
     def lr_schedulers_list(self) -> list:
         schedules = self.lr_schedulers()

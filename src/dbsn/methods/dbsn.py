@@ -153,6 +153,7 @@ class DBSN(Method):
         return self.tau_schedule(int(self.examples_seen) / REFERENCE_BATCH)
 
     def on_train_start(self) -> None:
+        super().on_train_start()
         self._examples = int(self.examples_seen)
         self._calibration = self._members = None  # validation predicts with the running statistics
 
@@ -227,8 +228,13 @@ class DBSN(Method):
         return self.structure_optim
 
     def training_structures(self, n: int) -> tuple[Tensor, Tensor]:
-        alpha = self.structure.sample(n, self.beta, self.tau)  # (n, E, K), reparameterised
-        return alpha, self.structure.kl(alpha, self.beta, self.tau)  # (n,)
+        # τ from the examples seen, on the device: the step reads no host value that changes
+        tau = self.tau_schedule(self.examples_seen.double() / REFERENCE_BATCH)
+        alpha = self.structure.sample(n, self.beta, tau)  # (n, E, K), reparameterised
+        return alpha, self.structure.kl(alpha, self.beta, tau)  # (n,)
+
+    def cuda_graph_refusal(self) -> str | None:
+        return self.weights.cuda_graph_refusal()
 
     @torch.no_grad()
     def sample_structures(self, n: int, tau: float | None = None) -> Tensor:

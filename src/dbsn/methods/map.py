@@ -62,6 +62,9 @@ class MAP(Method):
     def structure_parameters(self) -> list[nn.Parameter]:
         return [self.theta] if self.learn_structure else []
 
+    def cuda_graph_refusal(self) -> str | None:
+        return self.weights.cuda_graph_refusal()
+
     def structure_optimizer(self) -> StructureOptimizer:
         return self.structure_optim
 

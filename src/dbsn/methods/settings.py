@@ -63,23 +63,31 @@ class WeightOptimizer:
             return 1.0
         return min(1.0, (epoch + (batch_idx + 1) / batches_per_epoch) / self.warmup_epochs)
 
-    def build(self, params, max_epochs: int, no_decay=(), lr_scales: Mapping[int, float] | None = None):
+    def build(self, params, max_epochs: int, no_decay=(), lr_scales: Mapping[int, float] | None = None,
+              capturable: bool = False):
         """SGD over `params` and its lr schedule. The parameters of `params` that are also in
         `no_decay` (a Gaussian posterior's scales, see `WeightPosterior.no_decay_parameters`)
         form a second param group with weight decay 0, in the same optimiser, so that gradient
         clipping and the lr schedule still cover the whole group of weights. `lr_scales`
         ({id(parameter): multiplier}, see `Method.lr_scales`) gives parameters a multiple of
-        the lr, in param groups of their own (the schedule scales every group alike)."""
+        the lr, in param groups of their own (the schedule scales every group alike).
+
+        PyTorch's fused SGD (one kernel for all parameters, and an update it skips on the device
+        when a non-finite loss set its ``found_inf``: `dbsn.methods.step.FiniteGuard`).
+        `capturable`: every group's lr is a tensor on the parameters' device, which the schedule
+        writes in place, so that a CUDA graph of the step sees each new value."""
         params, skip, scales = list(params), {id(p) for p in no_decay}, dict(lr_scales or {})
         by_kind: dict[tuple[bool, float], list] = {}
         for p in params:
             by_kind.setdefault((id(p) in skip, float(scales.get(id(p), 1.0))), []).append(p)
-        groups = [{"params": by_kind[kind], **({"weight_decay": 0.0} if kind[0] else {}),
-                   **({"lr": self.lr * kind[1]} if kind[1] != 1.0 else {})}
+        def lr(scale: float):
+            return torch.tensor(self.lr * scale, device=params[0].device) if capturable else self.lr * scale
+
+        groups = [{"params": by_kind[kind], **({"weight_decay": 0.0} if kind[0] else {}), "lr": lr(kind[1])}
                   for kind in sorted(by_kind, key=lambda k: (k[0], k[1] != 1.0, k[1]))]
         opt = torch.optim.SGD(
             groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
-            nesterov=self.nesterov,
+            nesterov=self.nesterov, fused=True,
         )
         if self.schedule == "linear":
             start = round(self.decay_start * max_epochs)
@@ -140,8 +148,11 @@ class StructureOptimizer:
     betas: Sequence[float] = field(default=(0.5, 0.999))
     weight_decay: float = 0.0
 
-    def build(self, params):
-        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay)
+    def build(self, params, capturable: bool = False):
+        """Fused Adam (one kernel; skips its update on the device with ``found_inf``, see
+        `WeightOptimizer.build`); `capturable`: its step count on the device, for a CUDA graph."""
+        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay,
+                                fused=True, capturable=capturable)
 
 
 @dataclass
@@ -178,10 +189,15 @@ class Execution:
             configs' default, which the runtime resolves for the trainer's device and precision)
             means on where no GPU is available.
         compile: compile the network's forward (`Compilation`); off by default.
+        cuda_graph: capture the whole training step (forward, backward, optimisers) in a CUDA
+            graph after three eager steps and replay it (`dbsn.methods.step.GraphedStep`): one
+            launch instead of thousands; one GPU, the methods that say they support it
+            (`Method.cuda_graph_refusal`). Off by default.
     """
 
     channels_last: bool | Literal["auto"] = False
     compile: Compilation = field(default_factory=Compilation)
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):

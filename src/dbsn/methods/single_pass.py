@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import FeaturesUnavailable
+from dbsn.methods.base import FeaturesUnavailable, Method
 from dbsn.methods.map import MAP
 
 
@@ -63,6 +63,9 @@ class SinglePassEnsemble(MAP):
         if int(value) != self.size:
             raise ValueError(f"a {type(self).__name__} has M = {self.size} members, fixed by its network: "
                              f"it cannot predict with S = {value} (leave n_samples unset).")
+
+    def cuda_graph_refusal(self) -> str | None:
+        return Method.cuda_graph_refusal(self)
 
     def training_structures(self, n: int) -> tuple[Tensor, float]:
         """The point structure once per member, (M, E, K) (`n`, T, does not apply)."""

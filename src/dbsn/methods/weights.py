@@ -41,6 +41,10 @@ class WeightPosterior:
     def enable_test_noise(self, net: nn.Module) -> None:
         """Called after the network is put in eval mode for validation/test."""
 
+    def cuda_graph_refusal(self) -> str | None:
+        """Why a training step with these weights cannot be captured in a CUDA graph (None: it can)."""
+        return None
+
 
 PointWeights = WeightPosterior
 
@@ -149,6 +153,11 @@ class GaussianWeights(WeightPosterior):
     def kl(self, net: nn.Module, epoch: int) -> Tensor:
         warmup = min(1.0, (epoch + 1) / self.warmup_epochs) if self.warmup_epochs > 0 else 1.0
         return self.kl_weight * warmup * kl_divergence(net)
+
+    def cuda_graph_refusal(self) -> str | None:
+        if self.warmup_epochs > 0:
+            return "the Gaussian weights' KL warm-up changes the loss's weighting every epoch (model.weights.warmup_epochs=0)"
+        return None
 
     def no_decay_parameters(self, net: nn.Module) -> list[nn.Parameter]:
         """The scales ρ of every Bayesian layer (see the class docstring)."""
