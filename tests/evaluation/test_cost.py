@@ -254,6 +254,22 @@ def test_examples_kept_from_a_test_pass_are_counted_like_any_other(caller):
     assert cost.predict_flops_per_image == expected.predict_flops_per_image > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+def test_a_model_the_test_pass_left_on_the_cpu_is_counted_on_the_run_s_gpu():
+    """After `trainer.test` Lightning's teardown leaves the model on the CPU and its kept examples
+    on the GPU: `device` counts a copy on the GPU (the same FLOPs) and reads the GPU's peak memory,
+    and the model stays where it was."""
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,))
+    method = _tiny_dbsn(2)
+    expected = measure_cost(method, x, y)
+    xi, yi = _inference_copies(x.cuda(), y.cuda())
+    cost = measure_cost(method, xi, yi, device="cuda")
+    assert cost.train_flops_per_image == expected.train_flops_per_image
+    assert cost.predict_flops_per_image == expected.predict_flops_per_image
+    assert cost.peak_memory_of == "cuda_max_allocated"
+    assert all(p.device.type == "cpu" for p in method.parameters())
+
+
 @pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "vogn", "vogn_fbn", "nekfac",
                                    "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"])
 def test_every_method_is_measured_on_inference_tensors_without_channels_last(model, tmp_path):

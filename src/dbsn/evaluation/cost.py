@@ -62,15 +62,15 @@ def _device(model: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def _detached_copy(method: Method) -> Method:
-    """A deep copy of the method without its trainer (LightningModule's `__getstate__` leaves
-    `_trainer` out, its members' too): the copy runs as one device, whatever the run's DDP
+def _detached_copy(method: Method, device: torch.device) -> Method:
+    """A deep copy of the method on `device` without its trainer (LightningModule's `__getstate__`
+    leaves `_trainer` out, its members' too): the copy runs as one device, whatever the run's DDP
     layout, and the trainer is neither copied nor touched."""
     twin = copy.deepcopy(method)
     for m in twin.modules():  # in case a Lightning version keeps it
         if isinstance(m, pl.LightningModule):
             m._trainer = None
-    return twin
+    return twin.to(device)
 
 
 @contextmanager
@@ -91,21 +91,22 @@ def _count_flops(run) -> int:
     return int(counter.get_total_flops())
 
 
-def training_flops_per_image(method: Method, x: Tensor, y: Tensor) -> float:
+def training_flops_per_image(method: Method, x: Tensor, y: Tensor, device: torch.device | str | None = None) -> float:
     """FLOPs of one training step's forward and backward on the batch (x, y), divided by its
     size: `method.accumulate_gradients` in train mode, every chunk of the T structures and every
     member of an ensemble, without the optimiser step (see the module docstring for what is
     counted). Runs on a copy; a method whose `dataset_size` is unset gets the batch size there
-    (N only scales the KL term, which has no matmuls).
+    (N only scales the KL term, which has no matmuls). `device`: where the copy counts (default:
+    where the method is).
 
     The inputs may be inference tensors (the examples a test pass keeps were made under Lightning's
     `torch.inference_mode`), and the caller may be inside `torch.no_grad()` or inference mode:
     the step runs with gradients on, outside inference mode, on normal copies of such inputs
     (autograd cannot save an inference tensor for backward)."""
-    device = _device(method)
+    device = torch.device(device) if device is not None else _device(method)
     with torch.inference_mode(False), torch.enable_grad(), _own_random_stream(device):
         x, y = _outside_inference(x.to(device)), _outside_inference(y.to(device))
-        twin = _detached_copy(method)
+        twin = _detached_copy(method, device)
         twin.train()
         for m in twin.modules():
             if isinstance(m, Method) and m.dataset_size is None:
@@ -116,18 +117,19 @@ def training_flops_per_image(method: Method, x: Tensor, y: Tensor) -> float:
     return flops / x.shape[0]
 
 
-def prediction_flops_per_image(method: Method, x: Tensor) -> float:
+def prediction_flops_per_image(method: Method, x: Tensor, device: torch.device | str | None = None) -> float:
     """FLOPs of the Bayes-ensemble prediction `method.predict_log_probs(x)` at the method's S
     (`prediction.n_samples`; one pass for a deterministic method, each member's own for a deep
     ensemble), in eval mode with test-time noise on (MC dropout), divided by the batch size.
 
     Runs on a copy; where the method computes per-structure BatchNorm statistics for its fixed
     members (DBSN's `bn_recalibration`), after a one-image prediction outside the count: work a
-    method does once and keeps is not a per-image cost."""
-    device = _device(method)
+    method does once and keeps is not a per-image cost. `device`: where the copy counts (default:
+    where the method is)."""
+    device = torch.device(device) if device is not None else _device(method)
     x = x.to(device)
     with _own_random_stream(device), torch.no_grad():
-        twin = _detached_copy(method)
+        twin = _detached_copy(method, device)
         twin.eval()
         twin.enable_test_noise()
         if getattr(getattr(twin, "bn_recalibration", None), "enabled", False):
@@ -210,20 +212,24 @@ class Cost:
         return asdict(self)
 
 
-def measure_cost(method: Method, x: Tensor, y: Tensor, epoch_seconds: float | None = None) -> Cost:
+def measure_cost(method: Method, x: Tensor, y: Tensor, epoch_seconds: float | None = None,
+                 device: torch.device | str | None = None) -> Cost:
     """Everything measurable of the method's cost on the batch (x, y); `epoch_seconds` from an
     `EpochTimer` of its training run. The peak memory is read first, so that it is the run's
-    so far (call this after training, in the training process) and not the counts' copies."""
-    device = _device(method)
+    so far (call this after training, in the training process) and not the counts' copies.
+    `device`: the run's device, where the counts run and whose peak memory is read (default:
+    where the method is; after `trainer.test` that is the CPU, where Lightning's teardown leaves
+    the model, whatever device the run used)."""
+    device = torch.device(device) if device is not None else _device(method)
     peak, peak_of = peak_memory_mib(device)
     try:
-        train_flops = training_flops_per_image(method, x, y)
+        train_flops = training_flops_per_image(method, x, y, device)
     except NotImplementedError:  # built post hoc, not trained
         train_flops = None
     return Cost(
         params=parameter_count(method),
         train_flops_per_image=train_flops,
-        predict_flops_per_image=prediction_flops_per_image(method, x),
+        predict_flops_per_image=prediction_flops_per_image(method, x, device),
         n_samples=int(method.num_members),
         epoch_seconds=epoch_seconds,
         peak_memory_mib=peak,

@@ -106,13 +106,15 @@ class Evaluator:
 
 def cost_of(subject: Subject, epoch_seconds: float | None) -> dict[str, Any]:
     """`measure_cost` of the subject's model on (at most) 2 inputs of its test pass (FLOPs per
-    image do not depend on the batch)."""
+    image do not depend on the batch), counted on the subject's device with its peak memory
+    (`trainer.test` leaves the model itself on the CPU)."""
     example = getattr(subject.model, "test_example", None)
     if example is None:  # a model whose test pass keeps none: read them
         images, targets = next(iter(subject.datamodule.test_dataloader()))
         example = subject.datamodule.preprocess(images[:2].to(subject.device)), targets[:2]
     x, y = example[0][:2], example[1][:2]
-    return measure_cost(subject.model, x.to(subject.device), y.to(subject.device), epoch_seconds).as_dict()
+    return measure_cost(subject.model, x.to(subject.device), y.to(subject.device), epoch_seconds,
+                        device=subject.device).as_dict()
 
 
 @rank_zero_only
