@@ -445,7 +445,7 @@ class Method(pl.LightningModule):
             else:
                 for opt in opts:
                     opt.zero_grad(set_to_none=True)
-                logs = self.step_body(x, y, opts, batch_idx)
+                logs = self.step_body(x, y, opts, weights, batch_idx=batch_idx)
         if self.parallel == "structure" and self._world_size() > 1:
             self._average_running_statistics()
         self.on_after_optimizer_step(y.shape[0])
@@ -455,13 +455,16 @@ class Method(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
 
-    def step_body(self, x: Tensor, y: Tensor, opts: list, batch_idx: int = 0) -> dict[str, Tensor]:
-        """One step after the gradients were zeroed: the loss's gradients (`accumulate_gradients`),
-        the weights' gradient clipping and every optimiser's update; the detached logs. Nothing
-        in it reads a device value on the host, so a CUDA graph can capture it (`GraphedStep`)."""
-        logs = self.accumulate_gradients(x, y, self._backward, batch_idx)
-        if self.optim.grad_clip_norm:  # weights only: the first optimisers, one per weight group
-            for opt in opts[: len(self.lr_schedulers_list())]:
+    def step_body(self, x: Tensor, y: Tensor, opts: list, weight_opts: list, backward=None,
+                  batch_idx: int = 0) -> dict[str, Tensor]:
+        """One step after the gradients were zeroed: the loss's gradients (`accumulate_gradients`,
+        by `backward(loss, last)`: Lightning's by default), the weights' gradient clipping (the
+        optimisers `weight_opts`, one per weight group) and every optimiser's update; the detached
+        logs. Nothing in it reads a device value on the host, so a CUDA graph can capture it
+        (`GraphedStep`)."""
+        logs = self.accumulate_gradients(x, y, backward or self._backward, batch_idx)
+        if self.optim.grad_clip_norm:
+            for opt in weight_opts:
                 params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip_norm, foreach=True)
         for opt in opts:
@@ -493,7 +496,8 @@ class Method(pl.LightningModule):
         if reason is not None:
             raise ValueError(f"model.execution.cuda_graph=true: {reason}. Set model.execution.cuda_graph=false.")
         raw = [getattr(o, "optimizer", o) for o in opts]
-        self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw),
+        weights = raw[: len(self.lr_schedulers_list())]
+        self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw, weights),
                                     lambda: [o.zero_grad(set_to_none=True) for o in raw])
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:

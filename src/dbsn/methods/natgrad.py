@@ -55,6 +55,7 @@ from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss
 from dbsn.natgrad.nekfac import _split, kfac_layers
+from dbsn.nets.fused_cell import unfuse
 from dbsn.structure.schedules import BetaSchedule, TauSchedule
 
 __all__ = ["NEKFACMethod", "NaturalGradientMethod", "VOGNFBN", "VOGNMAP", "VOGNMethod"]
@@ -323,6 +324,7 @@ def VOGNMethod(
     step). ``prediction``: default S = 100 weight draws, 10 for validation. Other arguments as
     for `MAP` / `DBSN` / `Method`.
     """
+    net = unfuse(net)  # VOGN's per-example statistics cover BatchNorm layers: every edge keeps its own
     common = dict(vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
                   structure_optim=structure_optim, theta_init_std=theta_init_std,
                   prediction=prediction or Prediction(n_samples=100, val_samples=10), **settings)

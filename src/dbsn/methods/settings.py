@@ -12,6 +12,8 @@ from typing import Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from dbsn.nets.cell import CellBase
+
 __all__ = ["Compilation", "Execution", "Prediction", "StructureOptimizer", "WeightOptimizer"]
 
 
@@ -111,6 +113,10 @@ class Compilation:
 
     Args:
         enabled: compile (off by default).
+        scope: "network" (the whole forward) or "cells" (regional compilation: each cell's
+            forward, every cell of the same input shape sharing one compiled graph, so the first
+            step compiles a handful of cell shapes instead of the whole network; tested: no
+            further cell recompiles).
         mode: inductor's mode: "default", "reduce-overhead" (CUDA graphs: least launch
             overhead, fixed input shapes), "max-autotune", "max-autotune-no-cudagraphs".
         backend: "inductor" (needs a C++ compiler on a CPU, Triton on a GPU), or "aot_eager"
@@ -121,6 +127,7 @@ class Compilation:
     """
 
     enabled: bool = False
+    scope: str = "network"
     mode: str = "default"
     backend: str = "inductor"
     dynamic: bool | None = None
@@ -131,13 +138,20 @@ class Compilation:
     def __post_init__(self) -> None:
         if self.mode not in self.MODES:
             raise ValueError(f"compile.mode must be one of {self.MODES}, got {self.mode!r}")
+        if self.scope not in ("network", "cells"):
+            raise ValueError(f"compile.scope must be 'network' or 'cells', got {self.scope!r}")
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"compile.mode={self.mode!r} is an inductor mode; backend {self.backend!r} takes none")
 
     def apply(self, net: nn.Module) -> None:
-        """Compile `net`'s forward in place (its state dict keeps its keys)."""
+        """Compile `net`'s forward, or each of its cells' (`scope`), in place (the state dict keeps
+        its keys)."""
         options = {"mode": self.mode} if self.backend == "inductor" else {}
-        net.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
+        targets = [net] if self.scope == "network" else [m for m in net.modules() if isinstance(m, CellBase)]
+        if not targets:
+            raise ValueError(f"compile.scope=cells: {type(net).__name__} has no cells; use compile.scope=network")
+        for module in targets:
+            module.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
 
 
 @dataclass

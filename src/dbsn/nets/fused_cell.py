@@ -34,7 +34,7 @@ from dbsn.nets.cell import Cell, CellBase
 from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
 
 __all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "fused_state", "per_edge_state",
-           "refuse_fused"]
+           "unfuse"]
 
 #: the ops a `FusedCell` computes; any other op name needs the per-edge `Cell`
 FUSABLE_OPS = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
@@ -198,11 +198,31 @@ def cell_class(kind: str) -> type[CellBase]:
     return CELLS[kind]
 
 
+def unfuse(net: nn.Module) -> nn.Module:
+    """`net` with every `FusedCell` replaced by the per-edge `Cell` of the same function and state
+    (in place; returned): for the methods that transform each edge's layers (Packed-Ensembles'
+    channel groups, VOGN's per-example statistics of every BatchNorm)."""
+    for parent in list(net.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, FusedCell):
+                continue
+            conv = child.preprocess[2]
+            cell = Cell(child.preprocess[0].num_features, child.num_nodes, child.growth, child.op_names,
+                        projection_kernel=conv.kernel_size[0], keep_input=child.keep_input)
+            cell.node_output, cell.channel_groups = child.node_output, child.channel_groups
+            cell.load_state_dict(child.state_dict())
+            reference = conv.weight
+            layout = torch.channels_last if reference.is_contiguous(memory_format=torch.channels_last) and not \
+                reference.is_contiguous() else torch.contiguous_format
+            cell.to(device=reference.device, dtype=reference.dtype, memory_format=layout)
+            cell.train(child.training)
+            setattr(parent, name, cell)
+    if getattr(net, "cell", None) == "fused":
+        net.cell = "per_edge"
+    return net
+
+
 # ---------------------------------------------------------------------- state dicts, both ways
-def refuse_fused(net: nn.Module, what: str) -> None:
-    """Raise one line when `net` has fused cells and `what` (a method or transform) needs an op per edge."""
-    if any(isinstance(m, FusedCell) for m in net.modules()):
-        raise ValueError(f"{what} needs the per-edge cell, not the fused one: set model.net.cell=per_edge")
 
 
 def _edge_slots(cell: CellBase):

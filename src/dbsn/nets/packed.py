@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dbsn.nets.fused_cell import unfuse
+
 __all__ = ["WITHOUT_SUBGROUPS", "PackedLinear", "pack"]
 
 #: Per network class (by name), the convolutions (fnmatch patterns of module names) that the
@@ -109,6 +111,7 @@ def pack(net: nn.Module, alpha: float, gamma: int, size: int, *, min_channels_pe
     if type(head) is not nn.Linear:
         raise ValueError(f"pack needs the network's head `classifier`, an nn.Linear; {type(net).__name__} has "
                          f"{type(head).__name__ if head is not None else 'none'}")
+    net = unfuse(net)  # the members' channel groups run through every edge's own layers
     patterns = tuple(WITHOUT_SUBGROUPS.get(type(net).__name__, ()) if without_subgroups is None else without_subgroups)
     convs = [name for name, m in net.named_modules() if isinstance(m, nn.Conv2d)]
     stem = convs[0] if convs else None

@@ -150,9 +150,24 @@ def _grouped_settings(node: dict) -> dict:
     return node
 
 
+#: networks of cells, whose `cell` choice (fused or per_edge) came after the per-edge cell
+CELL_NETWORKS = ("dbsn.nets.StructureNet", "dbsn.nets.DBSNSegNet")
+
+
+def _cell_choices(node: Any) -> list[str]:
+    """The `cell` of every network of cells in a config, in order."""
+    if isinstance(node, dict):
+        own = [str(node.get("cell", "fused"))] if node.get("_target_") in CELL_NETWORKS else []
+        return own + [c for value in node.values() for c in _cell_choices(value)]
+    if isinstance(node, list):
+        return [c for item in node for c in _cell_choices(item)]
+    return []
+
+
 def upgrade_config(node: Any) -> Any:
     """A run config written by an earlier version, in today's form: every `_target_` of a moved
-    class renamed (`MOVED_TARGETS`), a method's settings grouped (`_grouped_settings`)."""
+    class renamed (`MOVED_TARGETS`), a method's settings grouped (`_grouped_settings`), a network of
+    cells written before the fused cell given the per-edge cell it ran with."""
     if isinstance(node, dict):
         out = {key: upgrade_config(value) for key, value in node.items()}
         target = out.get("_target_")
@@ -162,6 +177,8 @@ def upgrade_config(node: Any) -> Any:
                     out["_target_"] = new + target[len(old):]
                     break
             out = _grouped_settings(out)
+            if out["_target_"] in CELL_NETWORKS:
+                out.setdefault("cell", "per_edge")
         return out
     if isinstance(node, list):
         return [upgrade_config(item) for item in node]
@@ -211,4 +228,11 @@ def check_resume_checkpoint(path: str | os.PathLike, config: dict[str, Any]) -> 
                 f"resume with the run's own config (its {section}= choice), or use init_from= to start a new "
                 "run from its weights."
             )
+    theirs, ours = _cell_choices(saved.get("model")), _cell_choices(config.get("model"))
+    if theirs and len(theirs) == len(ours) and theirs != ours:
+        raise CheckpointError(
+            f"ckpt_path={path} trained with model.net.cell={theirs[0]}, and this run asks for {ours[0]}: the two cells "
+            f"compute the same function, but the optimiser's state belongs to one layout. Resume with "
+            f"model.net.cell={theirs[0]} (evaluate.py and init_from= load either)."
+        )
     return Path(path)

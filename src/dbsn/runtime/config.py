@@ -233,6 +233,23 @@ def check_compile(cfg: DictConfig) -> None:
             )
 
 
+def check_cuda_graph(cfg: DictConfig) -> None:
+    """Refuse `model.execution.cuda_graph=true` before anything is built where it cannot run: without a
+    CUDA device, or on several devices."""
+    trainer = cfg.get("trainer") or {}
+    for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
+        if not ((node or {}).get("execution") or {}).get("cuda_graph"):
+            continue
+        if _on_cpu(trainer) or not torch.cuda.is_available():
+            raise ConfigError(f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
+                              f"this run trains on the CPU: use trainer=gpu on a machine with a GPU, or set "
+                              f"{where}.execution.cuda_graph=false.")
+        devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+        if nodes not in (1, None) or devices not in (1, "1", None, "auto") and not (isinstance(devices, list) and len(devices) == 1):
+            raise ConfigError(f"{where}.execution.cuda_graph=true captures one process's step: set trainer.devices=1 "
+                              f"trainer.num_nodes=1, or {where}.execution.cuda_graph=false.")
+
+
 def _on_cpu(trainer) -> bool:
     """Whether a trainer config trains on the CPU (explicitly, or "auto" without CUDA)."""
     accelerator = str((trainer or {}).get("accelerator", "auto"))
@@ -398,6 +415,7 @@ def validate_config(cfg: DictConfig) -> None:
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
     check_compile(cfg)
+    check_cuda_graph(cfg)
     check_channels_last(cfg)
     resolve_channels_last(cfg)
     check_sync_batchnorm(cfg)

@@ -57,8 +57,9 @@ class SharpenedConcrete(Distribution):
         if logits.dim() < 1:
             raise ValueError("logits must have at least one dimension (the K categories)")
         dtype = torch.promote_types(logits.dtype, torch.float32)  # 16-bit logits: beta and tau stay exact
-        beta = torch.as_tensor(beta, dtype=dtype, device=logits.device)
-        tau = torch.as_tensor(tau, dtype=dtype, device=logits.device)
+        # a number becomes a tensor by a fill on the device, not a copy from the host
+        beta = beta.to(dtype) if isinstance(beta, Tensor) else torch.full((), beta, dtype=dtype, device=logits.device)
+        tau = tau.to(dtype) if isinstance(tau, Tensor) else torch.full((), tau, dtype=dtype, device=logits.device)
         batch_shape = torch.broadcast_shapes(logits.shape[:-1], beta.shape, tau.shape)
         event_shape = logits.shape[-1:]
         self.logits = logits.expand(batch_shape + event_shape)

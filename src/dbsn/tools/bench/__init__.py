@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "on a CPU one S = 100 image takes minutes)")
     parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
-    parser.add_argument("--steps", type=int, default=20, help="gpu suite: timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=10, help="gpu suite: timed steps per configuration")
+    parser.add_argument("--chunked", action="store_true", help="gpu suite: also each configuration with the T "
+                        "structures one after another")
     parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
     parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
     parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")

@@ -3,28 +3,31 @@ configuration, and what 100 epochs of it would take.
 
 The paper network (B = 7, 12 cells, 1.04 M parameters) at T = 4, batch 64, in each configuration
 
-    fp32 eager | bf16 | bf16 + channels-last | bf16 + channels-last + compile
-    (| bf16 + channels-last + compile with CUDA graphs, "reduce-overhead")
+    fp32 eager per-edge | bf16 eager per-edge | bf16 eager fused | bf16 fused + CUDA graph |
+    fp32 fused + CUDA graph | bf16 fused + compiled cells
 
-each with the T structures in one grouped forward and one after another (structure chunks of 1).
-A step here is what `Method.training_step` does on a batch: the on-device
-augmentation of a uint8 batch (`data.on_device`), the structure draw, the forward and backward
-passes under the configuration's precision, gradient clipping and both optimisers. For each:
+("per-edge": the reference cell, every edge's ops one by one; "fused": `dbsn.nets.fused_cell`;
+"CUDA graph": the whole step captured and replayed, `dbsn.methods.step.GraphedStep`; "compiled
+cells": inductor on each cell, `Compilation(scope="cells")`), the T structures in one grouped
+forward (``--chunked`` adds each with the structures one after another). A step is what
+`Method.training_step` does on a batch: the on-device augmentation of a uint8 batch, the structure
+draw, forward and backward under the configuration's precision, gradient clipping and both
+(fused) optimisers, the BatchNorm update and the NaN guard. For each:
 
-- steps/s (median of timed steps after warm-up and compilation) and peak GPU memory;
+- seconds per step (median of timed steps after warm-up, capture or compilation), peak GPU memory,
+  and the warm-up's seconds (capture and compilation included);
+- the kernels one step runs and the launches the host makes for them (`torch.profiler`: a graph
+  replays its kernels with one launch);
 - the projected time of the paper's 100 epochs: 100 x 781 steps of 64 images, plus the final
   test pass (10,000 images, S = 100) at the measured prediction rate;
-- the FLOP/s achieved (convolution and matmul FLOPs of one step, counted by torch's
-  `FlopCounterMode`) against the dense-matmul FLOP/s of the same GPU measured in the same run, in
-  the configuration's precision.
+- the FLOP/s achieved (convolution and matmul FLOPs of one step, torch's `FlopCounterMode`)
+  against the dense-matmul FLOP/s of the same GPU measured in the same run.
 
-Then the S = 100 Bayes ensemble's images/s (fp32 eager and the fastest training configuration's
-settings) and one CamVid DBSN training step (3 crops of 224 x 224, T = 1).
-
-The whole suite is meant to finish within 20 minutes; `--configs` runs a subset, and `--json`
-accumulates results over several calls (a machine that limits each command's time). On a CPU it
-runs the same code on a small setting (the tests: `--net tiny --batch 4 --steps 2`): that is how the tests
-exercise it.
+Then the S = 100 Bayes ensemble's images/s in each configuration's cell and precision, and (with
+``--segmentation yes``) one CamVid DBSN training step. The default suite fits in about 4 minutes
+on an H100/H200, so that a 15-minute lease runs it twice; `--configs` runs a subset, and `--json`
+accumulates results over several calls. On a CPU it runs the same code on a small setting (the
+tests: `--net tiny --batch 4 --steps 2`; the CUDA-graph rows say they need a GPU).
 """
 
 from __future__ import annotations
@@ -39,19 +42,20 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dbsn.precision import cpu_bf16_channels_last_is_wrong
 from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
 from dbsn.methods import DBSN, Compilation, Execution, Prediction
+from dbsn.methods.step import GraphedStep
 from dbsn.nets import StructureNet
 
-#: configuration: (precision, channels_last, compile mode or None)
+#: configuration: (precision, cell, how the step runs: eager | graph | compile)
 CONFIGS = {
-    "fp32 eager": ("fp32", False, None),
-    "bf16": ("bf16", False, None),
-    "bf16 + channels-last": ("bf16", True, None),
-    "bf16 + channels-last + compile": ("bf16", True, "default"),
-    "bf16 + channels-last + compile (CUDA graphs)": ("bf16", True, "reduce-overhead"),
+    "fp32 eager per-edge": ("fp32", "per_edge", "eager"),
+    "bf16 eager per-edge": ("bf16", "per_edge", "eager"),
+    "bf16 eager fused": ("bf16", "fused", "eager"),
+    "bf16 fused + CUDA graph": ("bf16", "fused", "graph"),
+    "fp32 fused + CUDA graph": ("fp32", "fused", "graph"),
+    "bf16 fused + compiled cells": ("bf16", "fused", "compile"),
 }
 CHUNKS = {"grouped": None, "chunked": 1}  # train_samples_per_forward
 #: the paper's CIFAR run: 100 epochs of 50,000 images in batches of 64 (the last one dropped)
@@ -65,43 +69,71 @@ def _autocast(device: torch.device, precision: str):
     return nullcontext()
 
 
-def build_method(net_name: str, device: torch.device, channels_last: bool, compile_mode: str | None,
-                 chunk: int | None, train_samples: int = 4, samples_per_forward: int = 25,
-                 backend: str = "inductor") -> DBSN:
+def build_method(net_name: str, device: torch.device, cell: str, mode: str, chunk: int | None,
+                 train_samples: int = 4, samples_per_forward: int = 25, backend: str = "inductor") -> DBSN:
     torch.manual_seed(0)
-    compile = Compilation(enabled=True, mode=compile_mode if backend == "inductor" else "default",
-                          backend=backend) if compile_mode else None
-    method = DBSN(StructureNet(num_classes=10, **NETS[net_name]), train_samples=train_samples,
+    compile = Compilation(enabled=True, scope="cells", backend=backend) if mode == "compile" else Compilation()
+    method = DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net_name]), train_samples=train_samples,
                   train_samples_per_forward=chunk, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward),
-                  execution=Execution(channels_last=channels_last, compile=compile or Compilation())).to(device)
+                  execution=Execution(channels_last=False, compile=compile, cuda_graph=mode == "graph")).to(device)
     method.dataset_size = TRAIN_IMAGES
     return method
 
 
-def training_step(method: DBSN, batch: int, device: torch.device, precision: str):
-    """A zero-argument callable: one training step from a uint8 batch on the device."""
+def training_step(method: DBSN, batch: int, device: torch.device, precision: str, graph: bool = False):
+    """A zero-argument callable: one training step from a uint8 batch on the device, as
+    `Method.training_step` runs it (eagerly, or captured in a CUDA graph with `graph`)."""
     images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 10, (batch,), device=device)
     mean, std = (torch.tensor(v, device=device) for v in (CIFAR_MEAN, CIFAR_STD))
     groups = method.weight_parameter_groups()
-    opts = [method.optim.build(group, EPOCHS, method.no_decay_parameters())[0] for group in groups]
-    opts.append(method.structure_optimizer().build(method.structure_parameters()))
+    weights = [method.optim.build(group, EPOCHS, method.no_decay_parameters(), capturable=graph)[0] for group in groups]
+    opts = [*weights, method.structure_optimizer().build(method.structure_parameters(), capturable=graph)]
+    method.attach_guard(opts)
     method.train()
+
+    def backward(loss, last):
+        loss.backward()
+
+    def body(x, y):
+        return method.step_body(x, y, opts, weights, backward)
+
+    def zero():
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+    run = GraphedStep(body, zero) if graph else None
 
     def step():
         x = to_unit_range(images)  # the paper's augmentation, batched on the device
         x = random_hflip(random_crop(x, 4, crop_offsets(batch, 4, device)), flip_draws(batch, device))
         x = normalize(x, mean, std)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
         with _autocast(device, precision):
-            method.accumulate_gradients(x, labels, lambda loss, last: loss.backward())
-        for group in groups:
-            torch.nn.utils.clip_grad_norm_(group, 5.0)
-        for opt in opts:
-            opt.step()
+            if run is not None:
+                run(x, labels)
+            else:
+                zero()
+                body(x, labels)
         method.on_after_optimizer_step(batch)
     return step
+
+
+def kernel_counts(run, device: torch.device) -> dict[str, int] | None:
+    """Kernels one call of `run` executes on the GPU and the launches the host makes for them
+    (kernel launches and graph launches; `torch.profiler`); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    launches = sum(1 for e in events if e.device_type == DeviceType.CPU and
+                   e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                              "cudaGraphLaunch", "cudaLaunchCooperativeKernel"))
+    return {"kernels": kernels, "launches": launches}
 
 
 def _error_text(error: Exception) -> str:
@@ -155,18 +187,15 @@ def prediction_rate(method: DBSN, device: torch.device, precision: str, batch: i
     return batch / seconds
 
 
-def camvid_step(device: torch.device, precision: str, channels_last: bool, compile_mode: str | None,
-                steps: int, size: int = 224, batch: int = 3, backend: str = "inductor",
+def camvid_step(device: torch.device, precision: str, cell: str, steps: int, size: int = 224, batch: int = 3,
                 net_kwargs: dict | None = None) -> dict:
-    """One DBSN-seg training step (T = 1) on `batch` crops: seconds and peak MiB."""
+    """One DBSN-seg training step (T = 1) on `batch` crops, eager: seconds and peak MiB."""
     from dbsn.methods.tasks import Segmentation
     from dbsn.nets import DBSNSegNet
 
     torch.manual_seed(0)
-    compile = Compilation(enabled=True, mode=compile_mode if backend == "inductor" else "default",
-                          backend=backend) if compile_mode else None
-    method = DBSN(DBSNSegNet(**(net_kwargs or {})), train_samples=1, task=Segmentation(), parallel="data",
-                  execution=Execution(channels_last=channels_last, compile=compile or Compilation())).to(device)
+    method = DBSN(DBSNSegNet(cell=cell, **(net_kwargs or {})), train_samples=1, task=Segmentation(), parallel="data",
+                  execution=Execution(channels_last=False)).to(device)
     method.dataset_size = 367  # CamVid's training images
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 11, (batch, size, size), device=device)
@@ -185,10 +214,11 @@ def camvid_step(device: torch.device, precision: str, channels_last: bool, compi
     return {"seconds": seconds, "peak_mib": peak}
 
 
-def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int = 3, device: str = "auto",
+def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int = 5, device: str = "auto",
               configs: list[str] | None = None, backend: str = "inductor", samples_per_forward: int = 25,
-              prediction_batch: int = 64, camvid: bool = True, camvid_size: int = 224, camvid_batch: int = 3,
-              camvid_kwargs: dict | None = None, budget_minutes: float = 20.0, previous: dict | None = None, on_result=None) -> dict:
+              prediction_batch: int = 64, camvid: bool = False, camvid_size: int = 224, camvid_batch: int = 3,
+              camvid_kwargs: dict | None = None, budget_minutes: float = 20.0, previous: dict | None = None,
+              on_result=None, chunks: tuple[str, ...] = ("grouped",)) -> dict:
     """Measure each configuration (see the module docstring); `previous` results are kept and not
     re-measured, `on_result(result)` is called after each measurement (to save partial results)."""
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
@@ -203,9 +233,10 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
         if precision not in peaks:
             peaks[precision] = matmul_flops_per_second(dev, dtype, matmul_n)
     flops = result.setdefault("flops_per_step", {})
-    for chunk_name, chunk in CHUNKS.items():
+    for chunk_name in chunks:
+        chunk = CHUNKS[chunk_name]
         if chunk_name not in flops:
-            method = build_method(net, dev, False, None, chunk, samples_per_forward=samples_per_forward)
+            method = build_method(net, dev, "fused", "eager", chunk, samples_per_forward=samples_per_forward)
             step = training_step(method, batch, dev, "fp32")
             step()
             flops[chunk_name] = count_flops(step)
@@ -220,21 +251,23 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
 
     prediction = result.setdefault("prediction_images_per_second", {})
     for name in configs or list(CONFIGS):
-        precision, channels_last, compile_mode = CONFIGS[name]
-        for chunk_name, chunk in CHUNKS.items():
+        precision, cell, mode = CONFIGS[name]
+        for chunk_name in chunks:
+            chunk = CHUNKS[chunk_name]
             key = f"{name} | {chunk_name}"
             if key in rows and "error" not in rows[key]:
                 continue
             if (time.perf_counter() - started) / 60 > budget_minutes:
                 rows[key] = {"error": f"not run: the suite's {budget_minutes:g}-minute budget was spent"}
                 continue
-            if dev.type == "cpu" and precision == "bf16" and channels_last and cpu_bf16_channels_last_is_wrong():
-                rows[key] = {"error": "refused on this CPU: wrong bf16 channels-last gradients (runtime.config.check_channels_last)"}
+            if mode == "graph" and dev.type != "cuda":
+                rows[key] = {"error": "needs a CUDA device"}
                 continue
+            method = step = None
             try:
-                method = build_method(net, dev, channels_last, compile_mode, chunk, backend=backend,
+                method = build_method(net, dev, cell, mode, chunk, backend=backend,
                                       samples_per_forward=samples_per_forward)
-                step = training_step(method, batch, dev, precision)
+                step = training_step(method, batch, dev, precision, graph=mode == "graph")
                 warm_start = time.perf_counter()
                 for _ in range(warmup):
                     step()
@@ -245,7 +278,10 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
                              "warmup_seconds": warm,
                              "flops_per_second": flops[chunk_name] / seconds,
                              "fraction_of_matmul_peak": flops[chunk_name] / seconds / peaks[precision]}
-                if chunk_name == "grouped" and name not in prediction:  # the ensemble does not chunk T
+                counts = kernel_counts(step, dev)
+                if counts is not None:
+                    rows[key].update(counts)
+                if chunk_name == "grouped" and name not in prediction and mode != "compile":  # the ensemble does not chunk T
                     prediction[name] = prediction_rate(method, dev, precision, prediction_batch, max(2, steps // 5))
             except Exception as error:  # one configuration's failure must not lose the others
                 rows[key] = {"error": _error_text(error)}
@@ -260,11 +296,11 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 20, warmup: int 
             row["projected_hours_100_epochs"] = projected_hours(row["seconds_per_step"], batch, prediction.get(name))
     if camvid and "camvid" not in result:
         result["camvid"] = {}
-        for name in ("fp32 eager", "bf16 + channels-last + compile"):
-            precision, channels_last, compile_mode = CONFIGS[name]
+        for name in ("bf16 eager per-edge", "bf16 eager fused"):
+            precision, cell, _ = CONFIGS[name]
             try:
-                result["camvid"][name] = camvid_step(dev, precision, channels_last, compile_mode, max(2, steps // 4),
-                                                     camvid_size, camvid_batch, backend, camvid_kwargs)
+                result["camvid"][name] = camvid_step(dev, precision, cell, max(2, steps // 4),
+                                                     camvid_size, camvid_batch, camvid_kwargs)
             except Exception as error:
                 result["camvid"][name] = {"error": _error_text(error)}
         save()
@@ -276,16 +312,18 @@ def markdown(result: dict) -> str:
     lines = [f"Measured {result['date']} on {result['device']}, torch {result['torch']}: the {result['net']} "
              f"network, T = {result['train_samples']}, batch {result['batch']}, median of {result['steps']} steps "
              f"(`python -m dbsn.tools.bench --suite gpu`).", "",
-             "| configuration | T structures | steps/s | peak GiB | 100 epochs (h) | TFLOP/s | of matmul peak |",
-             "|---|---|---|---|---|---|---|"]
+             "| configuration | T structures | ms per step | kernels / launches per step | warm-up s | peak GiB | "
+             "100 epochs (h) | TFLOP/s | of matmul peak |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, row in result["training"].items():
         name, chunk = key.split(" | ")
         if "error" in row:
-            lines.append(f"| {name} | {chunk} | {row['error']} | | | | |")
+            lines.append(f"| {name} | {chunk} | {row['error']} | | | | | | |")
             continue
-        lines.append(f"| {name} | {chunk} | {row['steps_per_second']:.2f} | {row['peak_mib'] / 1024:.1f} | "
-                     f"{row.get('projected_hours_100_epochs', float('nan')):.2f} | {row['flops_per_second'] / 1e12:.2f} | "
-                     f"{100 * row['fraction_of_matmul_peak']:.1f} % |")
+        kernels = f"{row['kernels']:,} / {row['launches']:,}" if "kernels" in row else "-"
+        lines.append(f"| {name} | {chunk} | {1000 * row['seconds_per_step']:.1f} | {kernels} | {row['warmup_seconds']:.0f} | "
+                     f"{row['peak_mib'] / 1024:.1f} | {row.get('projected_hours_100_epochs', float('nan')):.2f} | "
+                     f"{row['flops_per_second'] / 1e12:.2f} | {100 * row['fraction_of_matmul_peak']:.1f} % |")
     peaks = result["matmul_flops_per_second"]
     lines += ["", f"Dense matmul peak measured in the same run: fp32 {peaks['fp32'] / 1e12:.1f} TFLOP/s, "
                   f"bf16 {peaks['bf16'] / 1e12:.1f} TFLOP/s. FLOPs per step (convolutions and matmuls): "
@@ -317,7 +355,8 @@ def main(args) -> dict:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     result = run_suite(args.net or "paper", args.batch, args.steps, device=args.device, configs=configs,
                        backend=args.compile_backend, prediction_batch=args.prediction_batch, previous=previous,
-                       on_result=save, camvid=args.segmentation != "no")
+                       on_result=save, camvid=args.segmentation == "yes",
+                       chunks=("grouped", "chunked") if args.chunked else ("grouped",))
     save(result)
     print(markdown(result))
     return result
