@@ -2,11 +2,14 @@
 bf16 + channels-last (`dbsn.precision`).
 
 Every method trains under bf16-mixed with θ, the statistics and the optimisers' states in 32
-bits; DBSN on digits lands near its float32 error; bfloat16 + channels-last is refused on a CPU
-exactly where its gradients are wrong. (Each float32 island `dbsn.precision` lists is tested
-with its module: tests/structure/test_concrete.py, tests/bayes/test_layers.py,
-tests/natgrad/test_per_example.py, tests/methods/test_predictive.py, tests/methods/test_tasks.py;
-the refused precisions with the config checks, tests/runtime/test_config.py.)
+bits, and the run's end (test pass, cost, metrics.json) completes: on every CPU in the layout bf16
+runs in wherever it is native (no channels-last: a GPU's, and a native-bf16 CPU's, whose
+channels-last gradients are wrong), and on the GPU where there is one; DBSN on digits lands near
+its float32 error; bfloat16 + channels-last is refused on a CPU exactly where its gradients are
+wrong. (Each float32 island `dbsn.precision` lists is tested with its module:
+tests/structure/test_concrete.py, tests/bayes/test_layers.py, tests/natgrad/test_per_example.py,
+tests/methods/test_predictive.py, tests/methods/test_tasks.py; the refused precisions with the
+config checks, tests/runtime/test_config.py.)
 """
 
 from __future__ import annotations
@@ -28,21 +31,34 @@ def cifar_root(cifar10_files):
     return cifar10_files(n_train=96, n_test=32, seed=1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ALL_METHODS)
-def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
-    """Two training steps and a test pass under trainer.precision=bf16-mixed: finite loss (the
-    NaN guard stops a run at the first non-finite one), finite test metrics, and θ, the running
-    statistics and the optimisers' states still in 32 (or 64) bits."""
+#: `model.execution.channels_last=false`: the layout bf16-mixed runs in wherever bf16 is native. `auto`
+#: gives it on a GPU, and on a CPU with native bf16 (whose oneDNN computes channels-last bf16 gradients
+#: wrongly, `dbsn.precision`); elsewhere (bf16 emulated) `auto` gives channels-last, whose input copy
+#: hid the test pass's inference tensors from the cost's training step (a crash at the end of every
+#: run without channels-last).
+NATIVE_LAYOUT = "model.execution.channels_last=false"
+
+
+def _train_under_bf16(method: str, cifar_root, tmp_path, *extra: str, accelerator: str = "cpu") -> dict:
+    """Two training steps and a test pass under trainer.precision=bf16-mixed: finite loss (the NaN
+    guard stops a run at the first non-finite one), finite test metrics, the run's end written
+    (metrics.json with its cost, measured on the run's device), and θ, the running statistics and the optimisers' states still in
+    32 (or 64) bits."""
+    import json
+
     from dbsn.runtime.run import train
     from tests.support.configs import compose_config, tiny_for
 
+    tiny = [o for o in tiny_for(method) if not o.startswith("trainer.accelerator=")]
     overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=16",
-                 "data.num_workers=0", *tiny_for(method), "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-                 "trainer.limit_test_batches=1", "trainer.precision=bf16-mixed",
-                 "callbacks.structure_posterior.save_figures=false"]
+                 "data.num_workers=0", *tiny, f"trainer.accelerator={accelerator}", "trainer.max_epochs=1",
+                 "trainer.limit_train_batches=2", "trainer.limit_test_batches=1", "trainer.precision=bf16-mixed",
+                 "callbacks.structure_posterior.save_figures=false", *extra]
     metrics = train(compose_config("train", overrides, tmp_path), tmp_path)
     assert all(math.isfinite(v) for v in metrics.values()) and "test/nll" in metrics
+    cost = json.loads((tmp_path / "metrics.json").read_text())["cost"]
+    assert cost["train_flops_per_image"] > 0 and cost["predict_flops_per_image"] > 0
+    assert cost["peak_memory_of"] == ("cuda_max_allocated" if accelerator == "gpu" else "cpu_max_rss")
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] >= 2
     low = (torch.float16, torch.bfloat16)
@@ -51,6 +67,28 @@ def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
     for state in checkpoint["optimizer_states"]:
         for slot in state["state"].values():
             assert not any(v.dtype in low for v in slot.values() if torch.is_tensor(v))
+    return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_trains_under_bf16_mixed(method, cifar_root, tmp_path):
+    """`_train_under_bf16` on the CPU, in the layout of native bf16 (`NATIVE_LAYOUT`) on every CPU."""
+    _train_under_bf16(method, cifar_root, tmp_path, NATIVE_LAYOUT)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_in_the_default_layout_of_this_cpu(cifar_root, tmp_path):
+    """DBSN with `channels_last=auto`: channels-last where bf16 is emulated, not where it is native."""
+    _train_under_bf16("dbsn", cifar_root, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_trains_under_bf16_mixed_on_a_gpu(method, cifar_root, tmp_path):
+    """`_train_under_bf16` on the GPU (native bf16; `auto` gives no channels-last there)."""
+    _train_under_bf16(method, cifar_root, tmp_path, accelerator="gpu")
 
 
 def _native_bf16() -> bool:
@@ -64,7 +102,8 @@ def _native_bf16() -> bool:
 def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
     """`make train`'s DBSN (15 epochs on digits), at half its width (growth 8: the test's time),
     trained in float32 and in bf16-mixed from the same seed, side by side with one thread each
-    (`train.py` in two processes). The bound is two standard errors of the difference of two error
+    (`train.py` in two processes), where bf16 is native: on the GPU where there is one, else on this
+    CPU (`experiment=quick`'s `trainer=cpu`; its channels-last off under bf16). The bound is two standard errors of the difference of two error
     rates on the 450 test images (about 2.5 points at a 4 % error), not one point: on this short
     run the final error moves by more than a point under any perturbation of the arithmetic.
     Measured on the 2-core machine (2026-11-25): at full width (S = 100) float32 with one thread
@@ -82,7 +121,8 @@ def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
     for precision in ("32-true", "bf16-mixed"):
         command = [sys.executable, str(ROOT / "train.py"), "experiment=quick", "model.net.growth=8", "model.prediction.n_samples=30",
                    f"trainer.precision={precision}", "trainer.enable_progress_bar=false",
-                   "callbacks.structure_posterior.save_figures=false", f"hydra.run.dir={tmp_path / precision}"]
+                   "callbacks.structure_posterior.save_figures=false", f"hydra.run.dir={tmp_path / precision}",
+                   *(["trainer=gpu"] if torch.cuda.is_available() else [])]
         runs[precision] = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     errors = {}
