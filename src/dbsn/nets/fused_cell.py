@@ -209,12 +209,12 @@ def unfuse(net: nn.Module) -> nn.Module:
             conv = child.preprocess[2]
             cell = Cell(child.preprocess[0].num_features, child.num_nodes, child.growth, child.op_names,
                         projection_kernel=conv.kernel_size[0], keep_input=child.keep_input)
-            cell.node_output, cell.channel_groups = child.node_output, child.channel_groups
-            cell.load_state_dict(child.state_dict())
             reference = conv.weight
             layout = torch.channels_last if reference.is_contiguous(memory_format=torch.channels_last) and not \
                 reference.is_contiguous() else torch.contiguous_format
             cell.to(device=reference.device, dtype=reference.dtype, memory_format=layout)
+            cell.load_state_dict(child.state_dict())
+            cell.node_output, cell.channel_groups = child.node_output, child.channel_groups
             cell.train(child.training)
             setattr(parent, name, cell)
     if getattr(net, "cell", None) == "fused":
