@@ -40,6 +40,7 @@ test-fast: $(STAMP)
 
 ## Speed and memory ratios, measured in one run on this machine.
 bench: $(STAMP)
+	$(PY) -m dbsn.tools.bench --suite step
 	$(PY) -m dbsn.tools.bench
 	$(PY) -m dbsn.tools.bench --suite field --backbone resnet18
 

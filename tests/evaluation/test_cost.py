@@ -83,6 +83,37 @@ def test_training_flops_of_conv_then_linear_count_the_linear_input_gradient():
     assert prediction_flops_per_image(_map(conv=True), x) == conv + fc
 
 
+def test_a_grouped_convolution_s_gradients_cost_its_forward_each():
+    """A depthwise convolution's input and weight gradients cost one forward each: 2·C·H·W·k·k per
+    gradient, not the dense convolution's C times as many (torch's own formula's count), so the
+    fused cell's grouped convolutions count what the per-edge cell's count."""
+    from dbsn.evaluation.cost import flop_counter_mode
+
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    forward = 2 * 2 * 16 * 8 * 8 * 3 * 3
+    with flop_counter_mode() as counter:
+        out = conv(x)
+    assert counter.get_total_flops() == forward
+    with flop_counter_mode() as counter:
+        out.sum().backward()
+    assert counter.get_total_flops() == 2 * forward
+
+
+def test_both_cells_cost_the_same_flops():
+    from dbsn.methods import DBSN
+    from dbsn.nets import StructureNet
+
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 5, (2,))
+    counts = []
+    for cell in ("per_edge", "fused"):
+        torch.manual_seed(0)
+        method = DBSN(StructureNet(num_classes=5, num_nodes=4, cells_per_stage=1, num_stages=2, growth=4,
+                                   stem_channels=8, cell=cell), train_samples=2, dataset_size=10)
+        counts.append((training_flops_per_image(method, x, y), prediction_flops_per_image(method, x)))
+    assert counts[0] == counts[1]
+
+
 def test_prediction_flops_grow_linearly_with_s():
     x, _ = _batch()
     method = _map(dropout=True)

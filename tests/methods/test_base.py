@@ -77,7 +77,7 @@ def test_chunks_without_the_accumulated_batchnorm_update_would_differ(monkeypatc
 
     grouped = _one_step(None)
     monkeypatch.setattr(dbsn.methods.base, "accumulated_running_statistics",
-                        lambda net, enabled=True: contextlib.nullcontext())
+                        lambda net, enabled=True, **settings: contextlib.nullcontext())
     with pytest.raises(AssertionError, match="running_"):
         _assert_same_state(_one_step(1), grouped)
 
@@ -232,7 +232,8 @@ def _ddp_runs(tmp_path, train_samples: int, chunk: str, steps: int, wrong_kl: bo
 def _assert_same_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 2e-6) -> None:
     assert a.keys() == b.keys() and "structure.theta" in a and len(a) > 20
     for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=atol, msg=key)
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=atol,
+                                   msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.slow
@@ -246,8 +247,8 @@ def test_structure_parallel_steps_on_two_ranks_equal_one_device(tmp_path, train_
     single, ranks = runs[1]["grads"][0], runs[2]["grads"]
     assert sorted(ranks) == [0, 1]
     assert single["structure.theta"].abs().max() > 1e-3
-    for rank in (0, 1):
-        _assert_same_gradients(single, ranks[rank])
+    for rank in (0, 1):  # chunked: the fused cell sums the stem's gradient in another order (a few 1e-6)
+        _assert_same_gradients(single, ranks[rank], atol=2e-6 if chunk == "null" else 1e-5)
     assert int(runs[2]["state"]["examples_seen"]) == steps * 16  # a shared batch counts once
     # float32 round-off of the all-reduce's summation order: a few 1e-6 after two steps at lr 0.1
     # (data-parallel ranks, or a wrong share of the structures, differ by ~1e-2)

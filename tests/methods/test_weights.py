@@ -67,7 +67,8 @@ def test_mc_dropout_node_outputs_placement_puts_dropout_on_every_cell():
     from torch import nn
 
     from dbsn.methods import MCDropoutWeights
-    from dbsn.nets import Cell, StructureNet
+    from dbsn.nets import StructureNet
+    from dbsn.nets.cell import CellBase as Cell
 
     torch.manual_seed(0)
     net = StructureNet(5, num_nodes=3, cells_per_stage=2, growth=4, stem_channels=8)
@@ -102,7 +103,7 @@ def _dropout_calls(method, x):
 def test_mc_dropout_default_is_map_with_dropout_on_every_node_output(tmp_path):
     """The research code's baseline, which produced the paper's numbers: learned θ, dropout on
     each node's output (once per node and cell), none inside the ops."""
-    from dbsn.nets import Cell
+    from dbsn.nets.cell import CellBase as Cell
     from dbsn.runtime.build import build_model
 
     cfg = compose_config("train", small_model("mc_dropout"), tmp_path)

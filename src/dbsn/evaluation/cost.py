@@ -12,7 +12,9 @@ FLOPs are torch's `FlopCounterMode` totals: matmuls and convolutions only, 2 FLO
 multiply-add (a conv: 2·C_out·H_out·W_out·C_in·k·k / groups per image). Its backward counts are
 the products autograd actually computes: the weight gradient of every layer, and the input
 gradient only where the input needs one, so the first layer's backward costs one forward (the
-images need no gradient) and every later layer's two. Elementwise work (activations, BatchNorm,
+images need no gradient) and every later layer's two; a grouped convolution's weight gradient
+counted with its groups (torch's formula counts it as a dense convolution's, which made a DBSN
+step's count 2-3 times too large: `flop_counter_mode`). Elementwise work (activations, BatchNorm,
 softmax, the optimiser step) is not counted. Counts grow with T and S as the network runs them:
 StructureNet evaluates its structure-independent stem once per grouped forward, so a step costs
 stem + T · the rest (and S members, in forwards of `samples_per_forward`, likewise), not T times
@@ -37,6 +39,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from dbsn.methods.base import Method
@@ -85,8 +88,23 @@ def _outside_inference(t: Tensor) -> Tensor:
     return t.clone() if t.is_inference() else t
 
 
+def _grouped_conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                                _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's backward: each gradient asked for (input, weight) costs the forward's FLOPs.
+    torch's own formula leaves the groups out of the weight gradient (it counts a depthwise
+    convolution's as a dense one's: C times too many; a DBSN cell is mostly depthwise)."""
+    forward = flop_counter.conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+def flop_counter_mode() -> FlopCounterMode:
+    """torch's `FlopCounterMode` (matmuls and convolutions, 2 FLOPs per multiply-add), with the
+    backward of grouped convolutions counted right (`_grouped_conv_backward_flop`)."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _grouped_conv_backward_flop})
+
+
 def _count_flops(run) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter_mode() as counter:
         run()
     return int(counter.get_total_flops())
 

@@ -38,6 +38,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch import Tensor, nn
 
@@ -383,12 +384,12 @@ class Method(pl.LightningModule):
         optimizers, schedules = [], []
         no_decay, lr_scales = self.no_decay_parameters(), self.lr_scales()
         for group in self.weight_parameter_groups():
-            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales, capturable=self.execution.cuda_graph)
+            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales, capturable=bool(self.execution.cuda_graph))
             optimizers.append(sgd)
             schedules.append(schedule)
         if self.structure_parameters():
             optimizers.append(self.structure_optimizer().build(self.structure_parameters(),
-                                                               capturable=self.execution.cuda_graph))
+                                                               capturable=bool(self.execution.cuda_graph)))
         return optimizers, schedules
 
     def on_fit_start(self) -> None:
@@ -486,13 +487,10 @@ class Method(pl.LightningModule):
         self._graphed = None
         if not self.execution.cuda_graph:
             return
-        reason = self.cuda_graph_refusal()
-        if reason is None and self.device.type != "cuda":
-            reason = f"it captures the step on a CUDA device, and this run trains on {self.device.type}"
-        if reason is None and self._world_size() > 1:
-            reason = "it captures one process's step; this run has several devices (use one GPU)"
-        if reason is None and not self._guard.attached:
-            reason = "its optimisers cannot skip a non-finite step on the device"
+        reason = self._graph_refusal()
+        if reason is not None and self.execution.cuda_graph == "auto":
+            rank_zero_info(f"model.execution.cuda_graph=auto: eager training steps, since {reason}.")
+            return
         if reason is not None:
             raise ValueError(f"model.execution.cuda_graph=true: {reason}. Set model.execution.cuda_graph=false.")
         raw = [getattr(o, "optimizer", o) for o in opts]
@@ -500,12 +498,24 @@ class Method(pl.LightningModule):
         self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw, weights),
                                     lambda: [o.zero_grad(set_to_none=True) for o in raw])
 
+    def _graph_refusal(self) -> str | None:
+        """Why this run's step cannot be captured: the method's reason, or the run's."""
+        reason = self.cuda_graph_refusal()
+        if reason is None and self.device.type != "cuda":
+            reason = f"it captures the step on a CUDA device, and this run trains on {self.device.type}"
+        if reason is None and self._world_size() > 1:
+            reason = "it captures one process's step; this run has several devices (use one GPU)"
+        if reason is None and not self._guard.attached:
+            reason = "its optimisers cannot skip a non-finite step on the device"
+        return reason
+
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self._guard.attached and self._guard.due(self.global_step, batch_idx + 1 == self.trainer.num_training_batches):
             self._guard.check(self._last_checkpoint())
 
     def on_train_end(self) -> None:
         self._guard.check(self._last_checkpoint())
+        self._guard.detach()
         self._graphed = None  # the graph holds the optimisers' tensors: free it with the fit
 
     def _last_checkpoint(self) -> str:
@@ -550,9 +560,11 @@ class Method(pl.LightningModule):
         back-propagates one part. With the guard attached (`attach_guard`) a non-finite loss
         is marked on the device; without, it raises at once (one synchronisation)."""
         logs: dict[str, Tensor] = {}
-        with accumulated_running_statistics(self, statistics=self._running_statistics, keep=self._guard.found_inf):
+        guarded = self._guard.guards(x.device)
+        keep = self._guard.found_inf if guarded else None
+        with accumulated_running_statistics(self, statistics=self._running_statistics, keep=keep):
             for share, last, out in self.training_losses(x, y):
-                if self._guard.attached:
+                if guarded:
                     self._guard.mark(out["loss"])
                 else:
                     self._check_finite(out["loss"], batch_idx)

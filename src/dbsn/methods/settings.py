@@ -114,9 +114,8 @@ class Compilation:
     Args:
         enabled: compile (off by default).
         scope: "network" (the whole forward) or "cells" (regional compilation: each cell's
-            forward, every cell of the same input shape sharing one compiled graph, so the first
-            step compiles a handful of cell shapes instead of the whole network; tested: no
-            further cell recompiles).
+            forward on its own, every cell shape compiled once, so a compiler sees one cell at a
+            time instead of the whole network; tested: nothing recompiles after the first step).
         mode: inductor's mode: "default", "reduce-overhead" (CUDA graphs: least launch
             overhead, fixed input shapes), "max-autotune", "max-autotune-no-cudagraphs".
         backend: "inductor" (needs a C++ compiler on a CPU, Triton on a GPU), or "aot_eager"
@@ -150,6 +149,13 @@ class Compilation:
         targets = [net] if self.scope == "network" else [m for m in net.modules() if isinstance(m, CellBase)]
         if not targets:
             raise ValueError(f"compile.scope=cells: {type(net).__name__} has no cells; use compile.scope=network")
+        if self.scope == "cells":
+            # every cell's forward is one code object to dynamo: each cell shape (a dense cell's width grows
+            # cell by cell), in training and evaluation, is one entry of its cache, whose default of 8 entries
+            # would send the later cells back to eager
+            import torch._dynamo.config as dynamo
+
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(targets))
         for module in targets:
             module.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
 
@@ -206,16 +212,19 @@ class Execution:
         cuda_graph: capture the whole training step (forward, backward, optimisers) in a CUDA
             graph after three eager steps and replay it (`dbsn.methods.step.GraphedStep`): one
             launch instead of thousands; one GPU, the methods that say they support it
-            (`Method.cuda_graph_refusal`). Off by default.
+            (`Method.cuda_graph_refusal`); "auto": where it can (one GPU, a method that supports it),
+            eager steps elsewhere (`speed=fast`). Off by default.
     """
 
     channels_last: bool | Literal["auto"] = False
     compile: Compilation = field(default_factory=Compilation)
-    cuda_graph: bool = False
+    cuda_graph: bool | Literal["auto"] = False
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):
             raise ValueError(f"execution.channels_last must be true, false or auto, got {self.channels_last!r}")
+        if self.cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"execution.cuda_graph must be true, false or auto, got {self.cuda_graph!r}")
 
     @property
     def uses_channels_last(self) -> bool:

@@ -76,6 +76,16 @@ class FiniteGuard:
     def attached(self) -> bool:
         return self.found_inf is not None
 
+    def guards(self, device: torch.device) -> bool:
+        """Whether the guard is attached and a step on `device` can use it (a model moved after
+        training, for a measurement, steps without it)."""
+        return self.found_inf is not None and self.found_inf.device == device
+
+    def detach(self) -> None:
+        """Forget the optimisers (after training)."""
+        self.found_inf = self._first = self._loss = self._step = None
+        self._positions = {}
+
     def begin(self, global_step: int, epoch: int, batch: int) -> None:
         """Before a step: its number, on the device (written in place: no synchronisation)."""
         self._step.fill_(global_step)

@@ -98,10 +98,14 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             y = self._scale_shift(x, groups, mean, var)
             return y, mean.detach().reshape(-1), torch.rsqrt(var.detach() + self.eps).reshape(-1)
         weight, bias = self._affine(groups)
+        if weight is None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            # a CPU computes a 16-bit batch's statistics in its dtype unless a float32 parameter makes it
+            # mix (a GPU accumulates in float32 either way): the statistics stay float32, as promised
+            weight, bias = x.new_ones(groups * c, dtype=torch.float32), x.new_zeros(groups * c, dtype=torch.float32)
         # (its mean and 1/std come out of autograd's graph: nothing to detach)
         y, mean, invstd = torch.native_batch_norm(x.reshape(n // groups, groups * c, h, w), weight, bias,
                                                   None, None, True, 0.0, self.eps)
-        return y.view(n, c, h, w), mean, invstd
+        return y.view(n, c, h, w), full(mean), full(invstd)
 
     def _affine(self, groups: int) -> tuple[Tensor | None, Tensor | None]:
         if not self.affine:

@@ -237,8 +237,12 @@ def check_cuda_graph(cfg: DictConfig) -> None:
     """Refuse `model.execution.cuda_graph=true` before anything is built where it cannot run: without a
     CUDA device, or on several devices."""
     trainer = cfg.get("trainer") or {}
+    model = cfg.get("model") or {}
+    execution = model.get("execution")
+    if "member" in model and execution is not None and dict(execution) == {"cuda_graph": "auto"}:
+        del model["execution"]  # speed=fast on an ensemble: "where it can" is nowhere (its members step together)
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
-        if not ((node or {}).get("execution") or {}).get("cuda_graph"):
+        if ((node or {}).get("execution") or {}).get("cuda_graph") is not True:
             continue
         if _on_cpu(trainer) or not torch.cuda.is_available():
             raise ConfigError(f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
@@ -406,6 +410,7 @@ def validate_config(cfg: DictConfig) -> None:
         if key in cfg and not (value is None and None in allowed) and not any(_fits(value, t) for t in allowed if t):
             expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
+    check_cuda_graph(cfg)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
     check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
@@ -415,7 +420,6 @@ def validate_config(cfg: DictConfig) -> None:
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
     check_compile(cfg)
-    check_cuda_graph(cfg)
     check_channels_last(cfg)
     resolve_channels_last(cfg)
     check_sync_batchnorm(cfg)

@@ -5,6 +5,9 @@
                            (`dbsn.tools.bench.gpu`)
     --suite field          each field method's training step and prediction over one network's
                            on the same backbone (`dbsn.tools.bench.field`)
+    --suite step           the paper step's operations per cell (aten, kernel-launching, host
+                           synchronisations), one cell's traced graph, fused over per-edge
+                           (`dbsn.tools.bench.step`)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dbsn.tools.bench import cpu
 
     parser = argparse.ArgumentParser(description=cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("cpu", "gpu", "field"), default="cpu",
+    parser.add_argument("--suite", choices=("cpu", "gpu", "field", "step"), default="cpu",
                         help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
                              "on one GPU (dbsn.tools.bench.gpu); field: the field's methods over one network on a "
                              "backbone (dbsn.tools.bench.field)")
@@ -57,6 +60,15 @@ def main(argv: list[str] | None = None) -> dict:
         from dbsn.tools.bench import gpu
 
         return gpu.main(args)
+    if args.suite == "step":
+        from dbsn.tools.bench import step
+
+        result = step.run(args.batch, args.repeats, trace=not args.no_compile)
+        print(step.markdown(result, args.batch))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     if args.suite == "field":
         from dbsn.tools.bench import field
 

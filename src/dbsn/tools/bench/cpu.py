@@ -365,9 +365,9 @@ def statistics_cost(n: int = 10_000, classes: int = 10, resamples: int = 1000, n
 def machine_fraction(step, seconds: float, device: torch.device, matmul_size: int = 2048) -> dict:
     """The convolution and matmul FLOP/s that `step` achieves at `seconds` per call, and its
     fraction of this machine's dense float32 matmul FLOP/s, measured now."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from dbsn.evaluation.cost import flop_counter_mode
 
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter_mode() as counter:
         step()
     flops = counter.get_total_flops()
     a, b = (torch.randn(matmul_size, matmul_size, device=device) for _ in range(2))

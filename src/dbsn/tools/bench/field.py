@@ -14,7 +14,8 @@ settings are the ones a run uses, and timed on the same batch, in interleaved re
 
 Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
 backbone: a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
-prediction. Parameters are counted too. `--size quick` narrows the backbone so the suite runs on a
+prediction. The prediction is also divided by S single networks (S = the method's members): what
+predicting the members together saves over running them one by one, or costs beyond it. Parameters are counted too. `--size quick` narrows the backbone so the suite runs on a
 CPU in minutes (ResNet-18 width 16, WideResNet-16-2, DBSN's small cell network); `paper` is the
 published size (a GPU's job).
 """
@@ -76,6 +77,7 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor):
     opts = [method.optim.build(group, 100, method.no_decay_parameters(), method.lr_scales())[0] for group in groups]
     if method.structure_parameters():
         opts.append(method.structure_optimizer().build(method.structure_parameters()))
+    method.attach_guard(opts)  # the NaN guard on the device, as in training (no host read per step)
     method.train()
 
     def step():
@@ -132,6 +134,8 @@ def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeat
         "parameters": parameters, "members": members, "seconds": seconds,
         "ratios": {f"{name} {what} / map_fixed {what}": seconds[f"{name} {what}"] / one[what]
                    for name in names if name != "map_fixed" for what in ("train", "predict")},
+        # the S-member prediction against S single networks: below 1, the members share work
+        "prediction_per_member": {name: seconds[f"{name} predict"] / (members[name] * one["predict"]) for name in names},
     }
 
 
@@ -143,9 +147,10 @@ def _print(result: dict) -> None:
     console.print(f"[bold]dbsn bench field[/] {result['date']} on {result['device']}, torch {result['torch']}, "
                   f"{result['backbone']} ({result['size']}), batch {result['batch']}, median of {result['repeats']}")
     table = Table("method", "parameters", "members", "train s", "train / one network", "predict s",
-                  "predict / one network")
+                  "predict / one network", "predict / members × one network")
     for name, count in result["parameters"].items():
         ratio = lambda what: "1" if name == "map_fixed" else f"{result['ratios'][f'{name} {what} / map_fixed {what}']:.2f}"  # noqa: E731
         table.add_row(name, f"{count:,}", str(result["members"][name]), f"{result['seconds'][f'{name} train']:.4f}",
-                      ratio("train"), f"{result['seconds'][f'{name} predict']:.4f}", ratio("predict"))
+                      ratio("train"), f"{result['seconds'][f'{name} predict']:.4f}", ratio("predict"),
+                      f"{result['prediction_per_member'][name]:.2f}")
     console.print(table)

@@ -40,8 +40,8 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from dbsn.evaluation.cost import flop_counter_mode
 from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
 from dbsn.methods import DBSN, Compilation, Execution, Prediction
@@ -151,8 +151,9 @@ def _timed(run, device: torch.device, steps: int) -> tuple[float, float]:
 
 
 def count_flops(run) -> int:
-    """Convolution and matmul FLOPs of one call (torch's FlopCounterMode)."""
-    with FlopCounterMode(display=False) as counter:
+    """Convolution and matmul FLOPs of one call (torch's FlopCounterMode, grouped convolutions'
+    backward counted right: `dbsn.evaluation.cost.flop_counter_mode`)."""
+    with flop_counter_mode() as counter:
         run()
     return int(counter.get_total_flops())
 

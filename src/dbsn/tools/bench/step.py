@@ -1,0 +1,185 @@
+"""What predicts the paper step's time on a GPU, measured on any machine: operations per step.
+
+On a GPU the paper network's eager step is bound by its dispatched operations (about 20 µs each),
+not by their arithmetic, and a CUDA graph needs a step that never reads a device value on the
+host. These rows count, for the per-edge and the fused cell, in one training step of the paper
+network (B = 7, 12 cells, T = 4 grouped, batch 2, float32, contiguous layout as on a GPU, the
+fused optimisers, the NaN guard attached; forward, backward and optimisers):
+
+- aten operations (`TorchDispatchMode`), and those that launch a kernel on a GPU (all but views);
+- host synchronisations: operations that read a device value on the host (``.item()``,
+  ``if tensor``, boolean indexing, ...) or copy host data to the device (target: 0);
+- the traced graph of one cell (dynamo + AOTAutograd: call nodes of its forward and backward
+  graphs), what a compiler of the cell has to handle, and how long tracing it took;
+- CPU seconds of a training step and of the S = 100 Bayes ensemble's prediction (the small
+  network at the bench's batch), fused over per-edge.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dbsn.methods import DBSN, Execution, Prediction
+from dbsn.nets import StructureNet
+from dbsn.tools.bench.common import NETS
+
+#: aten operations that do not launch a kernel on a GPU (views, metadata, profiler marks)
+VIEWS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.detach", "aten.alias", "aten.select", "aten.slice", "aten.unsqueeze",
+    "aten.squeeze", "aten.permute", "aten.expand", "aten.t", "aten.transpose", "aten.unbind", "aten.split",
+    "aten.split_with_sizes", "aten.as_strided", "aten._reshape_alias", "aten.narrow", "aten.lift_fresh",
+    "aten.promote_types", "aten.chunk", "aten.unflatten", "aten.movedim", "aten.result_type",
+    "profiler._record_function_enter_new", "profiler._record_function_exit",
+})
+#: operations that read a device value on the host, or copy host data to the device
+HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
+                        "aten.equal", "aten.allclose", "aten.unique", "aten._unique2", "aten.lift_fresh"})
+CELLS = ("per_edge", "fused")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def launching(self) -> int:
+        return sum(n for name, n in self.counts.items() if name not in VIEWS)
+
+    @property
+    def host_reads(self) -> int:
+        return sum(n for name, n in self.counts.items() if name in HOST_READS)
+
+
+def build(cell: str, net: str = "paper", train_samples: int = 4) -> DBSN:
+    torch.manual_seed(0)
+    return DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net]), train_samples=train_samples, dataset_size=50_000,
+                prediction=Prediction(n_samples=100, samples_per_forward=25), execution=Execution(channels_last=False))
+
+
+def training_step(method: DBSN, batch: int):
+    """A zero-argument callable: one training step as `Method.training_step` runs it."""
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    weights = [method.optim.build(method.weight_parameters(), 100)[0]]
+    opts = [*weights, method.structure_optimizer().build(method.structure_parameters())]
+    method.attach_guard(opts)
+    method.train()
+
+    def step():
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        method.step_body(x, y, opts, weights, lambda loss, last: loss.backward())
+        method.on_after_optimizer_step(batch)
+    return step
+
+
+def count_step(cell: str, batch: int = 2) -> dict[str, int]:
+    """aten, kernel-launching and host-reading operations of one paper-network step."""
+    step = training_step(build(cell), batch)
+    step()  # optimiser state, the BatchNorm update's index tensors
+    with OpCounter() as counter:
+        step()
+    return {"aten_ops": counter.total, "launching_ops": counter.launching, "host_syncs": counter.host_reads}
+
+
+def traced_cell(cell: str, groups: int = 4, batch: int = 2) -> dict[str, float]:
+    """Call nodes of one cell's forward and backward graphs as dynamo and AOTAutograd trace them (a
+    cell of the paper network's second stage), and the seconds the trace took."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    counts: dict[str, int] = {}
+
+    def counting(kind):
+        def compiler(graph_module, inputs):
+            counts[kind] = counts.get(kind, 0) + sum(1 for n in graph_module.graph.nodes if n.op == "call_function")
+            return graph_module
+        return compiler
+
+    method = build(cell)
+    module = method.net.stages[1][1]
+    channels = module.preprocess[0].num_features
+    x = torch.randn(batch * groups, channels, 16, 16)
+    alpha = torch.softmax(torch.randn(groups, method.net.num_edges, method.net.num_ops), -1).requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward")))
+    start = time.perf_counter()
+    compiled(x, alpha).sum().backward()
+    seconds = time.perf_counter() - start
+    torch._dynamo.reset()
+    return {"forward_nodes": counts.get("forward", 0), "backward_nodes": counts.get("backward", 0), "trace_seconds": seconds}
+
+
+def timings(batch: int, repeats: int, net: str = "quick") -> dict[str, dict[str, float]]:
+    """Median CPU seconds of a training step (T = 4) and of the S = 100 prediction of `batch`
+    images, per cell, interleaved."""
+    steps = {cell: training_step(build(cell, net), batch) for cell in CELLS}
+    predictors = {cell: build(cell, net) for cell in CELLS}
+    x = torch.randn(batch, 3, 32, 32)
+    for method in predictors.values():
+        method.eval()
+
+    def predict(method):
+        with torch.inference_mode():
+            method.predict_log_probs(x, 100)
+
+    runs = {(cell, "step"): steps[cell] for cell in CELLS}
+    runs.update({(cell, "prediction"): (lambda m=predictors[cell]: predict(m)) for cell in CELLS})
+    for run in runs.values():
+        run()
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    return {cell: {kind: statistics.median(times[(cell, kind)]) for kind in ("step", "prediction")} for cell in CELLS}
+
+
+def run(batch: int = 64, repeats: int = 3, trace: bool = True) -> dict:
+    result = {"counts": {cell: count_step(cell) for cell in CELLS}}
+    if trace:
+        result["traced_cell"] = {cell: traced_cell(cell) for cell in CELLS}
+    result["seconds"] = timings(batch, repeats)
+    return result
+
+
+def markdown(result: dict, batch: int) -> str:
+    counts = result["counts"]
+    lines = ["The paper network's T = 4 step (batch 2, float32, contiguous, fused optimisers), per cell:", "",
+             "| per step | per-edge | fused | fused / per-edge | target |", "|---|---|---|---|---|"]
+    targets = {"aten_ops": "≤ 10,000", "launching_ops": "≤ 5,500", "host_syncs": "0"}
+    names = {"aten_ops": "aten operations", "launching_ops": "kernel-launching operations", "host_syncs": "host synchronisations"}
+    for key, name in names.items():
+        a, b = counts["per_edge"][key], counts["fused"][key]
+        ratio = f"{b / a:.3f}" if a else "-"
+        ok = "✓" if (b == 0 if key == "host_syncs" else b <= int(targets[key][2:].replace(",", ""))) else "✗"
+        lines.append(f"| {name} | {a:,} | {b:,} | {ratio} | {targets[key]} {ok} |")
+    if "traced_cell" in result:
+        traced = result["traced_cell"]
+        for key, name in (("forward_nodes", "one cell's traced forward (call nodes)"),
+                          ("backward_nodes", "one cell's traced backward (call nodes)"),
+                          ("trace_seconds", "seconds to trace one cell")):
+            a, b = traced["per_edge"][key], traced["fused"][key]
+            fmt = "{:.1f}" if key == "trace_seconds" else "{:,}"
+            lines.append(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {b / a:.3f} | |")
+    seconds = result["seconds"]
+    for kind, name in (("step", f"CPU seconds, T = 4 step of the small network, batch {batch}"),
+                       ("prediction", f"CPU seconds, S = 100 prediction of {batch} images")):
+        a, b = seconds["per_edge"][kind], seconds["fused"][kind]
+        lines.append(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.2f} | |")
+    return "\n".join(lines)
