@@ -88,18 +88,19 @@ def training_step(method: DBSN, batch: int):
     return step
 
 
-def count_step(cell: str, batch: int = 2) -> dict[str, int]:
-    """aten, kernel-launching and host-reading operations of one paper-network step."""
-    step = training_step(build(cell), batch)
+def count_step(cell: str, batch: int = 2, net: str = "paper") -> dict[str, int]:
+    """aten, kernel-launching and host-reading operations of one step (the paper network's)."""
+    step = training_step(build(cell, net), batch)
     step()  # optimiser state, the BatchNorm update's index tensors
     with OpCounter() as counter:
         step()
     return {"aten_ops": counter.total, "launching_ops": counter.launching, "host_syncs": counter.host_reads}
 
 
-def traced_cell(cell: str, groups: int = 4, batch: int = 2) -> dict[str, float]:
+def traced_cell(cell: str, groups: int = 4, batch: int = 2, net: str = "paper") -> dict[str, float]:
     """Call nodes of one cell's forward and backward graphs as dynamo and AOTAutograd trace them (a
     cell of the paper network's second stage), and the seconds the trace took."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     counts: dict[str, int] = {}
@@ -107,11 +108,11 @@ def traced_cell(cell: str, groups: int = 4, batch: int = 2) -> dict[str, float]:
     def counting(kind):
         def compiler(graph_module, inputs):
             counts[kind] = counts.get(kind, 0) + sum(1 for n in graph_module.graph.nodes if n.op == "call_function")
-            return graph_module
+            return make_boxed_func(graph_module.forward)
         return compiler
 
-    method = build(cell)
-    module = method.net.stages[1][1]
+    method = build(cell, net)
+    module = method.net.stages[1][-1]
     channels = module.preprocess[0].num_features
     x = torch.randn(batch * groups, channels, 16, 16)
     alpha = torch.softmax(torch.randn(groups, method.net.num_edges, method.net.num_ops), -1).requires_grad_()
@@ -150,11 +151,12 @@ def timings(batch: int, repeats: int, net: str = "quick") -> dict[str, dict[str,
     return {cell: {kind: statistics.median(times[(cell, kind)]) for kind in ("step", "prediction")} for cell in CELLS}
 
 
-def run(batch: int = 64, repeats: int = 3, trace: bool = True) -> dict:
-    result = {"counts": {cell: count_step(cell) for cell in CELLS}}
+def run(batch: int = 64, repeats: int = 3, trace: bool = True, net: str = "paper", timed_net: str = "quick") -> dict:
+    """The rows of the module docstring: counts and the traced cell on `net`, seconds on `timed_net`."""
+    result = {"counts": {cell: count_step(cell, net=net) for cell in CELLS}}
     if trace:
-        result["traced_cell"] = {cell: traced_cell(cell) for cell in CELLS}
-    result["seconds"] = timings(batch, repeats)
+        result["traced_cell"] = {cell: traced_cell(cell, net=net) for cell in CELLS}
+    result["seconds"] = timings(batch, repeats, timed_net)
     return result
 
 
