@@ -53,3 +53,25 @@ def test_group_bn_is_batchnorm_for_one_group_and_in_eval():
     gbn.eval(), bn.eval()
     torch.testing.assert_close(gbn(x, 3), bn(x))  # eval: running stats, whatever the groups
     assert int(gbn.num_batches_tracked) == 1
+
+
+def test_statistics_under_cpu_bfloat16_autocast_stay_float32():
+    """A CPU computes a bfloat16 batch's BatchNorm statistics in bfloat16 unless a float32 parameter
+    makes it mix: the collected per-structure statistics, and the running statistics, stay float32
+    and serve a later float32 forward."""
+    from dbsn.nets import StructureNet
+    from dbsn.nets.batchnorm import accumulated_running_statistics, structure_statistics, using_statistics
+    from tests.support.netutil import soft_alpha
+
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=3, num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8)
+    alpha, x = soft_alpha(2, net), torch.randn(4, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        statistics = structure_statistics(lambda b: net(b, alpha, replicate=True), net, [x], 2)
+        with accumulated_running_statistics(net):
+            net(x, alpha, replicate=True)
+    assert all(m.dtype == v.dtype == torch.float32 for m, v in statistics.values())
+    assert all(b.dtype == torch.float32 for name, b in net.named_buffers() if "running_" in name)
+    net.eval()
+    with torch.no_grad(), using_statistics(net, statistics):
+        assert torch.isfinite(net(x, alpha, replicate=True)).all()

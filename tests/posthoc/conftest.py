@@ -35,7 +35,9 @@ def _fit_head_by_logistic_regression(head: nn.Linear, features, labels, weight_d
 def digits_map():
     """A map_fixed model on 200 digits (100 for validation) whose head is fitted on the network's features."""
     torch.manual_seed(0)
-    method = MAP(tiny_structure_net(), learn_structure=False, dataset_size=200).eval()
+    # the per-edge cell: the Laplace tests' scenarios (an interior optimum, the probit's other choice)
+    # were found on this seed's random features, which the fused cell's initialisation draws in another order
+    method = MAP(tiny_structure_net(cell="per_edge"), learn_structure=False, dataset_size=200).eval()
     dm = DigitsDataModule(num_workers=0, train_subset=200, val_size=100, batch_size=64, eval_batch_size=128)
     dm.setup("fit")
     network = FixedStructureNetwork.of(method)

@@ -104,6 +104,31 @@ def test_run_configs_with_flat_method_settings_build_the_same_method():
     assert upgrade_config({"model": ensemble})["model"] == ensemble  # the ensemble's own setting stays
 
 
+def test_runs_written_before_the_fused_cell_keep_their_cell_and_refuse_to_resume_with_another(tmp_path):
+    """A run config written before the `cell` choice ran the per-edge cell: it is read so. Evaluating
+    its checkpoint with either cell works (the state converts), resuming it with the fused cell is
+    refused in one line, since the optimiser's state belongs to the per-edge parameters."""
+    import torch
+
+    from dbsn.runtime.build import build_model
+    from dbsn.runtime.checkpoint import CONFIG_KEY, CheckpointError, check_resume_checkpoint, upgrade_config
+
+    net = {"_target_": "dbsn.nets.StructureNet", "num_nodes": 3, "cells_per_stage": 1, "growth": 4, "stem_channels": 8}
+    old = {"model": {"_target_": "dbsn.methods.DBSN", "net": net}, "data": {"_target_": "dbsn.data.DigitsDataModule"}}
+    assert upgrade_config(old)["model"]["net"]["cell"] == "per_edge"
+    assert upgrade_config({"model": {"net": {**net, "cell": "fused"}}})["model"]["net"]["cell"] == "fused"
+    per_edge = build_model(upgrade_config(old)["model"], num_classes=10)
+    fused = build_model({**old["model"], "net": {**net, "cell": "fused"}}, num_classes=10)
+    fused.load_state_dict(per_edge.state_dict())  # evaluate.py model.net.cell=fused on an old checkpoint
+    torch.save({"state_dict": per_edge.state_dict(), CONFIG_KEY: old}, tmp_path / "old.ckpt")
+    today = {"model": {**old["model"], "net": {**net, "cell": "fused"}}, "data": old["data"]}
+    with pytest.raises(CheckpointError, match=r"trained with model.net.cell=per_edge, and this run asks for fused.*"
+                                              r"Resume with model.net.cell=per_edge"):
+        check_resume_checkpoint(tmp_path / "old.ckpt", today)
+    same = {"model": {**old["model"], "net": {**net, "cell": "per_edge"}}, "data": old["data"]}
+    assert check_resume_checkpoint(tmp_path / "old.ckpt", same) == tmp_path / "old.ckpt"
+
+
 # ---------------------------------------------------------------------- resuming
 
 @pytest.fixture(scope="module")

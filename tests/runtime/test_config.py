@@ -175,3 +175,19 @@ def test_the_fast_preset_turns_on_bf16_not_compile_and_leaves_the_layout_to_auto
     forced = compose_config("train", ["experiment=quick", "speed=fast", "model.execution.channels_last=true"], tmp_path)
     with pytest.raises(ConfigError, match="refused on this CPU"):
         validate_config(forced)
+
+
+def test_a_cuda_graph_is_refused_before_training_where_it_cannot_run(tmp_path):
+    """`model.execution.cuda_graph=true` on the CPU: one line, before anything is built; `auto` (what
+    speed=fast sets) trains eagerly there, and on an ensemble `auto` is dropped, not refused as an
+    unknown key."""
+    from dbsn.runtime.config import ConfigError
+
+    cfg = compose_config("train", ["data=digits", "trainer=cpu", "model.execution.cuda_graph=true"], tmp_path)
+    with pytest.raises(ConfigError, match=r"model.execution.cuda_graph=true captures the training step on a CUDA "
+                                          r"device, and this run trains on the CPU"):
+        validate_config(cfg)
+    validate_config(compose_config("train", ["data=digits", "trainer=cpu", "speed=fast"], tmp_path))
+    ensemble = compose_config("train", ["data=digits", "trainer=cpu", "model=deep_ensemble", "speed=fast"], tmp_path)
+    validate_config(ensemble)
+    assert "execution" not in ensemble.model

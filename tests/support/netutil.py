@@ -10,9 +10,9 @@ from dbsn.nets import StructureNet
 SEG_OPS = ("identity", "sep_conv_3x3", "dil_conv_3x3")  # the segmentation network's ops (no zero)
 
 
-def tiny_structure_net(num_classes: int = 10) -> StructureNet:
+def tiny_structure_net(num_classes: int = 10, cell: str = "fused") -> StructureNet:
     """A StructureNet that trains in seconds on a CPU: 3 nodes, one cell per stage, growth 4."""
-    return StructureNet(num_classes=num_classes, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
+    return StructureNet(num_classes=num_classes, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8, cell=cell)
 
 
 def soft_alpha(groups, net_or_edges, num_ops=None, seed=0):

@@ -494,6 +494,9 @@ class Method(pl.LightningModule):
         if reason is not None:
             raise ValueError(f"model.execution.cuda_graph=true: {reason}. Set model.execution.cuda_graph=false.")
         raw = [getattr(o, "optimizer", o) for o in opts]
+        for group in (g for opt in raw for g in opt.param_groups):  # a resumed optimiser's are the checkpoint's
+            if isinstance(group["lr"], Tensor) and group["lr"].device != self.device:
+                group["lr"] = group["lr"].to(self.device)
         weights = raw[: len(self.lr_schedulers_list())]
         self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw, weights),
                                     lambda: [o.zero_grad(set_to_none=True) for o in raw])

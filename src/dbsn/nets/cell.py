@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from dbsn.nets.cell_state import per_edge_state
 from dbsn.nets.ops import OPS, GroupBatchNorm2d, GroupedSequential, Zero, expand_groups, memory_format
 
 
@@ -156,6 +157,4 @@ class Cell(CellBase):
 
 def _from_fused_state(cell: Cell, state_dict: dict, prefix: str, *args) -> None:
     """A `FusedCell`'s state loads into a `Cell` (and back: `FusedCell` converts the other way)."""
-    from dbsn.nets.fused_cell import per_edge_state
-
     per_edge_state(cell, state_dict, prefix)

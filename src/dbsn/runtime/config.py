@@ -25,7 +25,7 @@ from typing import Any, Iterable, Literal, Union
 
 import torch
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from dbsn.precision import cpu_bf16_channels_last_is_wrong
 
@@ -240,7 +240,8 @@ def check_cuda_graph(cfg: DictConfig) -> None:
     model = cfg.get("model") or {}
     execution = model.get("execution")
     if "member" in model and execution is not None and dict(execution) == {"cuda_graph": "auto"}:
-        del model["execution"]  # speed=fast on an ensemble: "where it can" is nowhere (its members step together)
+        with open_dict(model):  # speed=fast on an ensemble: "where it can" is nowhere (its members step together)
+            del model["execution"]
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
         if ((node or {}).get("execution") or {}).get("cuda_graph") is not True:
             continue

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
     parser.add_argument("--steps", type=int, default=10, help="gpu suite: timed steps per configuration")
+    parser.add_argument("--budget-minutes", type=float, default=4.0, help="gpu suite: configurations not started "
+                        "within this many minutes are reported as not run (the compiled cells come last)")
     parser.add_argument("--chunked", action="store_true", help="gpu suite: also each configuration with the T "
                         "structures one after another")
     parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")

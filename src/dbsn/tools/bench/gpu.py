@@ -218,7 +218,7 @@ def camvid_step(device: torch.device, precision: str, cell: str, steps: int, siz
 def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int = 5, device: str = "auto",
               configs: list[str] | None = None, backend: str = "inductor", samples_per_forward: int = 25,
               prediction_batch: int = 64, camvid: bool = False, camvid_size: int = 224, camvid_batch: int = 3,
-              camvid_kwargs: dict | None = None, budget_minutes: float = 20.0, previous: dict | None = None,
+              camvid_kwargs: dict | None = None, budget_minutes: float = 4.0, previous: dict | None = None,
               on_result=None, chunks: tuple[str, ...] = ("grouped",)) -> dict:
     """Measure each configuration (see the module docstring); `previous` results are kept and not
     re-measured, `on_result(result)` is called after each measurement (to save partial results)."""
@@ -357,7 +357,7 @@ def main(args) -> dict:
     result = run_suite(args.net or "paper", args.batch, args.steps, device=args.device, configs=configs,
                        backend=args.compile_backend, prediction_batch=args.prediction_batch, previous=previous,
                        on_result=save, camvid=args.segmentation == "yes",
-                       chunks=("grouped", "chunked") if args.chunked else ("grouped",))
+                       chunks=("grouped", "chunked") if args.chunked else ("grouped",), budget_minutes=args.budget_minutes)
     save(result)
     print(markdown(result))
     return result
