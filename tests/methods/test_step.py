@@ -181,3 +181,36 @@ def test_a_graph_is_refused_in_one_line_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"model.execution.cuda_graph=true: it captures the step on a CUDA device, "
                                          r"and this run trains on cpu\. Set model.execution.cuda_graph=false\."):
         _fit(method, epochs=1)
+
+
+def test_predictions_go_through_the_graphed_forward_only_with_the_modules_own_statistics():
+    """`execution.cuda_graph_prediction` routes the members' forwards through `GraphedForward` (on a CPU
+    it runs them eagerly: the same numbers), except where each member brings its own BatchNorm
+    statistics (a graph would replay the first member's)."""
+    from dbsn.methods import BatchNormRecalibration
+    from dbsn.methods.step import GraphedForward
+
+    calls = []
+
+    class Spy(GraphedForward):
+        def __call__(self, *inputs):
+            calls.append(inputs[0].shape[0])
+            return super().__call__(*inputs)
+
+    plain, graphed = _dbsn(), _dbsn(execution=Execution(cuda_graph_prediction=True))
+    assert isinstance(graphed._graphed_network, GraphedForward) and plain._graphed_network is None
+    graphed._graphed_network = Spy(graphed.network, graphed._module_modes)
+    graphed.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 3, 16, 16)
+    for method in (plain, graphed):
+        method.eval()
+    torch.manual_seed(1)
+    expected = plain.predict_members(x, 6)
+    torch.manual_seed(1)
+    torch.testing.assert_close(graphed.predict_members(x, 6), expected)
+    assert calls == [4] * 1 and graphed._graphed_network.graphs == {}  # one forward of 6 members; no graph on a CPU
+    graphed.bn_recalibration = BatchNormRecalibration(enabled=True, images=4, batch_size=4)
+    graphed.use_calibration_images([torch.randn(4, 3, 16, 16)])
+    calls.clear()
+    graphed.predict_members(x, 2)
+    assert calls == []

@@ -93,3 +93,29 @@ def test_a_graphed_fit_through_lightning_equals_the_eager_fit(tmp_path):
     assert graphed_loss == pytest.approx(eager_loss, rel=1e-3)
     for key in eager:
         torch.testing.assert_close(graphed[key], eager[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("kind", ["map_fixed", "dbsn"])
+def test_graphed_prediction_equals_the_eager_prediction(kind):
+    """`execution.cuda_graph_prediction`: the S members' forwards replayed from graphs (one per input
+    shape: a full batch and a last, shorter one) give the eager members, under inference mode."""
+    eager = _method(kind, False)
+    torch.manual_seed(0)
+    net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
+    execution = Execution(cuda_graph_prediction=True)
+    graphed = (DBSN(net, train_samples=4, dataset_size=100, execution=execution) if kind == "dbsn" else
+               MAP(net, learn_structure=False, dataset_size=100, execution=execution)).cuda()
+    graphed.load_state_dict(eager.state_dict())
+    for method in (eager, graphed):
+        method.eval()
+        method.n_samples, method.samples_per_forward = 6, 3
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    batches = [torch.randn(b, 3, 16, 16, device="cuda", generator=generator) for b in (8, 8, 5)]
+    outputs = {}
+    for name, method in (("eager", eager), ("graphed", graphed)):
+        torch.manual_seed(9)
+        with torch.inference_mode():
+            outputs[name] = [method.predict_members(x) for x in batches]
+    assert len(graphed._graphed_network.graphs) == 2  # the two batch shapes
+    for a, b in zip(outputs["eager"], outputs["graphed"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

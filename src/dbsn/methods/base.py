@@ -50,7 +50,7 @@ from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
-from dbsn.methods.step import FiniteGuard, GraphedStep, NonFiniteLossError
+from dbsn.methods.step import FiniteGuard, GraphedForward, GraphedStep, NonFiniteLossError
 from dbsn.nets.batchnorm import RunningStatistics, accumulated_running_statistics
 
 Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)
@@ -154,6 +154,9 @@ class Method(pl.LightningModule):
         self._guard = FiniteGuard()
         self._graphed: GraphedStep | None = None
         self._scheduled_lrs: tuple[int, list[float]] = (-1, [])  # (epoch, lr of each weight group) under warm-up
+        # the prediction's network forward in CUDA graphs (execution.cuda_graph_prediction)
+        self._graphed_network = GraphedForward(self.network, self._module_modes) \
+            if self.execution.cuda_graph_prediction else None
 
     # ------------------------------------------------------------------ the settings, by name
     @property
@@ -309,9 +312,17 @@ class Method(pl.LightningModule):
         if self.weights.shared_noise and n > 1:  # one weight draw per call: one call per member
             return torch.cat([self.stochastic_forward(x, 1, first + i) for i in range(n)])
         alpha = self.prediction_structures(n, first)
-        with self.prediction_statistics(n, first):
-            logits = self.task.class_last(self.network(x, alpha))  # row i*n + s: example i, member s
+        statistics = self.prediction_statistics(n, first)
+        # a graph replays the network as it was captured: only with the statistics the modules hold
+        network = self._graphed_network if (self._graphed_network is not None and isinstance(statistics, nullcontext)) \
+            else self.network
+        with statistics:
+            logits = self.task.class_last(network(x, alpha))  # row i*n + s: example i, member s
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
+
+    def _module_modes(self) -> tuple[bool, ...]:
+        """Every module's train/eval mode (a captured prediction belongs to one: MC dropout's)."""
+        return tuple(m.training for m in self.net.modules())
 
     def network(self, x: Tensor, alpha: Tensor) -> Tensor:
         """The network's logits for every example of x under every structure of alpha, row

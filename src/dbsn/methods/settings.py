@@ -214,11 +214,16 @@ class Execution:
             launch instead of thousands; one GPU, the methods that say they support it
             (`Method.cuda_graph_refusal`); "auto": where it can (one GPU, a method that supports it),
             eager steps elsewhere (`speed=fast`). Off by default.
+        cuda_graph_prediction: the prediction's network forward (S members in forwards of
+            `samples_per_forward`) captured per input shape and replayed
+            (`dbsn.methods.step.GraphedForward`), where the members use the modules' own BatchNorm
+            statistics; on a GPU, without gradients. Off by default: not measured on a GPU yet.
     """
 
     channels_last: bool | Literal["auto"] = False
     compile: Compilation = field(default_factory=Compilation)
     cuda_graph: bool | Literal["auto"] = False
+    cuda_graph_prediction: bool = False
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):

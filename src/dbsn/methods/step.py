@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["FiniteGuard", "GraphedStep", "NonFiniteLossError", "skips_on_device"]
+__all__ = ["FiniteGuard", "GraphedForward", "GraphedStep", "NonFiniteLossError", "skips_on_device"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -186,3 +186,57 @@ class GraphedStep:
     def reset(self) -> None:
         """Forget the graph (new optimisers, a new fit)."""
         self.graph, self.calls, self._key, self._inputs, self._outputs = None, 0, None, None, {}
+
+
+class GraphedForward:
+    """A prediction forward (no gradients) captured in a CUDA graph per input signature, and replayed.
+
+    ``forward(*inputs)`` is the network's forward on the members' inputs (the images and the members'
+    structures): each new signature (shapes, dtypes, autocast, inference mode, `state()`: the modules'
+    train/eval modes) is warmed up on a side stream, captured, and replayed from then on, with the
+    inputs copied into its static buffers; at most `limit` signatures are kept, others run eagerly.
+    A capture that fails runs eagerly from then on, with a warning. The output is cloned (the next
+    replay overwrites it)."""
+
+    limit = 4
+
+    def __init__(self, forward: Callable[..., Tensor], state: Callable[[], tuple] = tuple) -> None:
+        self.forward, self.state = forward, state
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+        self.failed = False
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        if self.failed or torch.is_grad_enabled() or not all(t.is_cuda for t in inputs):
+            return self.forward(*inputs)
+        key = (tuple((t.shape, t.dtype, t.device) for t in inputs), torch.is_inference_mode_enabled(),
+               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), self.state())
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.limit:
+                return self.forward(*inputs)
+            try:
+                entry = self.graphs[key] = self._capture(inputs)
+            except RuntimeError as error:  # a forward that cannot be captured: predict eagerly
+                import warnings
+
+                warnings.warn(f"model.execution.cuda_graph_prediction: the forward could not be captured "
+                              f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); predicting eagerly.")
+                self.failed = True
+                return self.forward(*inputs)
+        graph, static, output = entry
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        return output.clone()
+
+    def _capture(self, inputs: tuple[Tensor, ...]) -> tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]:
+        static = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(*static)  # lazy initialisation, cuDNN's algorithm search
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with _autocast_for_capture(), torch.cuda.graph(graph):
+            output = self.forward(*static)
+        return graph, static, output
