@@ -9,7 +9,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import dbsn.methods.base
@@ -17,39 +16,23 @@ from dbsn.methods import DBSN, Execution, MAP, WeightOptimizer
 from dbsn.methods.step import FiniteGuard, NonFiniteLossError
 from dbsn.nets import StructureNet
 from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
-
-#: operations that read a device tensor on the host (on a GPU: wait for it), or that need a
-#: host-to-device copy of data made on the host
-HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select", "aten.equal",
-              "aten.allclose", "aten.unique", "aten._unique2", "aten.lift_fresh")
-
-
-class _HostReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name in HOST_READS:
-            self.seen[name] = self.seen.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
+from dbsn.tools.bench.step import HOST_READS, OpCounter
 
 class _CountInSteps(pl.Callback):
-    """Counts `HOST_READS` within every training step (Lightning's own work in it included)."""
+    """Counts the host reads (`dbsn.tools.bench.step.HOST_READS`) within every training step,
+    Lightning's own work in it included."""
 
     def __init__(self) -> None:
         self.counts: list[dict[str, int]] = []
-        self._mode: _HostReads | None = None
+        self._mode: OpCounter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._mode = _HostReads()
+        self._mode = OpCounter()
         self._mode.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._mode.__exit__(None, None, None)
-        self.counts.append(self._mode.seen)
+        self.counts.append({name: n for name, n in self._mode.counts.items() if name in HOST_READS})
 
 
 def _data(n: int = 48, seed: int = 0) -> DataLoader:
