@@ -8,7 +8,11 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
+from dbsn.metrics.calibration import (
+    adaptive_expected_calibration_error,
+    classwise_expected_calibration_error,
+    squared_calibration_error,
+)
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
 from dbsn.metrics.intervals import (
     bootstrap,
@@ -21,6 +25,7 @@ from dbsn.metrics.intervals import (
     weighted_ece,
     weighted_error,
     weighted_nll,
+    weighted_squared_calibration_error,
 )
 
 
@@ -150,3 +155,93 @@ def test_weighted_selective_metrics_are_the_plain_ones_of_the_repeated_data(ties
         for key in ("aurc", "eaurc", "augrc", "risk@80"):
             assert abs(float(found[key][index]) - plain[f"selective/u/{key}"]) < 1e-10, (key, index)
         assert abs(float(found["optimal_aurc"][index]) - plain["selective/optimal_aurc"]) < 1e-10
+
+
+# ---------------------------------------------------------------------- calibration error that can be compared
+def _known_model(n: int, generator: torch.Generator, gap: float = 0.0, low: float = 0.3, high: float = 1.0,
+                 classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classifier whose top-label confidence c is uniform on [low, high] and right with probability
+    c − gap: its squared calibration error is gap² exactly, in every bin. Returns (probs, target)."""
+    c = low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64)
+    right = torch.rand(n, generator=generator, dtype=torch.float64) < (c - gap)
+    probs = ((1 - c) / (classes - 1))[:, None].expand(n, classes).clone()
+    probs[:, 0] = c  # class 0 is the prediction
+    target = torch.where(right, 0, torch.randint(1, classes, (n,), generator=generator))
+    return probs, target
+
+
+def test_the_resampled_squared_calibration_error_averages_over_pairs_of_distinct_examples():
+    """At unit weights the plain estimate; with counts, bin by bin the mean of d_i d_j over the pairs
+    of copies of two different examples (brute force over copies), weighted by the bin's copies."""
+    probs, target = _predictions(n=60)
+    n = len(target)
+    assert torch.allclose(weighted_squared_calibration_error(probs, target, torch.ones(n))[0],
+                          squared_calibration_error(probs, target), atol=1e-12)
+    counts = resample_counts(n, resamples=3, seed=2)
+    confidence, prediction = probs.max(1)
+    d = (prediction == target).double() - confidence
+    bins = torch.bucketize(confidence, torch.linspace(0, 1, 16, dtype=torch.float64), right=True) - 1
+    for row, value in zip(counts.long(), weighted_squared_calibration_error(probs, target, counts)):
+        copies = torch.repeat_interleave(torch.arange(n), row)  # the original example of each copy
+        total = 0.0
+        for b in bins[copies].unique():
+            inside = copies[bins[copies] == b]
+            same = inside[:, None] == inside[None, :]
+            products = (d[inside][:, None] * d[inside][None, :])[~same]
+            if len(products):
+                total += len(inside) * float(products.mean())
+        assert abs(float(value) - total / len(copies)) < 1e-10
+
+
+def _interval(metric, n: int, seed: int, resamples: int = 400):
+    return bootstrap(metric, n, resamples=resamples, seed=seed)
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.1], ids=["calibrated", "CE2=0.01"])
+def test_the_squared_calibration_error_is_unbiased_and_its_interval_covers_the_truth(gap):
+    """A model of known calibration (CE² = gap²), 200 test sets of 2,000: the estimate's mean is the
+    truth, and its 95 % interval covers the truth in about 95 % of them (at 0, conservatively, more);
+    the plug-in ECE's interval covers its own truth (the ECE, gap) far less often at gap 0."""
+    generator = torch.Generator().manual_seed(0)
+    truth, runs, n = gap ** 2, 200, 2000
+    estimates, covered, ece_covered = [], 0, 0
+    for run in range(runs):
+        probs, target = _known_model(n, generator, gap)
+        found = _interval(lambda w: weighted_squared_calibration_error(probs, target, w), n, run)
+        estimates.append(found.value)
+        covered += found.low <= truth <= found.high
+        ece = _interval(lambda w: weighted_ece(probs, target, w), n, run)
+        ece_covered += ece.low <= gap <= ece.high
+    mean, se = torch.tensor(estimates).mean(), torch.tensor(estimates).std() / runs ** 0.5
+    assert abs(float(mean) - truth) < 3 * float(se) + 1e-6, (float(mean), truth)
+    # at 0 the estimate is a degenerate U-statistic and its interval is conservative (covers more)
+    assert (0.9 if gap == 0.0 else 0.88) <= covered / runs <= (1.0 if gap == 0.0 else 0.99), covered
+    if gap == 0.0:
+        assert ece_covered / runs < 0.2, ece_covered  # the biased ECE's interval misses a calibrated model's 0
+
+
+def test_two_calibrated_models_of_different_confidence_differ_by_chance_only():
+    """Both calibrated, one confident (c in [0.8, 1]), one not (c in [0.2, 1]), on the same 2,000 test
+    examples, 100 times: the paired interval of the squared calibration error's difference excludes 0
+    in about 5 % of runs; the plug-in ECE's, which the confidence spread biases, in most."""
+    generator = torch.Generator().manual_seed(1)
+    n, runs, ce2_false, ece_false = 2000, 100, 0, 0
+    for run in range(runs):
+        a_probs, target = _known_model(n, generator, low=0.8)
+        b_probs, b_target = _known_model(n, generator, low=0.2)
+        # the same test examples: model b's correctness re-expressed against model a's labels
+        b_right = b_target == 0
+        b_probs = b_probs[:, torch.arange(10)]
+        b_pred = torch.where(b_right, target, (target + 1) % 10)
+        b_full = torch.full_like(b_probs, 0.0)
+        b_full.scatter_(1, b_pred[:, None], b_probs[:, :1])
+        rest = ((1 - b_probs[:, 0]) / 9)[:, None]
+        b_full = torch.where(b_full == 0, rest.expand_as(b_full), b_full)
+        ce2 = paired_interval(lambda w: weighted_squared_calibration_error(a_probs, target, w),
+                              lambda w: weighted_squared_calibration_error(b_full, target, w), n, resamples=400, seed=run)
+        ece = paired_interval(lambda w: weighted_ece(a_probs, target, w), lambda w: weighted_ece(b_full, target, w),
+                              n, resamples=400, seed=run)
+        ce2_false += ce2.excludes(0.0)
+        ece_false += ece.excludes(0.0)
+    assert ce2_false / runs <= 0.12, ce2_false
+    assert ece_false / runs >= 0.5, ece_false

@@ -47,6 +47,7 @@ from dbsn.metrics.classification import (
 )
 
 __all__ = [
+    "squared_calibration_error",
     "adaptive_expected_calibration_error",
     "calibration_metrics",
     "classwise_expected_calibration_error",
@@ -85,6 +86,34 @@ def adaptive_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: i
     return gap.abs().sum() / n
 
 
+def squared_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -> Tensor:
+    """The unbiased estimate of the squared top-label calibration error over equal-width bins.
+
+    The quantity is ``CE² = Σ_b P(b) · (E[correct − confidence | b])²`` (the squared, L2 version
+    of the ECE's binned gap). With ``d_i = correct_i − confidence_i``, bin b's ``n_b`` examples,
+    ``S_b = Σ d_i`` and ``Q_b = Σ d_i²``, ``(S_b² − Q_b) / (n_b (n_b − 1))`` is the mean of
+    ``d_i d_j`` over the pairs ``i ≠ j``: a U-statistic, unbiased for the bin's squared mean gap
+    (Kumar, Liang & Ma 2019, "Verified uncertainty calibration", NeurIPS: the debiased estimator).
+    Weighted by ``n_b / N``: ``Σ_b (S_b² − Q_b) / (n_b − 1) / N`` (bins of one example count
+    nothing). It is 0 in expectation for a calibrated model, and can be negative.
+
+    The plug-in ``Σ_b S_b² / (n_b N)`` (and the ECE, its L1 kin) is biased upward by ``Σ_b
+    Var(d | b) / N``, more for a model whose confidences spread over more bins: two calibrated
+    models then look differently calibrated, and a bootstrap interval around the plug-in misses
+    the truth. Same bins as `expected_calibration_error`. ``probs`` (N, C), ``target`` (N,).
+    """
+    probs, target = _check_probs(probs, target)
+    confidence, correct = _confidence_and_correct(probs, target)
+    d = correct.double() - confidence.double()
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
+    index = torch.bucketize(confidence, edges, right=True) - 1
+    size = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, torch.ones_like(d))
+    sums = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, d)
+    squares = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, d ** 2)
+    per_bin = torch.where(size > 1, (sums ** 2 - squares) / (size - 1).clamp_min(1), torch.zeros_like(size))
+    return per_bin.sum() / d.numel()
+
+
 def classwise_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -> Tensor:
     """Classwise ECE (Kull et al., 2019): the mean over classes ``k`` of the ECE of ``p_k``.
 
@@ -103,7 +132,9 @@ def classwise_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: 
 
 
 def calibration_metrics(probs: Tensor, target: Tensor, n_bins: int = 15) -> dict[str, float]:
-    """The three calibration errors under stable names (the caller adds ``test/`` etc.).
+    """The calibration errors under stable names (the caller adds ``test/`` etc.): ``ce2``, the
+    unbiased squared calibration error (`squared_calibration_error`: the one to compare and put
+    intervals on), and the three familiar plug-in ECEs, biased upward:
 
     ``ece``: equal-width top-label ECE, :func:`~dbsn.metrics.classification.expected_calibration_error`
     (the logged ``ece``, up to float rounding); ``adaptive_ece``:
@@ -112,6 +143,7 @@ def calibration_metrics(probs: Tensor, target: Tensor, n_bins: int = 15) -> dict
     """
     probs, target = _check_probs(probs, target)
     return {
+        "ce2": squared_calibration_error(probs, target, n_bins=n_bins).item(),
         "ece": expected_calibration_error(probs, target, n_bins=n_bins).item(),
         "adaptive_ece": adaptive_expected_calibration_error(probs, target, n_bins=n_bins).item(),
         "classwise_ece": classwise_expected_calibration_error(probs, target, n_bins=n_bins).item(),

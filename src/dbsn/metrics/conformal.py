@@ -33,11 +33,20 @@ Labels are ranked by decreasing probability, ties by increasing class index (a s
 every score is a deterministic function of the probabilities (and of u). APS and RAPS sets are the
 top labels in that order; THR sets are too, up to labels of equal probability.
 
-Empty sets. A set is empty where even the top label's score exceeds q̂: for THR where
-1 − p_max > q̂, for non-randomised APS / RAPS where p_max > q̂ (a confident model at a low level
-1 − α), for the randomised scores where u·p_max > q̂. The authors' code replaces an empty set by
-the top label by default (`allow_zero_sets=False`), which over-covers; here they stay empty, so
-the guarantee holds as stated, and are counted (`empty`). An empty set never covers.
+Empty sets. The bare rule s ≤ q̂ leaves a set empty where even the top label's score exceeds q̂:
+for THR where 1 − p_max > q̂, for non-randomised APS / RAPS where p_max > q̂ (a confident model at
+a low level 1 − α), for the randomised scores where u·p_max > q̂. By default (`allow_empty_sets=False`)
+such a set gets the top label alone (the first of `label_ranks`' order) and every other set stays
+as it is: the field's convention, that of the authors' model class (aangelopoulos/conformal_classification,
+`ConformalModel(allow_zero_sets=False)`: `gcq` sets a size of 0 to 1) and of lightning-uq-box's
+RAPS. It changes no score and no q̂ (tuned RAPS aside, whose λ is chosen on sets of the same
+convention), only adds a label to sets that had none, so coverage can only rise: the guarantee
+P(y ∈ C(x)) ≥ 1 − α still holds; the upper bound 1 − α + 1 / (n + 1) and the exact coverage of
+the randomised scores hold for the bare rule only. `allow_empty_sets=True` keeps
+the bare rule, empty sets included (counted by `empty`; an empty set never covers). The setting
+applies to every score here; the authors' `LAC` option never adds a label, and their
+non-randomised APS / RAPS sets are never empty anyway, as they keep the label at which the
+probability mass crosses q̂ (`sizes_base` = the count of labels at or below q̂, + 1).
 
 RAPS's k_reg and λ are set as the authors' code does (repository aangelopoulos/conformal_classification,
 `conformal.py`: `pick_parameters`, `pick_kreg`, `pick_lamda_size`): a random `TUNING_FRACTION` =
@@ -49,7 +58,9 @@ tuning part, are smallest on average (`pick_lamda_size`, the default `lamda_crit
 first on ties). Where this differs from that code: no Platt temperature is fitted first (the sets
 are of the method's own predictive), q̂ is the finite-sample rank above instead of
 np.quantile(·, 1 − α, 'higher'), the calibration scores are of the same variant as the sets (the
-code always randomises them), and empty sets are kept.
+code always randomises them), and non-randomised sets are exactly {y : s ≤ q̂} (plus the top label
+where that is empty, by default). λ's sizes are measured under the same empty-set convention as
+the sets, as the authors' `pick_lamda_size` passes `allow_zero_sets` on.
 
 Set metrics (`set_metrics`; `weighted_set_metrics` at every row of a bootstrap count matrix, as
 `dbsn.metrics.intervals`): `coverage` (the share of examples whose set holds the label), `size`
@@ -71,8 +82,8 @@ from torch import Tensor
 
 __all__ = ["LAMBDA_GRID", "SCORES", "SET_METRICS", "TUNING_FRACTION", "Calibrated", "aps_scores", "calibrate",
            "conformal_quantile", "conformity_scores", "label_ranks", "pick_k_reg", "pick_lambda", "prediction_sets",
-           "quantile_rank", "raps_scores", "set_metrics", "size_strata", "stratum_name", "thr_scores", "tuning_size",
-           "weighted_set_metrics"]
+           "quantile_rank", "raps_scores", "set_metrics", "set_rule", "size_strata", "stratum_name", "thr_scores",
+           "top_labels", "tuning_size", "weighted_set_metrics"]
 
 #: score name -> (randomised, penalised)
 SCORES: dict[str, tuple[bool, bool]] = {"thr": (False, False), "aps": (False, False), "aps_randomized": (True, False),
@@ -102,6 +113,12 @@ def label_ranks(probs: Tensor) -> tuple[Tensor, Tensor]:
     ranks = torch.empty_like(order)
     positions = torch.arange(1, probs.shape[1] + 1, device=probs.device).expand_as(order)
     return order, ranks.scatter_(1, order, positions)
+
+
+def top_labels(probs: Tensor) -> Tensor:
+    """(N,) each example's top-ranked label (`label_ranks`' first: the most probable, ties by class
+    index), the label a set that would be empty gets unless empty sets are allowed."""
+    return label_ranks(probs)[0][:, 0]
 
 
 def thr_scores(probs: Tensor) -> Tensor:
@@ -158,9 +175,22 @@ def conformal_quantile(scores: Tensor, alpha: float) -> float:
     return math.inf if rank > len(scores) else float(torch.sort(scores).values[rank - 1])
 
 
-def prediction_sets(scores: Tensor, qhat: float) -> Tensor:
-    """(N, C) bool: label y is in the set of example i where s(x_i, y) ≤ q̂."""
-    return scores <= qhat
+def prediction_sets(scores: Tensor, qhat: float, top: Tensor | None = None) -> Tensor:
+    """(N, C) bool: label y is in the set of example i where s(x_i, y) ≤ q̂. With `top` (N,), each
+    example's top-ranked label (`top_labels`), a set that this leaves empty gets that label alone
+    and every other set is unchanged (the authors' `allow_zero_sets=False`); None: the bare rule,
+    empty sets kept."""
+    sets = scores <= qhat
+    if top is not None:
+        empty = ~sets.any(1)
+        sets[empty, top.to(sets.device)[empty]] = True
+    return sets
+
+
+def set_rule(allow_empty_sets: bool) -> str:
+    """How files and tables name the empty-set convention."""
+    return ("{y : s ≤ q̂}, empty sets kept" if allow_empty_sets
+            else "{y : s ≤ q̂}, the top label alone where that is empty (never empty)")
 
 
 def _own(scores: Tensor, targets: Tensor) -> Tensor:
@@ -180,16 +210,19 @@ def pick_k_reg(probs: Tensor, targets: Tensor, alpha: float) -> int:
 
 
 def pick_lambda(probs: Tensor, targets: Tensor, alpha: float, k_reg: int, randomized: bool,
-                generator: torch.Generator | None = None, grid: tuple[float, ...] = LAMBDA_GRID) -> float:
+                generator: torch.Generator | None = None, grid: tuple[float, ...] = LAMBDA_GRID,
+                allow_empty_sets: bool = False) -> float:
     """The authors' `pick_lamda_size`: the λ of `grid` whose RAPS sets, calibrated and measured on
-    these (tuning) examples, are smallest on average; the first on ties."""
+    these (tuning) examples, are smallest on average; the first on ties. The sets follow
+    `allow_empty_sets` (`prediction_sets`), as the authors' pass `allow_zero_sets` on."""
     score = "raps_randomized" if randomized else "raps"
+    top = None if allow_empty_sets else top_labels(probs)
     best, best_size = grid[0], math.inf
     for lam in grid:
         draws = _uniform(len(targets), generator) if randomized else None
         qhat = conformal_quantile(_own(conformity_scores(probs, score, draws, k_reg, lam), targets), alpha)
         draws = _uniform(len(targets), generator) if randomized else None
-        size = float(prediction_sets(conformity_scores(probs, score, draws, k_reg, lam), qhat).sum(1).double().mean())
+        size = float(prediction_sets(conformity_scores(probs, score, draws, k_reg, lam), qhat, top).sum(1).double().mean())
         if size < best_size:
             best, best_size = lam, size
     return float(best)
@@ -198,7 +231,8 @@ def pick_lambda(probs: Tensor, targets: Tensor, alpha: float, k_reg: int, random
 @dataclass(frozen=True)
 class Calibrated:
     """A conformal predictor: a score, its level 1 − α and q̂, RAPS's k_reg and λ (0 for the other
-    scores), how many calibration examples gave q̂ and how many tuned RAPS."""
+    scores), how many calibration examples gave q̂ and how many tuned RAPS, and whether its sets may
+    be empty (False: a set s ≤ q̂ leaves empty gets the top label; see `prediction_sets`)."""
 
     score: str
     alpha: float
@@ -207,6 +241,7 @@ class Calibrated:
     lam: float = 0.0
     n_calibration: int = 0
     n_tuning: int = 0
+    allow_empty_sets: bool = False
 
     def scores(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """(N, C) this predictor's scores of every label (randomised: fresh u from `generator`)."""
@@ -214,12 +249,15 @@ class Calibrated:
         return conformity_scores(probs, self.score, u, self.k_reg, self.lam)
 
     def sets(self, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """(N, C) bool prediction sets of examples with these probabilities."""
-        return prediction_sets(self.scores(probs, generator), self.qhat)
+        """(N, C) bool prediction sets of examples with these probabilities (never empty unless
+        `allow_empty_sets`)."""
+        top = None if self.allow_empty_sets else top_labels(probs)
+        return prediction_sets(self.scores(probs, generator), self.qhat, top)
 
     def record(self) -> dict[str, Any]:
         return {"score": self.score, "level": 1 - self.alpha, "qhat": self.qhat if math.isfinite(self.qhat) else "inf",
-                "k_reg": self.k_reg, "lambda": self.lam, "n_calibration": self.n_calibration, "n_tuning": self.n_tuning}
+                "k_reg": self.k_reg, "lambda": self.lam, "n_calibration": self.n_calibration, "n_tuning": self.n_tuning,
+                "allow_empty_sets": self.allow_empty_sets}
 
 
 def tuning_size(n: int, score: str, tuning_fraction: float = TUNING_FRACTION) -> int:
@@ -229,11 +267,14 @@ def tuning_size(n: int, score: str, tuning_fraction: float = TUNING_FRACTION) ->
 
 
 def calibrate(probs: Tensor, targets: Tensor, score: str, alpha: float, generator: torch.Generator | None = None,
-              k_reg: int | None = None, lam: float | None = None, tuning_fraction: float = TUNING_FRACTION) -> Calibrated:
+              k_reg: int | None = None, lam: float | None = None, tuning_fraction: float = TUNING_FRACTION,
+              allow_empty_sets: bool = False) -> Calibrated:
     """The conformal predictor of `score` at level 1 − α from calibration examples (probabilities
     (n, C), labels (n,)). RAPS: unless both `k_reg` and `lam` are given, a random part of the
     examples (`tuning_size`; `generator` draws it) tunes the missing ones (`pick_k_reg`,
-    `pick_lambda`) and only the rest gives q̂."""
+    `pick_lambda`) and only the rest gives q̂. `allow_empty_sets` (default False: the top label
+    where a set would be empty) changes the sets, not the scores nor q̂ at given k_reg and λ (a
+    tuned λ is chosen on sets of the same convention)."""
     if score not in SCORES:
         raise ValueError(f"unknown conformity score {score!r}; choose from {list(SCORES)}")
     if not 0 < alpha < 1:
@@ -248,12 +289,13 @@ def calibrate(probs: Tensor, targets: Tensor, score: str, alpha: float, generato
         if k_reg is None:
             k_reg = pick_k_reg(probs[tune], targets[tune], alpha)
         if lam is None:
-            lam = pick_lambda(probs[tune], targets[tune], alpha, k_reg, randomized, generator)
+            lam = pick_lambda(probs[tune], targets[tune], alpha, k_reg, randomized, generator,
+                              allow_empty_sets=allow_empty_sets)
         probs, targets = probs[rest], targets[rest]
     k_reg, lam = (int(k_reg), float(lam)) if penalised else (0, 0.0)
     u = _uniform(len(targets), generator) if randomized else None
     qhat = conformal_quantile(_own(conformity_scores(probs, score, u, k_reg, lam), targets), alpha)
-    return Calibrated(score, float(alpha), qhat, k_reg, lam, len(targets), n_tuning)
+    return Calibrated(score, float(alpha), qhat, k_reg, lam, len(targets), n_tuning, bool(allow_empty_sets))
 
 
 # --- what the sets achieve ---------------------------------------------------------------------

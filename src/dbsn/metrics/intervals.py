@@ -10,7 +10,11 @@ c_i times (tested), and at c = 1 it equals the plain metric of `classification` 
 the interval of their difference (`paired_interval`).
 
 Intervals are percentile intervals (Efron & Tibshirani 1993, ch. 13) of `resamples` seeded
-resamples.
+resamples. A percentile interval is only as good as the statistic is unbiased under resampling:
+the plug-in ECEs (`weighted_ece` and its equal-mass and classwise kin) are biased upward by an
+amount that grows as the bins empty, so their intervals miss the truth of a calibrated model and
+can even miss their own estimate; `weighted_squared_calibration_error` is the unbiased estimate to
+put intervals on and to compare methods with (`calibration.squared_calibration_error`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "weighted_nll",
     "weighted_brier",
     "weighted_ece",
+    "weighted_squared_calibration_error",
     "weighted_adaptive_ece",
     "weighted_classwise_ece",
     "weighted_auroc",
@@ -143,6 +148,30 @@ def weighted_ece(probs: Tensor, target: Tensor, weights: Tensor, n_bins: int = 1
     """(B,) top-label ECE over equal-width bins (`classification.expected_calibration_error`)."""
     confidence, prediction = probs.max(1)
     return _binned_gap(confidence, (prediction == target).to(probs.dtype), _weights(weights, len(target)), n_bins)
+
+
+def weighted_squared_calibration_error(probs: Tensor, target: Tensor, weights: Tensor, n_bins: int = 15) -> Tensor:
+    """(B,) the unbiased estimate of the squared top-label calibration error over equal-width bins
+    (`calibration.squared_calibration_error`) of the resampled sets, as a U-statistic over pairs of
+    distinct test examples: with w_i copies of example i, d = correct − confidence, and over bin b
+    S_b = Σ w_i d_i, T_b = Σ w_i² d_i², n_b = Σ w_i, M_b = Σ w_i², bin b's mean of d_i d_j over the
+    pairs of copies of two different examples is (S_b² − T_b) / (n_b² − M_b); weighted by n_b / Σ w.
+    At unit weights it is the plain estimate. Pairs of copies of one example are left out: they
+    would add d_i² > 0 to every resample and push its interval off a calibrated model's 0 (in a
+    simulation of 200 test sets of a calibrated model, their interval covered 0 in 87 %; without
+    them, in all; at CE² = 0.01 in 91 % and 94 %: tests/metrics/test_intervals.py)."""
+    confidence, prediction = probs.max(1)
+    weights = _weights(weights, len(target))
+    d = ((prediction == target).double() - confidence.double())
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
+    index = torch.bucketize(confidence, edges, right=True) - 1
+    members = torch.nn.functional.one_hot(index, n_bins + 1).double()  # (n, bins)
+    squared = weights ** 2
+    n_b, s_b = weights @ members, weights @ (members * d[:, None])
+    t_b, m_b = squared @ (members * (d ** 2)[:, None]), squared @ members
+    pairs = n_b ** 2 - m_b
+    per_bin = torch.where(pairs > 0, n_b * (s_b ** 2 - t_b) / pairs.clamp_min(1e-300), torch.zeros_like(n_b))
+    return per_bin.sum(1) / weights.sum(1)
 
 
 def weighted_classwise_ece(probs: Tensor, target: Tensor, weights: Tensor, n_bins: int = 15) -> Tensor:
