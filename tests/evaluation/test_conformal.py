@@ -1,7 +1,8 @@
 """The conformal evaluation (dbsn.evaluation.conformal) on the embedded digits: through evaluate.py
 beside dataset shift (every name written, calibration and evaluation disjoint, each corrupted set
 predicted once for both), the shift settings handed over by the config, calibration on a
-validation split, and the refusals of `check`, one line each, before the test pass.
+validation split, the empty-set convention (from the yaml into the sets, metrics.json, the csv and
+the report's conformal table), and the refusals of `check`, one line each, before the test pass.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 
 from dbsn.evaluation.base import EvaluationError, Subject
 from dbsn.evaluation.conformal import ConformalPrediction, calibration_split, level_name
+from dbsn.evaluation.report import build_report
 from dbsn.runtime.evaluation import build_evaluator
 from dbsn.runtime.run import train
 from tests.support.configs import compose_config, evaluate_quietly, tiny_for
+from tests.support.fakeruns import DATA, MODELS, write_run
 
 SCORES = ("thr", "aps", "aps_randomized", "raps", "raps_randomized")
 METRICS = ("coverage", "size", "empty", "ssc", "class_coverage_min")
@@ -65,6 +68,7 @@ def test_every_name_is_written_and_each_corrupted_set_predicted_once(evaluated):
     record = json.loads((folder / "conformal" / "metrics.json").read_text())
     assert record["calibration"]["asked"] == "auto" and record["calibration"]["source"] == "test"
     assert record["strata"] == ["0-1", "2-3", "4-6", "7-10"]
+    assert record["allow_empty_sets"] is False and "top label" in record["set_rule"]  # the yaml's default
     for level in ("90", "95"):
         for score in SCORES:
             prefix = f"conformal/{level}/{score}"
@@ -85,6 +89,8 @@ def test_every_name_is_written_and_each_corrupted_set_predicted_once(evaluated):
         rows = list(csv.DictReader(f))
     assert [(r["level"], r["score"]) for r in rows] == [(level, s) for level in ("90", "95") for s in SCORES]
     assert float(rows[3]["k_reg"]) == raps["k_reg"] and "shift_coverage" in rows[0]
+    assert {r["allow_empty_sets"] for r in rows} == {"False"} and raps["allow_empty_sets"] is False
+    assert all(results[f"conformal/{level}/{s}/empty"] == 0 for level in ("90", "95") for s in SCORES)
     assert (folder / "conformal" / "conformal.png").stat().st_size > 1000
     assert json.loads((folder / "conformal" / "summary.json").read_text())["metrics"] == record["metrics"]
     assert "shift/mean/error" in results  # the shift evaluation itself ran on the same predictions
@@ -115,6 +121,16 @@ def test_the_shift_settings_are_handed_over_in_either_order_and_turned_off_with_
         assert shift.corruptions == ["gaussian_noise", "contrast"]
     assert conformal("evaluations=[shift,conformal]", "evaluations.conformal.shift=null").shift is None
     assert conformal("evaluations=[conformal]").shift is None
+
+
+def test_the_empty_set_convention_reaches_the_evaluation_from_the_yaml(tmp_path):
+    def conformal(*overrides):
+        evaluator = build_evaluator(compose_config("evaluate", ["ckpt_path=x", "evaluations=[conformal]", *overrides],
+                                                   tmp_path))
+        return next(e for e in evaluator.evaluations if e.name == "conformal")
+
+    assert conformal().allow_empty_sets is False  # the default: the top label where a set would be empty
+    assert conformal("evaluations.conformal.allow_empty_sets=true").allow_empty_sets is True
 
 
 class NearestMean(torch.nn.Module):
@@ -165,10 +181,69 @@ def test_calibration_on_the_validation_split_evaluates_every_test_example(neares
     assert again.metrics == results.metrics  # seeded by statistics.seed
 
 
+def test_default_sets_are_never_empty_and_add_only_the_top_label_to_the_bare_ones(nearest_mean):
+    """At level 0.5 many of the nearest-mean model's bare sets are empty; the default sets have
+    the same q̂ (k_reg, λ fixed, the same seeds), no empty set, exactly one more label where the bare
+    set was empty (mean size up by the bare share of empty sets), and coverage at least as high."""
+    settings = {"levels": [0.5], "scores": ["thr", "aps", "aps_randomized", "raps_randomized"], "raps_k_reg": 1,
+                "raps_lambda": 0.01}
+    default = ConformalPrediction(**settings).run(nearest_mean)
+    bare = ConformalPrediction(**settings, allow_empty_sets=True).run(nearest_mean)
+    forced_record, bare_record = default.files["conformal/metrics.json"], bare.files["conformal/metrics.json"]
+    assert forced_record["allow_empty_sets"] is False and bare_record["allow_empty_sets"] is True
+    assert forced_record["set_rule"] != bare_record["set_rule"]
+    for forced, plain in zip(forced_record["results"], bare_record["results"]):
+        prefix = f"conformal/50/{plain['score']}"
+        assert forced["qhat"] == plain["qhat"] and forced["allow_empty_sets"] is False
+        assert bare.metrics[f"{prefix}/empty"] > 0.05, prefix  # the case does test something
+        assert default.metrics[f"{prefix}/empty"] == 0
+        assert default.metrics[f"{prefix}/size"] == pytest.approx(bare.metrics[f"{prefix}/size"]
+                                                                  + bare.metrics[f"{prefix}/empty"])
+        assert default.metrics[f"{prefix}/coverage"] >= bare.metrics[f"{prefix}/coverage"]
+    assert default.tables["conformal/table"][0][7] == "allow_empty_sets"
+    assert {row[7] for row in default.tables["conformal/table"][1]} == {False}
+
+
+def _conformal_run(runs, name, dataset, seed, coverage, allow=None):
+    run = write_run(runs / name, MODELS["dbsn"], DATA[dataset], seed, 0.05)
+    folder = run / "evaluation" / "conformal"
+    folder.mkdir(parents=True)
+    metrics = {"conformal/90/thr/coverage": coverage, "conformal/90/thr/empty": 0.0 if allow is False else 0.04}
+    record = {"metrics": metrics, **({} if allow is None else {"allow_empty_sets": allow})}
+    (folder / "metrics.json").write_text(json.dumps(record))
+    (folder / "summary.json").write_text(json.dumps({"evaluation": "conformal", "metrics": metrics}))
+
+
+def test_the_report_table_says_which_convention_ran_and_never_averages_the_two(tmp_path):
+    """cifar10: two runs of the default; cifar100: one of each convention and one written before the
+    setting (no `allow_empty_sets`: empty sets were kept then)."""
+    runs = tmp_path / "runs"
+    _conformal_run(runs, "dbsn_1", "cifar10", 1, 0.91, allow=False)
+    _conformal_run(runs, "dbsn_2", "cifar10", 2, 0.93, allow=False)
+    _conformal_run(runs, "dbsn_3", "cifar100", 1, 0.95, allow=False)
+    _conformal_run(runs, "dbsn_4", "cifar100", 2, 0.90, allow=True)
+    _conformal_run(runs, "dbsn_5", "cifar100", 3, 0.88)
+    build_report([runs], tmp_path / "report")
+    text = (tmp_path / "report" / "conformal.md").read_text()
+    one = text.split("### cifar10, nominal coverage 90 %", 1)[1].split("###", 1)[0]
+    assert "Sets: never empty: the top label alone where {y : s ≤ q̂} is empty (allow_empty_sets=false" in one
+    assert "| method | score | coverage | empty sets |" in one and "| dbsn | thr | 0.920 ± 0.014 | 0.000 ± 0.000 |" in one
+    both = text.split("### cifar100, nominal coverage 90 %", 1)[1]
+    assert "Sets: both conventions ran" in both
+    assert "| method | score | empty sets allowed | coverage | empty sets |" in both
+    assert "| dbsn | thr | no | 0.950 | 0.000 |" in both  # one run: no spread
+    assert "| dbsn | thr | yes | 0.890 ± 0.014 | 0.040 ± 0.000 |" in both  # the older run counts as empty sets kept
+    with open(tmp_path / "report" / "conformal.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["dataset"], r["allow_empty_sets"]) for r in rows} == {("cifar10", "false"), ("cifar100", "false"),
+                                                                    ("cifar100", "true")}
+
+
 @pytest.mark.parametrize("settings, phrase", [
     ({"levels": [0.9, 1.0]}, r"evaluations.conformal.levels: coverages 1 − α strictly between 0 and 1"),
     ({"scores": ["thr", "lac"]}, r"evaluations.conformal.scores: unknown \['lac'\]"),
     ({"calibration": "train"}, r"evaluations.conformal.calibration='train': choose one of"),
+    ({"allow_empty_sets": "no"}, r"evaluations.conformal.allow_empty_sets='no': true \(keep the empty sets"),
     ({"calibration": "test", "calibration_fraction": 1.0}, r"calibration_fraction=1.0: the share of the test set"),
     ({"calibration": "test", "calibration_fraction": 0.02, "levels": [0.95], "scores": ["thr"]},
      r"level 0.95 with thr needs at least 19 calibration examples, the test split \(calibration_fraction=0.02\) has 9"),

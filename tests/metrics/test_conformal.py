@@ -1,6 +1,7 @@
 """Conformal prediction sets (dbsn.metrics.conformal): the coverage guarantee by simulation on
 exchangeable data, the scores against their definitions one example at a time, RAPS's penalty on a
-long flat tail, the quantile's edges, and the set metrics (plain and bootstrap-weighted).
+long flat tail, the quantile's edges, the empty-set conventions (by default the top label where
+s ≤ q̂ leaves a set empty, else the bare rule), and the set metrics (plain and bootstrap-weighted).
 
 The simulations draw 500 random calibration / test splits of a fixed pool of examples (seeded).
 Conditional on the pool a random split makes the test example's score rank uniform among the
@@ -26,12 +27,14 @@ from dbsn.metrics.conformal import (
     conformity_scores,
     label_ranks,
     pick_k_reg,
+    pick_lambda,
     prediction_sets,
     quantile_rank,
     raps_scores,
     set_metrics,
     size_strata,
     thr_scores,
+    top_labels,
     weighted_set_metrics,
 )
 
@@ -76,18 +79,27 @@ def _mean_and_error(values: list[float]) -> tuple[float, float]:
 
 @pytest.mark.parametrize("score, k_reg, lam", [("thr", None, None), ("aps", None, None), ("raps", 2, 0.05)])
 def test_coverage_is_at_least_the_level_and_at_most_one_over_n_plus_one_above(score, k_reg, lam):
+    """The bare rule (empty sets kept) has both bounds; the default sets (the top label where the
+    bare set is empty) the same q̂ and sets that only add labels: never empty, coverage at least as high."""
     probs, labels = _pool(0)
-    coverages = []
+    coverages, forced = [], []
     for calibrating, testing in _splits(POOL, N_CAL):
-        calibrated = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam)
+        calibrated = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam,
+                               allow_empty_sets=True)
         assert calibrated.n_tuning == 0 and calibrated.n_calibration == N_CAL
         coverages.append(_coverage(calibrated, probs[testing], labels[testing]))
+        default = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam)
+        assert default.qhat == calibrated.qhat and not default.allow_empty_sets
+        sets = default.sets(probs[testing])
+        assert sets.any(1).all() and (sets >= calibrated.sets(probs[testing])).all()
+        forced.append(_coverage(default, probs[testing], labels[testing]))
     mean, error = _mean_and_error(coverages)
     expected = quantile_rank(N_CAL, ALPHA) / (N_CAL + 1)
     assert expected == pytest.approx(0.92)
     assert error < 0.0035  # as the module docstring's estimate: the bounds are 0.02 / error > 5 errors away
     assert 1 - ALPHA <= mean <= 1 - ALPHA + 1 / (N_CAL + 1)
     assert abs(mean - expected) < 4 * error
+    assert all(f >= c for f, c in zip(forced, coverages)) and np.mean(forced) >= 1 - ALPHA
 
 
 def test_randomised_aps_covers_exactly_one_minus_alpha_where_the_probabilities_tie():
@@ -101,7 +113,7 @@ def test_randomised_aps_covers_exactly_one_minus_alpha_where_the_probabilities_t
     randomised, plain = [], []
     for calibrating, testing in _splits(POOL, N_EXACT):
         for score, found in (("aps_randomized", randomised), ("aps", plain)):
-            calibrated = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, draws)
+            calibrated = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, draws, allow_empty_sets=True)
             found.append(_coverage(calibrated, probs[testing], labels[testing], draws))
     mean, error = _mean_and_error(randomised)
     assert abs(mean - (1 - ALPHA)) < 4 * error, (mean, error)
@@ -172,6 +184,87 @@ def test_scores_match_their_definitions_one_example_at_a_time():
         conformity_scores(probs, "aps_randomized")
     with pytest.raises(ValueError, match="unknown conformity score 'lac'"):
         conformity_scores(probs, "lac")
+
+
+def _confident(seed: int = 8, n: int = 400, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """A confident model (logits of scale 6) whose label is the top one about 90 % of the time: at
+    level 1 − α = 0.8 about 10 % of the bare sets of every score are empty, at 0.5 about 45 %."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(6 * torch.randn(n, classes, generator=g, dtype=torch.float64), 1)
+    top = probs.argmax(1)
+    labels = torch.where(torch.rand(n, generator=g) < 0.9, top, torch.randint(classes, (n,), generator=g))
+    return probs, labels
+
+
+def test_forced_sets_are_the_bare_sets_plus_the_top_label_where_those_are_empty():
+    """Crafted rows: the top label is the first of the ranking (ties by class index, also where APS
+    scores tie because a probability is 0); only the empty bare sets change, by that label alone."""
+    probs = torch.tensor([[0.2, 0.5, 0.3], [0.0, 1.0, 0.0], [0.45, 0.45, 0.1], [0.1, 0.3, 0.6], [0.34, 0.33, 0.33]],
+                         dtype=torch.float64)
+    top = top_labels(probs)
+    assert top.tolist() == [1, 1, 0, 2, 0]
+    scores = aps_scores(probs)  # row 1: labels 0 and 1 both score 1.0; label 1 is the top one
+    bare = prediction_sets(scores, 0.55)
+    assert bare.sum(1).tolist() == [1, 0, 1, 0, 1]  # p_max > q̂ empties rows 1 and 3
+    forced = prediction_sets(scores, 0.55, top)
+    assert forced.sum(1).tolist() == [1, 1, 1, 1, 1]
+    assert forced[1].tolist() == [False, True, False] and forced[3].tolist() == [False, False, True]
+    assert torch.equal(forced[[0, 2, 4]], bare[[0, 2, 4]])
+    thr = thr_scores(probs)  # THR: 1 − p_max > q̂ empties rows too; at q̂ = 0.56 row 2's tied pair is in
+    assert prediction_sets(thr, 0.56).sum(1).tolist() == [1, 1, 2, 1, 0]
+    assert torch.equal(prediction_sets(thr, 0.56, top)[:4], prediction_sets(thr, 0.56)[:4])
+    assert prediction_sets(thr, 0.56, top)[4].tolist() == [True, False, False]
+    assert prediction_sets(thr, math.inf, top).all()  # q̂ = +inf: every label, as the bare rule
+
+
+@pytest.mark.parametrize("score", ["thr", "aps", "aps_randomized", "raps", "raps_randomized"])
+def test_by_default_no_set_is_empty_and_each_forced_set_adds_only_the_top_label(score):
+    probs, labels = _confident(n=800)
+    probs, labels, confident, test_labels = probs[:400], labels[:400], probs[400:], labels[400:]
+    alpha = 0.2  # a confident model at level 0.8: about 10 % of the bare sets empty, for every score
+    fixed = {"k_reg": 1, "lam": 0.1} if score.startswith("raps") else {}
+    default = calibrate(probs, labels, score, alpha, torch.Generator().manual_seed(9), **fixed)
+    bare = calibrate(probs, labels, score, alpha, torch.Generator().manual_seed(9), allow_empty_sets=True, **fixed)
+    assert default.qhat == bare.qhat and default.record()["allow_empty_sets"] is False
+    assert bare.record()["allow_empty_sets"] is True
+    forced_sets = default.sets(confident, torch.Generator().manual_seed(10))
+    bare_sets = bare.sets(confident, torch.Generator().manual_seed(10))  # the same u for the randomised scores
+    empty = ~bare_sets.any(1)
+    assert empty.double().mean() > 0.05, score  # the case does test something
+    assert forced_sets.any(1).all()  # the default: no set is empty
+    top = top_labels(confident)
+    added = forced_sets & ~bare_sets
+    assert (bare_sets <= forced_sets).all()
+    assert torch.equal(added.sum(1), empty.long())  # exactly one label where the bare set was empty, none elsewhere
+    assert added[empty].nonzero()[:, 1].tolist() == top[empty].tolist()
+    assert set_metrics(forced_sets, test_labels)["empty"] == 0
+    assert set_metrics(forced_sets, test_labels)["coverage"] >= set_metrics(bare_sets, test_labels)["coverage"]
+
+
+def test_lambda_tuning_measures_sets_of_the_chosen_convention(monkeypatch):
+    """pick_lambda measures its sizes on the sets it would give (as the authors' `pick_lamda_size`
+    passes `allow_zero_sets` on): the top labels by default, the bare rule with allow_empty_sets;
+    tuned RAPS records the convention and its sets follow it."""
+    from dbsn.metrics import conformal
+
+    probs, labels = _confident(n=300)
+    seen = []
+    original = conformal.prediction_sets
+
+    def spying(scores, qhat, top=None):
+        seen.append(top)
+        return original(scores, qhat, top)
+
+    monkeypatch.setattr(conformal, "prediction_sets", spying)
+    for allow in (False, True):
+        seen.clear()
+        assert pick_lambda(probs, labels, 0.5, 1, False, allow_empty_sets=allow) in LAMBDA_GRID
+        assert len(seen) == len(LAMBDA_GRID)
+        assert all(top is None for top in seen) if allow else all(torch.equal(top, top_labels(probs)) for top in seen)
+        tuned = calibrate(probs, labels, "raps", 0.5, torch.Generator().manual_seed(11), allow_empty_sets=allow)
+        assert tuned.allow_empty_sets is allow and tuned.n_tuning == 90
+        sets = tuned.sets(probs)
+        assert sets.any(1).all() if not allow else not sets.any(1).all()
 
 
 def test_the_quantile_is_the_finite_sample_rank_and_infinite_beyond_n():

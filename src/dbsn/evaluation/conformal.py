@@ -21,8 +21,13 @@ code) the evaluation examples give, under stable names,
 with `<level>` = 100·(1 − α) (`90`, `95`, `97.5`): coverage, mean set size, the share of empty
 sets, size-stratified coverage (the smallest coverage over the set-size strata that occur) and the
 smallest classwise coverage, each with its bootstrap interval over the evaluation examples (q̂
-held fixed). `conformal/metrics.json` keeps everything (q̂, k_reg, λ, the split sizes, each
-stratum's and each class's coverage); `conformal/conformal.csv` one row per level and score;
+held fixed). The sets are never empty by default (`allow_empty_sets=false`): a set that the rule
+s ≤ q̂ leaves empty gets the top label alone, the convention of the authors' code
+(`allow_zero_sets=False`) and of lightning-uq-box, which only adds labels, so coverage can only
+rise; `allow_empty_sets=true` keeps the bare rule, empty sets included (`dbsn.metrics.conformal`).
+`conformal/metrics.json` keeps everything (the convention as `allow_empty_sets` and `set_rule`, q̂,
+k_reg, λ, the split sizes, each stratum's and each class's coverage); `conformal/conformal.csv`
+one row per level and score (with its `allow_empty_sets`);
 `conformal/conformal.png` coverage and mean size per score at each level, the nominal level drawn.
 
 Under dataset shift (given a `DatasetShift`: `evaluations=[shift,conformal]`, either order, hands
@@ -64,6 +69,7 @@ from dbsn.metrics.conformal import (
     calibrate,
     quantile_rank,
     set_metrics,
+    set_rule,
     size_strata,
     stratum_name,
     tuning_size,
@@ -120,6 +126,8 @@ class ConformalPrediction(Evaluation):
         calibration_fraction: with test calibration, the share of the test examples that calibrates.
         raps_k_reg, raps_lambda: RAPS's k_reg and λ; None (default): tuned on `TUNING_FRACTION` of
             the calibration examples, as the authors' code.
+        allow_empty_sets: False (default): a set that s ≤ q̂ leaves empty gets the top label alone
+            (the authors' `allow_zero_sets=False`); True: the bare rule, empty sets kept.
         shift: the dataset-shift settings (a `DatasetShift`; the yaml hands over
             `evaluations.shift` when that is chosen); None: no shift.
     """
@@ -129,13 +137,15 @@ class ConformalPrediction(Evaluation):
     def __init__(self, levels: Sequence[float] = (0.9, 0.95),
                  scores: Sequence[str] = ("thr", "aps", "aps_randomized", "raps", "raps_randomized"),
                  calibration: str = "auto", calibration_fraction: float = 0.5, raps_k_reg: int | None = None,
-                 raps_lambda: float | None = None, shift: DatasetShift | None = None) -> None:
+                 raps_lambda: float | None = None, shift: DatasetShift | None = None,
+                 allow_empty_sets: bool = False) -> None:
         self.levels = [float(level) for level in levels or ()]
         self.scores = [str(score) for score in scores or ()]
         self.calibration, self.calibration_fraction = str(calibration), float(calibration_fraction)
         self.raps_k_reg = None if raps_k_reg is None else int(raps_k_reg)
         self.raps_lambda = None if raps_lambda is None else float(raps_lambda)
         self.shift = shift
+        self.allow_empty_sets = allow_empty_sets
 
     # ------------------------------------------------------------------ what it will use
     def source(self, datamodule) -> str:
@@ -178,6 +188,9 @@ class ConformalPrediction(Evaluation):
             raise EvaluationError(f"{key}.raps_k_reg={self.raps_k_reg}: a rank >= 0, or null to tune it.")
         if self.raps_lambda is not None and self.raps_lambda < 0:
             raise EvaluationError(f"{key}.raps_lambda={self.raps_lambda}: a penalty >= 0, or null to tune it.")
+        if not isinstance(self.allow_empty_sets, bool):
+            raise EvaluationError(f"{key}.allow_empty_sets={self.allow_empty_sets!r}: true (keep the empty sets of "
+                                  "s ≤ q̂) or false (the top label where a set would be empty).")
         datamodule = subject.datamodule
         if self.calibration == "validation" and not getattr(datamodule, "has_val", False):
             raise EvaluationError(f"{key}.calibration=validation needs a validation split, and this run has none "
@@ -235,7 +248,8 @@ class ConformalPrediction(Evaluation):
             calibrating, evaluation = calibration_split(len(targets), self.calibration_fraction, statistics.seed)
             calibration_probs, calibration_targets = probs[calibrating], targets[calibrating]
         Console().print(f"Conformal sets calibrated on the {source} split ({len(calibration_targets)} examples; "
-                        f"calibration={self.calibration}), evaluated on {len(evaluation)} test examples")
+                        f"calibration={self.calibration}), evaluated on {len(evaluation)} test examples; sets: "
+                        f"{set_rule(self.allow_empty_sets)} (allow_empty_sets={str(self.allow_empty_sets).lower()})")
         probs, targets = probs[evaluation], targets[evaluation]
         strata = size_strata(probs.shape[1])
         weights = statistics.weights(len(targets))
@@ -247,7 +261,7 @@ class ConformalPrediction(Evaluation):
             for score in self.scores:
                 generator = _generator(statistics.seed, level, score)
                 calibrated = calibrate(calibration_probs, calibration_targets, score, 1 - level, generator,
-                                       self.raps_k_reg, self.raps_lambda)
+                                       self.raps_k_reg, self.raps_lambda, allow_empty_sets=self.allow_empty_sets)
                 sets = calibrated.sets(probs, generator)
                 found = set_metrics(sets, targets, strata)
                 prefix = f"conformal/{level_name(level)}/{score}"
@@ -317,12 +331,14 @@ class ConformalPrediction(Evaluation):
                        "raps_tuning_fraction": TUNING_FRACTION}
         shift_record = None if shift is None else {k: v for k, v in shift.items() if k != "sets"}
         record = {"calibration": calibration, "levels": self.levels, "scores": self.scores,
+                  "allow_empty_sets": self.allow_empty_sets, "set_rule": set_rule(self.allow_empty_sets),
                   "n_samples": subject.model.num_members,
                   "strata": [stratum_name(s) for s in size_strata(subject.model.test_predictions[0].shape[1])],
                   "results": results, "shift": shift_record, "metrics": metrics, "intervals": intervals,
                   "statistics": {**statistics.record(), "interval": (
                       "percentile bootstrap over the evaluation examples, q̂ (and RAPS's k_reg, λ) held fixed")}}
-        columns = ["level", "score", "qhat", "k_reg", "lambda", "n_calibration", "n_tuning", *SET_METRICS]
+        columns = ["level", "score", "qhat", "k_reg", "lambda", "n_calibration", "n_tuning", "allow_empty_sets",
+                   *SET_METRICS]
         if shift is not None:
             columns += ["shift_coverage", "shift_size"]
         rows = []
@@ -334,7 +350,8 @@ class ConformalPrediction(Evaluation):
             rows.append(row)
         table = [[r[c] for c in columns] for r in rows]
         where = f"{source} split, {n_calibration} examples" + (" (calibration=auto)" if self.calibration == "auto" else "")
-        console = [ConsoleTable(f"Conformal sets: calibrated on the {where}; {n_evaluation} test examples evaluated",
+        console = [ConsoleTable(f"Conformal sets: calibrated on the {where}; {n_evaluation} test examples evaluated; "
+                                f"sets {set_rule(self.allow_empty_sets)}",
                                 ["level", "score", *SET_METRICS],
                                 [[r["level"], r["score"], *(r[m] for m in SET_METRICS)] for r in rows])]
         if shift is not None:
