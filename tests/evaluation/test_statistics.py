@@ -10,7 +10,11 @@ import torch
 from dbsn.evaluation.results import interval_numbers
 from dbsn.evaluation.statistics import Statistics, calibrate, classification_statistics, intervals_of
 from dbsn.methods.temperature import TemperatureScaler
-from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
+from dbsn.metrics.calibration import (
+    adaptive_expected_calibration_error,
+    classwise_expected_calibration_error,
+    squared_calibration_error,
+)
 from dbsn.metrics.intervals import weighted_ece, weighted_error
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
 from dbsn.metrics.selective import selective_metrics
@@ -55,7 +59,9 @@ def test_row_zero_of_every_statistic_is_the_plain_metric():
              "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15),
              "test/calibrated/nll": negative_log_likelihood(calibrated, targets),
              "test/calibrated/brier": brier_score(calibrated.exp(), targets),
-             "test/calibrated/ece": expected_calibration_error(calibrated.exp(), targets)}
+             "test/calibrated/ece": expected_calibration_error(calibrated.exp(), targets),
+             "test/ce2": squared_calibration_error(probs, targets),
+             "test/calibrated/ce2": squared_calibration_error(calibrated.exp(), targets)}
     errors = (probs.argmax(1) != targets).double()
     plain.update(selective_metrics(errors, scores))
     assert set(found) == set(plain)

@@ -37,6 +37,7 @@ from dbsn.metrics.intervals import (
     weighted_error,
     weighted_nll,
     weighted_selective,
+    weighted_squared_calibration_error,
 )
 from dbsn.metrics.selective import score_as_uncertainty
 
@@ -113,19 +114,24 @@ def calibrate(log_probs: Tensor, targets: Tensor, validation: tuple[Tensor, Tens
 def classification_statistics(log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor], weights: Tensor,
                               calibrated: Tensor | None = None) -> dict[str, Tensor]:
     """Every test metric of a classifier's ensemble prediction at each row of `weights` (counts
-    of the test examples): `test/{error,nll,brier,ece,adaptive_ece,classwise_ece}`,
-    `test/calibrated/{nll,brier,ece}` (given the calibrated log-probabilities) and
-    `selective/<score>/{aurc,eaurc,augrc,risk@80}` with `selective/optimal_aurc`."""
+    of the test examples): `test/{error,nll,brier,ce2,ece,adaptive_ece,classwise_ece}`,
+    `test/calibrated/{nll,brier,ce2,ece}` (given the calibrated log-probabilities) and
+    `selective/<score>/{aurc,eaurc,augrc,risk@80}` with `selective/optimal_aurc`. `ce2` is the
+    unbiased squared calibration error (`metrics.calibration.squared_calibration_error`), the one
+    whose interval covers the truth; the ECEs are the familiar plug-in numbers, biased upward."""
     log_probs = log_probs.double()
     probs = log_probs.exp()
     out = {"test/error": weighted_error(probs, targets, weights), "test/nll": weighted_nll(log_probs, targets, weights),
-           "test/brier": weighted_brier(probs, targets, weights), "test/ece": weighted_ece(probs, targets, weights),
+           "test/brier": weighted_brier(probs, targets, weights),
+           "test/ce2": weighted_squared_calibration_error(probs, targets, weights),
+           "test/ece": weighted_ece(probs, targets, weights),
            "test/adaptive_ece": weighted_adaptive_ece(probs, targets, weights),
            "test/classwise_ece": weighted_classwise_ece(probs, targets, weights)}
     if calibrated is not None:
         calibrated = calibrated.double()
         out.update({"test/calibrated/nll": weighted_nll(calibrated, targets, weights),
                     "test/calibrated/brier": weighted_brier(calibrated.exp(), targets, weights),
+                    "test/calibrated/ce2": weighted_squared_calibration_error(calibrated.exp(), targets, weights),
                     "test/calibrated/ece": weighted_ece(calibrated.exp(), targets, weights)})
     errors = (probs.argmax(1) != targets).double()
     for name in SELECTIVE_SCORES:
@@ -202,7 +208,7 @@ def test_statistics(model, datamodule, statistics: Statistics) -> TestStatistics
     log_probs = log_probs.double()
     calibrated, calibration = calibrate(log_probs, targets, validation_predictions(model, datamodule), statistics.seed)
     found = classification_statistics(log_probs, targets, model.test_scores, statistics.weights(len(targets)), calibrated)
-    metrics = {key: float(found[key][0]) for key in found if key.startswith("test/calibrated/")}
+    metrics = {key: float(found[key][0]) for key in found if key.startswith("test/calibrated/") or key == "test/ce2"}
     return TestStatistics(metrics=metrics, intervals=intervals_of(found, statistics.level),
                           record={"statistics": statistics.record(), "calibration": calibration},
                           arrays=prediction_arrays(log_probs, targets, model.test_scores, calibrated))

@@ -32,6 +32,7 @@ class Run:
     log: str | None = None  # the SLURM job's log file (slurm.json), for runs that did not finish
     intervals: dict = field(default_factory=dict)  # metric -> [low, high], the bootstrap intervals of metrics.json
     cost: dict = field(default_factory=dict)  # metrics.json's cost: parameters, FLOPs per image, epoch time, memory
+    calibration: dict = field(default_factory=dict)  # metrics.json's calibration: where the temperature was fitted
 
 
 @dataclass
@@ -69,6 +70,7 @@ def load_run(folder: Path) -> Run:
             run.seed, run.n_samples = record.get("seed", run.seed), record.get("n_samples")
             run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
             run.intervals, run.cost = dict(record.get("intervals") or {}), dict(record.get("cost") or {})
+            run.calibration = dict(record.get("calibration") or {})
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status != "ok" and slurm:
