@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from dbsn.evaluation.base import Subject
+from dbsn.evaluation.convergence import TrainingCurve
 from dbsn.evaluation.cost import EpochTimer, reset_peak_memory
 from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report
@@ -90,8 +91,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
-    epoch_timer = EpochTimer()
-    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer]
+    epoch_timer, curve = EpochTimer(), TrainingCurve()
+    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer,
+                                                           curve]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -126,6 +128,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     def record() -> dict:
         return {"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
                 "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
+                "convergence": curve.summary(),
                 **model.run_facts(), "slurm": job_facts(),
                 "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)}
 

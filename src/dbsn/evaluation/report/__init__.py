@@ -30,7 +30,7 @@ from pathlib import Path
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
 from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
 from dbsn.evaluation.report.published import published_section
-from dbsn.evaluation.report.tables import (_show, _write, _write_csv, ablation_section, adversarial_section,
+from dbsn.evaluation.report.tables import (UNCONVERGED_MARK, _show, _write, _write_csv, ablation_section, adversarial_section,
                                            calibration_section, calibrators_section, conformal_section, main_tables, ood_groups_section,
                                            ood_scores_section, ood_section, other_evaluations_section, runs_section,
                                            selective_section, shift_section, time_section)
@@ -62,6 +62,13 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
     for (method, dataset, seed), count in Counter((r.method, r.dataset, r.seed) for r in ok).items():
         if count > 1:
             report.warnings.append(f"{method} on {dataset} with seed {seed} finished {count} times: all are averaged")
+    for run in ok:  # a run still learning at its end: its method marked in every table, and said why here
+        found = run.convergence
+        if found.get("converged") is False:
+            report.unconverged.add(run.method)
+            report.warnings.append(f"{UNCONVERGED_MARK} {run.method} on {run.dataset} (seed {run.seed}) had not converged: its "
+                                   f"training loss's linear fit over the last {found.get('window_epochs')} epochs fell by "
+                                   f"{100 * found['last_tenth_drop']:.0f} % of the final loss (more than 10 %)")
     counts = Counter(r.status for r in runs)
     text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(_show(Path(d).resolve()) for d in dirs)}: "
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "

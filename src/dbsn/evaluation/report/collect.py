@@ -33,6 +33,7 @@ class Run:
     intervals: dict = field(default_factory=dict)  # metric -> [low, high], the bootstrap intervals of metrics.json
     cost: dict = field(default_factory=dict)  # metrics.json's cost: parameters, FLOPs per image, epoch time, memory
     calibration: dict = field(default_factory=dict)  # metrics.json's calibration: where the temperature was fitted
+    convergence: dict = field(default_factory=dict)  # metrics.json's convergence: the training loss's last tenth
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Report:
     files: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)  # one line per finding the console repeats (indistinguishable differences)
+    unconverged: set[str] = field(default_factory=set)  # methods with a run whose training had not converged: marked ‡
 
     def with_status(self, status: str) -> list[Run]:
         return [r for r in self.runs if r.status == status]
@@ -71,6 +73,7 @@ def load_run(folder: Path) -> Run:
             run.train_seconds, run.epochs = record.get("train_seconds"), record.get("epochs")
             run.intervals, run.cost = dict(record.get("intervals") or {}), dict(record.get("cost") or {})
             run.calibration = dict(record.get("calibration") or {})
+            run.convergence = dict(record.get("convergence") or {})
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status != "ok" and slurm:

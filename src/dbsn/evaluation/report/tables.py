@@ -128,9 +128,28 @@ def md_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
 
 
+#: marks, in every table, a method with a run whose training loss still fell steeply at its end
+UNCONVERGED_MARK = "‡"
+
+
+def mark_unconverged(methods: set[str], text: str) -> str:
+    """Every markdown table row of `text` whose first cell is one of `methods`, marked `UNCONVERGED_MARK`."""
+    if not methods:
+        return text
+    lines = []
+    for line in text.split("\n"):
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = line.split(" | ")
+            if cells[0][2:] in methods:
+                cells[0] = f"{cells[0]} {UNCONVERGED_MARK}"
+                line = " | ".join(cells)
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _write(report: Report, name: str, text: str) -> Path:
     path = report.out / name
-    path.write_text(text)
+    path.write_text(mark_unconverged(report.unconverged, text))
     report.files.append(path)
     return path
 
