@@ -49,7 +49,11 @@ def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(ba
         for setting in BACKBONES["structure_net" if method in STRUCTURE_SAMPLING else backbone]:  # the CPU size
             key, value = setting.split("=")
             assert str(net[key]) == value, (method, setting)
-        optim = (cfg.model.member if method == "deep_ensemble" else cfg.model).optim  # one weight optimiser for all
+        optim = (cfg.model.member if method == "deep_ensemble" else cfg.model).optim  # the shared schedule's shape
+        assert (optim.schedule, list(optim.milestones), optim.gamma) == ("multistep", [0.5, 0.75], 0.1), method
+        shared = compose_config("train", [*method_overrides(method, 10, 21, backbone=backbone, protocol="shared"),
+                                          *shared_overrides()], tmp_path)
+        optim = (shared.model.member if method == "deep_ensemble" else shared.model).optim  # one weight optimiser for all
         assert (optim.lr, optim.weight_decay, optim.nesterov, list(optim.milestones), optim.warmup_epochs) == (
             0.1, 1e-4, False, [0.5, 0.75], 0), method
         if method == "mc_dropout":  # no cells: a placement that exists on this network
@@ -228,3 +232,57 @@ def test_cli_passes_the_evaluations_posthoc_and_evaluate_overrides(monkeypatch):
     assert (first["evaluations"], first["posthoc"], first["ood"]) == (["ood", "shift", "conformal"], ["temperature", "isotonic"], None)
     assert first["evaluate_extra"] == ["ood.noise.size=32", "evaluations.ood.scores=[energy,knn]", "n_samples=3"]
     assert (second["ood"], second["posthoc"], second["evaluate_extra"]) == (["svhn", "cifar100"], [], [])
+
+
+# ---------------------------------------------------------------------- the fair protocol and the lr search
+def test_the_fair_protocol_keeps_each_methods_own_settings_and_shares_the_schedule(tmp_path):
+    """Fair: MIMO sums its members' NLLs and Packed-Ensembles, BatchEnsemble and SNGP keep their own
+    optimiser settings (the authors'), every method the schedule's shape; a tuned lr reaches each
+    method's own optimiser. Shared: the paper's recipe for all, MIMO's mean."""
+    from hydra.utils import get_class
+
+    def model(method, **kwargs):
+        backbone = "structure_net" if method.startswith("vogn") else "resnet18"  # VOGN: the cell network's
+        cfg = compose_config("train", [*method_overrides(method, 10, 21, backbone=backbone, **kwargs),
+                                       *shared_overrides()], tmp_path)
+        validate_config(cfg)
+        return cfg.model
+
+    own = {m: compose_config("train", [f"model={m}", "model/net=resnet18", *shared_overrides()], tmp_path).model.optim
+           for m in ("packed_ensemble", "batch_ensemble", "sngp")}
+    for method, recipe in own.items():
+        fair = model(method).optim
+        assert (fair.lr, fair.weight_decay, fair.nesterov, fair.momentum) == (
+            recipe.lr, recipe.weight_decay, recipe.nesterov, recipe.momentum), method
+    assert model("mimo").member_loss == "sum" and model("mimo", protocol="shared").member_loss == "mean"
+    assert model("packed_ensemble", lr=0.4).optim.lr == 0.4 and model("mimo", lr=0.025).optim.lr == 0.025
+    assert model("deep_ensemble", lr=0.2).member.optim.lr == 0.2
+    assert compare.lr_key("vogn") == "model.vogn.lr" and model("vogn", lr=0.02).vogn.lr == 0.02
+    assert get_class(model("sngp")._target_).__name__ == "SNGP"
+
+
+def test_the_search_picks_the_lowest_validation_nll():
+    assert compare.choose({0.05: 0.9, 0.1: 0.7, 0.2: 0.8}) == 0.1
+    assert compare.choose({0.05: 0.9, 0.1: math.inf, 0.2: 0.9}) == 0.05  # a tie: the smaller rate; divergence skipped
+    with pytest.raises(compare.ConfigError, match="diverged or never validated"):
+        compare.choose({0.1: math.inf})
+
+
+def test_the_search_trains_every_rate_validates_and_never_reads_the_test_set(tmp_path, monkeypatch):
+    """`tune` on digits: one run per rate, validated on the held-out split, none tested (the data
+    module's test loader, poisoned, is never asked for); the choice is the lowest of the NLLs
+    the runs' logs hold."""
+    from dbsn.data.digits import DigitsDataModule
+
+    def poisoned(self):
+        raise AssertionError("the learning-rate search read the test set")
+
+    monkeypatch.setattr(DigitsDataModule, "test_dataloader", poisoned)
+    shared = [*shared_overrides("digits", 64, 200), "data.val_size=0.25", "trainer.enable_progress_bar=false",
+              "trainer.enable_model_summary=false"]
+    record = compare.tune("map_fixed", [0.02, 0.3], lambda lr: method_overrides(
+        "map_fixed", 2, 3, net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr=lr), shared, tmp_path, 2)
+    nlls = {lr: compare.last_validation_nll(tmp_path / "tune" / "map_fixed" / f"lr_{lr:g}") for lr in (0.02, 0.3)}
+    assert record["validation_nll"] == {"0.02": nlls[0.02], "0.3": nlls[0.3]} and all(math.isfinite(v) for v in nlls.values())
+    assert record["chosen"] == min(nlls, key=nlls.get)
+    assert not list(tmp_path.rglob("metrics.json"))  # no run was tested

@@ -174,6 +174,28 @@ def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
     return fig
 
 
+def tuning_figure(curves: Mapping[str, Mapping[float, float]], chosen: Mapping[str, float], title: str | None = None) -> Figure:
+    """Validation NLL against the learning rate (log scale), one line per method, its choice marked;
+    a rate that diverged (an infinite NLL) is left out of its line."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    for method, curve in curves.items():
+        points = sorted((lr, nll) for lr, nll in curve.items() if math.isfinite(nll))
+        if not points:
+            continue
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        if method in chosen and chosen[method] in curve and math.isfinite(curve[chosen[method]]):
+            ax.plot([chosen[method]], [curve[chosen[method]]], marker="*", markersize=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("base learning rate")
+    ax.set_ylabel("validation NLL (last epoch)")
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig: Figure, path: str | Path) -> Path:
     """Write ``fig`` as a PNG at ``path`` (creating parent folders), close it, return the path."""
     path = Path(path)

@@ -1,6 +1,6 @@
 """A small end-to-end comparison of every method on any classification dataset (CPU-sized).
 
-    python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...]
+    python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...] [--tune]
                            [--backbone structure_net|resnet18|wrn28_10] [--batch-size 64] [--out DIR]
                            [--evaluations ood,shift,conformal] [--ood SETS] [--posthoc temperature,...]
                            [--evaluate-overrides "KEY=VALUE ..."] [overrides ...]
@@ -15,17 +15,32 @@ E.g. CIFAR-10 on a 5,000-image subset on CPU:
 
 Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters), or
 with `--backbone resnet18|wrn28_10` a narrow ResNet-18 (width 16) / WideResNet-16-2 (DBSN, FBN and
-VOGN-FBN stay on the cell network), with the same data, batch, epochs and weight optimiser
-settings, and is tested with S = 100 members where it samples (MC dropout, BBB, DBSN; the
-single-pass ensembles with their M members, SNGP in one pass). Schedules written for 100 CIFAR epochs are compressed into the run, the
-only per-method settings, from the run's real steps per epoch (its training images over the
-batch size, counted once before any method trains, so that a missing dataset fails first):
+VOGN-FBN stay on the cell network), and is tested with S = 100 members where it samples (MC
+dropout, BBB, DBSN; the single-pass ensembles with their M members, SNGP in one pass).
+
+The protocol (`--protocol`). "fair", the default: every method shares the data, the epochs, the
+batch and the learning-rate schedule's shape (× 0.1 at 50 % and 75 %), and keeps its authors'
+relative settings (how its loss adds up its members, fast-weight learning rates, initialisation,
+momentum, weight decay, warm-up: its config's); its base learning rate is its config's, or with
+`--tune` the value of one grid for every method (`--lr-grid`, default 0.025 to 0.4) with the lowest
+validation NLL after the last epoch, each rate trained on the training split without a held-out
+validation part (`data.val_size=0.15`), never tested, into `DIR/tune/<method>/lr_<rate>/`; the
+method then trains and tests with the chosen rate, on the same split, and `<method>/tuning.json`
+keeps the grid, the validation NLLs and the choice (the report's learning-rate section). "shared":
+every method with the paper's one SGD recipe and MIMO with the mean over members, as the
+comparisons before 2026-11-27 ran (it held Packed-Ensembles at lr / M per member and MIMO at
+1 / M of its gradient). Every run records whether it had converged (its training loss over the
+last tenth of the run), and the report marks the methods of runs that had not.
+
+Schedules written for 100 CIFAR epochs are compressed into the run from the run's real steps per
+epoch (its training images over the batch size, counted once before any method trains, so that a
+missing dataset fails first):
 DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ reaches 1 and β reaches
 0.5 within the run, θ's Adam at 10x the paper's lr); VOGN and VOGN-FBN warm their KL weight up
 over the first 10 % of the steps (the paper: 1000 steps). NEK-FAC is left out: it is defined on
 VGG16-BN, not on this network. Prints and writes (comparison.md, comparison.json) a table of
-error / NLL / Brier / ECE / calibrated NLL, each with its 95 % bootstrap interval over the test
-examples, and training time, titled with the dataset; then the paired differences of every method
+error / NLL / Brier / CE² (the unbiased squared calibration error) / calibrated NLL, each with its
+95 % bootstrap interval over the test examples, the plug-in ECE (biased: no interval), and training time, titled with the dataset; then the paired differences of every method
 against DBSN (or the first method) on the same test examples, with the line naming the differences
 indistinguishable from noise, from the report that it writes into DIR/report (every table, the
 cost table and the Pareto figure; training time as a ratio to DBSN: the paper's Table 5
@@ -85,11 +100,25 @@ FIXED_MEMBERS = ("map", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_
 #: (dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
 BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
              "wrn28_10": ["depth=16", "widen_factor=2"]}
-#: Methods whose configs carry their authors' optimiser recipe (conf/field's sweeps use them); a comparison
-#: trains every method with the same one, `SHARED_OPTIMIZER` (conf/model/optim/sgd.yaml: the paper's).
+#: Methods whose configs carry their authors' optimiser recipe (conf/field's sweeps use them).
 OWN_RECIPES = ("batch_ensemble", "packed_ensemble", "mimo", "sngp")
+#: The protocols. "fair" (the default): what every method shares is the data, the epochs, the batch and
+#: the learning-rate schedule's shape (`SHARED_SCHEDULE`); each keeps its authors' relative settings
+#: (loss over members, fast-weight lr, initialisation, momentum, weight decay, warm-up), and its base lr
+#: is its own config's or, with `--tune`, the value of `LR_GRID` with the lowest validation NLL.
+#: "shared": every method trains with the paper's one SGD recipe (`SHARED_OPTIMIZER`) and MIMO with the
+#: mean over members: the protocol of the comparisons before 2026-11-27, which held Packed-Ensembles at
+#: lr / M per member and MIMO at 1 / M of its gradient (kept to reproduce them).
+PROTOCOLS = ("fair", "shared")
+SHARED_SCHEDULE = {"schedule": "multistep", "milestones": "[0.5,0.75]", "gamma": 0.1}
 SHARED_OPTIMIZER = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1.0e-4, "nesterov": "false", "grad_clip_norm": 5.0,
                     "milestones": "[0.5,0.75]", "gamma": 0.1, "warmup_epochs": 0}
+#: `--tune`'s base learning rates, the same for every method: the paper's 0.1, halved and doubled twice
+LR_GRID = (0.025, 0.05, 0.1, 0.2, 0.4)
+#: the validation split `--tune` selects on (every run of the comparison trains without it)
+TUNE_VAL_SIZE = 0.15
+#: what `--tune` writes beside each tuned run, and the report reads
+TUNING_FILE = "tuning.json"
 #: MC dropout on a network without cells (conf/field's choices): after every convolution, or WRN's own layers.
 DROPOUT_PLACEMENT = {"resnet18": "every_conv", "wrn28_10": "existing"}
 #: `--ood`'s default where the OOD sets need no files: the embedded digits against photo patches and noise.
@@ -249,10 +278,19 @@ def epoch_size(data_cfg: DictConfig) -> tuple[int, int]:
     return n, n // batch if datamodule.drop_last else math.ceil(n / batch)
 
 
+def lr_key(method: str) -> str:
+    """The config key of a method's base learning rate (the weights'; VOGN's own optimiser's)."""
+    if method in VOGN_METHODS:
+        return "model.vogn.lr"
+    return "model.member.optim.lr" if method == "deep_ensemble" else "model.optim.lr"
+
+
 def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: int = 100,
-                     net_overrides: list[str] = (), batch_size: int = 64, backbone: str = "structure_net") -> list[str]:
+                     net_overrides: list[str] = (), batch_size: int = 64, backbone: str = "structure_net",
+                     protocol: str = "fair", lr: float | None = None) -> list[str]:
     """One method's model on `backbone` (at the CPU size of `BACKBONES`; the cell network for
-    the methods that need cells) and the schedules compressed into `epochs` of `steps_per_epoch`
+    the methods that need cells) under `protocol` (`PROTOCOLS`; `lr`: its base learning rate,
+    None = its config's) and the schedules compressed into `epochs` of `steps_per_epoch`
     steps of `batch_size` images: τ's progress counts examples seen / REFERENCE_BATCH (τ
     reaches 1 at the end), β's counts epochs (0.5 at 80 %), VOGN's KL warm-up counts steps."""
     model = "model.member" if method == "deep_ensemble" else "model"
@@ -263,10 +301,16 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if method == "deep_ensemble":
         overrides.append("model.size=3")
-    if method in OWN_RECIPES:  # the shared weight optimiser, not the method's published recipe
-        overrides += [f"model.optim.{key}={value}" for key, value in SHARED_OPTIMIZER.items()]
-    if method == "mimo":  # the recipe is for one network's mean NLL
-        overrides.append("model.member_loss=mean")
+    optim = "model.member.optim" if method == "deep_ensemble" else "model.optim"
+    if protocol == "shared":
+        if method in OWN_RECIPES:  # the shared weight optimiser, not the method's published recipe
+            overrides += [f"model.optim.{key}={value}" for key, value in SHARED_OPTIMIZER.items()]
+        if method == "mimo":  # the recipe is for one network's mean NLL
+            overrides.append("model.member_loss=mean")
+    elif method not in VOGN_METHODS:  # the schedule's shape is shared; VOGN's optimiser has its own
+        overrides += [f"++{optim}.{key}={value}" for key, value in SHARED_SCHEDULE.items()]
+    if lr is not None:
+        overrides.append(f"{lr_key(method)}={lr:g}")
     if method == "mc_dropout" and net in DROPOUT_PLACEMENT:  # no cells: after every conv, or WRN's own dropout layers
         overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[net]}")
     if method not in FIXED_MEMBERS:
@@ -285,15 +329,70 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     return overrides
 
 
+def last_validation_nll(run_dir: Path) -> float:
+    """The validation NLL of a run's last validation (its CSV log's last `val/nll`); inf if it has none
+    or it is not finite (a run that diverged is the worst choice, not an error)."""
+    import csv
+
+    values = []
+    for path in sorted(Path(run_dir).glob("csv/version_*/metrics.csv")):
+        with path.open(newline="") as f:
+            values += [float(row["val/nll"]) for row in csv.DictReader(f) if row.get("val/nll")]
+    value = values[-1] if values else math.inf
+    return value if math.isfinite(value) else math.inf
+
+
+def choose(curve: dict[float, float]) -> float:
+    """The grid value with the lowest validation NLL (the smaller one on a tie)."""
+    finite = {lr: nll for lr, nll in curve.items() if math.isfinite(nll)}
+    if not finite:
+        raise ConfigError(f"every learning rate of the grid {sorted(curve)} diverged or never validated: "
+                          "try a grid of smaller values (--lr-grid)")
+    return min(sorted(finite), key=lambda lr: finite[lr])
+
+
+def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, epochs: int) -> dict:
+    """`method` trained once per learning rate of `grid` (`overrides_at(lr)`: its model's overrides),
+    on the training split without its validation part, each run validated once, at its end, and
+    never tested; the chosen rate is the one of the lowest validation NLL (`choose`). Returns the
+    record `TUNING_FILE` keeps: the grid, each rate's validation NLL, the choice and how it was made."""
+    from hydra import compose, initialize_config_dir
+
+    from dbsn.methods import NonFiniteLossError
+    from dbsn.runtime.run import train
+
+    curve = {}
+    for lr in grid:
+        run_dir = Path(output_dir) / "tune" / method / f"lr_{lr:g}"
+        Console().print(f"[bold]Tuning {method}: lr = {lr:g}[/bold]")
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides_at(lr), *shared, "test=false",
+                                              f"trainer.check_val_every_n_epoch={epochs}",
+                                              f"paths.output_dir={run_dir}", "task_name=compare_tune"])
+        try:
+            train(cfg, run_dir)
+            curve[lr] = last_validation_nll(run_dir)
+        except NonFiniteLossError:
+            curve[lr] = math.inf
+    chosen = choose(curve)
+    return {"grid": [float(lr) for lr in grid], "validation_nll": {f"{lr:g}": curve[lr] for lr in grid},
+            "chosen": chosen, "key": None, "selected_by": "the validation NLL after the last epoch, the test set unseen"}
+
+
 def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
                    subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
-                   ood=None, evaluate_extra: list[str] = ()) -> dict[str, dict[str, float]]:
+                   ood=None, evaluate_extra: list[str] = (), protocol: str = "fair", lr_grid=None) -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
-    ``output_dir/<method>``, then evaluate it with `evaluations` and each of `posthoc`
-    (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default); returns its test
-    metrics plus ``train_seconds`` (the fit's wall time) by method."""
+    ``output_dir/<method>`` under `protocol`, each with the learning rate of `lr_grid` that its
+    validation NLL chooses (`tune`; None: its config's), then evaluate it with `evaluations` and
+    each of `posthoc` (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default);
+    returns its test metrics plus ``train_seconds`` (the fit's wall time) by method."""
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if lr_grid is not None and protocol != "fair":
+        raise ConfigError("--tune chooses each method's own learning rate: it belongs to the fair protocol (--protocol fair)")
     from hydra import compose, initialize_config_dir
 
     from dbsn.runtime.run import train
@@ -308,6 +407,11 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     elif posthoc and val_size in ("0", "0.0", "null"):
         raise ConfigError(f"--posthoc {','.join(posthoc)} is fitted on a validation split, and data.val_size={val_size} "
                           f"leaves none: drop it (--posthoc adds data.val_size={POSTHOC_VAL_SIZE}) or set a size")
+    if lr_grid is not None and val_size is None and not posthoc:  # the tuning's split: every run trains without it
+        extra.append(f"data.val_size={TUNE_VAL_SIZE}")
+    elif lr_grid is not None and val_size in ("0", "0.0", "null"):
+        raise ConfigError(f"--tune selects on a validation split, and data.val_size={val_size} leaves none: drop it "
+                          f"(--tune adds data.val_size={TUNE_VAL_SIZE}) or set a size")
     shared = [*shared_overrides(data, batch_size, subset), *extra]
     passes = evaluation_passes(evaluations, posthoc, ood_sets(evaluations, ood, data), data, output_dir, shared,
                                evaluate_extra)
@@ -318,11 +422,21 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     results = {}
     for method in methods:
         run_dir = Path(output_dir) / method
+
+        def overrides_at(lr, method=method):
+            return method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone,
+                                    protocol, lr)
+        tuning = None
+        if lr_grid is not None:
+            tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs), "key": lr_key(method)}
+            Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
+                            + ", ".join(f"{k}: {v:.4f}" for k, v in tuning["validation_nll"].items()) + ")", soft_wrap=True)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[
-                *method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone),
-                *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
+            cfg = compose("train", overrides=[*overrides_at(None if tuning is None else tuning["chosen"]),
+                                              *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
         metrics = train(cfg, run_dir)
+        if tuning is not None:
+            (run_dir / TUNING_FILE).write_text(json.dumps(tuning, indent=2) + "\n")
         record = json.loads((run_dir / "metrics.json").read_text())
         results[method] = {**metrics, "train_seconds": record["train_seconds"], "intervals": record.get("intervals", {}),
                            "cost": record.get("cost", {})}
@@ -368,7 +482,8 @@ def _with_interval(scale: float, digits: int):
 
 #: (column, metric key, format of (value, its 95 % interval or None))
 COLUMNS = (("error %", "test/error", _with_interval(100, 2)), ("NLL", "test/nll", _with_interval(1, 4)),
-           ("Brier", "test/brier", _with_interval(1, 4)), ("ECE", "test/ece", _with_interval(1, 4)),
+           ("Brier", "test/brier", _with_interval(1, 4)), ("CE²", "test/ce2", _with_interval(1, 5)),
+           ("ECE (plug-in, biased)", "test/ece", lambda v, _: "–" if v is None else f"{v:.4f}"),
            ("calibrated NLL", "test/calibrated/nll", _with_interval(1, 4)),
            ("train min", "train_seconds", lambda v, _: "–" if v is None else f"{v / 60:.1f}"))
 
@@ -435,6 +550,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--evaluate-overrides", action="append", type=shlex.split, default=[], metavar='"KEY=VALUE ..."',
                         help="evaluate.py overrides of the evaluations (evaluations.*, ood.*) and post-hoc passes "
                              "(posthoc.*), or of both (the rest); repeatable")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="fair",
+                        help="fair (default): each method keeps its authors' relative settings, the schedule's shape is "
+                             "shared; shared: every method with the paper's one SGD recipe (the earlier comparisons')")
+    parser.add_argument("--tune", action="store_true",
+                        help="choose each method's base learning rate from --lr-grid by its validation NLL (a validation "
+                             f"split of {TUNE_VAL_SIZE:g} held out of training; the test set unseen) before its run")
+    parser.add_argument("--lr-grid", type=lambda text: [float(v) for v in names(text)], default=list(LR_GRID),
+                        help="the learning rates --tune tries, the same for every method (default: "
+                             + ",".join(f"{v:g}" for v in LR_GRID) + ")")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(METHODS))
@@ -455,7 +579,8 @@ def main(argv: list[str] | None = None) -> dict:
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
                           data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
                           evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,
-                          evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk])
+                          evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk], protocol=args.protocol,
+                          lr_grid=args.lr_grid if args.tune else None)
 
 
 def cli() -> None:

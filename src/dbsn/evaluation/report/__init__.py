@@ -33,6 +33,7 @@ from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.tables import (UNCONVERGED_MARK, _show, _write, _write_csv, ablation_section, adversarial_section,
                                            calibration_section, calibrators_section, conformal_section, main_tables, ood_groups_section,
                                            ood_scores_section, ood_section, other_evaluations_section, runs_section,
+                                           tuning_section,
                                            selective_section, shift_section, time_section)
 
 from dbsn.evaluation.statistics import Statistics
@@ -74,7 +75,8 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
-        text += main_tables(report, ok) + published_section(report, ok) + paired_section(report, ok, reference, statistics)
+        text += main_tables(report, ok) + tuning_section(report, ok) + published_section(report, ok)
+        text += paired_section(report, ok, reference, statistics)
         text += calibration_section(report, ok) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + ood_scores_section(report, ok)

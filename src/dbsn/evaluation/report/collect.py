@@ -13,7 +13,9 @@ import yaml
 
 from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
 
-SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv"}  # <run>/posthoc/<name> is a run of its own
+# <run>/posthoc/<name> is a run of its own; `dbsn-compare --tune`'s tuning runs (never tested) are read from
+# the tuned run's tuning.json, not as runs
+SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv", "tune"}
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Run:
     cost: dict = field(default_factory=dict)  # metrics.json's cost: parameters, FLOPs per image, epoch time, memory
     calibration: dict = field(default_factory=dict)  # metrics.json's calibration: where the temperature was fitted
     convergence: dict = field(default_factory=dict)  # metrics.json's convergence: the training loss's last tenth
+    tuning: dict = field(default_factory=dict)  # tuning.json of `dbsn-compare --tune`: the lr grid, its validation NLLs
 
 
 @dataclass
@@ -74,6 +77,7 @@ def load_run(folder: Path) -> Run:
             run.intervals, run.cost = dict(record.get("intervals") or {}), dict(record.get("cost") or {})
             run.calibration = dict(record.get("calibration") or {})
             run.convergence = dict(record.get("convergence") or {})
+            run.tuning = _json(folder / "tuning.json") or {}
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status != "ok" and slurm:

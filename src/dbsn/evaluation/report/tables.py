@@ -722,3 +722,41 @@ def conformal_section(report: Report, ok: list[Run]) -> str:
             "coverage falls. Mean ± std over seeds. Files: `conformal.md`, `conformal.csv`.\n\n" + text)
     _write(report, "conformal.md", text.replace("## ", "# ", 1))
     return text
+
+
+# ---------------------------------------------------------------------- the learning-rate search
+def tuning_section(report: Report, ok: list[Run]) -> str:
+    """Each tuned run's learning-rate search (`dbsn-compare --tune`'s tuning.json): the validation NLL
+    at every rate of the grid, the chosen rate, and one figure per dataset (the mean over seeds)."""
+    from dbsn.evaluation.plots import tuning_figure
+
+    tuned = [r for r in ok if r.tuning.get("validation_nll")]
+    if not tuned:
+        return ""
+    grid = sorted({float(lr) for r in tuned for lr in r.tuning["validation_nll"]})
+    rows, csv_rows, figures = [], [], ""
+    for dataset in _order({r.dataset for r in tuned}, DATASET_ORDER):
+        curves, chosen = {}, {}
+        for method in _order({r.method for r in tuned if r.dataset == dataset}, METHOD_ORDER):
+            runs = [r for r in tuned if r.method == method and r.dataset == dataset]
+            per_run = [{float(lr): float(v) for lr, v in r.tuning["validation_nll"].items()} for r in runs]
+            for run, curve in zip(runs, per_run):
+                rows.append([method, dataset, str(run.seed), *(("diverged" if curve.get(lr) == float("inf") else
+                                                                 "–" if lr not in curve else f"{curve[lr]:.4f}") for lr in grid),
+                             f"{run.tuning['chosen']:g}"])
+                csv_rows.append([method, dataset, run.seed, *(curve.get(lr) for lr in grid), run.tuning["chosen"]])
+            mean = {lr: statistics.fmean(c[lr] for c in per_run) for lr in grid if all(lr in c for c in per_run)}
+            curves[method] = mean
+            chosen[method] = min((lr for lr in mean if mean[lr] < float("inf")), key=mean.get, default=None)
+        name = f"tuning_{dataset}.png"
+        if _figure(report, tuning_figure(curves, chosen, title=f"Learning-rate search on {dataset}"), name):
+            figures += f"![Learning-rate search]({name})\n\n"
+    header = ["method", "dataset", "seed", *(f"lr {lr:g}" for lr in grid), "chosen"]
+    _write_csv(report, "tuning.csv", ["method", "dataset", "seed", *(f"val_nll_lr_{lr:g}" for lr in grid), "chosen"], csv_rows)
+    text = ("## Learning-rate search\n\nEach method's base learning rate, chosen from one grid for every method by the "
+            "validation NLL after the last epoch (a validation split held out of the training set; the test set unseen), "
+            "in runs of the comparison's epochs, batch and schedule shape; the method then trained and tested with it. "
+            "The figure plots the mean over seeds, each method's choice starred. Files: `tuning.md`, `tuning.csv`.\n\n"
+            + md_table(header, rows) + "\n" + figures)
+    _write(report, "tuning.md", text.replace("## ", "# ", 1))
+    return text
