@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dbsn.metrics.calibration import (
+    squared_calibration_error,
     adaptive_expected_calibration_error,
     calibration_metrics,
     classwise_expected_calibration_error,
@@ -179,17 +180,21 @@ def test_calibrated_predictions_score_near_zero_and_overconfident_ones_do_not(se
     logits = 1.5 * torch.randn(40_000, 4, generator=gen, dtype=torch.float64)
     probs = torch.softmax(logits, dim=1)
     target = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+    # CE² is squared (and unbiased, so it may dip below zero): its thresholds are squared.
     calibrated = calibration_metrics(probs, target)
+    assert abs(calibrated.pop("ce2")) < 0.015**2, calibrated
     assert all(value < 0.015 for value in calibrated.values()), calibrated
     overconfident = calibration_metrics(torch.softmax(2 * logits, dim=1), target)
+    assert overconfident.pop("ce2") > 0.05**2, overconfident
     assert all(value > 0.05 for value in overconfident.values()), overconfident
 
 
 def test_calibration_metrics_names_and_values():
     probs, target = random_predictions(0)
     out = calibration_metrics(probs, target)
-    assert list(out) == ["ece", "adaptive_ece", "classwise_ece"]
+    assert list(out) == ["ce2", "ece", "adaptive_ece", "classwise_ece"]
     assert all(isinstance(v, float) for v in out.values())
+    assert out["ce2"] == squared_calibration_error(probs, target, n_bins=15).item()
     assert out["ece"] == expected_calibration_error(probs, target, n_bins=15).item()
     assert out["adaptive_ece"] == adaptive_expected_calibration_error(probs, target, n_bins=15).item()
     assert out["classwise_ece"] == classwise_expected_calibration_error(probs, target, n_bins=15).item()
