@@ -286,3 +286,19 @@ def test_the_search_trains_every_rate_validates_and_never_reads_the_test_set(tmp
     assert record["validation_nll"] == {"0.02": nlls[0.02], "0.3": nlls[0.3]} and all(math.isfinite(v) for v in nlls.values())
     assert record["chosen"] == min(nlls, key=nlls.get)
     assert not list(tmp_path.rglob("metrics.json"))  # no run was tested
+
+
+def test_a_second_seed_reuses_the_first_seeds_search(tmp_path):
+    """`--tuned-from DIR`: each method's tuning.json of DIR, marked as reused (the report lists it
+    once); a method without one, a second search or the shared protocol is refused in one line."""
+    record = {"grid": [0.1, 0.4], "validation_nll": {"0.1": 0.5, "0.4": 0.3}, "chosen": 0.4, "key": "model.optim.lr"}
+    (tmp_path / "mimo").mkdir()
+    (tmp_path / "mimo" / compare.TUNING_FILE).write_text(json.dumps(record))
+    reused = compare.reused_tuning(tmp_path, ["mimo"], "fair")
+    assert reused == {"mimo": {**record, "reused_from": str(tmp_path)}}
+    with pytest.raises(compare.ConfigError, match="no tuning.json for map_fixed"):
+        compare.reused_tuning(tmp_path, ["mimo", "map_fixed"], "fair")
+    with pytest.raises(compare.ConfigError, match="drop --protocol shared"):
+        compare.reused_tuning(tmp_path, ["mimo"], "shared")
+    with pytest.raises(compare.ConfigError, match="give one of them"):
+        compare.run_comparison(["mimo"], 1, tmp_path / "out", lr_grid=[0.1], tuned_from=tmp_path)

@@ -379,20 +379,37 @@ def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, e
             "chosen": chosen, "key": None, "selected_by": "the validation NLL after the last epoch, the test set unseen"}
 
 
+def reused_tuning(directory: Path, methods, protocol: str) -> dict[str, dict]:
+    """Each method's record of an earlier `--tune` comparison in `directory` (its
+    `<method>/tuning.json`), marked as reused: the learning rates a second seed trains with."""
+    if protocol != "fair":
+        raise ConfigError("--tuned-from reuses the fair protocol's learning-rate search: drop --protocol shared")
+    missing = [m for m in methods if not (directory / m / TUNING_FILE).is_file()]
+    if missing:
+        raise ConfigError(f"--tuned-from {directory}: no {TUNING_FILE} for {', '.join(missing)} (run that comparison "
+                          "with --tune and these methods first, or leave these methods out)")
+    return {m: {**json.loads((directory / m / TUNING_FILE).read_text()), "reused_from": str(directory)} for m in methods}
+
+
 def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
                    subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
-                   ood=None, evaluate_extra: list[str] = (), protocol: str = "fair", lr_grid=None) -> dict[str, dict[str, float]]:
+                   ood=None, evaluate_extra: list[str] = (), protocol: str = "fair", lr_grid=None,
+                   tuned_from: Path | None = None) -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
     ``output_dir/<method>`` under `protocol`, each with the learning rate of `lr_grid` that its
-    validation NLL chooses (`tune`; None: its config's), then evaluate it with `evaluations` and
+    validation NLL chooses (`tune`; None: its config's, or with `tuned_from` the rate an earlier
+    comparison chose, its `<method>/tuning.json`: one search for every seed), then evaluate it with `evaluations` and
     each of `posthoc` (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default);
     returns its test metrics plus ``train_seconds`` (the fit's wall time) by method."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if lr_grid is not None and protocol != "fair":
         raise ConfigError("--tune chooses each method's own learning rate: it belongs to the fair protocol (--protocol fair)")
+    if lr_grid is not None and tuned_from is not None:
+        raise ConfigError("--tune searches the learning rates and --tuned-from reuses an earlier search's: give one of them")
+    reused = {} if tuned_from is None else reused_tuning(Path(tuned_from), methods, protocol)
     from hydra import compose, initialize_config_dir
 
     from dbsn.runtime.run import train
@@ -407,9 +424,10 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     elif posthoc and val_size in ("0", "0.0", "null"):
         raise ConfigError(f"--posthoc {','.join(posthoc)} is fitted on a validation split, and data.val_size={val_size} "
                           f"leaves none: drop it (--posthoc adds data.val_size={POSTHOC_VAL_SIZE}) or set a size")
-    if lr_grid is not None and val_size is None and not posthoc:  # the tuning's split: every run trains without it
+    tuning_split = lr_grid is not None or tuned_from is not None  # every run trains without the search's split
+    if tuning_split and val_size is None and not posthoc:
         extra.append(f"data.val_size={TUNE_VAL_SIZE}")
-    elif lr_grid is not None and val_size in ("0", "0.0", "null"):
+    elif tuning_split and val_size in ("0", "0.0", "null"):
         raise ConfigError(f"--tune selects on a validation split, and data.val_size={val_size} leaves none: drop it "
                           f"(--tune adds data.val_size={TUNE_VAL_SIZE}) or set a size")
     shared = [*shared_overrides(data, batch_size, subset), *extra]
@@ -426,7 +444,7 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
         def overrides_at(lr, method=method):
             return method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone,
                                     protocol, lr)
-        tuning = None
+        tuning = reused.get(method)
         if lr_grid is not None:
             tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs), "key": lr_key(method)}
             Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
@@ -559,6 +577,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr-grid", type=lambda text: [float(v) for v in names(text)], default=list(LR_GRID),
                         help="the learning rates --tune tries, the same for every method (default: "
                              + ",".join(f"{v:g}" for v in LR_GRID) + ")")
+    parser.add_argument("--tuned-from", type=Path, default=None, metavar="DIR",
+                        help="train with the learning rates an earlier --tune comparison in DIR chose (its "
+                             "<method>/tuning.json): one search for every seed (e.g. with seed=1)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(METHODS))
@@ -580,7 +601,7 @@ def main(argv: list[str] | None = None) -> dict:
                           data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
                           evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,
                           evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk], protocol=args.protocol,
-                          lr_grid=args.lr_grid if args.tune else None)
+                          lr_grid=args.lr_grid if args.tune else None, tuned_from=args.tuned_from)
 
 
 def cli() -> None:

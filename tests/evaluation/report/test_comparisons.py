@@ -190,3 +190,24 @@ def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):
     found = load_predictions(Run(folder, "map_fixed+laplace", "digits", 0, "ok"))
     assert found["log_probs"].dtype == torch.float64 and found["targets"].tolist() == [0, 1, 0]
     assert load_predictions(Run(tmp_path / "run", "map_fixed", "digits", 0, "ok")) is None  # a run's own only
+
+
+def test_the_learning_rate_search_is_tabled_once_per_search_with_its_choice(tmp_path):
+    """tuning.json beside a run: one row per search (the grid's validation NLLs, a diverged rate
+    named, the choice), the figure of the means; a run that reused another seed's search is named,
+    not tabled twice."""
+    search = {"grid": [0.1, 0.4], "validation_nll": {"0.1": 0.52, "0.4": float("inf")}, "chosen": 0.1,
+              "key": "model.optim.lr"}
+    for seed, record in ((1, search), (2, {**search, "reused_from": "elsewhere"})):
+        folder = _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(seed, 0.8))
+        (folder / "tuning.json").write_text(json.dumps(record))
+    _run(tmp_path / "runs" / "dbsn1", "dbsn", 1, _predictions(5, 0.8))
+    out = tmp_path / "report"
+    build_report([tmp_path / "runs"], out)
+    text = (out / "tuning.md").read_text()
+    with (out / "tuning.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["seed"], float(r["val_nll_lr_0.1"]), r["chosen"]) for r in rows] == [("map", "1", 0.52, "0.1")]
+    assert "| map | cifar10 | 1 | 0.5200 | diverged | 0.1 |" in text
+    assert "map seed 2" in text and "## Learning-rate search" in (out / "report.md").read_text()
+    assert (out / "tuning_cifar10.png").stat().st_size > 1000

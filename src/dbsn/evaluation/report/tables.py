@@ -730,7 +730,8 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
     at every rate of the grid, the chosen rate, and one figure per dataset (the mean over seeds)."""
     from dbsn.evaluation.plots import tuning_figure
 
-    tuned = [r for r in ok if r.tuning.get("validation_nll")]
+    tuned = [r for r in ok if r.tuning.get("validation_nll") and not r.tuning.get("reused_from")]
+    reused = [r for r in ok if r.tuning.get("reused_from")]  # `--tuned-from`: another seed's search, not a new one
     if not tuned:
         return ""
     grid = sorted({float(lr) for r in tuned for lr in r.tuning["validation_nll"]})
@@ -757,6 +758,9 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
             "validation NLL after the last epoch (a validation split held out of the training set; the test set unseen), "
             "in runs of the comparison's epochs, batch and schedule shape; the method then trained and tested with it. "
             "The figure plots the mean over seeds, each method's choice starred. Files: `tuning.md`, `tuning.csv`.\n\n"
-            + md_table(header, rows) + "\n" + figures)
+            + md_table(header, rows) + "\n"
+            + (f"{len(reused)} further run(s) trained with a search above (`--tuned-from`), not repeated here: "
+               + ", ".join(sorted({f"{r.method} seed {r.seed}" for r in reused})) + ".\n\n" if reused else "")
+            + figures)
     _write(report, "tuning.md", text.replace("## ", "# ", 1))
     return text
