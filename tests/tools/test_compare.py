@@ -302,3 +302,24 @@ def test_a_second_seed_reuses_the_first_seeds_search(tmp_path):
         compare.reused_tuning(tmp_path, ["mimo"], "shared")
     with pytest.raises(compare.ConfigError, match="give one of them"):
         compare.run_comparison(["mimo"], 1, tmp_path / "out", lr_grid=[0.1], tuned_from=tmp_path)
+
+
+@pytest.mark.slow
+def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path):
+    """`--tune` through run_comparison: map_fixed searches the grid (its tuning runs beside, never
+    tested), trains with the choice and writes tuning.json; the deep ensemble after it takes that
+    search (its members are map_fixed networks) without one of its own; the report tables it once."""
+    run_comparison(["map_fixed", "deep_ensemble"], epochs=1, output_dir=tmp_path, subset=128, n_samples=2,
+                   net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr_grid=[0.05, 0.2],
+                   extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"])
+    search = json.loads((tmp_path / "map_fixed" / compare.TUNING_FILE).read_text())
+    assert search["grid"] == [0.05, 0.2] and search["chosen"] in (0.05, 0.2) and search["key"] == "model.optim.lr"
+    assert sorted(p.name for p in (tmp_path / "tune" / "map_fixed").iterdir()) == ["lr_0.05", "lr_0.2"]
+    assert not (tmp_path / "tune" / "deep_ensemble").exists()
+    ensemble = json.loads((tmp_path / "deep_ensemble" / compare.TUNING_FILE).read_text())
+    assert ensemble["chosen"] == search["chosen"] and ensemble["shared_with"] == "map_fixed"
+    assert ensemble["key"] == "model.member.optim.lr"
+    config = (tmp_path / "deep_ensemble" / "resolved_config.yaml").read_text()
+    assert f"lr: {search['chosen']}" in config
+    text = (tmp_path / "report" / "tuning.md").read_text()
+    assert "| map_fixed | digits |" in text and "deep_ensemble seed 0" in text

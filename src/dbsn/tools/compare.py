@@ -26,7 +26,10 @@ momentum, weight decay, warm-up: its config's); its base learning rate is its co
 validation NLL after the last epoch, each rate trained on the training split without a held-out
 validation part (`data.val_size=0.15`), never tested, into `DIR/tune/<method>/lr_<rate>/`; the
 method then trains and tests with the chosen rate, on the same split, and `<method>/tuning.json`
-keeps the grid, the validation NLLs and the choice (the report's learning-rate section). "shared":
+keeps the grid, the validation NLLs and the choice (the report's learning-rate section); a deep
+ensemble after map_fixed takes map_fixed's choice (its members are map_fixed networks, each trained
+alone), and `--tuned-from DIR` reuses an earlier `--tune` comparison's choices (one search for
+every seed, e.g. with `seed=1`). "shared":
 every method with the paper's one SGD recipe and MIMO with the mean over members, as the
 comparisons before 2026-11-27 ran (it held Packed-Ensembles at lr / M per member and MIMO at
 1 / M of its gradient). Every run records whether it had converged (its training loss over the
@@ -445,7 +448,11 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
             return method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone,
                                     protocol, lr)
         tuning = reused.get(method)
-        if lr_grid is not None:
+        if lr_grid is not None and method == "deep_ensemble" and "map_fixed" in results:
+            # its members are map_fixed networks, each trained alone: their search is map_fixed's
+            tuning = {**json.loads((Path(output_dir) / "map_fixed" / TUNING_FILE).read_text()),
+                      "key": lr_key(method), "shared_with": "map_fixed"}
+        elif lr_grid is not None:
             tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs), "key": lr_key(method)}
             Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
                             + ", ".join(f"{k}: {v:.4f}" for k, v in tuning["validation_nll"].items()) + ")", soft_wrap=True)

@@ -730,8 +730,9 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
     at every rate of the grid, the chosen rate, and one figure per dataset (the mean over seeds)."""
     from dbsn.evaluation.plots import tuning_figure
 
-    tuned = [r for r in ok if r.tuning.get("validation_nll") and not r.tuning.get("reused_from")]
-    reused = [r for r in ok if r.tuning.get("reused_from")]  # `--tuned-from`: another seed's search, not a new one
+    shared = lambda r: r.tuning.get("reused_from") or r.tuning.get("shared_with")  # noqa: E731 - another run's search
+    tuned = [r for r in ok if r.tuning.get("validation_nll") and not shared(r)]
+    reused = [r for r in ok if shared(r)]  # `--tuned-from` (another seed's), a deep ensemble's (map_fixed's)
     if not tuned:
         return ""
     grid = sorted({float(lr) for r in tuned for lr in r.tuning["validation_nll"]})
