@@ -82,3 +82,24 @@ def test_a_field_job_prints_its_config_on_the_command_line(tmp_path):
                         cwd=tmp_path, timeout=120)
     assert "_target_: dbsn.methods.BatchEnsemble" in result.stdout and "_target_: dbsn.nets.WideResNet" in result.stdout
     assert "max_epochs: 250" in result.stdout and "seed: 2" in result.stdout
+
+
+def test_the_cell_network_jobs_follow_the_fair_protocol(tmp_path):
+    """On DBSN's cell network every job shares the paper's epochs, batch and schedule shape, and the
+    rivals keep their authors' relative settings (compare's fair protocol): MIMO sums its members' NLLs
+    with ub's optimiser, Packed-Ensembles keeps tu's, BatchEnsemble ub's with its fast-weight settings."""
+    def job(name):
+        return compose_config("train", ["experiment=cifar10_field", f"field=structure_net/{name}"], tmp_path)
+
+    for name in ("dbsn", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo"):
+        cfg = job(name)
+        optim = cfg.model.member.optim if name == "deep_ensemble" else cfg.model.optim
+        assert (cfg.trainer.max_epochs, cfg.data.batch_size) == (100, 64), name
+        assert (list(optim.milestones), optim.gamma) == ([0.5, 0.75], 0.1), name
+    for name in ("batch_ensemble", "packed_ensemble", "mimo"):
+        own = compose_config("train", [f"model={name}"], tmp_path).model
+        cfg = job(name).model
+        for key in ("lr", "momentum", "nesterov", "weight_decay", "grad_clip_norm", "warmup_epochs"):
+            assert cfg.optim[key] == own.optim[key], (name, key)
+    assert job("mimo").model.member_loss == "sum"
+    assert job("batch_ensemble").model.fast_weight_lr_multiplier == 0.5
