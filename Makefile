@@ -19,13 +19,13 @@ env: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py experiment=quick
 
-## The evaluation suite on the newest `make train` run, into <run>/evaluation: OOD detection
+## The evaluation suite on the newest `make train` run that has a checkpoint, into <run>/evaluation: OOD detection
 ## against natural-photo patches (S = 30; OpenOOD's post-hoc scores on the first 5 members) and FGSM/BIM
 ## attacks (first 100 test images, 10 samples: the paper uses all images and 30 samples; this keeps it to
 ## minutes on a CPU).
 evaluate: $(STAMP)
-	@run=$$(ls -td outputs/quick/runs/*/ 2>/dev/null | head -1); \
-	if [ -z "$$run" ]; then echo "No make-train run under outputs/quick/runs: run 'make train' first."; exit 1; fi; \
+	@run=$$(for d in $$(ls -td outputs/quick/runs/*/ 2>/dev/null); do [ -f "$${d}checkpoints/last.ckpt" ] && echo "$$d" && break; done); \
+	if [ -z "$$run" ]; then echo "No make-train run with a checkpoint under outputs/quick/runs: run 'make train' first."; exit 1; fi; \
 	$(PY) evaluate.py ckpt_path=$${run}checkpoints/last.ckpt evaluations=[ood,adversarial] ood=photos evaluations.ood.members=5 \
 		evaluations.adversarial.max_examples=100 evaluations.adversarial.attack_samples=10 evaluations.adversarial.eval_samples=10 n_samples=30
 

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from dbsn.runtime.cli import discard_refused_run
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.errors import one_line, one_line_errors
 from tests.support.configs import ROOT
@@ -47,7 +48,29 @@ CASES = {
 def test_train_py_says_what_is_wrong_in_one_line(case, tmp_path):
     args, phrases = CASES[case]
     _assert_one_line(_run("train.py", args, tmp_path), *phrases)
-    assert not (tmp_path / "out" / "checkpoints").exists()  # refused before training
+    assert not (tmp_path / "out").exists()  # refused before training: no run folder left behind
+
+
+def test_only_a_refused_starts_own_folder_is_removed(tmp_path):
+    """A folder of Hydra's files made by this start goes; one with anything else, or made
+    before (a run being resumed, someone's folder), stays."""
+    import os
+    import time
+
+    def folder(name, extra=(), age=0.0):
+        path = tmp_path / name
+        (path / ".hydra").mkdir(parents=True)
+        for file in (".hydra/config.yaml", "train.log", "resolved_config.yaml", *extra):
+            (path / file).parent.mkdir(parents=True, exist_ok=True)
+            (path / file).write_text("x")
+            os.utime(path / file, (time.time() - age, time.time() - age))
+        return path
+
+    started = time.time() - 5
+    assert discard_refused_run(folder("refused"), started) and not (tmp_path / "refused").exists()
+    assert not discard_refused_run(folder("trained", ["checkpoints/last.ckpt"]), started)
+    assert not discard_refused_run(folder("resumed", age=3600), started)
+    assert (tmp_path / "trained").is_dir() and (tmp_path / "resumed" / "train.log").is_file()
 
 
 def test_evaluate_py_on_a_corrupt_checkpoint_says_so_in_one_line(tmp_path):

@@ -11,7 +11,9 @@ without `posthoc=`. It says what to choose instead, in one line.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,7 +22,12 @@ import yaml
 from dbsn.runtime.config import CONF_DIR
 from dbsn.runtime.errors import one_line_errors
 
-__all__ = ["evaluate", "train", "unchosen_option"]
+__all__ = ["discard_refused_run", "evaluate", "train", "unchosen_option"]
+
+_STARTED = time.time()  # before Hydra makes the run folder
+#: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config
+#: and a SLURM job's facts. A folder holding only these, all made by this process, was a refused start.
+STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json"})
 
 
 def _ood_sets(choice: str, conf_dir: Path) -> set[str]:
@@ -96,14 +103,34 @@ def _output_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def discard_refused_run(folder: Path, started: float = _STARTED) -> bool:
+    """Remove the run folder of a start refused before it trained: one that holds nothing but
+    `STARTUP_FILES`, every file made since `started` (so never a run being resumed, nor anything
+    this process did not create). Returns whether it was removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or not {p.name for p in folder.iterdir()} <= STARTUP_FILES:
+        return False
+    if any(p.stat().st_mtime < started - 1.0 for p in folder.rglob("*")):
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
 @one_line_errors
 def train_task(cfg) -> float | None:
-    """The body of `train` (module level: a cluster launcher pickles it by reference)."""
+    """The body of `train` (module level: a cluster launcher pickles it by reference). A start
+    refused before it trained leaves no run folder behind (`discard_refused_run`): `make evaluate`
+    and the report find only runs."""
     from dbsn.runtime.console import quiet_console
+    from dbsn.runtime.errors import user_errors
     from dbsn.runtime.run import train as run_train
 
     quiet_console()
-    return run_train(cfg, _output_dir()).get("test/error")  # what a sweep would optimise
+    try:
+        return run_train(cfg, _output_dir()).get("test/error")  # what a sweep would optimise
+    except user_errors():
+        discard_refused_run(_output_dir())
+        raise
 
 
 @one_line_errors
