@@ -40,6 +40,10 @@ def test_one_or_several_ood_sets_compose_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"ood.noise: size must be >= 1, got 0"):  # a set's own check, named by its key
         build_evaluator(compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=noise", "ood.noise.size=0"],
                                        tmp_path))
+    for name in ("noise", "photos"):  # an impossible size: refused before anything is made, naming the memory
+        with pytest.raises(ConfigError, match=rf"ood.{name}: size=100,000,000 needs about 1,536.0 GB .* choose a size up to"):
+            build_evaluator(compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", f"ood={name}",
+                                                        f"ood.{name}.size=100000000"], tmp_path))
 
 
 @pytest.fixture(scope="module")

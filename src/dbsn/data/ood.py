@@ -33,14 +33,35 @@ def photo_patches(n: int, seed: int) -> Tensor:
 
     photos = [torch.tensor(img).permute(2, 0, 1).unsqueeze(0).float() for img in load_sample_images().images]
     small = [F.interpolate(p, scale_factor=1 / PHOTO_SCALE, mode="area") for p in photos]
+    small = [p[0].round().clamp(0, 255).to(torch.uint8) for p in small]
     generator = torch.Generator().manual_seed(seed)
-    patches = []
+    patches = torch.empty(n, 3, 32, 32, dtype=torch.uint8)  # written in place: n x 3 KB, no float copies
     for i in range(n):
-        photo = small[i % len(small)][0]
+        photo = small[i % len(small)]
         top = int(torch.randint(0, photo.shape[1] - 32 + 1, (), generator=generator))
         left = int(torch.randint(0, photo.shape[2] - 32 + 1, (), generator=generator))
-        patches.append(photo[:, top : top + 32, left : left + 32])
-    return torch.stack(patches).round().clamp(0, 255).to(torch.uint8)
+        patches[i] = photo[:, top : top + 32, left : left + 32]
+    return patches
+
+
+#: Bytes an OOD image takes in an evaluation: its uint8 pixels and a float32 copy.
+BYTES_PER_IMAGE = 3 * 32 * 32 * (1 + 4)
+
+
+def available_memory() -> int | None:
+    """The memory the kernel can give this process now (Linux's MemAvailable), in bytes; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
 
 
 class _TestOnlyDataModule(ImageClassificationDataModule):
@@ -52,6 +73,11 @@ class _TestOnlyDataModule(ImageClassificationDataModule):
         super().__init__(root, **kwargs)
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
+        memory = available_memory()
+        if memory is not None and size * BYTES_PER_IMAGE > memory:
+            raise ValueError(f"size={size:,} needs about {_gb(size * BYTES_PER_IMAGE)} of memory for its images "
+                             f"({BYTES_PER_IMAGE // 1024} KB each as pixels and a float copy), and "
+                             f"{_gb(memory)} is available: choose a size up to {memory // BYTES_PER_IMAGE:,}")
         self.size, self.seed = size, seed
 
     def images(self) -> Tensor:
