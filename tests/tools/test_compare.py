@@ -305,10 +305,14 @@ def test_a_second_seed_reuses_the_first_seeds_search(tmp_path):
 
 
 @pytest.mark.slow
-def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path):
+def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path, caplog):
     """`--tune` through run_comparison: map_fixed searches the grid (its tuning runs beside, never
     tested), trains with the choice and writes tuning.json; the deep ensemble after it takes that
     search (its members are map_fixed networks) without one of its own; the report tables it once."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    logging.getLogger("lightning.pytorch").propagate = True  # to caplog's handler
     run_comparison(["map_fixed", "deep_ensemble"], epochs=1, output_dir=tmp_path, subset=128, n_samples=2,
                    net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr_grid=[0.05, 0.2],
                    extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"])
@@ -323,3 +327,4 @@ def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path):
     assert f"lr: {search['chosen']}" in config
     text = (tmp_path / "report" / "tuning.md").read_text()
     assert "| map_fixed | digits |" in text and "deep_ensemble seed 0" in text
+    assert not [r for r in caplog.records if "Tip" in str(r.msg)]  # five trainings in one process, no product tip

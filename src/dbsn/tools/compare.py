@@ -415,8 +415,10 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     reused = {} if tuned_from is None else reused_tuning(Path(tuned_from), methods, protocol)
     from hydra import compose, initialize_config_dir
 
+    from dbsn.runtime.console import quiet_console
     from dbsn.runtime.run import train
 
+    quiet_console()  # no Lightning product tip before each method's training
     extra = list(extra or [])
     val_size = next((o.split("=", 1)[1] for o in reversed(extra) if override_key(o) == "data.val_size"), None)
     if posthoc and val_size is None:
