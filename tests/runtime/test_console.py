@@ -29,3 +29,37 @@ def test_lightning_messages_reach_the_console_once_and_tips_not_at_all(capfd):
         for name, (handlers, propagate) in saved.items():
             logging.getLogger(name).handlers[:] = handlers
             logging.getLogger(name).propagate = propagate
+
+
+def test_the_model_summary_has_no_flops_and_keeps_the_rest(tmp_path, capsys, caplog):
+    """A fit's summary (rich or plain) lists the modules and parameters without Lightning's FLOPs,
+    which it counts only from an `example_input_array` and so printed as 0 for every run."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import RichProgressBar
+    from omegaconf import OmegaConf
+
+    from dbsn.runtime.build import build_trainer
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    caplog.set_level(logging.INFO)
+    logging.getLogger("lightning.pytorch").propagate = True
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), batch_size=4)
+    for callbacks in ([RichProgressBar()], []):
+        trainer = build_trainer(OmegaConf.create({"accelerator": "cpu", "max_steps": 1, "enable_checkpointing": False,
+                                                  "enable_progress_bar": bool(callbacks)}), tmp_path, callbacks)
+        trainer.fit(Tiny(), data)
+        out = capsys.readouterr().out + caplog.text
+        caplog.clear()
+        assert "Linear" in out and "Total params" in out, out
+        assert "FLOPs" not in out, out

@@ -9,12 +9,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelSummary, ProgressBar, RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
 from dbsn.methods import Method
 from dbsn.runtime.checkpoint import CONFIG_KEY, AtomicCheckpointIO, CheckpointError, load_checkpoint
+from dbsn.runtime.console import summary_callback
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.progress import LineProgress
 
@@ -107,6 +108,9 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     elif not sys.stdout.isatty():  # a log file (SLURM, nohup): plain lines instead of a redrawn bar
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)] + [LineProgress()]
+    if kwargs.get("enable_model_summary") is not False and not any(isinstance(cb, ModelSummary) for cb in callbacks):
+        rich = any(isinstance(cb, RichProgressBar) for cb in callbacks)  # Lightning's own choice
+        callbacks = [*callbacks, summary_callback(rich)]  # without Lightning's FLOPs, always 0 here
     if not loggers:  # logger=none: the learning rates have nowhere to go (Lightning would refuse to start)
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     strategy = kwargs.get("strategy", "auto")

@@ -9,6 +9,11 @@ Hydra sends every log record to the console (the message alone: `conf/hydra/defa
 - Lightning's advertisements for its cloud products ("💡 Tip: ... litlogger / litmodels");
 - the deprecation warning Lightning's own `_pytree` module raises on every fit (a Lightning
   matter, nothing in this project or a user's run can change it).
+
+`summary_callback()` is Lightning's model summary without its FLOPs column and total: Lightning
+counts FLOPs only by running `example_input_array`, which no method here sets (a forward takes
+structures too), so it printed "Total FLOPs: 0" for every run. A run's real counts are in
+metrics.json's `cost` (`dbsn.evaluation.cost`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["quiet_console"]
+__all__ = ["quiet_console", "summary_callback"]
 
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
@@ -45,3 +50,54 @@ def quiet_console() -> None:
         tips.addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated",
                             module=r"lightning\.pytorch\.utilities\._pytree")
+
+
+def _without_flops(summary_data: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    return [(name, column) for name, column in summary_data if name != "FLOPs"]
+
+
+def summary_callback(rich: bool):
+    """Lightning's model summary (rich: the table `RichModelSummary` draws) without FLOPs (module docstring)."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+    class PlainSummary(ModelSummary):
+        @staticmethod
+        def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                      total_flops, **summarize_kwargs):
+            from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                          total_flops, *_without_flops(summary_data))
+            rank_zero_info("\n" + "\n".join(line for line in table.splitlines() if not line.startswith("Total FLOPs")))
+
+    class RichSummary(RichModelSummary):
+        @staticmethod
+        def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                      total_flops, **summarize_kwargs):
+            from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size
+            from rich import get_console
+            from rich.table import Table
+
+            data = _without_flops(summary_data)
+            table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+            for name, _ in data:
+                table.add_column(name, style="dim" if name == " " else None,
+                                 justify="right" if name in ("Params", "Params per Device", "In sizes", "Out sizes") else "left")
+            for row in zip(*(column for _, column in data)):
+                table.add_row(*row)
+            console = get_console()
+            console.print(table)
+            grid = Table.grid(expand=True)
+            grid.add_column()
+            for label, value in (("Trainable params", get_human_readable_count(int(trainable_parameters))),
+                                 ("Non-trainable params", get_human_readable_count(int(total_parameters - trainable_parameters))),
+                                 ("Total params", get_human_readable_count(int(total_parameters))),
+                                 ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+                                 ("Modules in train mode", total_training_modes["train"]),
+                                 ("Modules in eval mode", total_training_modes["eval"])):
+                grid.add_row(f"[bold]{label}[/]: {value}")
+            console.print(grid)
+
+    return RichSummary() if rich else PlainSummary()
