@@ -41,7 +41,30 @@ CASES = {
     "a checkpoint that is not there": (["experiment=quick", "ckpt_path=/nope.ckpt"], ["/nope.ckpt", "not found"]),
     "a dataset that is not there": (["data=cifar10", "data.root=/nonexistent"],
                                     ["CIFAR-10", "missing under /nonexistent", "data_batch_1", "data.download=true"]),
+    "a setting under its old name": (["experiment=quick", "model.n_samples=4"],
+                                     ["model.n_samples was renamed model.prediction.n_samples",
+                                      "use model.prediction.n_samples=4"]),
 }
+
+
+def test_every_old_name_answers_with_a_key_that_exists(tmp_path):
+    """Each renamed setting's new key is a key of its method's config (a rename that went stale
+    would send the user to another refusal), and a key below an old one moves with it."""
+    from omegaconf import OmegaConf
+
+    from dbsn.runtime.cli import RENAMED, renamed_option
+    from tests.support.configs import compose_config
+
+    configs = {"model": compose_config("train", ["model=vogn"], tmp_path),
+               "model.member": compose_config("train", ["model=deep_ensemble"], tmp_path)}
+    for old, new in RENAMED.items():
+        cfg = configs["model.member" if old.startswith("model.member.") else "model"]
+        assert OmegaConf.select(cfg, new, default="absent") != "absent", (old, new)
+        assert OmegaConf.select(cfg, old, default="absent") == "absent", old
+    assert renamed_option(["model.compile.enabled=true"]) == (
+        "model.compile.enabled was renamed model.execution.compile.enabled: use model.execution.compile.enabled=true")
+    assert renamed_option(["++model.channels_last=true"]).endswith("use ++model.execution.channels_last=true")
+    assert renamed_option(["model.prediction.n_samples=4", "n_samples=3"]) is None
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -6,7 +6,9 @@ it does, `unchosen_option` looks for an option of something the command line did
 which Hydra would refuse with a hint to add it with `+` (the wrong way: the option would then be
 ignored): `ood.textures.download=true` without the set `textures` among `ood=`,
 `evaluations.shift.generate=true` without `shift` among `evaluations=`, `posthoc.hessian=full`
-without `posthoc=`. It says what to choose instead, in one line.
+without `posthoc=`. It says what to choose instead, in one line. `renamed_option` answers a
+setting given under its old name (`model.n_samples=4`, now `model.prediction.n_samples`) with
+the new one, where Hydra would say only "Could not override".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import yaml
 from dbsn.runtime.config import CONF_DIR
 from dbsn.runtime.errors import one_line_errors
 
-__all__ = ["discard_refused_run", "evaluate", "train", "unchosen_option"]
+__all__ = ["RENAMED", "discard_refused_run", "evaluate", "renamed_option", "train", "unchosen_option"]
 
 _STARTED = time.time()  # before Hydra makes the run folder
 #: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config
@@ -83,6 +85,29 @@ def unchosen_option(arguments: Sequence[str], conf_dir: Path = CONF_DIR) -> str 
     return None
 
 
+#: Settings that moved, old key -> new key (a key below an old one moves with it: model.compile.enabled).
+RENAMED = {**{f"{model}.{old}": f"{model}.{new}" for model in ("model", "model.member") for old, new in (
+    ("n_samples", "prediction.n_samples"), ("val_samples", "prediction.val_samples"),
+    ("samples_per_forward", "prediction.samples_per_forward"), ("temperature_scaling", "prediction.temperature_scaling"),
+    ("channels_last", "execution.channels_last"), ("compile", "execution.compile"))},
+    "model.vogn.num_samples": "model.vogn.draws_per_step"}
+
+
+def renamed_option(arguments: Sequence[str]) -> str | None:
+    """The one-line answer to the first option of `arguments` set under an old name (`RENAMED`),
+    naming the new key with the user's value; None if there is none."""
+    for argument in arguments:
+        if "=" not in argument or argument.startswith("-"):
+            continue
+        key, value = argument.split("=", 1)
+        bare = key.lstrip("+~")
+        for old, new in RENAMED.items():
+            if bare == old or bare.startswith(old + "."):
+                moved = new + bare[len(old):]
+                return f"{bare} was renamed {moved}: use {key[:len(key) - len(bare)]}{moved}={value}"
+    return None
+
+
 def _names(folder: Path) -> list[str]:
     return sorted(path.stem for path in folder.glob("*.yaml"))
 
@@ -91,7 +116,8 @@ def _hydra_main(config_name: str, task: Callable) -> None:
     """Run `task(cfg)` as Hydra's main of conf/<config_name>.yaml (evaluate: after `unchosen_option`)."""
     import hydra
 
-    if config_name == "evaluate" and (problem := unchosen_option(sys.argv[1:])):
+    problem = renamed_option(sys.argv[1:]) or (unchosen_option(sys.argv[1:]) if config_name == "evaluate" else None)
+    if problem:
         print(f"Error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(task)()
