@@ -6,13 +6,14 @@ rank the budget, not the method. `TrainingCurve` (a Lightning callback that ever
 run has) records the mean training loss of every epoch; `convergence` decides from it, and
 metrics.json keeps the verdict (`convergence`), which the report marks in every table.
 
-The rule. The last tenth of the epochs (at least two epoch-to-epoch steps: the last three
-epochs of a run of up to 20) is fitted with a straight line; the run has not converged when
-the line falls, across that window, by more than `threshold` (10 %) of the final loss. From about 30
-epochs on, the window lies after the multistep schedule's last milestone (75 %), so the drop after
-the last decay does not count; in shorter runs it reaches back over that milestone, and a run
-that is still falling there is also marked. Fitting a line rather than comparing two epochs keeps
-an epoch's noise from deciding.
+The rule. A straight line is fitted to the epochs of the run's last tenth (at least its last two
+epochs); the run has not converged when the line's fall across the last tenth of the run (at
+least one epoch) is more than `threshold` (10 %) of the final loss. From about 30 epochs on, the
+window lies after the multistep schedule's last milestone (75 %), so the drop at the last decay
+does not count; a short run's window is its last two epochs (after the last decay from 8 epochs
+on). Fitting a line where there are enough epochs keeps one epoch's noise from deciding. The
+fall is taken across the last tenth, not across the window: a window of two epochs in a 9-epoch
+run is more than its last tenth, and its fall there would count the drop at the decay.
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ FRACTION, THRESHOLD = 0.1, 0.1
 
 def convergence(epoch_losses: list[float], fraction: float = FRACTION, threshold: float = THRESHOLD) -> dict:
     """{"converged": bool or None (fewer than three epochs), "last_tenth_drop": the fitted line's
-    drop across the window over the final loss, "window_epochs": the epochs fitted, "epoch_losses"}."""
+    fall across the run's last tenth (at least one epoch) over the final loss, "window_epochs": the
+    epochs fitted, "epoch_losses", "rule"}."""
     losses = [float(v) for v in epoch_losses]
     finite = all(math.isfinite(v) for v in losses)
-    out = {"epoch_losses": losses, "rule": f"a linear fit to the last {fraction:.0%} of epochs (at least 3) falls by "
-                                          f"more than {threshold:.0%} of the final loss: not converged"}
+    out = {"epoch_losses": losses, "rule": f"a linear fit to the last {fraction:.0%} of epochs (at least 2) falls across "
+                                          f"the last {fraction:.0%} of the run (at least one epoch) by more than "
+                                          f"{threshold:.0%} of the final loss: not converged"}
     if len(losses) < 3 or not finite:
         return {**out, "converged": None, "last_tenth_drop": None, "window_epochs": len(losses)}
-    window = min(len(losses), max(3, math.ceil(fraction * len(losses)) + 1))
+    window = min(len(losses), max(2, math.ceil(fraction * len(losses)) + 1))
     y = torch.tensor(losses[-window:], dtype=torch.float64)
     x = torch.arange(window, dtype=torch.float64)
     slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-    drop = -slope * (window - 1) / max(abs(losses[-1]), 1e-12)
+    drop = -slope * max(1.0, fraction * len(losses)) / max(abs(losses[-1]), 1e-12)
     return {**out, "converged": drop <= threshold, "last_tenth_drop": drop, "window_epochs": window}
 
 

@@ -68,8 +68,9 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
         if found.get("converged") is False:
             report.unconverged.add(run.method)
             report.warnings.append(f"{UNCONVERGED_MARK} {run.method} on {run.dataset} (seed {run.seed}) had not converged: its "
-                                   f"training loss's linear fit over the last {found.get('window_epochs')} epochs fell by "
-                                   f"{100 * found['last_tenth_drop']:.0f} % of the final loss (more than 10 %)")
+                                   f"training loss's linear fit over its last {found.get('window_epochs')} epochs fell by "
+                                   f"{100 * found['last_tenth_drop']:.0f} % of the final loss across the run's last tenth "
+                                   "(more than 10 %)")
     counts = Counter(r.status for r in runs)
     text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(_show(Path(d).resolve()) for d in dirs)}: "
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from dbsn.evaluation.convergence import convergence
 from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
 
 # <run>/posthoc/<name> is a run of its own; `dbsn-compare --tune`'s tuning runs (never tested) are read from
@@ -77,6 +78,8 @@ def load_run(folder: Path) -> Run:
             run.intervals, run.cost = dict(record.get("intervals") or {}), dict(record.get("cost") or {})
             run.calibration = dict(record.get("calibration") or {})
             run.convergence = dict(record.get("convergence") or {})
+            if run.convergence.get("epoch_losses"):  # judged again: the rule of this version, for every run alike
+                run.convergence = convergence(run.convergence["epoch_losses"])
             run.tuning = _json(folder / "tuning.json") or {}
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
