@@ -133,6 +133,14 @@ def test_table_title_and_json_carry_the_dataset_and_subset(tmp_path, capsys):
     assert json.loads((tmp_path / "comparison.json").read_text())["train_subset"] is None
 
 
+def test_the_table_says_where_an_estimate_lies_outside_its_interval(tmp_path):
+    results = {"map": {"test/error": 0.1, "test/ce2": 0.004, "train_seconds": 60.0,
+                       "intervals": {"test/error": [0.05, 0.15], "test/ce2": [0.005, 0.009]}}}
+    table = write_table(results, tmp_path, epochs=10)
+    assert "10.00 [5.00, 15.00] |" in table  # inside: the interval alone
+    assert "0.00400 [0.00500, 0.00900] (the estimate lies outside its bootstrap interval" in table
+
+
 def test_unknown_method_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["--methods", "dbsn,vgon"])

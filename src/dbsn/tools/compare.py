@@ -89,6 +89,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.tables import OUTSIDE_NOTE
 from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH
 
@@ -503,7 +504,10 @@ def _with_interval(scale: float, digits: int):
         if value is None:
             return "–"
         text = f"{scale * value:.{digits}f}"
-        return text if not interval else f"{text} [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
+        if not interval:
+            return text
+        text += f" [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
+        return text if interval[0] <= value <= interval[1] else f"{text} {OUTSIDE_NOTE}"
     return show
 
 
