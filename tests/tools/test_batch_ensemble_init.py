@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 from dbsn.tools.batch_ensemble_init import _digits, measure
+
+pytestmark = pytest.mark.slow
 
 TINY = ["num_nodes=3", "growth=4", "stem_channels=8"]
 
