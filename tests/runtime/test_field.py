@@ -103,3 +103,6 @@ def test_the_cell_network_jobs_follow_the_fair_protocol(tmp_path):
             assert cfg.optim[key] == own.optim[key], (name, key)
     assert job("mimo").model.member_loss == "sum"
     assert job("batch_ensemble").model.fast_weight_lr_multiplier == 0.5
+    for backbone in ("structure_net", "resnet18"):  # the initialisation measured (docs/field.md): the authors'
+        cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/batch_ensemble"], tmp_path)
+        assert cfg.model.random_sign_init == -0.5, backbone
