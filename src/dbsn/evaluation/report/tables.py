@@ -760,7 +760,8 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
             "in runs of the comparison's epochs, batch and schedule shape; the method then trained and tested with it. "
             "The figure plots the mean over seeds, each method's choice starred. Files: `tuning.md`, `tuning.csv`.\n\n"
             + md_table(header, rows) + "\n"
-            + (f"{len(reused)} further run(s) trained with a search above (`--tuned-from`), not repeated here: "
+            + (f"{len(reused)} further run(s) trained with a search above (another seed's, `--tuned-from`, or a deep "
+               "ensemble's members', map_fixed's), not repeated here: "
                + ", ".join(sorted({f"{r.method} seed {r.seed}" for r in reused})) + ".\n\n" if reused else "")
             + figures)
     _write(report, "tuning.md", text.replace("## ", "# ", 1))
