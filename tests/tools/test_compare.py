@@ -141,6 +141,14 @@ def test_the_table_says_where_an_estimate_lies_outside_its_interval(tmp_path):
     assert "0.00400 [0.00500, 0.00900] (the estimate lies outside its bootstrap interval" in table
 
 
+def test_the_paired_reference_is_named_as_the_report_names_it():
+    """On a residual network the report names a run `<method>@<backbone>`: without the suffix the
+    reference matched no run and the paired section was left out."""
+    assert compare.reference_name(["map_fixed", "mimo"], "resnet18") == "map_fixed@resnet18"
+    assert compare.reference_name(["mimo", "dbsn"], "resnet18") == "dbsn"  # DBSN trains its cells on any backbone
+    assert compare.reference_name(["map_fixed", "mimo"], "structure_net") == "map_fixed"
+
+
 def test_unknown_method_is_refused_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         main(["--methods", "dbsn,vgon"])

@@ -470,12 +470,22 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
                            "cost": record.get("cost", {})}
         evaluate_run(run_dir, method, passes)
     write_table(results, Path(output_dir), epochs, batch_size, data, num_train if data_cfg.train_subset else None)
-    reference = "dbsn" if "dbsn" in methods else methods[0]
+    reference = reference_name(methods, backbone)
     if len(methods) > 1 or passes:
         report = build_report([Path(output_dir)], Path(output_dir) / "report", reference)
         print_paired(report, reference)
         Console().print(f"Report with every table and the Pareto figure: {report.out / 'report.md'}")
     return results
+
+
+def reference_name(methods, backbone: str) -> str:
+    """The method the paired differences are taken against, as the report names it: DBSN if it
+    ran, else the first method, `<method>@<backbone>` on a residual network (DBSN and FBN always
+    train the cell network)."""
+    reference = "dbsn" if "dbsn" in methods else methods[0]
+    if reference in STRUCTURE_SAMPLING or backbone == "structure_net":
+        return reference
+    return f"{reference}@{backbone}"
 
 
 def print_paired(report, reference: str) -> None:
