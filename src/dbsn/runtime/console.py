@@ -6,7 +6,8 @@ Hydra sends every log record to the console (the message alone: `conf/hydra/defa
 
 - Lightning's own console handlers (the `lightning` loggers print their records themselves and
   pass them on to Hydra's, so every INFO line appeared twice);
-- Lightning's advertisements for its cloud products ("💡 Tip: ... litlogger / litmodels");
+- Lightning's advertisements for its cloud products ("💡 Tip: ... litlogger / litmodels"), and its
+  note that the trainer already has a model summary (ours, `summary_callback`);
 - the deprecation warning Lightning's own `_pytree` module raises on every fit (a Lightning
   matter, nothing in this project or a user's run can change it).
 
@@ -26,11 +27,16 @@ __all__ = ["quiet_console", "summary_callback"]
 LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
 
+#: Lightning's records that say nothing a user can act on: its product tips, and its note that the
+#: trainer has a model summary already (`summary_callback`'s, on every run).
+DROPPED = ("💡 Tip", "Trainer already configured with model summary callbacks")
+
+
 class _NoTips(logging.Filter):
-    """Drops Lightning's "💡 Tip: ..." records."""
+    """Drops Lightning's records that begin as one of `DROPPED`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
+        return not str(record.msg).startswith(DROPPED)
 
 
 def quiet_console() -> None:
