@@ -3,7 +3,7 @@ Packed-Ensembles and MIMO, each with its authors' relative settings and the lear
 shared grid that its validation NLL chooses, fit it too; under the shared one-recipe protocol MIMO
 does not (its heads get 1 / M of their gradient) and Packed-Ensembles lags (each member at lr / M).
 
-The steps run as train.py's would (`step_body`, the schedules stepped per epoch), without Lightning."""
+The steps run as train.py's would (`train_steps`: `step_body`, the schedules stepped per epoch), without Lightning."""
 import math
 from types import SimpleNamespace
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dbsn.runtime.build import build_model
+from dbsn.tools.batch_ensemble_init import train_steps
 from dbsn.tools.compare import choose, method_overrides, shared_overrides
 from tests.support.configs import compose_config
 
@@ -52,18 +53,8 @@ def train(method, protocol, lr, data, tmp_path):
     model.dataset_size = N
     model._trainer = SimpleNamespace(max_epochs=epochs, world_size=1, precision="32-true", datamodule=None,
                                      num_training_batches=STEPS_PER_EPOCH, current_epoch=0)
-    opts, schedules = model.configure_optimizers()
-    model.attach_guard(opts)
     model.train()
-    gen = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        batch = torch.randint(N, (BATCH,), generator=gen)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        model.step_body(x[batch], y[batch], opts, opts[:len(schedules)], lambda loss, last: loss.backward())
-        if (step + 1) % STEPS_PER_EPOCH == 0:
-            for schedule in schedules:
-                schedule.step()
+    train_steps(model, x, y, STEPS, BATCH, STEPS_PER_EPOCH, torch.Generator().manual_seed(1))
     model.eval()
     return nll(model, x, y), nll(model, x_val, y_val)
 

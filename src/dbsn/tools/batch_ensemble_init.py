@@ -69,6 +69,24 @@ def gradient_cosine(model, x, y) -> float:
     return float(((g @ g.T).sum() - n) / (n * (n - 1)))
 
 
+def train_steps(model, x, y, steps: int, batch_size: int, steps_per_epoch: int, generator) -> None:
+    """`steps` training steps of `model` on the in-memory (x, y), as train.py's would run them
+    (`step_body`, the epoch schedules stepped every `steps_per_epoch` steps), without Lightning: batches
+    drawn with replacement by `generator`."""
+    import torch
+
+    opts, schedules = model.configure_optimizers()
+    model.attach_guard(opts)
+    for step in range(steps):
+        batch = torch.randint(len(y), (batch_size,), generator=generator)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        model.step_body(x[batch], y[batch], opts, opts[:len(schedules)], lambda loss, last: loss.backward())
+        if (step + 1) % steps_per_epoch == 0:
+            for schedule in schedules:
+                schedule.step()
+
+
 def measure(backbone: str, init: float, seed: int, steps: int, data, net_overrides=()) -> dict:
     """One BatchEnsemble trained `steps` steps from the initialisation `init` (module docstring)."""
     import torch
@@ -94,16 +112,7 @@ def measure(backbone: str, init: float, seed: int, steps: int, data, net_overrid
     generator = torch.Generator().manual_seed(100 + seed)
     batch = torch.randint(len(y), (BATCH,), generator=generator)
     cosine = gradient_cosine(model, x[batch], y[batch])
-    opts, schedules = model.configure_optimizers()
-    model.attach_guard(opts)
-    for step in range(steps):
-        batch = torch.randint(len(y), (BATCH,), generator=generator)
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        model.step_body(x[batch], y[batch], opts, opts[:len(schedules)], lambda loss, last: loss.backward())
-        if (step + 1) % steps_per_epoch == 0:
-            for schedule in schedules:
-                schedule.step()
+    train_steps(model, x, y, steps, BATCH, steps_per_epoch, generator)
     model.eval()
     with torch.no_grad():
         train_log_probs = model.predict_log_probs(x)
