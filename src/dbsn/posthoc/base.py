@@ -1,8 +1,9 @@
 """The door for a post-hoc posterior: fitted on a finished run, predicting with S members.
 
-A post-hoc posterior turns a trained method into a new method without training it again:
-temperature scaling (`temperature`), a last-layer Laplace approximation (`laplace`), SWAG
-(`swag`), a calibration map (`histogram_binning`, `isotonic`, `dirichlet`), or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
+A post-hoc posterior turns a trained method into a new method without training it again: a
+last-layer Laplace approximation (`laplace`), SWAG (`swag`), a calibrator (`temperature`,
+`histogram_binning`, `isotonic`, `dirichlet`: `dbsn.posthoc.calibrators`, whose door is smaller),
+or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
 (`conf/posthoc/<name>.yaml`, whose `_target_` builds it) and evaluates what `fit` returns with the
 same test pass and evaluations as every other method, into `<run>/posthoc/<name>/`, where the
 report and the W&B dashboard read it as method `<run's method>+<name>`.
