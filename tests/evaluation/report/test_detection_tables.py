@@ -48,13 +48,16 @@ def test_scores_by_method_one_column_per_score_groups_first(tmp_path):
     assert "## OOD detection by score and method" in (tmp_path / "report" / "report.md").read_text()
 
 
-def _posthoc(run, name, nll, ece, error):
+def _posthoc(run, name, nll, ece, error, calibrator=True):
+    """`<run>/posthoc/<name>/` as evaluate.py writes it; `calibrator`: its metrics.json names the
+    calibrator (the last part of `name`), as a calibrator's does, and not a posterior's (Laplace)."""
     folder = run / "posthoc" / name
     config = yaml.safe_load((run / "resolved_config.yaml").read_text())
     folder.mkdir(parents=True)
     (folder / "resolved_config.yaml").write_text(yaml.safe_dump({**config, "posthoc": name}))
+    facts = {"calibrator": name.split("+")[-1]} if calibrator else {"posterior": name}
     (folder / "metrics.json").write_text(json.dumps({"metrics": {"test/nll": nll, "test/ece": ece, "test/error": error},
-                                                     "seed": config["seed"]}))
+                                                     "seed": config["seed"], "posthoc": name, **facts}))
 
 
 def test_calibrators_side_by_side_per_method(tmp_path):
@@ -65,20 +68,35 @@ def test_calibrators_side_by_side_per_method(tmp_path):
         _posthoc(run, "isotonic", 0.42 + 0.02 * seed, 0.02, 0.06)
     run = write_run(runs / "map_1", MODELS["map"], DATA["cifar10"], 1, 0.08)
     _posthoc(run, "dirichlet", 0.60, 0.03, 0.09)
+    _posthoc(run, "laplace", 0.70, 0.04, 0.08, calibrator=False)  # a posterior: a row of its own, uncalibrated
+    _posthoc(run, "laplace+uniform_mixing", 0.65, 0.02, 0.08)  # any calibrator the runs name, on top of it
     write_run(runs / "fbn_1", {"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.weights.GaussianWeights"}},
               DATA["cifar10"], 1, 0.04)  # no calibrator: not a row
 
     build_report([runs], tmp_path / "report")
     text = (tmp_path / "report" / "calibrators.md").read_text()
     nll = text.split("### cifar10: test NLL ↓", 1)[1].split("###", 1)[0]
-    assert "| method | none | temperature | isotonic | dirichlet |" in nll
-    assert "| dbsn | 0.5000 ± 0.0000 (2) | 0.4000 ± 0.0000 (2) | 0.4500 ± 0.0141 (2) | – |" in nll
-    assert "| map | 0.8000 (1) | – | – | 0.6000 (1) |" in nll
+    assert "| method | none | dirichlet | isotonic | temperature | uniform_mixing |" in nll
+    assert "| dbsn | 0.5000 ± 0.0000 (2) | – | 0.4500 ± 0.0141 (2) | 0.4000 ± 0.0000 (2) | – |" in nll
+    assert "| map | 0.8000 (1) | 0.6000 (1) | – | – | – |" in nll
+    assert "| map+laplace | 0.7000 (1) | – | – | – | 0.6500 (1) |" in nll
     assert "fbn" not in nll
     error = text.split("### cifar10: test error", 1)[1].split("###", 1)[0]
-    assert "| map | 8.00 (1) | – | – | 9.00 (1) |" in error
+    assert "| map | 8.00 (1) | 9.00 (1) | – | – | – |" in error
     report = (tmp_path / "report" / "report.md").read_text()
     assert "## Post-hoc calibrators" in report
+
+
+def test_a_temperature_run_that_names_no_calibrator_is_still_one(tmp_path):
+    """posthoc=temperature folders written before temperature scaling recorded its calibrator facts."""
+    runs = tmp_path / "runs"
+    run = write_run(runs / "map_1", MODELS["map"], DATA["cifar10"], 1, 0.08)
+    _posthoc(run, "temperature", 0.40, 0.01, 0.08, calibrator=False)
+    (run / "posthoc" / "temperature" / "metrics.json").write_text(json.dumps(
+        {"metrics": {"test/nll": 0.40, "test/ece": 0.01, "test/error": 0.08}, "seed": 1, "posthoc": "temperature"}))
+    build_report([runs], tmp_path / "report")
+    nll = (tmp_path / "report" / "calibrators.md").read_text().split("### cifar10: test NLL ↓", 1)[1].split("###", 1)[0]
+    assert "| method | none | temperature |" in nll and "| map | 0.8000 (1) | 0.4000 (1) |" in nll
 
 
 @pytest.mark.parametrize("section", ["## OOD detection by score and method", "## Post-hoc calibrators"])

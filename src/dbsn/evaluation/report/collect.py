@@ -38,6 +38,7 @@ class Run:
     calibration: dict = field(default_factory=dict)  # metrics.json's calibration: where the temperature was fitted
     convergence: dict = field(default_factory=dict)  # metrics.json's convergence: the training loss's last tenth
     tuning: dict = field(default_factory=dict)  # tuning.json of `dbsn-compare --tune`: the lr grid, its validation NLLs
+    calibrator: str | None = None  # metrics.json's calibrator: the post-hoc calibrator a `posthoc/<name>/` run applied
 
 
 @dataclass
@@ -81,6 +82,8 @@ def load_run(folder: Path) -> Run:
             if run.convergence.get("epoch_losses"):  # judged again: the rule of this version, for every run alike
                 run.convergence = convergence(run.convergence["epoch_losses"])
             run.tuning = _json(folder / "tuning.json") or {}
+            # a posthoc=temperature run of an earlier version names no calibrator
+            run.calibrator = record.get("calibrator") or ("temperature" if record.get("posthoc") == "temperature" else None)
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status != "ok" and slurm:

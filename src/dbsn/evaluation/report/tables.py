@@ -603,19 +603,17 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
     return text
 
 
-#: the post-hoc calibrators the report sets side by side (`<method>+<name>` runs), after the uncalibrated method
-CALIBRATORS = ("temperature", "histogram_binning", "isotonic", "dirichlet")
-
-
 def calibrators_section(report: Report, ok: list[Run]) -> str:
     """Each method uncalibrated and after every post-hoc calibrator it was evaluated with
     (`evaluate.py ckpt_path=<run> posthoc=<calibrator>`): test NLL, ECE and error, one row per
-    method, one column per calibrator; "" when no run has a calibrator."""
+    method, one column per calibrator the runs name (metrics.json's `calibrator`; the column is the
+    last part of the run's method, `<method>+<name>`), in alphabetical order; "" when no run has a
+    calibrator."""
     values: dict[tuple, list[float]] = defaultdict(list)
     found = False
     for r in ok:
         base, _, posthoc = r.method.rpartition("+")
-        base, posthoc = (base, posthoc) if posthoc in CALIBRATORS else (r.method, "")
+        base, posthoc = (base, posthoc) if r.calibrator else (r.method, "")
         found |= bool(posthoc)
         for key in ("test/nll", "test/ece", "test/error"):
             if key in r.metrics:
@@ -623,7 +621,7 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
     if not found:
         return ""
     text, rows = "", []
-    columns = ["", *[c for c in CALIBRATORS if any(k[2] == c for k in values)]]
+    columns = ["", *sorted({k[2] for k in values} - {""})]
     for dataset in sorted({k[0] for k in values}):
         methods = _order({k[1] for k in values if k[0] == dataset and any(
             (dataset, k[1], c, "test/nll") in values for c in columns[1:])}, METHOD_ORDER)
@@ -642,10 +640,9 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
             text += f"### {dataset}: {label}\n\n" + md_table(["method", *(c or "none" for c in columns)], table) + "\n"
     _write_csv(report, "calibrators.csv", ["method", "dataset", "calibrator", "metric", *STATS], rows)
     text = ("## Post-hoc calibrators\n\nEvery method as trained (none) and after each calibrator fitted on the "
-            "validation split (`evaluate.py ckpt_path=<run> posthoc=<calibrator>`): temperature scaling, histogram "
-            "binning, isotonic regression (one-vs-rest, renormalised) and Dirichlet calibration. Mean ± std over "
-            "seeds (n). Temperature scaling keeps every prediction's class; histogram binning, isotonic regression "
-            "and Dirichlet calibration with a full or diagonal map may move it, so their error is shown too. "
+            "validation split (`evaluate.py ckpt_path=<run> posthoc=<calibrator>`; `docs/evaluation.md` describes "
+            "them). Mean ± std over seeds (n). A calibrator that may move a prediction's class (its runs record "
+            "`calibrator_argmax_changed`) changes the error too, so the error is shown. "
             "Files: `calibrators.md`, `calibrators.csv`.\n\n" + text)
     _write(report, "calibrators.md", text.replace("## ", "# ", 1))
     return text
