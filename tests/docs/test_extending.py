@@ -110,3 +110,21 @@ def test_an_unchosen_option_of_the_page_s_evaluation_is_refused_in_one_line(pack
                       cwd=package, env={"PYTHONPATH": str(package)}, timeout=120, check=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "add it to evaluations=[...]" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_calibrator_runs_through_evaluate_and_gets_its_column_in_the_report(package, backbone_run, tmp_path):
+    import shutil
+
+    from dbsn.evaluation.report import build_report
+
+    assert {"myext/label_prior.py", "myext/conf/posthoc/label_prior.yaml"} <= set(page_files())
+    copy = tmp_path / "run"  # a copy of the run: the report of the posterior's test sees that posterior alone
+    shutil.copytree(backbone_run, copy, ignore=shutil.ignore_patterns("evaluation", "posthoc"))
+    run(package, "evaluate.py", f"ckpt_path={copy / 'checkpoints' / 'last.ckpt'}", "posthoc=label_prior",
+        "trainer.accelerator=cpu")
+    record = json.loads((copy / "posthoc" / "label_prior" / "metrics.json").read_text())
+    assert record["posthoc"] == record["calibrator"] == "label_prior" and record["label_prior_smoothing"] == 1.0
+    assert record["calibrator_examples"] == 40 and 0 <= record["calibrator_argmax_changed"] <= 1
+    build_report([copy], tmp_path / "report")
+    text = (tmp_path / "report" / "calibrators.md").read_text()
+    assert "| method | none | label_prior |" in text and "| map_fixed |" in text
