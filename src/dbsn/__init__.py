@@ -1,3 +1,9 @@
 """dbsn: Deep Bayesian Structure Networks on PyTorch Lightning + Hydra."""
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+#: The Hydra config tree (conf/ at the checkout's root): the method registry reads conf/model/,
+#: entry points and tools compose configs from it.
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"

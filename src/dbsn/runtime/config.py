@@ -20,17 +20,14 @@ import os
 import shutil
 import types
 import typing
-from pathlib import Path
 from typing import Any, Iterable, Literal, Union
 
 import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from dbsn import CONF_DIR  # noqa: F401 (entry points and tools import it from here)
 from dbsn.precision import cpu_bf16_channels_last_is_wrong
-
-#: The Hydra config tree (conf/ at the checkout's root), for entry points and tools that compose configs.
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
