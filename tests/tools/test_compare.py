@@ -11,7 +11,7 @@ from dbsn.data import DatasetNotFoundError
 from dbsn.runtime.config import validate_config
 from dbsn.tools import compare
 from dbsn.tools.compare import (
-    METHODS,
+    compared_methods,
     epoch_size,
     main,
     method_overrides,
@@ -24,7 +24,7 @@ from tests.support.fakedata import write_cifar10
 
 
 def test_each_method_gets_its_schedule_compression_and_valid_overrides(tmp_path):
-    for method in METHODS:
+    for method in compared_methods():
         overrides = method_overrides(method, epochs=10, steps_per_epoch=21)
         has_tau = any(o.startswith("model.tau.decay=") for o in overrides)
         assert has_tau == (method in ("dbsn", "fbn", "vogn_fbn"))
@@ -37,7 +37,7 @@ def test_each_method_gets_its_schedule_compression_and_valid_overrides(tmp_path)
 
 @pytest.mark.parametrize("backbone", ["resnet18", "wrn28_10"])
 def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(backbone, tmp_path):
-    from dbsn.tools.compare import BACKBONES, STRUCTURE_SAMPLING
+    from dbsn.tools.compare import BACKBONES
 
     target = {"resnet18": "dbsn.nets.ResNet18", "wrn28_10": "dbsn.nets.WideResNet"}[backbone]
     for method in ("dbsn", "map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"):
@@ -45,8 +45,8 @@ def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(ba
         cfg = compose_config("train", [*overrides, *shared_overrides()], tmp_path)
         validate_config(cfg)
         net = (cfg.model.member if method == "deep_ensemble" else cfg.model).net
-        assert net._target_ == ("dbsn.nets.StructureNet" if method in STRUCTURE_SAMPLING else target), method
-        for setting in BACKBONES["structure_net" if method in STRUCTURE_SAMPLING else backbone]:  # the CPU size
+        assert net._target_ == ("dbsn.nets.StructureNet" if method == "dbsn" else target), method
+        for setting in BACKBONES["structure_net" if method == "dbsn" else backbone]:  # the CPU size
             key, value = setting.split("=")
             assert str(net[key]) == value, (method, setting)
         optim = (cfg.model.member if method == "deep_ensemble" else cfg.model).optim  # the shared schedule's shape
@@ -157,13 +157,13 @@ def test_unknown_method_is_refused_with_the_choices(capsys):
 
 @pytest.mark.slow
 def test_comparison_runs_every_method(tmp_path):
-    results = run_comparison(METHODS, epochs=1, output_dir=tmp_path, n_samples=3,
+    results = run_comparison(compared_methods(), epochs=1, output_dir=tmp_path, n_samples=3,
                              extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                                     "trainer.limit_train_batches=2", "trainer.limit_test_batches=1"],
                              net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
-    assert list(results) == list(METHODS)
+    assert list(results) == compared_methods()
     table = (tmp_path / "comparison.md").read_text()
-    for method in METHODS:
+    for method in compared_methods():
         assert f"| {method} |" in table
         assert {"test/error", "test/nll", "test/ece"} <= set(results[method])
         assert results[method]["train_seconds"] > 0

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from dbsn.methods.registry import field_backbones, method_name as infer_method
+
 CONFIG_FILE = "resolved_config.yaml"   # the resolved run config; DDP children and the report read it
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
@@ -50,43 +52,18 @@ def _short(target) -> str:
     return str(target or "?").rsplit(".", 1)[-1]
 
 
-def infer_method(model: dict) -> str:
-    """The config name of a resolved `model:` node (when no Hydra choices are at hand)."""
-    cls, weights = _short(model.get("_target_")), _short((model.get("weights") or {}).get("_target_"))
-    if cls == "DBSN":
-        return "fbn" if weights == "GaussianWeights" else "dbsn"
-    if cls == "MAP":
-        if weights in ("MCDropoutWeights", "GaussianWeights"):
-            return "mc_dropout" if weights == "MCDropoutWeights" else "bbb"
-        return "map" if model.get("learn_structure", True) else "map_fixed"
-    if cls == "VOGNMethod":
-        return "vogn_fbn" if model.get("structure") == "dbsn" else "vogn"
-    if cls == "NEKFACMethod":
-        return "nekfac"
-    if cls == "DeepEnsemble":
-        return "deep_ensemble"
-    return SINGLE_CLASSES.get(cls, cls)
-
-
-#: Method classes whose config name is not their class name.
-SINGLE_CLASSES = {"BatchEnsemble": "batch_ensemble", "PackedEnsemble": "packed_ensemble", "MIMO": "mimo", "SNGP": "sngp"}
-
-#: The field's backbones by class and config name: a run on one of them is named `<method>@<backbone>`
-#: (`mimo@wrn28_10`), so that a method on DBSN's cell network and on a residual network are
-#: different rows of every table; the cell network (and a method's own network, e.g. NEK-FAC's
-#: VGG) adds nothing.
-BACKBONES = {"ResNet18": "resnet18", "WideResNet": "wrn28_10"}
-
-
 def backbone_of(model: dict, choices: dict | None = None) -> str | None:
-    """The field backbone (config name) a run's model uses, from Hydra's choices or the config;
-    None for any other network."""
-    choices = choices or {}
+    """The field backbone (config name, `dbsn.methods.registry.field_backbones`) a run's model
+    uses, from Hydra's choices or the config; None for any other network. A run on one of them is
+    named `<method>@<backbone>` (`mimo@wrn28_10`), so that a method on DBSN's cell network and on
+    a residual network are different rows of every table; the cell network (and a method's own
+    network, e.g. NEK-FAC's VGG) adds nothing."""
+    choices, backbones = choices or {}, field_backbones()
     for key in ("model/net", "model/net@model.member.net"):  # the second: a deep ensemble's members'
-        if choices.get(key) in BACKBONES.values():
+        if choices.get(key) in backbones:
             return choices[key]
     net = model.get("net") or (model.get("member") or {}).get("net") or {}
-    return BACKBONES.get(_short(net.get("_target_")))
+    return {cls: name for name, cls in backbones.items()}.get(_short(net.get("_target_")))
 
 
 def infer_dataset(data: dict) -> str:

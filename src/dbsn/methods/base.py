@@ -35,7 +35,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Literal
+from typing import ClassVar, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -58,6 +58,9 @@ Parallel = Literal["structure", "data"]  # how several devices share a step (see
 
 #: How several devices share a training step (see `Method`).
 PARALLEL_MODES = ("data", "structure")
+
+#: The networks a method trains (`Method.networks`).
+Networks = Literal["cells", "any", "own"]
 
 
 class FeaturesUnavailable(RuntimeError):
@@ -93,6 +96,23 @@ class Method(pl.LightningModule):
 
     Subclasses take their own settings and pass the rest on by keyword (`**settings`).
     """
+
+    # What the method is, declared for `dbsn.methods.registry`, which reads it with the method's
+    # config without building anything (compare's choices and settings, the report's names). A
+    # method that samples neither has its members fixed by its network (one network, or M members
+    # inside it: S does not apply) unless its config's weight posterior samples (MC dropout, BBB).
+    #: It draws structures α from a posterior q(α | θ) under DBSN's τ and β schedules (DBSN, FBN, VOGN-FBN).
+    samples_structure: ClassVar[bool] = False
+    #: It draws weights from a posterior of its own, not its config's `weights` (VOGN, NEK-FAC).
+    samples_weights: ClassVar[bool] = False
+    #: The networks it trains: "cells" (DBSN's cell network only), "any" (the cell network or a
+    #: residual backbone, e.g. ResNet-18, WideResNet), "own" (its own network only).
+    networks: ClassVar[Networks] = "any"
+    #: Where its config sets the weights' optimiser (whose `lr` is the base learning rate).
+    optimizer_key: ClassVar[str] = "optim"
+    #: The settings of its config that tell apart the methods it implements (a run is named by
+    #: them): its task and its weight posterior (DBSN with Gaussian weights is FBN).
+    variant_keys: ClassVar[tuple[str, ...]] = ("task", "weights")
 
     def __init__(
         self,

@@ -99,6 +99,9 @@ class DBSN(Method):
             for FBN; optim, execution, task, dataset_size, train_samples_per_forward).
     """
 
+    samples_structure = True
+    networks = "cells"
+
     def __init__(
         self,
         net: nn.Module,

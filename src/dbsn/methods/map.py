@@ -33,6 +33,8 @@ class MAP(Method):
             deterministic methods predict with one pass), optim, execution, task, dataset_size.
     """
 
+    variant_keys = (*Method.variant_keys, "learn_structure")  # learn_structure=false: MAP-fixed α
+
     def __init__(
         self,
         net: nn.Module,

@@ -84,6 +84,8 @@ class NaturalGradientMethod:
         lr_milestones: fractions of ``max_epochs`` at which the lr is multiplied by ``lr_gamma``.
     """
 
+    samples_weights = True
+
     def __init__(self, *args, lr_milestones: Sequence[float] = (), lr_gamma: float = 0.1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.execution.compile.enabled:
@@ -231,6 +233,8 @@ class _VOGNWeights(NaturalGradientMethod):
             still preconditioned), as in Osawa et al. (2019).
     """
 
+    optimizer_key = "vogn"
+
     def __init__(self, *args, vogn: dict | None = None, bn_point_estimate: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.vogn = _settings("vogn", VOGN, vogn, VOGN_DEFAULTS, {"dataset_size", "params", "loss_reduction"})
@@ -337,6 +341,14 @@ def VOGNMethod(
     raise ValueError(f"structure must be 'map' or 'dbsn', got {structure!r}")
 
 
+def _vogn_class(*, structure: str = "map", **settings) -> type[VOGNMAP] | type[VOGNFBN]:
+    """The class `VOGNMethod` builds with these settings (`dbsn.methods.registry` asks, building nothing)."""
+    return VOGNFBN if structure == "dbsn" else VOGNMAP
+
+
+VOGNMethod.builds = _vogn_class
+
+
 # ---------------------------------------------------------------------- NEK-FAC
 class NEKFACMethod(NaturalGradientMethod, MAP):
     """NEK-FAC (Bae et al. 2018) on a network without structure (``model=nekfac``: VGG16-BN).
@@ -352,6 +364,9 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         prediction: S weight draws at test (default the paper's comparison: 30; 10 for validation).
         lr_milestones, lr_gamma: lr × gamma at these fractions of training.
     """
+
+    networks = "own"  # VGG16-BN, the network it is defined on
+    optimizer_key = "nekfac"
 
     def __init__(
         self,

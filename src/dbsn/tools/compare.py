@@ -90,28 +90,22 @@ from rich.table import Table
 
 from dbsn.evaluation.report import build_report
 from dbsn.evaluation.report.tables import OUTSIDE_NOTE
+from dbsn.methods.registry import method_config, method_configs
 from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH
 
-METHODS = ("dbsn", "map", "map_fixed", "mc_dropout", "bbb", "fbn", "deep_ensemble", "vogn", "vogn_fbn",
-           "batch_ensemble", "packed_ensemble", "mimo", "sngp")
-STRUCTURE_SAMPLING = ("dbsn", "fbn", "vogn_fbn")
-VOGN_METHODS = ("vogn", "vogn_fbn")
-#: Methods whose members are fixed by the network (M), or that predict in one pass: S does not apply.
-FIXED_MEMBERS = ("map", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")
 #: The networks a comparison runs on, at CPU size: DBSN's small cell network (the paper's B = 4, one
 #: cell per stage), a ResNet-18 of width 16 and a WideResNet-16-2. Methods that need DBSN's cells
-#: (dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
+#: (`Method.networks` "cells": dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
 BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
              "wrn28_10": ["depth=16", "widen_factor=2"]}
-#: Methods whose configs carry their authors' optimiser recipe (conf/field's sweeps use them).
-OWN_RECIPES = ("batch_ensemble", "packed_ensemble", "mimo", "sngp")
 #: The protocols. "fair" (the default): what every method shares is the data, the epochs, the batch and
 #: the learning-rate schedule's shape (`SHARED_SCHEDULE`); each keeps its authors' relative settings
 #: (loss over members, fast-weight lr, initialisation, momentum, weight decay, warm-up), and its base lr
 #: is its own config's or, with `--tune`, the value of `LR_GRID` with the lowest validation NLL.
-#: "shared": every method trains with the paper's one SGD recipe (`SHARED_OPTIMIZER`) and MIMO with the
-#: mean over members: the protocol of the comparisons before 2026-11-27, which held Packed-Ensembles at
+#: "shared": every method trained by SGD trains with the paper's one recipe (`SHARED_OPTIMIZER`), the
+#: recipes of their authors' that some configs carry (conf/field's sweeps use them) set aside, and MIMO
+#: with the mean over members: the protocol of the comparisons before 2026-11-27, which held Packed-Ensembles at
 #: lr / M per member and MIMO at 1 / M of its gradient (kept to reproduce them).
 PROTOCOLS = ("fair", "shared")
 SHARED_SCHEDULE = {"schedule": "multistep", "milestones": "[0.5,0.75]", "gamma": 0.1}
@@ -136,6 +130,13 @@ POSTHOC_VAL_SIZE = 0.15
 EVALUATION_KEYS, POSTHOC_KEYS = ("evaluations", "ood"), ("posthoc",)
 #: The training's settings every evaluation reuses: the trainer (device, precision) and the intervals.
 SHARED_WITH_EVALUATION = ("trainer", "statistics")
+
+
+def compared_methods() -> list[str]:
+    """The methods a comparison trains (`--methods`), in the report's order: every classification
+    method of conf/model/ that trains the cell network or a backbone (`dbsn.methods.registry`; not
+    NEK-FAC, defined on its own VGG16-BN)."""
+    return [m.name for m in method_configs() if m.classifies and m.networks != "own"]
 
 
 def data_choices() -> list[str]:
@@ -283,10 +284,9 @@ def epoch_size(data_cfg: DictConfig) -> tuple[int, int]:
 
 
 def lr_key(method: str) -> str:
-    """The config key of a method's base learning rate (the weights'; VOGN's own optimiser's)."""
-    if method in VOGN_METHODS:
-        return "model.vogn.lr"
-    return "model.member.optim.lr" if method == "deep_ensemble" else "model.optim.lr"
+    """The config key of a method's base learning rate: its weights' optimiser's (VOGN's own, a
+    deep ensemble's members')."""
+    return f"model.{method_config(method).optimizer_key}.lr"
 
 
 def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: int = 100,
@@ -297,38 +297,39 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     None = its config's) and the schedules compressed into `epochs` of `steps_per_epoch`
     steps of `batch_size` images: τ's progress counts examples seen / REFERENCE_BATCH (τ
     reaches 1 at the end), β's counts epochs (0.5 at 80 %), VOGN's KL warm-up counts steps."""
-    model = "model.member" if method == "deep_ensemble" else "model"
-    net = "structure_net" if method in STRUCTURE_SAMPLING else backbone
-    choice = "model/net@model.member.net" if method == "deep_ensemble" else "model/net"  # the members' network
+    entry = method_config(method)  # what the method is: dbsn.methods.registry
+    model = "model.member" if entry.member else "model"  # a deep ensemble's: its members'
+    net = "structure_net" if entry.networks == "cells" else backbone
+    choice = "model/net@model.member.net" if entry.member else "model/net"  # the members' network
     overrides = [f"model={method}", f"{choice}={net}", f"trainer.max_epochs={epochs}",
                  "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES[net]],
                  *[f"{model}.net.{o}" for o in net_overrides]]
-    if method == "deep_ensemble":
+    if entry.member:  # an ensemble of networks trained side by side: three of them
         overrides.append("model.size=3")
-    optim = "model.member.optim" if method == "deep_ensemble" else "model.optim"
+    optim = f"model.{entry.optimizer_key}"
     if protocol == "shared":
-        if method in OWN_RECIPES:  # the shared weight optimiser, not the method's published recipe
-            overrides += [f"model.optim.{key}={value}" for key, value in SHARED_OPTIMIZER.items()]
-        if method == "mimo":  # the recipe is for one network's mean NLL
+        if entry.sgd:  # the shared weight optimiser, not a recipe of the method's config
+            overrides += [f"{optim}.{key}={value}" for key, value in SHARED_OPTIMIZER.items()]
+        if "member_loss" in entry.config:  # MIMO's recipe is for one network's mean NLL
             overrides.append("model.member_loss=mean")
-    elif method not in VOGN_METHODS:  # the schedule's shape is shared; VOGN's optimiser has its own
+    elif entry.sgd:  # the schedule's shape is shared; an optimiser of its own (VOGN's) keeps its own
         overrides += [f"++{optim}.{key}={value}" for key, value in SHARED_SCHEDULE.items()]
     if lr is not None:
         overrides.append(f"{lr_key(method)}={lr:g}")
-    if method == "mc_dropout" and net in DROPOUT_PLACEMENT:  # no cells: after every conv, or WRN's own dropout layers
-        overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[net]}")
-    if method not in FIXED_MEMBERS:
+    if "placement" in (entry.config.get("weights") or {}) and net in DROPOUT_PLACEMENT:
+        overrides.append(f"model.weights.placement={DROPOUT_PLACEMENT[net]}")  # MC dropout without cells
+    if not entry.fixed_members:
         overrides.append(f"model.prediction.n_samples={n_samples}")
     total = epochs * steps_per_epoch
-    if method in STRUCTURE_SAMPLING:  # compress the 100-epoch schedules into this run
+    if entry.samples_structure:  # compress the 100-epoch schedules into this run
         overrides += [f"model.tau.decay={math.log(3.0) / (total * batch_size / REFERENCE_BATCH):.3e}",
                       f"model.beta.decay_per_epoch={0.5 / (0.8 * epochs):.4f}",
                       "model.structure_optim.lr=3e-3"]
-        if method not in VOGN_METHODS:  # VOGN-FBN: one structure per weight sample, no T
+        if "train_samples" in entry.config:  # VOGN-FBN has none: one structure per weight sample
             overrides.append("model.train_samples=1")
-    if method in VOGN_METHODS:
-        overrides.append(f"model.vogn.kl_warmup_steps={max(1, total // 10)}")
-    if method in ("mc_dropout", "bbb", *STRUCTURE_SAMPLING):
+    if "kl_warmup_steps" in entry.optimizer:  # VOGN's KL warm-up: the first tenth of the run
+        overrides.append(f"{optim}.kl_warmup_steps={max(1, total // 10)}")
+    if entry.samples_structure or entry.weights_sample:  # S draws of its config's posteriors, four per forward
         overrides.append("model.prediction.samples_per_forward=4")
     return overrides
 
@@ -395,7 +396,7 @@ def reused_tuning(directory: Path, methods, protocol: str) -> dict[str, dict]:
     return {m: {**json.loads((directory / m / TUNING_FILE).read_text()), "reused_from": str(directory)} for m in methods}
 
 
-def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
+def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
                    extra: list[str] | None = None, n_samples: int = 100,
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
                    subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
@@ -406,7 +407,9 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
     validation NLL chooses (`tune`; None: its config's, or with `tuned_from` the rate an earlier
     comparison chose, its `<method>/tuning.json`: one search for every seed), then evaluate it with `evaluations` and
     each of `posthoc` (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default);
-    returns its test metrics plus ``train_seconds`` (the fit's wall time) by method."""
+    returns its test metrics plus ``train_seconds`` (the fit's wall time) by method; `methods`: the
+    methods' config names, None = every one (`compared_methods`)."""
+    methods = compared_methods() if methods is None else list(methods)
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if lr_grid is not None and protocol != "fair":
@@ -450,11 +453,11 @@ def run_comparison(methods=METHODS, epochs: int = 10, output_dir: Path = Path("o
         def overrides_at(lr, method=method):
             return method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone,
                                     protocol, lr)
-        tuning = reused.get(method)
-        if lr_grid is not None and method == "deep_ensemble" and "map_fixed" in results:
-            # its members are map_fixed networks, each trained alone: their search is map_fixed's
-            tuning = {**json.loads((Path(output_dir) / "map_fixed" / TUNING_FILE).read_text()),
-                      "key": lr_key(method), "shared_with": "map_fixed"}
+        tuning, member = reused.get(method), method_config(method).member
+        if lr_grid is not None and member is not None and member.name in results:
+            # a deep ensemble's members are networks of a method trained alone (map_fixed): their search is its
+            tuning = {**json.loads((Path(output_dir) / member.name / TUNING_FILE).read_text()),
+                      "key": lr_key(method), "shared_with": member.name}
         elif lr_grid is not None:
             tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs), "key": lr_key(method)}
             Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
@@ -483,7 +486,7 @@ def reference_name(methods, backbone: str) -> str:
     ran, else the first method, `<method>@<backbone>` on a residual network (DBSN and FBN always
     train the cell network)."""
     reference = "dbsn" if "dbsn" in methods else methods[0]
-    if reference in STRUCTURE_SAMPLING or backbone == "structure_net":
+    if method_config(reference).networks == "cells" or backbone == "structure_net":
         return reference
     return f"{reference}@{backbone}"
 
@@ -571,7 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--subset", type=count_or_fraction, default=None,
                         help="train on a class-stratified subset: a count of images or a fraction (data.train_subset)")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(compared_methods()),
+                        help="the methods of conf/model/ to train, comma-separated (default: every one)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=100,
                         help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
@@ -605,9 +609,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "<method>/tuning.json): one search for every seed (e.g. with seed=1)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    unknown = sorted(set(args.methods.split(",")) - set(compared_methods()))
     if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        parser.error(f"unknown method(s) {unknown}; choose from {', '.join(compared_methods())}")
     if args.data not in data_choices():
         parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
     if any(o.startswith("data=") for o in args.overrides):

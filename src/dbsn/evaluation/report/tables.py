@@ -17,10 +17,8 @@ from dbsn.evaluation.ood import ALL_OOD_SCORES, entropy_cdf_figure
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
+from dbsn.methods.registry import METHOD_ORDER, field_backbones
 
-METHOD_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble", "packed_ensemble",
-                "mimo", "sngp", "laplace", "swag", "vogn", "vogn_fbn", "nekfac")
-BACKBONE_ORDER = ("", "resnet18", "wrn28_10")  # a method's runs on DBSN's cell network first, then on each field backbone
 DATASET_ORDER = ("cifar10", "cifar100")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10, "digits": 10}
 OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 ↓"))
@@ -46,12 +44,15 @@ MAIN_TABLES = (
 # ---------------------------------------------------------------------- statistics and output
 def _order(names, canonical) -> list[str]:
     """`names` in the order of `canonical`; method names `<method>@<backbone>[+posthoc]` grouped by
-    backbone (the cell network first), each group in the canonical order, unknown names last."""
+    backbone (the cell network first, then the field's backbones by name), each group in the
+    canonical order, unknown names last."""
+    backbones = ("", *field_backbones())
+
     def key(name: str):
         base, _, rest = name.partition("@")
         backbone, _, posthoc = rest.partition("+")
         base = base + (f"+{posthoc}" if posthoc else "")
-        group = BACKBONE_ORDER.index(backbone) if backbone in BACKBONE_ORDER else len(BACKBONE_ORDER)
+        group = backbones.index(backbone) if backbone in backbones else len(backbones)
         return (group, backbone, canonical.index(base) if base in canonical else len(canonical), base)
     return sorted(set(names), key=key)
 
