@@ -56,9 +56,10 @@ def test_every_old_name_answers_with_a_key_that_exists(tmp_path):
     from tests.support.configs import compose_config
 
     configs = {"model": compose_config("train", ["model=vogn"], tmp_path),
-               "model.member": compose_config("train", ["model=deep_ensemble"], tmp_path)}
+               "model.member": compose_config("train", ["model=deep_ensemble"], tmp_path),
+               "evaluations": compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]"], tmp_path)}
     for old, new in RENAMED.items():
-        cfg = configs["model.member" if old.startswith("model.member.") else "model"]
+        cfg = configs["model.member" if old.startswith("model.member.") else old.split(".")[0]]
         assert OmegaConf.select(cfg, new, default="absent") != "absent", (old, new)
         assert OmegaConf.select(cfg, old, default="absent") == "absent", old
     assert renamed_option(["model.compile.enabled=true"]) == (
@@ -134,6 +135,12 @@ EVALUATE_CASES = {
                                            ["ood.textures.download", "OOD set textures, which is not chosen"]),
     "an option of an evaluation not chosen": (["ckpt_path=x.ckpt", "evaluations.shift.generate=true"],
                                               ["evaluation shift, which is not chosen", "evaluations=[shift]"]),
+    "an OOD score's option without the OOD evaluation": (["ckpt_path=x.ckpt", "ood_score.knn.k=3"],
+                                                        ["ood_score.knn.k sets the OOD evaluation's scores",
+                                                         "add evaluations=[ood]"]),
+    "an OOD score's setting under its old name": (["ckpt_path=x.ckpt", "evaluations=[ood]", "evaluations.ood.knn_k=20"],
+                                                  ["evaluations.ood.knn_k was renamed ood_score.knn.k",
+                                                   "use ood_score.knn.k=20"]),
     "an option of a posterior not chosen": (["ckpt_path=x.ckpt", "posthoc.hessian=full"],
                                             ["post-hoc posterior, and none is chosen", "laplace"]),
     "a misspelled option of a posterior": (["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],

@@ -29,7 +29,7 @@ from torch import Tensor
 from torchmetrics.functional.classification import binary_auroc, binary_average_precision, binary_roc
 
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
-from dbsn.evaluation.detection import COMPUTED_ON, NETWORK_SCORES, DetectionScores
+from dbsn.evaluation.detection import DetectionScores, OODScore
 from dbsn.evaluation.ood_groups import group_coverage, group_means, openood_groups, per_set_metrics
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, Results
@@ -37,15 +37,13 @@ from dbsn.evaluation.statistics import intervals_of
 from dbsn.metrics.intervals import weighted_auroc, weighted_average_precision, weighted_fpr95
 from dbsn.metrics.uncertainty import detection_scores, ood_scores
 
-__all__ = ["ALL_OOD_SCORES", "OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
+__all__ = ["OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figure", "fpr_at_95_tpr", "ood_report"]
 
-#: The predictive's own scores, from the test pass (every method has them).
+#: The predictive's own scores, from the test pass (every method has them), and what each is
+#: computed on; OpenOOD's post-hoc scores follow them (`dbsn.evaluation.detection`).
 OOD_SCORES = ("entropy", "mutual_information", "max_probability")
-#: Every score the evaluation can give, in table order (`dbsn.evaluation.detection`: which
-#: apply to which method, and what each is computed on).
-ALL_OOD_SCORES = OOD_SCORES + tuple(name for score in NETWORK_SCORES
-                                    for name in ((score, f"{score}_members") if score in ("max_logit", "energy", "odin")
-                                                 else (score,)))
+_PREDICTIVE_COMPUTED_ON = {"entropy": "averaged predictive", "mutual_information": "members (their disagreement)",
+                           "max_probability": "averaged predictive"}
 
 
 def _as_scores(scores: Tensor | np.ndarray, name: str) -> Tensor:
@@ -229,9 +227,9 @@ class OODDetection(Evaluation):
 
     For every set of `sets` (`ood=<set>` or `ood=[<set>,...]`, by config name): AUROC, AUPR
     (OOD and in-distribution as positive) and FPR95 of the predictive's three scores
-    (`OOD_SCORES`) and of OpenOOD's post-hoc scores chosen in `scores` (max-logit, energy,
-    Mahalanobis, KNN, ViM, ODIN: `dbsn.evaluation.detection`, fitted on the training split) under
-    `ood/<set>/<score>/<metric>`, in `ood/<set>/`: `metrics.json`, per-example scores of both
+    (`OOD_SCORES`) and of the post-hoc scores (`dbsn.evaluation.detection`: OpenOOD's max-logit,
+    energy, Mahalanobis, KNN, ViM, ODIN, or your own; fitted on the training split where they fit)
+    under `ood/<set>/<score>/<metric>`, in `ood/<set>/`: `metrics.json`, per-example scores of both
     sets (`scores.npz`) and the empirical CDF of predictive entropy (`entropy_cdf.png`). OOD
     images are normalised with the in-distribution statistics, as the model saw its training
     data; the in-distribution scores are the test pass's (`model.test_scores`), not predicted
@@ -241,28 +239,30 @@ class OODDetection(Evaluation):
     Args:
         sets: set name -> its data module (built from `conf/ood/<set>.yaml`).
         groups: group name -> set names, e.g. {near: [cifar100, tinyimagenet], far: [svhn]}.
-        scores: which of OpenOOD's scores to add (`dbsn.evaluation.detection.NETWORK_SCORES`; []: none).
-        members, fit_images, knn_k, vim_dim, energy_temperature, odin: their settings
-            (`DetectionScores`; `odin`: {temperature, epsilon}).
+        available: the post-hoc scores chosen with `ood_score=[...]`, by name (built from
+            `conf/ood_score/<name>.yaml`, or your package's).
+        scores: which of `available` to compute, by name, in table order (None: all; []: none).
+        members, fit_images: how many members and training images they use (`DetectionScores`).
     """
 
     name = "ood"
 
     def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None,
-                 scores: Sequence[str] = NETWORK_SCORES, members: int | None = 10, fit_images: int | None = None,
-                 knn_k: int = 50, vim_dim: int | None = None, energy_temperature: float = 1.0,
-                 odin: Mapping[str, float] | None = None) -> None:
+                 available: Mapping[str, OODScore] | None = None, scores: Sequence[str] | None = None,
+                 members: int | None = 10, fit_images: int | None = None) -> None:
         self.sets = dict(sets or {})
         self._rows: dict[str, dict[str, Tensor]] = {}  # set -> "<score>/<metric>" -> its bootstrap rows
         self.groups = {str(k): [str(s) for s in v] for k, v in groups.items()} if groups else None
-        odin = dict(odin or {})
-        unknown = sorted(set(odin) - {"temperature", "epsilon"})
+        available = dict(available or {})
+        names = list(available) if scores is None else [str(s) for s in scores]
+        unknown = [s for s in names if s not in available]
         if unknown:
-            raise EvaluationError(f"evaluations.ood.odin.{unknown[0]} is not a setting: odin takes temperature and epsilon")
+            every = ",".join(dict.fromkeys([*available, *unknown]))
+            raise EvaluationError(f"evaluations.ood.scores names {unknown}, which ood_score=[...] does not choose "
+                                  f"(it chooses {list(available)}): add them there, e.g. ood_score=[{every}] "
+                                  "(conf/ood_score/ holds dbsn's scores; a score of your own: docs/extending.md)")
         try:
-            self.detection = DetectionScores(list(scores or ()), members, fit_images, knn_k, vim_dim,
-                                             float(energy_temperature), float(odin.get("temperature", 1000.0)),
-                                             float(odin.get("epsilon", 0.0014)))
+            self.detection = DetectionScores({s: available[s] for s in names}, members, fit_images)
         except ValueError as err:
             raise EvaluationError(f"evaluations.ood: {err}") from err
         self._in_network: dict[str, Tensor] = {}
@@ -325,7 +325,9 @@ class OODDetection(Evaluation):
             out_scores.update(self.detection.of(model, datamodule, datamodule.test_dataloader(), subject.device,
                                                 f"OOD scores: {datamodule.name}", subject.progress, in_data=in_data))
             in_scores.update(self._in_network)
-        names = [s for s in ALL_OOD_SCORES if s in in_scores and s in out_scores]
+        n = self.detection.count(model)
+        names = [s for s in (*OOD_SCORES, *self.detection.names(n)) if s in in_scores and s in out_scores]
+        computed_on = {**_PREDICTIVE_COMPUTED_ON, **self.detection.computed_on(n)}
         statistics = subject.statistics
         weights_in = statistics.weights(len(in_scores["entropy"]))  # the same in-set resamples for every set
         weights_out = statistics.weights(len(out_scores["entropy"]), stream=1 + sorted(self.sets).index(set_name))
@@ -341,8 +343,8 @@ class OODDetection(Evaluation):
                           for score in names},
             "statistics": {**statistics.record(), "interval": "percentile bootstrap, the in- and OOD sets resampled independently"},
             "mean_entropy": {"in": float(in_scores["entropy"].mean()), "out": float(out_scores["entropy"].mean())},
-            "computed_on": {name: COMPUTED_ON[name] for name in names},
-            "detection": self.detection.record(self.detection.count(model)),
+            "computed_on": {name: computed_on[name] for name in names},
+            "detection": self.detection.record(n),
             "note": "OOD is the positive class; every score is higher for 'more OOD' "
                     "(max_probability is stored as 1 - max probability).",
         }

@@ -78,6 +78,9 @@ def unchosen_option(arguments: Sequence[str], conf_dir: Path = CONF_DIR) -> str 
         if parts[0] == "evaluations" and len(parts) > 2 and parts[1] not in chosen["evaluations"]:
             return (f"{setting} sets an option of the evaluation {parts[1]}, which is not chosen: add it to "
                     f"evaluations=[...] (e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {parts[1]}))}]).")
+        if parts[0] == "ood_score" and "ood" not in chosen["evaluations"]:
+            return (f"{setting} sets the OOD evaluation's scores, and it is not chosen: add evaluations=[ood] "
+                    f"(e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {'ood'}))}] ood=<set>).")
         if parts[0] == "ood" and len(parts) > 2 and parts[1] not in chosen["ood"]:
             sets = ",".join(sorted(chosen["ood"] | {parts[1]}))
             return (f"{setting} sets an option of the OOD set {parts[1]}, which is not chosen: add it to ood=[...] "
@@ -90,7 +93,10 @@ RENAMED = {**{f"{model}.{old}": f"{model}.{new}" for model in ("model", "model.m
     ("n_samples", "prediction.n_samples"), ("val_samples", "prediction.val_samples"),
     ("samples_per_forward", "prediction.samples_per_forward"), ("temperature_scaling", "prediction.temperature_scaling"),
     ("channels_last", "execution.channels_last"), ("compile", "execution.compile"))},
-    "model.vogn.num_samples": "model.vogn.draws_per_step"}
+    "model.vogn.num_samples": "model.vogn.draws_per_step",
+    # the OOD evaluation's post-hoc scores are configs of their own (conf/ood_score/)
+    "evaluations.ood.knn_k": "ood_score.knn.k", "evaluations.ood.vim_dim": "ood_score.vim.dim",
+    "evaluations.ood.energy_temperature": "ood_score.energy.temperature", "evaluations.ood.odin": "ood_score.odin"}
 
 
 def renamed_option(arguments: Sequence[str]) -> str | None:

@@ -60,8 +60,9 @@ def build_evaluator(cfg: DictConfig) -> Evaluator:
     if cfg.get("ood") and "ood" not in chosen:
         raise ConfigError(f"ood={list(cfg.ood)} chooses the sets of the OOD evaluation, which is not chosen: add "
                           "evaluations=[ood] (with any others, e.g. evaluations=[ood,shift]).")
-    for name, node in (cfg.get("ood") or {}).items():  # each set on its own first, so a refusal names its key
-        _build(node, f"ood.{name}")
+    for group in ("ood", "ood_score"):  # each OOD set and score on its own first, so a refusal names its key
+        for name, node in (cfg.get(group) or {}).items():
+            _build(node, f"{group}.{name}")
     evaluations = [_build(node, f"evaluations.{name}") for name, node in chosen.items()]
     sizes = (cfg.get("ablation") or {}).get("sizes")
     try:
