@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from dbsn.data.shift import SEVERITIES
-from dbsn.evaluation.ood import ALL_OOD_SCORES
+from dbsn.evaluation.detection import DetectionScores
+from dbsn.evaluation.ood import OOD_SCORES
 from dbsn.evaluation.test_pass import SELECTIVE_SCORES
 from dbsn.evaluation.shift import SHIFT_METRICS
 from dbsn.evaluation.tracking import EPOCH, summary_key
@@ -95,6 +96,19 @@ def posthoc_names() -> list[str]:
     return names
 
 
+def ood_score_names(extra: tuple[str, ...] = ()) -> list[str]:
+    """The scores the OOD evaluation logs for a method with several members, in its table order:
+    the predictive's, then the post-hoc scores its config builds by default (`ood_score=[...]` of
+    conf/evaluations/ood.yaml) with their `_members` variants, then `extra` (your own)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        chosen = compose("evaluate", ["ckpt_path=none", "evaluations=[ood]"]).ood_score
+    names = [*OOD_SCORES, *DetectionScores({name: instantiate(node) for name, node in chosen.items()}).names(2)]
+    return names + [name for name in extra if name not in names]
+
+
 def _bar(title: str, *metrics: str) -> Panel:
     return Panel("bar", title, metrics)
 
@@ -119,22 +133,24 @@ INTERVAL_METRICS = (("Test error", "test/error"), ("Test NLL", "test/nll"), ("EC
                     ("AURC (max probability)", "selective/max_probability/aurc"))
 
 
-def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
-    """The dashboard's sections and panels (W&B-independent: the dry run prints this)."""
+def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, ood_scores: tuple[str, ...] = ()) -> list[Section]:
+    """The dashboard's sections and panels (W&B-independent: the dry run prints this); `ood_scores`:
+    OOD scores of your own beside the evaluation's (`ood_score_names`)."""
+    scores = ood_score_names(ood_scores)
     ood = []
     for name in ood_sets:
         ood += [
-            _bar(f"AUROC, {name} as OOD (↑)", *(f"ood/{name}/{score}/auroc" for score in ALL_OOD_SCORES)),
-            _bar(f"FPR at 95 % TPR, {name} as OOD (↓)", *(f"ood/{name}/{score}/fpr95" for score in ALL_OOD_SCORES)),
+            _bar(f"AUROC, {name} as OOD (↑)", *(f"ood/{name}/{score}/auroc" for score in scores)),
+            _bar(f"FPR at 95 % TPR, {name} as OOD (↓)", *(f"ood/{name}/{score}/fpr95" for score in scores)),
             Panel("table", f"Predictive entropy CDF on {name}: further right is better", (f"ood/{name}/entropy_cdf_ood",),
                   x="entropy", y="cdf", chart="wandb/line/v0"),
             Panel("images", f"Entropy CDFs, in-distribution vs {name}", (f"ood/{name}/entropy_cdf",)),
         ]
     groups = [
-        _bar(f"AUROC, {group}-OOD mean (↑)", *(f"ood/{group}/{score}/auroc" for score in ALL_OOD_SCORES))
+        _bar(f"AUROC, {group}-OOD mean (↑)", *(f"ood/{group}/{score}/auroc" for score in scores))
         for group in ("near", "far")
     ] + [
-        _bar(f"FPR at 95 % TPR, {group}-OOD mean (↓)", *(f"ood/{group}/{score}/fpr95" for score in ALL_OOD_SCORES))
+        _bar(f"FPR at 95 % TPR, {group}-OOD mean (↓)", *(f"ood/{group}/{score}/fpr95" for score in scores))
         for group in ("near", "far")
     ]
     return [
@@ -236,11 +252,12 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS) -> list[Section]:
     ]
 
 
-def specification(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, group: str | None = None) -> dict:
+def specification(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, group: str | None = None,
+                  ood_scores: tuple[str, ...] = ()) -> dict:
     """The dashboard as plain data (what `--dry-run` prints)."""
     return {"group": group, "groupby": "config.method", "ood_sets": list(ood_sets),
             "sections": [{**asdict(s), "panels": [{**asdict(p), "reads": p.reads()} for p in s.panels]}
-                         for s in sections(ood_sets)]}
+                         for s in sections(ood_sets, ood_scores)]}
 
 
 # ---------------------------------------------------------------------- W&B objects
@@ -261,17 +278,18 @@ def _wandb_panel(panel: Panel):
 
 
 def build_report(entity: str, project: str, group: str | None = None,
-                 ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None, posthoc: tuple[str, ...] = ()):
+                 ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, title: str | None = None, posthoc: tuple[str, ...] = (),
+                 ood_scores: tuple[str, ...] = ()):
     """The W&B report (a `wandb_workspaces.reports.v2.Report`, not saved); `posthoc`: names of
     post-hoc posteriors beyond conf/posthoc/'s (your own) whose evaluations the Calibration and
-    Selective sections read too."""
+    Selective sections read too; `ood_scores`: OOD scores of your own the OOD section shows too."""
     import wandb_workspaces.reports.v2 as wr
     from wandb_workspaces import expr
 
     blocks = [wr.P(f"Runs of {'group ' + repr(group) if group else 'every group'} in {entity}/{project}, grouped by "
                    "method (config.method): each bar and curve is the mean over seeds, the band ± one standard "
                    "deviation. Made by `python -m dbsn.tools.dashboard`.")]
-    for section in sections(ood_sets):
+    for section in sections(ood_sets, ood_scores):
         in_group = [expr.Metric("Group") == group] if group else []
         sets = [wr.Runset(entity=entity, project=project, name=f"{section.job_type} runs", groupby=["config.method"],
                           filters=[expr.Metric("JobType") == section.job_type, *in_group])]
@@ -312,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="OOD sets evaluated with evaluate.py ood=[...] (default: %(default)s; digits: photos,noise)")
     parser.add_argument("--title", default=None, help="report title (default: 'DBSN: <group or project>')")
     parser.add_argument("--posthoc", default="", help="your own post-hoc posteriors' names (conf/posthoc/'s are read)")
+    parser.add_argument("--ood-scores", default="", help="your own OOD scores' names, as evaluations=[ood] logs them "
+                        "(the scores of conf/evaluations/ood.yaml are read)")
     parser.add_argument("--dry-run", action="store_true", help="print the specification; save nothing")
     args = parser.parse_args(argv)
     if args.group is not None and ("'" in args.group or not args.group.strip()):
@@ -321,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     if not ood_sets:
         parser.error("--ood-sets: give at least one OOD set, e.g. --ood-sets svhn")
     posthoc = tuple(s.strip() for s in args.posthoc.split(",") if s.strip())
-    report = build_report(args.entity, args.project, args.group, ood_sets, args.title, posthoc)  # validated offline
+    ood_scores = tuple(s.strip() for s in args.ood_scores.split(",") if s.strip())
+    report = build_report(args.entity, args.project, args.group, ood_sets, args.title, posthoc, ood_scores)  # validated offline
     if args.dry_run:
-        json.dump(specification(ood_sets, args.group), sys.stdout, indent=2)
+        json.dump(specification(ood_sets, args.group, ood_scores), sys.stdout, indent=2)
         print()
         return 0
     report.save()

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.tables import _score_order
 from tests.support.fakeruns import DATA, MODELS, write_run
 
 
@@ -27,25 +28,32 @@ def test_scores_by_method_one_column_per_score_groups_first(tmp_path):
     for seed, shift in ((1, 0.0), (2, 0.02)):
         run = write_run(runs / f"dbsn_{seed}", MODELS["dbsn"], DATA["cifar10"], seed, 0.05)
         _ood(run / "evaluation" / "ood" / "svhn", "svhn",
-             _scores(entropy=0.90 + shift, energy=0.80 + shift, energy_members=0.85, knn=0.95, odin=0.70))
+             _scores(entropy=0.90 + shift, energy=0.80 + shift, energy_members=0.85, knn=0.95, odin=0.70, gram=0.60))
         (run / "evaluation" / "ood" / "groups.json").write_text(json.dumps(
             {"groups": {"far": ["svhn"]}, "metrics": {"ood/far/entropy/auroc": 0.90 + shift, "ood/far/knn/auroc": 0.95,
                                                       "ood/far/knn/fpr95": 0.05}}))
     run = write_run(runs / "map_1", MODELS["map"], DATA["cifar10"], 1, 0.08)
-    _ood(run / "evaluation" / "ood" / "svhn", "svhn", _scores(entropy=0.80, energy=0.82, vim=0.88))
+    _ood(run / "evaluation" / "ood" / "svhn", "svhn", _scores(entropy=0.80, energy=0.82, knn=0.90, vim=0.88))
 
     build_report([runs], tmp_path / "report")
     text = (tmp_path / "report" / "ood_scores.md").read_text()
     assert text.index("cifar10 vs far (group mean)") < text.index("cifar10 vs svhn")  # groups first
     svhn = text.split("### cifar10 vs svhn: AUROC (%) ↑", 1)[1].split("###", 1)[0]
-    # columns in the canonical order, only the scores some method has
-    assert "| method | entropy | max_logit | energy | energy_members | knn | vim | odin |" not in svhn
-    assert "| method | entropy | energy | energy_members | knn | vim | odin |" in svhn
-    assert "| dbsn | 91.0 ± 1.4 | 81.0 ± 1.4 | 85.0 ± 0.0 | 95.0 ± 0.0 | – | 70.0 ± 0.0 |" in svhn
-    assert "| map | 80.0 | 82.0 | – | – | 88.0 | – |" in svhn
+    # columns in the order the records list them, only the scores some method has, a new one (gram) too
+    assert "| method | entropy | energy | energy_members | knn | vim | odin | gram |" in svhn
+    assert "| dbsn | 91.0 ± 1.4 | 81.0 ± 1.4 | 85.0 ± 0.0 | 95.0 ± 0.0 | – | 70.0 ± 0.0 | 60.0 ± 0.0 |" in svhn
+    assert "| map | 80.0 | 82.0 | – | 90.0 | 88.0 | – | – |" in svhn
     fpr = text.split("### cifar10 vs svhn: FPR95 (%) ↓", 1)[1].split("###", 1)[0]
-    assert "| map | 20.0 | 18.0 | – | – | 12.0 | – |" in fpr
+    assert "| map | 20.0 | 18.0 | – | 10.0 | 12.0 | – | – |" in fpr
     assert "## OOD detection by score and method" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_the_score_columns_merge_the_records_orders():
+    """A one-member method's record has no `_members` variants, an SNGP's no ViM: each lands where
+    the evaluation that has it puts it, whichever record is read first."""
+    multi = ["entropy", "max_logit", "max_logit_members", "energy", "energy_members", "knn", "vim", "odin", "odin_members"]
+    for listed in ([["entropy", "max_logit", "energy", "knn", "odin"], multi], [multi, ["entropy", "energy", "knn"]]):
+        assert _score_order(listed) == multi
 
 
 def _posthoc(run, name, nll, ece, error, calibrator=True):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.attacks import adversarial_figure
-from dbsn.evaluation.ood import ALL_OOD_SCORES, entropy_cdf_figure
+from dbsn.evaluation.ood import entropy_cdf_figure
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.shift import SHIFT_METRICS, shift_boxplots
@@ -217,12 +217,27 @@ def ood_records(folder: Path) -> list[Path]:
     return per_set or [p for p in [folder / "metrics.json"] if p.is_file()]
 
 
+def _score_order(listed: list[list[str]]) -> list[str]:
+    """One column order for the OOD scores of several records, read from the records (each lists
+    its scores in its evaluation's table order): a score not yet placed goes right after the score
+    before it in its record (first if none), so a `_members` variant, or a score that another
+    method's evaluation left out, lands where the evaluation puts it."""
+    order: list[str] = []
+    for names in listed:
+        for i, name in enumerate(names):
+            if name not in order:
+                order.insert(order.index(names[i - 1]) + 1 if i else 0, name)
+    return order
+
+
 def ood_section(report: Report, ok: list[Run]) -> str:
     values, bounds, curves = defaultdict(list), defaultdict(list), defaultdict(lambda: defaultdict(list))
+    listed = []  # each record's scores, in its order
     for r in ok:
         for path in ood_records(r.path / "evaluation" / "ood"):
             record = json.loads(path.read_text())
             ood = str(record["ood"])
+            listed.append(list(record["scores"]))
             for score, metrics in record["scores"].items():
                 for metric, value in metrics.items():
                     if isinstance(value, (int, float)):
@@ -235,10 +250,11 @@ def ood_section(report: Report, ok: list[Run]) -> str:
     if not values:
         return ""
     rows, text = [], ""
+    score_order = _score_order(listed)
     for dataset, ood in sorted({k[:2] for k in values}):
         table = []
         for method in _order({k[2] for k in values if k[:2] == (dataset, ood)}, METHOD_ORDER):
-            for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, ALL_OOD_SCORES):
+            for score in _order({k[3] for k in values if k[:3] == (dataset, ood, method)}, score_order):
                 cell = {metric: mean_std(values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric])
                         for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
                 table.append([method, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
@@ -561,10 +577,12 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
     for which method, and whether a method's own uncertainty beats a plain network's logits or
     features."""
     values: dict[tuple, list[float]] = defaultdict(list)
+    listed = []  # each record's scores, in its order
     for r in ok:
         folder = r.path / "evaluation" / "ood"
         for path in ood_records(folder):
             record = json.loads(path.read_text())
+            listed.append(list(record["scores"]))
             for score, metrics in record["scores"].items():
                 for metric in ("auroc", "fpr95"):
                     if isinstance(metrics.get(metric), (int, float)):
@@ -578,9 +596,10 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
     if not values:
         return ""
     text, rows = "", []
+    score_order = _score_order(listed)
     for dataset, target in sorted({k[:2] for k in values}, key=lambda k: (k[0], "group mean" not in k[1], k[1])):
         keys = [k for k in values if k[:2] == (dataset, target)]
-        scores = _order({k[3] for k in keys}, ALL_OOD_SCORES)
+        scores = _order({k[3] for k in keys}, score_order)
         methods = _order({k[2] for k in keys}, METHOD_ORDER)
         for metric, label in (("auroc", "AUROC (%) ↑"), ("fpr95", "FPR95 (%) ↓")):
             table = []
@@ -597,7 +616,7 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
     _write_csv(report, "ood_scores.csv", ["method", "dataset", "ood", "score", "metric", *STATS], rows)
     text = ("## OOD detection by score and method\n\nOne column per detection score (higher is more OOD for every "
             "score; `_members`: averaged over the members rather than computed on their mean logits or predictive; "
-            "Mahalanobis, KNN and ViM fit on each member's training features), one row per method; mean ± std over "
+            "what each is computed on: each run's `ood/<set>/metrics.json`, `computed_on`), one row per method; mean ± std over "
             "seeds, in %. A dash: the score was not evaluated or does not apply (ViM needs a linear last layer; "
             "a `_members` score needs more than one member). Files: `ood_scores.md`, `ood_scores.csv`.\n\n" + text)
     _write(report, "ood_scores.md", text.replace("## ", "# ", 1))
