@@ -1,6 +1,6 @@
 """docs/extending.md cannot rot: its files are copied into a package outside src/ and its commands
 run on digits through train.py and evaluate.py (a method, a backbone, a dataset, a post-hoc
-posterior and an evaluation, each only in that package)."""
+posterior, an evaluation and an OOD score, each only in that package)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def page_files() -> dict[str, str]:
 def test_the_page_names_a_file_for_each_door():
     files = page_files()
     assert {"myext/random_structures.py", "myext/small_cnn.py", "myext/image_folder.py", "myext/last_layer_noise.py",
-            "myext/misclassification.py"} <= set(files)
+            "myext/misclassification.py", "myext/class_cosine.py"} <= set(files)
     for kind in ("model/random_structures", "model/net/small_cnn", "data/image_folder", "posthoc/last_layer_noise",
-                 "evaluations/misclassification"):
+                 "evaluations/misclassification", "ood_score/class_cosine"):
         assert f"myext/conf/{kind}.yaml" in files
 
 
@@ -101,6 +101,18 @@ def test_the_posterior_and_the_evaluation_run_through_evaluate_and_reach_the_rep
     assert {r.method for r in report.with_status("ok")} == {"map_fixed", "map_fixed+last_layer_noise"}
     text = (package / "report" / "report.md").read_text()
     assert "## Evaluation: misclassification" in text and "misclassification/predictive_entropy/auroc" in text
+
+
+def test_the_ood_score_is_a_column_of_the_ood_evaluation(package, backbone_run):
+    run(package, "evaluate.py", f"ckpt_path={backbone_run / 'checkpoints' / 'last.ckpt'}", "evaluations=[ood]", "ood=noise",
+        "ood.noise.size=64", "ood_score=[energy,class_cosine]", "ablation.sizes=[]", "trainer.accelerator=cpu")
+    record = json.loads((backbone_run / "evaluation" / "ood" / "noise" / "metrics.json").read_text())
+    assert list(record["scores"])[3:] == ["energy", "class_cosine"]  # after the predictive's own three
+    assert record["computed_on"]["class_cosine"] == "members' mean feature"
+    assert record["detection"]["scores"]["class_cosine"] == {"class": "myext.class_cosine.ClassCosine", "members": "pooled"}
+    summary = json.loads((backbone_run / "evaluation" / "ood" / "summary.json").read_text())["metrics"]
+    assert summary["ood/noise/class_cosine/auroc"] == record["scores"]["class_cosine"]["auroc"]
+    assert summary["ood/noise/class_cosine/auroc"] > 0.5  # noise is far from every digit class
 
 
 def test_an_unchosen_option_of_the_page_s_evaluation_is_refused_in_one_line(package, backbone_run):
