@@ -70,7 +70,7 @@ def test_no_import_cycles_in_the_package():
 #: packages on lower floors (packages on one floor may use each other, without cycles).
 FLOORS = (
     ("precision",),                                                    # the float32 islands every layer uses
-    ("structure", "nets", "bayes", "natgrad", "metrics", "data"),      # distributions, networks, measures, data
+    ("structure", "nets", "bayes", "natgrad", "sampling", "metrics", "data"),  # distributions, networks, optimisers, measures, data
     ("methods",),                                                      # a network joined with a distribution
     ("posthoc",),                                                      # fitted on a finished method
     ("evaluation",),                                                   # evaluations, their pipeline, the report

@@ -27,9 +27,13 @@ EXPECTED = {
     "packed_ensemble": (True, False, True, "any", "optim"),
     "mimo": (True, False, True, "any", "optim"),
     "sngp": (True, False, True, "any", "optim"),
+    "rank1_bnn": (True, False, False, "any", "optim"),  # S draws of its factors
     "vogn": (True, False, False, "any", "vogn"),
     "vogn_fbn": (True, True, False, "cells", "vogn"),
     "nekfac": (False, False, False, "own", "nekfac"),  # defined on its own VGG16-BN
+    "csghmc": (True, False, True, "any", "sampler"),  # S = the samples its chain kept
+    "csgld": (True, False, True, "any", "sampler"),
+    "csghmc_structure": (True, False, True, "cells", "optim"),  # the weights' SGD; its chains' sampler is its own
     "dbsn_seg": (False, True, False, "cells", "optim"),  # segmentation
     "fcdensenet67": (False, False, True, "any", "optim"),
     "fcdensenet67_mc_dropout": (False, False, False, "any", "optim"),
@@ -52,7 +56,7 @@ def test_each_method_is_what_its_class_and_config_declare():
         compared, structure, fixed, networks, optimizer = EXPECTED[m.name]
         assert (m.name in compared_methods(), m.samples_structure, m.fixed_members, m.networks, m.optimizer_key) == (
             compared, structure, fixed, networks, optimizer), m.name
-        assert m.sgd == (optimizer != "vogn" and optimizer != "nekfac"), m.name
+        assert m.sgd == (optimizer not in ("vogn", "nekfac", "sampler")), m.name
     assert method_config("deep_ensemble").member.name == "map_fixed"  # its members' method
     assert method_config("vogn_fbn").cls.__name__ == "VOGNFBN" and method_config("vogn").cls.__name__ == "VOGNMAP"
     with pytest.raises(ValueError, match="unknown method 'mapp': conf/model/ has dbsn, fbn, map"):

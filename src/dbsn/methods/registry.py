@@ -30,8 +30,8 @@ from dbsn.nets.backbone import Backbone
 
 #: The order in which the report lists the methods (config names); the configs it does not name
 #: follow, by name.
-REPORT_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble",
-                "packed_ensemble", "mimo", "sngp", "vogn", "vogn_fbn", "nekfac")
+REPORT_ORDER = ("dbsn", "fbn", "csghmc_structure", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble",
+                "batch_ensemble", "packed_ensemble", "mimo", "sngp", "csghmc", "csgld", "vogn", "vogn_fbn", "nekfac")
 
 
 def _short(target) -> str:
@@ -174,7 +174,9 @@ METHOD_ORDER: Sequence[str] = _MethodOrder()
 
 
 def _setting(node: Mapping, key: str):
-    value = node.get(key)
+    value = node
+    for part in key.split("."):  # a dotted key: a setting inside a group (cSG-MCMC's sampler.friction)
+        value = value.get(part) if isinstance(value, Mapping) else None
     return _short(value.get("_target_")) if isinstance(value, Mapping) else value
 
 
