@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dbsn.methods import DBSN, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, MCDropoutWeights, PackedEnsemble, Prediction
+from dbsn.methods import (DBSN, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, MCDropoutWeights, PackedEnsemble, Prediction,
+                          Rank1BNN)
 from dbsn.nets import ResNet18
 from tests.support.netutil import tiny_structure_net
 
@@ -24,6 +25,7 @@ METHODS = {
     "packed_ensemble": lambda: PackedEnsemble(ResNet18(10, width=8), size=2, alpha=2, gamma=1, learn_structure=False,
                                               dataset_size=10),
     "mimo": lambda: MIMO(tiny_structure_net(), size=3, learn_structure=False, dataset_size=10),
+    "rank1_bnn": lambda: Rank1BNN(ResNet18(10, width=8), size=2, dataset_size=10, prediction=Prediction(4, 2, 3)),
 }
 
 

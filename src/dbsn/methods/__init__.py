@@ -16,6 +16,7 @@
 | mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
 | batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
 | packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
+| rank1_bnn     | Rank1BNN (M = 4, one pass of M) | softmax(θ)          | point; Gaussian rank-1 factors, a mixture of M |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -30,6 +31,7 @@ from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.packed import PackedEnsemble
+from dbsn.methods.rank1_bnn import Rank1BNN
 from dbsn.methods.sngp import SNGP
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
@@ -39,5 +41,5 @@ __all__ = [
     "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
     "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
-    "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
+    "Rank1BNN", "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]

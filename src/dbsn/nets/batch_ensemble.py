@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["BatchEnsembleConv2d", "BatchEnsembleLinear", "batch_ensemble", "fast_parameters",
-           "init_fast_weights_", "member_biases"]
+           "init_fast_weights_", "member_biases", "swap_layers"]
 
 
 def init_fast_weights_(tensor: Tensor, random_sign_init: float) -> Tensor:
@@ -61,11 +61,12 @@ class _BatchEnsembleLayer(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone().unsqueeze(0).repeat(size, 1))
 
     def _rows(self, p: Tensor, x: Tensor) -> Tensor:
-        """p (M, C) per row of x (member r mod M), shaped to broadcast against x's channels."""
-        if x.shape[0] % self.size:
-            raise ValueError(f"a BatchEnsemble layer of M = {self.size} members needs a batch of whole member "
+        """p (G, C) per row of x (row r: p[r mod G]), shaped to broadcast against x's channels; G is
+        M here (a rank-1 BNN's held members pass their own)."""
+        if x.shape[0] % p.shape[0]:
+            raise ValueError(f"a BatchEnsemble layer of M = {p.shape[0]} members needs a batch of whole member "
                              f"groups (rows interleaved, row r = member r mod M); got {x.shape[0]} rows")
-        rows = p.repeat(x.shape[0] // self.size, 1)  # (b·M, C)
+        rows = p.repeat(x.shape[0] // p.shape[0], 1)  # (b·G, C)
         ones = (1,) * (x.dim() - 2)
         return rows.view(*rows.shape, *ones) if self.channels_first else rows.view(rows.shape[0], *ones, -1)
 
@@ -99,15 +100,23 @@ def batch_ensemble(net: nn.Module, size: int, random_sign_init: float = -0.5) ->
     becomes a `BatchEnsembleConv2d` / `BatchEnsembleLinear` around it (its weight the slow
     weight); BatchNorm and everything else stays shared. Returns `net`, which then takes
     batches of whole member groups (row r = member r mod `size`)."""
+    return swap_layers(net, lambda conv: BatchEnsembleConv2d(conv, size, random_sign_init),
+                       lambda linear: BatchEnsembleLinear(linear, size, random_sign_init))
+
+
+def swap_layers(net: nn.Module, conv, linear) -> nn.Module:
+    """Every `nn.Conv2d` of `net` replaced by `conv(it)`, every `nn.Linear` by `linear(it)`, in
+    place, in the order of `net.modules()` (layers already wrapped are left alone): the network
+    transform of BatchEnsemble and of the rank-1 BNN (`dbsn.nets.rank1`). Returns `net`."""
     swapped = 0
     for parent in list(net.modules()):
         if isinstance(parent, _BatchEnsembleLayer):
             continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Conv2d):
-                setattr(parent, name, BatchEnsembleConv2d(child, size, random_sign_init))
+                setattr(parent, name, conv(child))
             elif isinstance(child, nn.Linear):
-                setattr(parent, name, BatchEnsembleLinear(child, size, random_sign_init))
+                setattr(parent, name, linear(child))
             else:
                 continue
             swapped += 1
