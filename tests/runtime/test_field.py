@@ -16,7 +16,8 @@ from tests.support.scripts import run_python
 TINY_NETS = {"resnet18": ["width=8"], "wrn28_10": ["depth=10", "widen_factor=1"],
              "structure_net": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=8", "stem_channels=16"]}
 CLASSES = {"map_fixed": "MAP", "mc_dropout": "MAP", "bbb": "MAP", "deep_ensemble": "DeepEnsemble", "dbsn": "DBSN",
-           "batch_ensemble": "BatchEnsemble", "packed_ensemble": "PackedEnsemble", "mimo": "MIMO", "sngp": "SNGP"}
+           "batch_ensemble": "BatchEnsemble", "packed_ensemble": "PackedEnsemble", "mimo": "MIMO", "sngp": "SNGP",
+           "rank1_bnn": "Rank1BNN"}
 NETS = {"resnet18": "ResNet18", "wrn28_10": "WideResNet", "structure_net": "StructureNet"}
 
 
@@ -32,13 +33,14 @@ def test_every_job_of_the_field_sweep_composes_checks_and_builds(dataset, tmp_pa
     cfg, params = sweep_params(dataset)
     assert cfg.data._target_.endswith("CIFAR10DataModule" if dataset == "cifar10" else "CIFAR100DataModule")
     jobs = params.field.split(",")
-    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 22
+    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 25
     methods = {(job.split("/")[0], job.split("/")[1].removesuffix("_cifar100")) for job in jobs}
     for backbone in ("resnet18", "wrn28_10"):  # every rival and the paper's baselines on both backbones
         assert {m for b, m in methods if b == backbone} == {"map_fixed", "mc_dropout", "bbb", "deep_ensemble",
-                                                           "batch_ensemble", "packed_ensemble", "mimo", "sngp"}
+                                                           "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
+                                                           "sngp"}
     assert {m for b, m in methods if b == "structure_net"} == {"dbsn", "map_fixed", "deep_ensemble", "batch_ensemble",
-                                                              "packed_ensemble", "mimo"}
+                                                              "rank1_bnn", "packed_ensemble", "mimo"}
     for job in jobs:
         backbone, method = job.split("/")
         method = method.removesuffix("_cifar100")
@@ -73,6 +75,11 @@ def test_the_field_recipes_follow_their_sources(tmp_path):
     assert (dropout.model.weights.p, dropout.model.weights.placement, dropout.model.prediction.n_samples) == (0.1, "existing", 30)
     assert job("wrn28_10/sngp_cifar100", "cifar100").model.gp.mean_field_factor == 12.5
     assert job("wrn28_10/sngp").model.gp.mean_field_factor != 12.5
+    rank1 = job("wrn28_10/rank1_bnn")  # uncertainty-baselines rank1_bnn.py: 250 epochs, 128 new examples, lr 0.1, l2 1e-4
+    assert (rank1.trainer.max_epochs, rank1.data.batch_size, rank1.model.optim.lr, rank1.model.optim.weight_decay) == (
+        250, 128, 0.1, 2e-4)
+    assert (rank1.model.size, rank1.model.prior, rank1.model.prior_stddev, rank1.model.kl_annealing) == (4, "normal", 0.1, 0.8)
+    assert (rank1.model.random_sign_init, rank1.model.prediction.n_samples) == (0.5, 4)
     dbsn = job("structure_net/dbsn")  # the paper's run
     assert (dbsn.trainer.max_epochs, dbsn.data.batch_size, dbsn.model.train_samples, dbsn.model.net.cells_per_stage) == (100, 64, 4, 4)
 
@@ -91,12 +98,12 @@ def test_the_cell_network_jobs_follow_the_fair_protocol(tmp_path):
     def job(name):
         return compose_config("train", ["experiment=cifar10_field", f"field=structure_net/{name}"], tmp_path)
 
-    for name in ("dbsn", "map_fixed", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo"):
+    for name in ("dbsn", "map_fixed", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo"):
         cfg = job(name)
         optim = cfg.model.member.optim if name == "deep_ensemble" else cfg.model.optim
         assert (cfg.trainer.max_epochs, cfg.data.batch_size) == (100, 64), name
         assert (list(optim.milestones), optim.gamma) == ([0.5, 0.75], 0.1), name
-    for name in ("batch_ensemble", "packed_ensemble", "mimo"):
+    for name in ("batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo"):
         own = compose_config("train", [f"model={name}"], tmp_path).model
         cfg = job(name).model
         for key in ("lr", "momentum", "nesterov", "weight_decay", "grad_clip_norm", "warmup_epochs"):
