@@ -7,10 +7,11 @@ On one backbone, every method of the field is built as the field sweep's job bui
 (`conf/field/<backbone>/<method>.yaml`: its M, dropout rate, S; else the method's own config), so the
 settings are the ones a run uses, and timed on the same batch, in interleaved repetitions (median):
 
-  train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble and
-             Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
+  train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble, the
+             rank-1 BNN and Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
   predict    the test-time prediction of one batch: all members of the method's ensemble (S for
-             MC dropout, M for the ensembles), in eval mode
+             MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN),
+             in eval mode
 
 Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
 backbone: a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
@@ -31,7 +32,8 @@ from dbsn.tools.bench.common import _device_name, timed_call
 from dbsn.tools.compare import DROPOUT_PLACEMENT
 
 #: The methods timed on every backbone (config names), one network first.
-FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp")
+FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
+                 "sngp")
 #: Methods that run only on DBSN's cell network, timed when the backbone is structure_net.
 CELL_METHODS = ("dbsn",)
 #: Network overrides of each backbone at each size.
