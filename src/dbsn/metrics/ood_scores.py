@@ -7,10 +7,10 @@ in-distribution, so each score below is the NEGATIVE of its postprocessor's ``co
 ranking metrics (AUROC, AUPR, FPR95) are then those of OpenOOD with OOD as the positive class.
 
 * :func:`max_logit`, :func:`energy`: functions of the logits (N, C).
-* :class:`Mahalanobis`, :class:`KNN`, :class:`ViM`: fitted on the penultimate features (and,
-  for ViM, the last layer) of the TRAINING set, then applied to any features (N, D). They are
-  ``nn.Module`` s whose fitted statistics are buffers: ``.to(device)`` moves them and the
-  state dict saves them. Mahalanobis and ViM fit and score in float64.
+* :class:`Mahalanobis`, :class:`GDA`, :class:`KNN`, :class:`ViM`: fitted on the penultimate
+  features (and, for ViM, the last layer) of the TRAINING set, then applied to any features
+  (N, D). They are ``nn.Module`` s whose fitted statistics are buffers: ``.to(device)`` moves
+  them and the state dict saves them. Mahalanobis, GDA and ViM fit and score in float64.
 * :func:`odin`: a function of the input, since ODIN perturbs it; for an ensemble (members of a
   Bayes ensemble, structure samples of DBSN) it works on the averaged tempered predictive or
   member by member.
@@ -22,6 +22,7 @@ its validation split; what such a sweep would pick is not reproduced here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -30,11 +31,19 @@ from torch.nn import functional as F
 
 from dbsn.metrics.uncertainty import ensemble_log_probs
 
-__all__ = ["KNN", "KNN_CHUNK_ELEMENTS", "Mahalanobis", "ViM", "energy", "max_logit", "odin", "vim_dim"]
+__all__ = ["GDA", "GDA_CHUNK_ELEMENTS", "GDA_JITTERS", "KNN", "KNN_CHUNK_ELEMENTS", "Mahalanobis", "ViM", "energy",
+           "max_logit", "odin", "vim_dim"]
 
 #: KNN's memory budget: query rows × training rows of distances formed at once (2^24 floats,
 #: 64 MiB in float32: 335 queries at a time against 50,000 training features).
 KNN_CHUNK_ELEMENTS = 2**24
+#: GDA's memory budget: classes × query rows × features of one block of whitened differences
+#: (2^24 float64, 128 MiB: 262 queries at a time for 100 classes of 640 features).
+GDA_CHUNK_ELEMENTS = 2**24
+#: The jitters DDU's fit tries in turn, the first that makes every class covariance positive
+#: definite added to its diagonal (the authors' ``utils/gmm_utils.py``, ``JITTERS``): 0, the
+#: smallest positive normal float64, then 10^-308, 10^-307, ..., 10^-1.
+GDA_JITTERS = (0.0, torch.finfo(torch.float64).tiny, *(10.0**exponent for exponent in range(-308, 0)))
 
 MemberLogits = Callable[[Tensor, int, int], Tensor]
 
@@ -106,6 +115,21 @@ class _Fitted(nn.Module):
         return self.score(features)
 
 
+def _class_counts(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Labels (N,) as longs on the features' device, checked against features (N, D) and
+    ``range(num_classes)``, and each class's count (C,); every class needs a sample."""
+    _check_features(features)
+    labels = labels.detach().to(features.device, torch.long).flatten()
+    if labels.shape[0] != features.shape[0]:
+        raise ValueError(f"{features.shape[0]} features but {labels.shape[0]} labels")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"labels must lie in [0, {num_classes}), got [{int(labels.min())}, {int(labels.max())}]")
+    counts = torch.bincount(labels, minlength=num_classes)
+    if (counts == 0).any():
+        raise ValueError(f"classes {torch.nonzero(counts == 0).flatten().tolist()} have no training features")
+    return labels, counts
+
+
 class Mahalanobis(_Fitted):
     """Minimum Mahalanobis distance to the class means under a tied covariance.
 
@@ -133,15 +157,7 @@ class Mahalanobis(_Fitted):
     def fit(self, features: Tensor, labels: Tensor, num_classes: int) -> Mahalanobis:
         """Class means (C, D) and precision (D, D) from training features (N, D) and labels (N,),
         in float64 on the features' device. Every class in ``range(num_classes)`` needs a sample."""
-        _check_features(features)
-        labels = labels.detach().to(features.device, torch.long).flatten()
-        if labels.shape[0] != features.shape[0]:
-            raise ValueError(f"{features.shape[0]} features but {labels.shape[0]} labels")
-        if labels.min() < 0 or labels.max() >= num_classes:
-            raise ValueError(f"labels must lie in [0, {num_classes}), got [{int(labels.min())}, {int(labels.max())}]")
-        counts = torch.bincount(labels, minlength=num_classes)
-        if (counts == 0).any():
-            raise ValueError(f"classes {torch.nonzero(counts == 0).flatten().tolist()} have no training features")
+        labels, counts = _class_counts(features, labels, num_classes)
         z = features.detach().double()
         means = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, labels, z)
         means /= counts.unsqueeze(1)
@@ -161,6 +177,119 @@ class Mahalanobis(_Fitted):
         quadratic_means = ((self.class_means @ self.precision) * self.class_means).sum(dim=1)
         distances = (pz * z).sum(dim=1, keepdim=True) - 2 * pz @ self.class_means.T + quadratic_means
         return distances.amin(dim=1).clamp(min=0)
+
+
+class GDA(_Fitted):
+    """Gaussian discriminant analysis of the training features: DDU's feature density.
+
+    Mukhoti, Kirsch, van Amersfoort, Torr & Gal, 2023, "Deep Deterministic Uncertainty: A New
+    Simple Baseline" (CVPR), Sec. 4 and Algorithm 1, as the authors' code fits it
+    (github.com/omegafragger/DDU, ``utils/gmm_utils.py``: ``gmm_fit``, ``gmm_evaluate``). One
+    Gaussian per class, from training features ``z_i`` with labels ``y_i``, in float64:
+
+        μ_c = mean of the z_i with y_i = c,
+        Σ_c = Σ_{y_i = c} (z_i - μ_c)(z_i - μ_c)^T / (N_c - 1)      (``centered_cov_torch``),
+        π_c = N_c / N,
+        log q(z) = logsumexp_c [log π_c + log N(z; μ_c, Σ_c + ε I)],
+        score(z) = -log q(z).
+
+    ε is the first of :data:`GDA_JITTERS` for which every Σ_c + ε I has a Cholesky factor (the
+    authors' loop: ``torch.distributions.MultivariateNormal`` refuses a covariance whose
+    factorisation fails, and the next jitter is tried); it is 0 when every covariance is
+    positive definite already, and one ε serves all classes. A jitter too small to change any
+    diagonal entry gives the matrices of the attempt before it and is passed over without
+    factorising them again (the same matrices fail the same way). Where none up to 0.1 works,
+    ``fit`` raises ValueError. The authors' ``torch.eye`` is float32, so their jitters below
+    float32's smallest subnormal (1.4e-45) add nothing and the others are float32's roundings;
+    here each is added in float64 as written. ``log N`` is ``MultivariateNormal.log_prob``'s
+    formula, -½ (D log 2π + ‖L_c⁻¹ (z - μ_c)‖²) - Σ log diag L_c with L_c the Cholesky factor,
+    formed ``chunk`` queries at a time (default: as many as keep classes × queries × D within
+    :data:`GDA_CHUNK_ELEMENTS`).
+
+    The class prior π_c is the paper's q(y); the authors' ``evaluate.py`` ranks by the
+    logsumexp of the class log-likelihoods alone, which for balanced classes (CIFAR's training
+    split) differs from log q(z) by the constant log C and ranks every feature the same. Where a
+    class covariance needed a jitter far below its own scale, features off the training
+    features' span get very large distances: a log-density may be below float64's range, -inf.
+    Each class needs two training features (a covariance); the fit holds C·D² floats (the factors).
+    """
+
+    _buffer_names = ("class_means", "scale_tril", "log_priors", "jitter")
+
+    def __init__(self, chunk: int | None = None) -> None:
+        super().__init__()
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be at least 1 or None, got {chunk}")
+        self.chunk = chunk
+
+    def fit(self, features: Tensor, labels: Tensor, num_classes: int) -> GDA:
+        """Class means (C, D), Cholesky factors (C, D, D) of the jittered class covariances, log
+        priors (C,) and the jitter (a 0-dim tensor) from training features (N, D) and labels
+        (N,), in float64 on the features' device."""
+        labels, counts = _class_counts(features, labels, num_classes)
+        if (counts < 2).any():
+            raise ValueError(f"classes {torch.nonzero(counts < 2).flatten().tolist()} have one training feature: "
+                             "a class covariance needs two")
+        z = features.detach().double()
+        # the authors' arithmetic to the last bit (torch.mean, then centered_cov_torch): whether a
+        # rank-deficient covariance has a Cholesky factor can turn on its rounding
+        classes = [z[labels == c] for c in range(num_classes)]
+        means = torch.stack([x.mean(dim=0) for x in classes])
+        centred = [x - m for x, m in zip(classes, means)]
+        covariances = torch.stack([1 / (len(x) - 1) * x.T @ x for x in centred])
+        scale_tril, jitter = self._cholesky(covariances)
+        self.class_means, self.scale_tril, self.jitter = means, scale_tril, z.new_tensor(jitter)
+        self.log_priors = (counts.double() / counts.sum()).log()
+        return self
+
+    @staticmethod
+    def _cholesky(covariances: Tensor) -> tuple[Tensor, float]:
+        """The Cholesky factors of covariances (C, D, D) + ε I and ε, the first of
+        :data:`GDA_JITTERS` for which every one of them is positive definite."""
+        eye = torch.eye(covariances.shape[-1], dtype=covariances.dtype, device=covariances.device)
+        diagonal = covariances.diagonal(dim1=-2, dim2=-1)
+        failed = None  # the diagonal of the last matrices that failed
+        for jitter in GDA_JITTERS:
+            shifted = diagonal + jitter
+            if failed is not None and torch.equal(shifted, failed):
+                continue  # the jitter changed nothing: the same matrices fail again
+            scale_tril, info = torch.linalg.cholesky_ex(covariances + jitter * eye)
+            if not info.any():
+                return scale_tril, jitter
+            failed = shifted
+        raise ValueError(f"no jitter up to {GDA_JITTERS[-1]} makes every class covariance positive definite "
+                         f"(the diagonals' smallest entry is {diagonal.min().item():.3g}); the features may be "
+                         "non-finite or far from unit scale")
+
+    @property
+    def query_chunk(self) -> int:
+        """Queries per block: ``chunk``, or as many as keep the block within the budget."""
+        if self.chunk is not None:
+            return self.chunk
+        return max(1, GDA_CHUNK_ELEMENTS // self.class_means.numel())
+
+    def class_log_likelihoods(self, features: Tensor) -> Tensor:
+        """log N(z; μ_c, Σ_c + ε I) (N, C) of features (N, D), float64 (the authors'
+        ``gmm_evaluate``'s "logits")."""
+        z = self._fitted_features(features)
+        d = z.shape[1]
+        half_log_det = self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(dim=-1)  # ½ log det Σ_c, (C,)
+        blocks = []
+        for block in z.split(self.query_chunk):
+            difference = (block.unsqueeze(0) - self.class_means.unsqueeze(1)).transpose(1, 2)  # (C, D, n)
+            whitened = torch.linalg.solve_triangular(self.scale_tril, difference, upper=False)
+            distance = whitened.square().sum(dim=1)  # (C, n): (z - μ_c)^T Σ_c⁻¹ (z - μ_c)
+            blocks.append((-0.5 * (d * math.log(2 * math.pi) + distance) - half_log_det.unsqueeze(1)).T)
+        return torch.cat(blocks)
+
+    def log_density(self, features: Tensor) -> Tensor:
+        """log q(z) = logsumexp_c [log π_c + log N(z; μ_c, Σ_c + ε I)] of features (N, D) → (N,),
+        float64: higher = more like the training features."""
+        return torch.logsumexp(self.class_log_likelihoods(features) + self.log_priors, dim=1)
+
+    def score(self, features: Tensor) -> Tensor:
+        """-log q(z) of features (N, D) → (N,), float64: higher = more OOD."""
+        return -self.log_density(features)
 
 
 class KNN(_Fitted):
