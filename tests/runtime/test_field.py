@@ -17,7 +17,11 @@ TINY_NETS = {"resnet18": ["width=8"], "wrn28_10": ["depth=10", "widen_factor=1"]
              "structure_net": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=8", "stem_channels=16"]}
 CLASSES = {"map_fixed": "MAP", "mc_dropout": "MAP", "bbb": "MAP", "deep_ensemble": "DeepEnsemble", "dbsn": "DBSN",
            "batch_ensemble": "BatchEnsemble", "packed_ensemble": "PackedEnsemble", "mimo": "MIMO", "sngp": "SNGP",
-           "rank1_bnn": "Rank1BNN"}
+           "rank1_bnn": "Rank1BNN", "csghmc": "CSGMCMC", "masksembles": "Masksembles"}
+#: Masksembles' masks need 10 channels in a masked layer (the authors' limit): its tiny networks are a little wider.
+TINY_NETS_OF = {"masksembles": {**TINY_NETS, "resnet18": ["width=10"],
+                                "structure_net": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=10",
+                                                  "stem_channels=16"]}}
 NETS = {"resnet18": "ResNet18", "wrn28_10": "WideResNet", "structure_net": "StructureNet"}
 
 
@@ -33,25 +37,28 @@ def test_every_job_of_the_field_sweep_composes_checks_and_builds(dataset, tmp_pa
     cfg, params = sweep_params(dataset)
     assert cfg.data._target_.endswith("CIFAR10DataModule" if dataset == "cifar10" else "CIFAR100DataModule")
     jobs = params.field.split(",")
-    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 25
+    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 31
     methods = {(job.split("/")[0], job.split("/")[1].removesuffix("_cifar100")) for job in jobs}
     for backbone in ("resnet18", "wrn28_10"):  # every rival and the paper's baselines on both backbones
         assert {m for b, m in methods if b == backbone} == {"map_fixed", "mc_dropout", "bbb", "deep_ensemble",
                                                            "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                                                           "sngp"}
+                                                           "sngp", "csghmc", "masksembles"}
     assert {m for b, m in methods if b == "structure_net"} == {"dbsn", "map_fixed", "deep_ensemble", "batch_ensemble",
-                                                              "rank1_bnn", "packed_ensemble", "mimo"}
+                                                              "rank1_bnn", "packed_ensemble", "mimo", "csghmc",
+                                                              "masksembles"}
     for job in jobs:
         backbone, method = job.split("/")
         method = method.removesuffix("_cifar100")
         prefix = "model.member.net" if method == "deep_ensemble" else "model.net"
+        tiny = TINY_NETS_OF.get(method, TINY_NETS)[backbone]
         job_cfg = compose_config("train", [f"experiment={dataset}_field", f"field={job}", "seed=1",
-                                           *[f"{prefix}.{o}" for o in TINY_NETS[backbone]]], tmp_path)  # tiny: to build
+                                           *[f"{prefix}.{o}" for o in tiny]], tmp_path)  # tiny: to build
         validate_config(job_cfg)  # every key exists, every value has its type and range
         model = job_cfg.model.member if method == "deep_ensemble" else job_cfg.model
         assert job_cfg.model._target_.rsplit(".", 1)[-1] == CLASSES[method], job
         assert model.net._target_.rsplit(".", 1)[-1] == NETS[backbone], job
-        assert job_cfg.trainer.max_epochs >= 75 and model.optim.lr > 0, job
+        lr = (model.sampler if method == "csghmc" else model.optim).lr  # cSGHMC's weights move by its sampler
+        assert job_cfg.trainer.max_epochs >= 75 and lr > 0, job
         if dataset == "cifar10":  # the same classes and settings on CIFAR-100 (the checks above cover its keys)
             torch.manual_seed(0)
             assert type(build_model(job_cfg.model, num_classes=10)).__name__ == CLASSES[method], job
