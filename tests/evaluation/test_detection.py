@@ -198,7 +198,8 @@ def test_the_configs_build_openood_s_six_and_scores_chooses_among_them(tmp_path)
     detection = _evaluation(tmp_path)
     assert {name: score.params() for name, score in detection.scores.items()} == {
         "max_logit": {"members": "mean_logits"}, "energy": {"members": "mean_logits", "temperature": 1.0},
-        "mahalanobis": {"members": "per_member"}, "knn": {"members": "per_member", "k": 50},
+        "mahalanobis": {"members": "per_member"}, "gda": {"members": "per_member"},
+        "knn": {"members": "per_member", "k": 50},
         "vim": {"members": "per_member", "dim": None},
         "odin": {"members": "predictive", "temperature": 1000.0, "epsilon": 0.0014}}
     chosen = _evaluation(tmp_path, "evaluations.ood.scores=[energy,knn]", "ood_score.knn.k=20")

@@ -103,7 +103,7 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
     # OpenOOD's scores beside the predictive's: every one for DBSN (linear head, S = 3 members, fitted on the
     # training features), each through both sets and its bootstrap interval, saying what it is computed on
     every = ["entropy", "mutual_information", "max_probability", "max_logit", "max_logit_members", "energy",
-             "energy_members", "mahalanobis", "knn", "vim", "odin", "odin_members"]
+             "energy_members", "mahalanobis", "gda", "knn", "vim", "odin", "odin_members"]
     assert list(ood["scores"]) == every
     assert ood["computed_on"]["knn"] == "mean over members" and ood["computed_on"]["odin"] == "averaged predictive"
     assert ood["detection"]["members"] == 3 and ood["detection"]["left_out"] == {}

@@ -18,7 +18,7 @@ def _ood_bar(sections) -> tuple[str, ...]:
 def test_the_ood_bars_follow_the_configured_scores(tmp_path, monkeypatch):
     assert dashboard.ood_score_names() == [
         "entropy", "mutual_information", "max_probability", "max_logit", "max_logit_members", "energy", "energy_members",
-        "mahalanobis", "knn", "vim", "odin", "odin_members"]
+        "mahalanobis", "gda", "knn", "vim", "odin", "odin_members"]
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "ood_score" / "hot_energy.yaml").write_text(
