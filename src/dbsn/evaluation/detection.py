@@ -64,9 +64,6 @@ __all__ = ["DetectionScores", "EnergyScore", "FeatureScore", "KNNScore", "Mahala
 
 #: what a score can read of a batch (`OODScore.reads`)
 READS = ("logits", "features", "images")
-#: images per ODIN gradient: its graph holds every member's activations (a single-pass ensemble's
-#: tiled batch too), which for a whole evaluation batch can exhaust the memory
-ODIN_BATCH = 64
 
 
 class ScoreUnavailable(Exception):
@@ -295,22 +292,27 @@ class ViMScore(FeatureScore):
 class ODINScore(OODScore):
     """ODIN (Liang et al. 2018; :func:`dbsn.metrics.ood_scores.odin`): temperature `temperature`
     and an input step `epsilon` (in [0, 1] pixel units) towards confidence; on the averaged
-    tempered predictive, or each member with its own step, averaged (``odin_members``)."""
+    tempered predictive, or each member with its own step, averaged (``odin_members``).
+    `batch_size` images per input gradient: its graph holds every member's activations of them (a
+    single-pass ensemble's tiled batch too), about 6 MB a member and image on the digits cell network;
+    the scores do not depend on it (each image's gradient is its own)."""
 
     reads: ClassVar[str] = "images"
     treatments: ClassVar[Mapping[str, str]] = {"predictive": "averaged predictive", "per_member": "mean over members"}
     variant: ClassVar[str | None] = "per_member"
 
-    def __init__(self, members: str, temperature: float, epsilon: float) -> None:
+    def __init__(self, members: str, temperature: float, epsilon: float, batch_size: int = 16) -> None:
         super().__init__(members)
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
-        self.temperature, self.epsilon = float(temperature), float(epsilon)
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.temperature, self.epsilon, self.batch_size = float(temperature), float(epsilon), int(batch_size)
 
     def score(self, members: Members) -> Tensor:
         on = "predictive" if self.members == "predictive" else "members"
         return torch.cat([odin(members.logits_of, x, members.n, temperature=self.temperature, epsilon=self.epsilon,
-                               on=on, chunk=members.per_forward) for x in members.images.split(ODIN_BATCH)])
+                               on=on, chunk=members.per_forward) for x in members.images.split(self.batch_size)])
 
 
 # ------------------------------------------------------------------------------------- the runner
