@@ -17,6 +17,7 @@
 | batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
 | packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
 | rank1_bnn     | Rank1BNN (M = 4, one pass of M) | softmax(θ)          | point; Gaussian rank-1 factors, a mixture of M |
+| ddu           | DDU (spectral norm, leaky ReLU) | softmax(θ)          | point; OOD score: the GDA density `gda` |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -26,6 +27,7 @@ from dbsn.methods.base import FeaturesUnavailable, Method, NonFiniteLossError
 from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.batch_ensemble import BatchEnsemble
+from dbsn.methods.ddu import DDU
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
 from dbsn.methods.mimo import MIMO
@@ -38,7 +40,7 @@ from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights
 __all__ = [
     "BatchEnsemble",
     "PackedEnsemble",
-    "BatchNormRecalibration", "Compilation", "DBSN", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
+    "BatchNormRecalibration", "Compilation", "DBSN", "DDU", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
     "MAP",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "Rank1BNN", "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
