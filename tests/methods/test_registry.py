@@ -27,6 +27,7 @@ EXPECTED = {
     "packed_ensemble": (True, False, True, "any", "optim"),
     "mimo": (True, False, True, "any", "optim"),
     "sngp": (True, False, True, "any", "optim"),
+    "ddu": (True, False, True, "any", "optim"),
     "rank1_bnn": (True, False, False, "any", "optim"),  # S draws of its factors
     "vogn": (True, False, False, "any", "vogn"),
     "vogn_fbn": (True, True, False, "cells", "vogn"),
