@@ -201,7 +201,7 @@ def test_the_configs_build_openood_s_six_and_scores_chooses_among_them(tmp_path)
         "mahalanobis": {"members": "per_member"}, "gda": {"members": "per_member"},
         "knn": {"members": "per_member", "k": 50},
         "vim": {"members": "per_member", "dim": None},
-        "odin": {"members": "predictive", "temperature": 1000.0, "epsilon": 0.0014}}
+        "odin": {"members": "predictive", "temperature": 1000.0, "epsilon": 0.0014, "batch_size": 16}}
     chosen = _evaluation(tmp_path, "evaluations.ood.scores=[energy,knn]", "ood_score.knn.k=20")
     assert chosen.names(3) == ["energy", "energy_members", "knn"] and chosen.scores["knn"].k == 20
     assert _evaluation(tmp_path, "ood_score=[vim]", "ood_score.vim.members=pooled").scores["vim"].members == "pooled"
@@ -279,3 +279,17 @@ def test_a_bad_score_setting_is_refused_naming_its_key(tmp_path, override, messa
     with pytest.raises(ConfigError, match=message) as caught:
         _evaluation(tmp_path, override)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_odin_does_not_depend_on_its_batch_size(digits, images, batch_size):
+    """Each image's input step is its own: ODIN's gradients in batches of any size give the same scores."""
+    model = _dbsn()
+    odin_of = {}
+    for size in (batch_size, 24):
+        torch.manual_seed(0)  # the same structures held in both
+        with _fitted(model, digits, {"odin": ODINScore("predictive", 1000.0, 0.01, batch_size=size)}) as detection:
+            odin_of[size] = _of(detection, model, digits, images)
+    for label in ("in", "out"):
+        for name in ("odin", "odin_members"):
+            torch.testing.assert_close(odin_of[batch_size][label][name], odin_of[24][label][name], rtol=1e-6, atol=1e-7)
