@@ -10,7 +10,7 @@ from dbsn.tools import bench
 
 @pytest.mark.parametrize("backbone, methods", [
     ("resnet18", ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                  "sngp")),
+                  "sngp", "ddu")),
     ("structure_net", ("map_fixed", "dbsn", "mimo")),
 ])
 def test_field_suite_times_every_method_against_one_network(backbone, methods, tmp_path, monkeypatch):
@@ -34,6 +34,7 @@ def test_field_suite_times_every_method_against_one_network(backbone, methods, t
         assert params["deep_ensemble"] == 4 * params["map_fixed"] and members["deep_ensemble"] == 4
         # the field sweep's ResNet-18 jobs: M = 4 everywhere (torch-uncertainty), S = 30 for MC dropout
         assert members["batch_ensemble"] == members["packed_ensemble"] == members["mimo"] == members["rank1_bnn"] == 4
-        assert members["mc_dropout"] == 30 and members["sngp"] == members["map_fixed"] == 1
+        assert members["mc_dropout"] == 30 and members["sngp"] == members["ddu"] == members["map_fixed"] == 1
+        assert params["ddu"] == params["map_fixed"]  # spectral normalisation and leaky ReLUs add no parameter
     if "dbsn" in params:
         assert members["dbsn"] == 100 and members["mimo"] == 3

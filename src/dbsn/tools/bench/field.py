@@ -11,7 +11,7 @@ settings are the ones a run uses, and timed on the same batch, in interleaved re
              rank-1 BNN and Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
   predict    the test-time prediction of one batch: all members of the method's ensemble (S for
              MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN),
-             in eval mode
+             in eval mode (DDU's one softmax pass: its GDA density is the OOD evaluation's, not its prediction)
 
 Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
 backbone: a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
@@ -33,7 +33,7 @@ from dbsn.tools.compare import DROPOUT_PLACEMENT
 
 #: The methods timed on every backbone (config names), one network first.
 FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                 "sngp")
+                 "sngp", "ddu")
 #: Methods that run only on DBSN's cell network, timed when the backbone is structure_net.
 CELL_METHODS = ("dbsn",)
 #: Network overrides of each backbone at each size.
