@@ -381,8 +381,8 @@ def check_backbone(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{where}: {node['_target_'].rsplit('.', 1)[-1]} learns a distribution over the structure of DBSN's "
                 f"cells, and {net} has no structure (num_edges = 0). Use model/net=structure_net, or on this network a "
-                "method without structure: map, map_fixed, mc_dropout, bbb, deep_ensemble, batch_ensemble, packed_ensemble, "
-                "mimo, sngp."
+                "method without structure: map, map_fixed, mc_dropout, bbb, deep_ensemble, batch_ensemble, rank1_bnn, "
+                "packed_ensemble, mimo, sngp."
             )
         weights = node.get("weights")
         if (isinstance(weights, DictConfig) and str(weights.get("_target_", "")).endswith(".MCDropoutWeights")

@@ -9,7 +9,8 @@ import pytest
 
 from dbsn.evaluation.report import build_report
 from dbsn.evaluation.report.published import PUBLISHED, published_row
-from dbsn.evaluation.report.tables import METHOD_ORDER, _order
+from dbsn.evaluation.report.format import order
+from dbsn.methods.registry import METHOD_ORDER
 from tests.support.fakeruns import write_run
 
 WRN = {"_target_": "dbsn.nets.WideResNet"}
@@ -17,6 +18,7 @@ WRN = {"_target_": "dbsn.nets.WideResNet"}
 
 def test_a_run_finds_its_published_row_by_method_backbone_and_dataset():
     assert published_row("batch_ensemble@wrn28_10", "cifar10").accuracy == 96.3
+    assert published_row("rank1_bnn@wrn28_10", "cifar10").nll == 0.128 and published_row("rank1_bnn@wrn28_10", "cifar100").ece == 0.018
     assert published_row("map@wrn28_10", "cifar100") == published_row("map_fixed@wrn28_10", "cifar100")
     assert published_row("map_fixed@wrn28_10+swag", "cifar10").nll == pytest.approx(0.1122)
     assert published_row("batch_ensemble", "cifar10") is None  # on DBSN's cell network: nothing published
@@ -27,7 +29,7 @@ def test_a_run_finds_its_published_row_by_method_backbone_and_dataset():
 def test_methods_are_grouped_by_backbone_in_the_canonical_order():
     names = {"mimo@wrn28_10", "dbsn", "map_fixed@wrn28_10", "map_fixed", "map_fixed@resnet18", "map_fixed@wrn28_10+swag",
              "map_fixed+laplace", "mine"}
-    assert _order(names, METHOD_ORDER) == ["dbsn", "map_fixed", "map_fixed+laplace", "mine", "map_fixed@resnet18",
+    assert order(names, METHOD_ORDER) == ["dbsn", "map_fixed", "map_fixed+laplace", "mine", "map_fixed@resnet18",
                                            "map_fixed@wrn28_10", "mimo@wrn28_10", "map_fixed@wrn28_10+swag"]
 
 
