@@ -25,6 +25,7 @@ EXPECTED = {
     "deep_ensemble": (True, False, True, "any", "member.optim"),
     "batch_ensemble": (True, False, True, "any", "optim"),
     "packed_ensemble": (True, False, True, "any", "optim"),
+    "masksembles": (True, False, True, "any", "optim"),
     "mimo": (True, False, True, "any", "optim"),
     "sngp": (True, False, True, "any", "optim"),
     "ddu": (True, False, True, "any", "optim"),

@@ -18,6 +18,7 @@
 | packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
 | rank1_bnn     | Rank1BNN (M = 4, one pass of M) | softmax(θ)          | point; Gaussian rank-1 factors, a mixture of M |
 | ddu           | DDU (spectral norm, leaky ReLU) | softmax(θ)          | point; OOD score: the GDA density `gda` |
+| masksembles   | Masksembles (M = 4, one pass of M) | softmax(θ)       | point, M fixed channel masks   |
 
 Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
 dbsn_seg (DBSN on DBSNSegNet).
@@ -30,6 +31,7 @@ from dbsn.methods.batch_ensemble import BatchEnsemble
 from dbsn.methods.ddu import DDU
 from dbsn.methods.ensemble import DeepEnsemble
 from dbsn.methods.map import MAP
+from dbsn.methods.masksembles import Masksembles
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.packed import PackedEnsemble
@@ -41,7 +43,7 @@ __all__ = [
     "BatchEnsemble",
     "PackedEnsemble",
     "BatchNormRecalibration", "Compilation", "DBSN", "DDU", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
-    "MAP",
+    "MAP", "Masksembles",
     "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
     "Rank1BNN", "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
 ]
