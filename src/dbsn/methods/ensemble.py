@@ -39,20 +39,24 @@ class DeepEnsemble(Method):
         if size is not None and size != len(members):
             raise ValueError(f"size = {size} but {len(members)} members were given")
         for m in members:
-            if getattr(m, "epoch_state", False):
-                raise ValueError(f"deep-ensemble members are trained side by side without their own epoch hooks, which a "
-                                 f"{type(m).__name__} needs (e.g. SNGP's precision, reset every epoch): train the members "
-                                 "as separate runs and ensemble them with evaluate.py ckpt_path=[run1,run2,...]")
-            if not isinstance(m, MAP):
-                raise ValueError(
-                    f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "
-                    f"bbb); got {type(m).__name__}"
-                )
+            self.check_member(m)
         first = members[0]
         super().__init__(first.net, optim=first.optim, task=first.task, dataset_size=first.dataset_size,
                          prediction=replace(first.prediction, temperature_scaling=temperature_scaling))
         del self.net  # the members own their networks
         self.members = nn.ModuleList(members)
+
+    @staticmethod
+    def check_member(member: Method) -> None:
+        """Refuse a member that cannot be trained side by side with the others: one that needs its own
+        epoch hooks, or is not a point-structure method (an ensemble that trains none may accept any)."""
+        if getattr(member, "epoch_state", False):
+            raise ValueError(f"deep-ensemble members are trained side by side without their own epoch hooks, which a "
+                             f"{type(member).__name__} needs (e.g. SNGP's precision, reset every epoch): train the "
+                             "members as separate runs and ensemble them with evaluate.py ckpt_path=[run1,run2,...]")
+        if not isinstance(member, MAP):
+            raise ValueError(f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "
+                             f"bbb); got {type(member).__name__}")
 
     @property
     def is_stochastic(self) -> bool:
