@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from dbsn.evaluation.convergence import TrainingCurve, convergence
-from dbsn.evaluation.report.tables import UNCONVERGED_MARK, mark_unconverged
+from dbsn.evaluation.report.format import UNCONVERGED_MARK, mark_unconverged
 
 
 def test_a_curve_still_falling_at_its_end_has_not_converged():

@@ -89,7 +89,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn.evaluation.report import build_report
-from dbsn.evaluation.report.tables import OUTSIDE_NOTE
+from dbsn.evaluation.report.format import OUTSIDE_NOTE
 from dbsn.methods.registry import method_config, method_configs
 from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH

@@ -125,7 +125,7 @@ def test_calibrated_metrics_are_paired_only_between_runs_calibrated_alike():
 
 
 def test_an_interval_that_misses_its_estimate_says_why():
-    from dbsn.evaluation.report.tables import OUTSIDE_NOTE, Cell, fmt
+    from dbsn.evaluation.report.format import OUTSIDE_NOTE, Cell, fmt
 
     assert fmt(Cell(0.0264, None, 1, 0.0288, 0.0713), 4) == f"0.0264 [0.0288, 0.0713] {OUTSIDE_NOTE} (1)"
     assert fmt(Cell(0.03, None, 1, 0.0288, 0.0713), 4) == "0.0300 [0.0288, 0.0713] (1)"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dbsn.evaluation.report import build_report
-from dbsn.evaluation.report.tables import _score_order
+from dbsn.evaluation.report.sections.ood import score_order
 from tests.support.fakeruns import DATA, MODELS, write_run
 
 
@@ -53,7 +53,7 @@ def test_the_score_columns_merge_the_records_orders():
     the evaluation that has it puts it, whichever record is read first."""
     multi = ["entropy", "max_logit", "max_logit_members", "energy", "energy_members", "knn", "vim", "odin", "odin_members"]
     for listed in ([["entropy", "max_logit", "energy", "knn", "odin"], multi], [multi, ["entropy", "energy", "knn"]]):
-        assert _score_order(listed) == multi
+        assert score_order(listed) == multi
 
 
 def _posthoc(run, name, nll, ece, error, calibrator=True):

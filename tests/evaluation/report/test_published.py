@@ -8,8 +8,9 @@ import json
 import pytest
 
 from dbsn.evaluation.report import build_report
+from dbsn.evaluation.report.format import order
 from dbsn.evaluation.report.published import PUBLISHED, published_row
-from dbsn.evaluation.report.tables import METHOD_ORDER, _order
+from dbsn.methods.registry import METHOD_ORDER
 from tests.support.fakeruns import write_run
 
 WRN = {"_target_": "dbsn.nets.WideResNet"}
@@ -28,7 +29,7 @@ def test_a_run_finds_its_published_row_by_method_backbone_and_dataset():
 def test_methods_are_grouped_by_backbone_in_the_canonical_order():
     names = {"mimo@wrn28_10", "dbsn", "map_fixed@wrn28_10", "map_fixed", "map_fixed@resnet18", "map_fixed@wrn28_10+swag",
              "map_fixed+laplace", "mine"}
-    assert _order(names, METHOD_ORDER) == ["dbsn", "map_fixed", "map_fixed+laplace", "mine", "map_fixed@resnet18",
+    assert order(names, METHOD_ORDER) == ["dbsn", "map_fixed", "map_fixed+laplace", "mine", "map_fixed@resnet18",
                                            "map_fixed@wrn28_10", "mimo@wrn28_10", "map_fixed@wrn28_10+swag"]
 
 

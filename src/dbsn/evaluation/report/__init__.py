@@ -28,14 +28,22 @@ from datetime import datetime
 from pathlib import Path
 
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
-from dbsn.evaluation.report.comparisons import cost_section, equivalent_section, paired_section
+from dbsn.evaluation.report.comparisons import equivalent_section, paired_section
+from dbsn.evaluation.report.format import UNCONVERGED_MARK, show
 from dbsn.evaluation.report.published import published_section
-from dbsn.evaluation.report.tables import (UNCONVERGED_MARK, _show, _write, _write_csv, ablation_section, adversarial_section,
-                                           calibration_section, calibrators_section, conformal_section, main_tables, ood_groups_section,
-                                           ood_scores_section, ood_section, other_evaluations_section, runs_section,
-                                           tuning_section,
-                                           selective_section, shift_section, time_section)
-
+from dbsn.evaluation.report.sections.ablation import ablation_section
+from dbsn.evaluation.report.sections.accuracy import main_tables
+from dbsn.evaluation.report.sections.adversarial import adversarial_section
+from dbsn.evaluation.report.sections.calibration import calibration_section, calibrators_section
+from dbsn.evaluation.report.sections.conformal import conformal_section
+from dbsn.evaluation.report.sections.cost import cost_section, time_section
+from dbsn.evaluation.report.sections.evaluations import other_evaluations_section
+from dbsn.evaluation.report.sections.ood import ood_groups_section, ood_scores_section, ood_section
+from dbsn.evaluation.report.sections.runs import runs_section
+from dbsn.evaluation.report.sections.selective import selective_section
+from dbsn.evaluation.report.sections.shift import shift_section
+from dbsn.evaluation.report.sections.tuning import tuning_section
+from dbsn.evaluation.report.writer import write_csv, write_markdown
 from dbsn.evaluation.statistics import Statistics
 
 __all__ = ["Report", "Run", "build_report", "build_sweep_report"]
@@ -53,12 +61,12 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
         try:
             runs += missing_runs(root, runs)
         except Exception as err:  # noqa: BLE001 - e.g. a sweeper or sweep type we cannot expand
-            report.warnings.append(f"could not expand the sweep in {_show(root)}: {err!r}")
-    _write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "train_seconds",
-                                    "overrides", "note", "slurm_log"],
-               [[_show(r.path), r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
-                 r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note, r.log or ""]
-                for r in runs])
+            report.warnings.append(f"could not expand the sweep in {show(root)}: {err!r}")
+    write_csv(report, "runs.csv", ["path", "method", "dataset", "seed", "status", "test/error", "test/ece", "train_seconds",
+                                   "overrides", "note", "slurm_log"],
+              [[show(r.path), r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
+                r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note, r.log or ""]
+               for r in runs])
     ok = report.with_status("ok")
     for (method, dataset, seed), count in Counter((r.method, r.dataset, r.seed) for r in ok).items():
         if count > 1:
@@ -72,7 +80,7 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
                                    f"{100 * found['last_tenth_drop']:.0f} % of the final loss across the run's last tenth "
                                    "(more than 10 %)")
     counts = Counter(r.status for r in runs)
-    text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(_show(Path(d).resolve()) for d in dirs)}: "
+    text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(show(Path(d).resolve()) for d in dirs)}: "
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables.\n\n")
     if ok:
@@ -89,7 +97,7 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
     text += runs_section(report)
     if report.warnings:
         text += "## Notes\n\n" + "".join(f"- {w}\n" for w in report.warnings) + "\n"
-    _write(report, "report.md", text)
+    write_markdown(report, "report.md", text)
     return report
 
 

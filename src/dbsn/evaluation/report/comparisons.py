@@ -1,5 +1,5 @@
-"""The report's comparisons between methods: paired differences against a reference method, each
-method's cost with the Pareto view, and the deep-ensemble equivalent.
+"""The report's comparisons between methods: paired differences against a reference method and
+the deep-ensemble equivalent (each method's cost with the Pareto view: `sections.cost`).
 
 **Paired differences.** Two methods tested on the same test set are compared example by example:
 both are scored on the same bootstrap resamples of the test examples (`predictions.npz` of each
@@ -40,15 +40,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dbsn.evaluation.plots import pareto_figure
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.tables import (DATASET_ORDER, METHOD_ORDER, _figure, _order, _write, _write_csv, fmt, md_table,
-                                           mean_std)
+from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
+from dbsn.evaluation.report.writer import write_section
 from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
 from dbsn.metrics.ensemble_equivalent import deep_ensemble_equivalent, deep_ensemble_equivalent_interval
+from dbsn.methods.registry import METHOD_ORDER
 from dbsn.metrics.intervals import weighted_brier, weighted_error, weighted_nll, weighted_squared_calibration_error
 
-__all__ = ["PAIRED_METRICS", "combine_seeds", "cost_section", "equivalent_section", "holm", "paired_differences",
+__all__ = ["PAIRED_METRICS", "combine_seeds", "equivalent_section", "holm", "paired_differences",
            "paired_section"]
 
 #: (label, statistic of (log-probabilities, calibrated log-probabilities or None, targets, weights))
@@ -167,12 +167,12 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
     for run in ok:
         by_cell[run.method, run.dataset].append(run)
     text, csv_rows, summary = "", [], []
-    for dataset in _order({d for _, d in by_cell}, DATASET_ORDER):
+    for dataset in order({d for _, d in by_cell}, DATASET_ORDER):
         if (reference, dataset) not in by_cell:
             continue
         reference_runs = _predictions_by_seed(by_cell[reference, dataset])
         found = {}
-        for method in _order({m for m, d in by_cell if d == dataset} - {reference}, METHOD_ORDER):
+        for method in order({m for m, d in by_cell if d == dataset} - {reference}, METHOD_ORDER):
             runs = _predictions_by_seed(by_cell[method, dataset])
             usable = {s: _same_calibration(p, reference_runs[s]) for s, p in runs.items() if s in reference_runs
                       and torch.equal(p["targets"], reference_runs[s]["targets"])}
@@ -205,18 +205,18 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         text += line + "\n\n"
     if not text:
         return ""
-    _write_csv(report, "paired.csv", ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero",
-                                      "holm_rejected", "per_seed"], csv_rows)
-    text = (f"## Paired differences against {reference}\n\nEvery method against {reference} on the same test examples "
-            "(a paired bootstrap: both scored on the same resamples), method − reference, so a negative difference "
-            "in error, NLL, Brier or CE² favours the method. CE² is the unbiased squared calibration error: the "
-            "plug-in ECE, biased by each method's spread of confidences, is not tested. Calibrated metrics are paired "
-            "only where both runs fitted their temperature the same way. Per seed (bootstrap over the test examples), "
-            "and over all seeds (Student's t on the seeds, with the test set's shared variance). `*`: the 95 % interval "
-            "excludes 0; `†`: still rejected after Holm's correction over every (method, metric) of the dataset "
-            "(family-wise error 0.05). Choose the reference with `--reference` (`report.reference=<method>` in a "
-            "sweep). Files: `paired.md`, `paired.csv`.\n\n" + text)
-    _write(report, "paired.md", text.replace("## ", "# ", 1))
+    text = write_section(
+        report, "paired", f"Paired differences against {reference}",
+        f"Every method against {reference} on the same test examples (a paired bootstrap: both scored on the same "
+        "resamples), method − reference, so a negative difference in error, NLL, Brier or CE² favours the method. CE² "
+        "is the unbiased squared calibration error: the plug-in ECE, biased by each method's spread of confidences, is "
+        "not tested. Calibrated metrics are paired only where both runs fitted their temperature the same way. Per "
+        "seed (bootstrap over the test examples), and over all seeds (Student's t on the seeds, with the test set's "
+        "shared variance). `*`: the 95 % interval excludes 0; `†`: still rejected after Holm's correction over every "
+        "(method, metric) of the dataset (family-wise error 0.05). Choose the reference with `--reference` "
+        "(`report.reference=<method>` in a sweep).",
+        text, ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero", "holm_rejected",
+               "per_seed"], csv_rows)
     report.summary.extend(summary)
     return text
 
@@ -224,61 +224,6 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
 def _interval_text(value: float, low: float, high: float) -> str:
     digits = 4 if max(abs(value), abs(low), abs(high)) < 10 else 2
     return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
-
-
-# ---------------------------------------------------------------------- cost and the Pareto view
-COST_COLUMNS = (("parameters", "params", 1.0, "{:,.0f}"), ("training MFLOPs / image", "train_flops_per_image", 1e-6, "{:,.1f}"),
-                ("prediction MFLOPs / image", "predict_flops_per_image", 1e-6, "{:,.1f}"), ("S", "n_samples", 1.0, "{:.0f}"),
-                ("s / epoch", "epoch_seconds", 1.0, "{:,.1f}"), ("peak memory MiB", "peak_memory_mib", 1.0, "{:,.0f}"))
-
-
-def cost_section(report: Report, ok: list[Run]) -> str:
-    """Each method's cost (metrics.json's `cost`, mean over seeds) and one Pareto figure per dataset:
-    calibrated NLL, ECE and error against prediction FLOPs per image, with their intervals."""
-    cells = defaultdict(list)
-    for run in ok:
-        if run.cost:
-            cells[run.method, run.dataset].append(run)
-    if not cells:
-        return ""
-    rows, csv_rows, text = [], [], ""
-    for dataset in _order({d for _, d in cells}, DATASET_ORDER):
-        points = []
-        for method in _order({m for m, d in cells if d == dataset}, METHOD_ORDER):
-            runs = cells[method, dataset]
-            means = {}
-            for _, key, scale, _ in COST_COLUMNS:
-                values = [r.cost[key] for r in runs if r.cost.get(key) is not None]
-                means[key] = scale * float(np.mean(values)) if values else None
-            rows.append([method, dataset, *("–" if means[key] is None else form.format(means[key])
-                                            for _, key, _, form in COST_COLUMNS)])
-            csv_rows.append([method, dataset, *(means[key] for _, key, _, _ in COST_COLUMNS),
-                             runs[0].cost.get("peak_memory_of")])
-            point = {"method": method, "flops": 1e6 * means["predict_flops_per_image"]} if means["predict_flops_per_image"] else None
-            for label, key in (("calibrated_nll", "test/calibrated/nll"), ("ece", "test/ece"), ("error", "test/error")):
-                values = [r.metrics[key] for r in runs if key in r.metrics]
-                if point is not None and values:
-                    cell = mean_std(values, [r.intervals.get(key) for r in runs if key in r.metrics])
-                    point[label] = cell.mean
-                    if cell.low is not None:
-                        point[f"{label}_low"], point[f"{label}_high"] = cell.low, cell.high
-            if point is not None:
-                points.append(point)
-        if len(points) > 1:
-            name = f"pareto_{dataset}.png"
-            if _figure(report, pareto_figure(points, title=f"Quality against prediction cost on {dataset}"), name):
-                text += (f"![Pareto view]({name})\n\nCalibrated NLL, ECE and error of every method on {dataset} against "
-                         "its prediction FLOPs per image (log scale), with 95 % intervals; the dashed steps join the "
-                         "methods no other method beats on both axes.\n\n")
-    _write_csv(report, "cost.csv", ["method", "dataset", *(key for _, key, _, _ in COST_COLUMNS), "peak_memory_of"], csv_rows)
-    table = md_table(["method", "dataset", *(label for label, *_ in COST_COLUMNS)], rows)
-    text = ("## Cost\n\nWhat each method costs (metrics.json's `cost`, mean over seeds): parameters learned, FLOPs of "
-            "one training step's forward and backward per image (all T structures, every member) and of the prediction "
-            "at its S, counted by torch's FlopCounterMode (matmuls and convolutions, 2 per multiply-add), the training "
-            "epoch's wall time (only comparable on the same hardware) and the process's peak memory (the GPU "
-            "allocator's on a GPU, the resident set on a CPU). Files: `cost.md`, `cost.csv`.\n\n" + table + "\n" + text)
-    _write(report, "cost.md", text.replace("## ", "# ", 1))
-    return text
 
 
 # ---------------------------------------------------------------------- the deep-ensemble equivalent
@@ -299,7 +244,7 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
     statistics = statistics or Statistics()
     rows, csv_rows = [], []
     backbone = lambda name: name.partition("@")[2].partition("+")[0]  # noqa: E731 - "" on DBSN's cell network
-    for dataset, on in ((d, b) for d in _order({r.dataset for r in ok}, DATASET_ORDER)
+    for dataset, on in ((d, b) for d in order({r.dataset for r in ok}, DATASET_ORDER)
                         for b in sorted({backbone(r.method) for r in ok if r.dataset == d})):
         # each backbone's methods against the deep ensemble of the same backbone
         name = f"{ensemble}@{on}" if on else ensemble
@@ -308,7 +253,7 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
             continue
         sizes = curves[0][0]
         curve = [float(np.mean([c[1][i] for c in curves if c[0] == sizes])) for i in range(len(sizes))]
-        for method in _order({r.method for r in ok if r.dataset == dataset and backbone(r.method) == on}, METHOD_ORDER):
+        for method in order({r.method for r in ok if r.dataset == dataset and backbone(r.method) == on}, METHOD_ORDER):
             values, bounds = [], []
             for run in (r for r in ok if r.method == method and r.dataset == dataset):
                 predictions = load_predictions(run)
@@ -332,14 +277,12 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
             csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high])
     if not rows:
         return ""
-    _write_csv(report, "equivalent.csv", ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low",
-                                          "dee_high"], csv_rows)
-    text = ("## Deep-ensemble equivalent\n\nThe number of networks a deep ensemble needs to reach each method's "
-            "calibrated NLL (Ashukha et al. 2020), interpolated between ensemble sizes, with the interval the NLL's "
-            "95 % interval maps to; 1 means no better than one network, `> M` better than the largest ensemble "
-            "measured. Both NLLs are calibrated by test-time 2-fold cross-validation. The interval carries the "
-            "method's NLL's noise only, not the noise of the ensemble's curve (one run per ensemble size): read it as a "
-            "lower bound on the uncertainty. Files: `equivalent.md`, `equivalent.csv`.\n\n" + md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent"], rows)
-            + "\n")
-    _write(report, "equivalent.md", text.replace("## ", "# ", 1))
-    return text
+    return write_section(
+        report, "equivalent", "Deep-ensemble equivalent",
+        "The number of networks a deep ensemble needs to reach each method's calibrated NLL (Ashukha et al. 2020), "
+        "interpolated between ensemble sizes, with the interval the NLL's 95 % interval maps to; 1 means no better "
+        "than one network, `> M` better than the largest ensemble measured. Both NLLs are calibrated by test-time "
+        "2-fold cross-validation. The interval carries the method's NLL's noise only, not the noise of the ensemble's "
+        "curve (one run per ensemble size): read it as a lower bound on the uncertainty.",
+        md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent"], rows) + "\n",
+        ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low", "dee_high"], csv_rows)

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.tables import DATASET_ORDER, _bounds, _order, _write_csv, fmt, md_table, mean_std
+from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order, run_bounds
+from dbsn.evaluation.report.writer import write_csv
 
 
 class Published(NamedTuple):
@@ -104,17 +105,17 @@ def published_section(report: Report, ok: list[Run]) -> str:
     header = ["method", "dataset", "published as", "accuracy (%)", "published", "NLL", "published", "ECE", "published",
               "cA (%)", "published", "cNLL", "published", "cECE", "published", "source"]
     rows, csv_rows = [], []
-    for dataset in _order({d for _, d in runs}, DATASET_ORDER):
+    for dataset in order({d for _, d in runs}, DATASET_ORDER):
         for method in sorted({m for m, d in runs if d == dataset}):
             group, pub = runs[method, dataset], published_row(method, dataset)
             error = [r for r in group if "test/error" in r.metrics]
             accuracy = mean_std([100.0 * (1.0 - r.metrics["test/error"]) for r in error],
-                                [None if (b := _bounds(r, "test/error", 100.0)) is None else [100.0 - b[1], 100.0 - b[0]]
+                                [None if (b := run_bounds(r, "test/error", 100.0)) is None else [100.0 - b[1], 100.0 - b[0]]
                                  for r in error]) if error else None
             nll = mean_std([r.metrics["test/nll"] for r in group if "test/nll" in r.metrics],
-                           [_bounds(r, "test/nll") for r in group if "test/nll" in r.metrics]) if group else None
+                           [run_bounds(r, "test/nll") for r in group if "test/nll" in r.metrics]) if group else None
             ece = mean_std([r.metrics["test/ece"] for r in group if "test/ece" in r.metrics],
-                           [_bounds(r, "test/ece") for r in group if "test/ece" in r.metrics]) if group else None
+                           [run_bounds(r, "test/ece") for r in group if "test/ece" in r.metrics]) if group else None
             shifts = [s for s in (_shift_means(r) for r in group) if s]
             shifted = {k: mean_std([s[k] for s in shifts]) for k in ("c_accuracy", "c_nll", "c_ece")} if shifts else {}
             rows.append([method, dataset, pub.name, fmt(accuracy, 2), _published(pub.accuracy, 2), fmt(nll, 3),
@@ -126,8 +127,8 @@ def published_section(report: Report, ok: list[Run]) -> str:
                              ece and ece.mean, pub.ece, shifted.get("c_accuracy") and shifted["c_accuracy"].mean,
                              pub.c_accuracy, shifted.get("c_nll") and shifted["c_nll"].mean, pub.c_nll,
                              shifted.get("c_ece") and shifted["c_ece"].mean, pub.c_ece, pub.source])
-    _write_csv(report, "published.csv", [h if h != "published" else f"published_{header[i - 1]}" for i, h in enumerate(header)],
-               csv_rows)
+    write_csv(report, "published.csv", [h if h != "published" else f"published_{header[i - 1]}" for i, h in enumerate(header)],
+              csv_rows)
     return ("## Beside the published figures\n\n"
             "Runs on the field's backbones next to the figures their authors published for the same method and "
             "backbone (uncertainty-baselines' WideResNet-28-10 table, ensembles of 4; ResNet-18: the deterministic "

@@ -1,0 +1,75 @@
+"""The paper's main tables (test error, ECE, the unbiased CE², NLL: one column per dataset) and
+the per-(method, dataset) table of any test-pass metrics that the calibration and selective
+sections build on."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dbsn.evaluation.report.collect import Report, Run
+from dbsn.evaluation.report.format import DATASET_ORDER, STATS, fmt, md_table, mean_std, order, run_bounds, seeds_note
+from dbsn.evaluation.report.writer import write_section
+from dbsn.methods.registry import METHOD_ORDER
+
+INTERVALS_NOTE = ("Mean ± sample standard deviation (ddof = 1) over seeds, then the 95 % interval in brackets: "
+                  "Student's t over the seeds, or for a single seed the run's bootstrap interval over the test "
+                  "examples (1,000 resamples).")
+# (file stem, metric key, scale, decimals, title, explanation)
+MAIN_TABLES = (
+    ("table1_error", "test/error", 100.0, 2, "Table 1: test error (%)", "Test error in %, lower is better."),
+    ("table2_ece", "test/ece", 1.0, 4, "Table 2: expected calibration error",
+     "ECE (15 equal-width confidence bins, as a fraction, not %), lower is better: the paper's number. A plug-in "
+     "estimate, biased upward by an amount that depends on each model's spread of confidences: compare methods "
+     "with the unbiased squared calibration error below, not with this."),
+    ("table_ce2", "test/ce2", 1.0, 5, "Squared calibration error (unbiased)",
+     "CE² over the ECE's 15 bins, estimated without bias (a U-statistic per bin; 0 in expectation for a calibrated "
+     "model, so it can be negative): the calibration error whose intervals cover the truth and whose differences "
+     "mean something. Lower is better."),
+    ("table_nll", "test/nll", 1.0, 4, "Test negative log-likelihood", "Mean test NLL in nats per example, lower is better."),
+)
+
+
+def main_tables(report: Report, ok: list[Run]) -> str:
+    methods, datasets = order({r.method for r in ok}, METHOD_ORDER), order({r.dataset for r in ok}, DATASET_ORDER)
+    sizes = sorted({str(r.n_samples) for r in ok if r.n_samples is not None})
+    text = ""
+    for stem, key, scale, digits, title, explanation in MAIN_TABLES:
+        values, bounds = defaultdict(list), defaultdict(list)
+        for r in ok:
+            if key in r.metrics:
+                values[r.method, r.dataset].append(scale * r.metrics[key])
+                bounds[r.method, r.dataset].append(run_bounds(r, key, scale))
+        stats = {cell: mean_std(v, bounds[cell]) for cell, v in values.items()}
+        table = md_table(["method", *datasets], [[m, *(fmt(stats.get((m, d)), digits) for d in datasets)] for m in methods])
+        text += write_section(
+            report, stem, title,
+            f"{explanation} {INTERVALS_NOTE} (n) is the number of finished runs averaged ({seeds_note(ok)}); predictions "
+            f"of stochastic methods average S = {', '.join(sizes) or '?'} Monte Carlo samples.", f"{table}\n",
+            ["method", "dataset", *STATS], [[m, d, *stats[m, d]] for m in methods for d in datasets if (m, d) in stats],
+            page=table)
+    return text
+
+
+def per_method_table(report: Report, ok: list[Run], stem: str, title: str, explanation: str,
+                     columns: list[tuple[str, str, float, int]]) -> str:
+    """One row per (method, dataset), one column per (label, metric key, scale, digits) read from
+    each run's test-pass metrics; "" when no run has any of them."""
+    values, bounds = defaultdict(list), defaultdict(list)
+    for r in ok:
+        for label, key, scale, _ in columns:
+            if key in r.metrics:
+                values[r.method, r.dataset, label].append(scale * r.metrics[key])
+                bounds[r.method, r.dataset, label].append(run_bounds(r, key, scale))
+    if not values:
+        return ""
+    methods = order({k[0] for k in values}, METHOD_ORDER)
+    cells = sorted({k[:2] for k in values}, key=lambda k: (k[1], methods.index(k[0])))
+    rows, csv_rows = [], []
+    for method, dataset in cells:
+        stats = {label: mean_std(values[method, dataset, label], bounds[method, dataset, label])
+                 for label, *_ in columns if values[method, dataset, label]}
+        rows.append([method, dataset, *(fmt(stats.get(label), digits) for label, _, _, digits in columns)])
+        csv_rows += [[method, dataset, label, *stats[label]] for label, *_ in columns if label in stats]
+    table = md_table(["method", "dataset", *(label for label, *_ in columns)], rows)
+    return write_section(report, stem, title, f"{explanation} Mean ± std over seeds [95 % interval] (n).", f"{table}\n",
+                         ["method", "dataset", "metric", *STATS], csv_rows, page=table)
