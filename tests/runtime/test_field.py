@@ -17,7 +17,7 @@ TINY_NETS = {"resnet18": ["width=8"], "wrn28_10": ["depth=10", "widen_factor=1"]
              "structure_net": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=8", "stem_channels=16"]}
 CLASSES = {"map_fixed": "MAP", "mc_dropout": "MAP", "bbb": "MAP", "deep_ensemble": "DeepEnsemble", "dbsn": "DBSN",
            "batch_ensemble": "BatchEnsemble", "packed_ensemble": "PackedEnsemble", "mimo": "MIMO", "sngp": "SNGP",
-           "rank1_bnn": "Rank1BNN", "csghmc": "CSGMCMC", "masksembles": "Masksembles"}
+           "rank1_bnn": "Rank1BNN", "csghmc": "CSGMCMC", "masksembles": "Masksembles", "ddu": "DDU"}
 #: Masksembles' masks need 10 channels in a masked layer (the authors' limit): its tiny networks are a little wider.
 TINY_NETS_OF = {"masksembles": {**TINY_NETS, "resnet18": ["width=10"],
                                 "structure_net": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=10",
@@ -37,12 +37,12 @@ def test_every_job_of_the_field_sweep_composes_checks_and_builds(dataset, tmp_pa
     cfg, params = sweep_params(dataset)
     assert cfg.data._target_.endswith("CIFAR10DataModule" if dataset == "cifar10" else "CIFAR100DataModule")
     jobs = params.field.split(",")
-    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 31
+    assert params.seed.split(",") == ["1", "2", "3"] and len(jobs) == len(set(jobs)) == 33
     methods = {(job.split("/")[0], job.split("/")[1].removesuffix("_cifar100")) for job in jobs}
     for backbone in ("resnet18", "wrn28_10"):  # every rival and the paper's baselines on both backbones
         assert {m for b, m in methods if b == backbone} == {"map_fixed", "mc_dropout", "bbb", "deep_ensemble",
                                                            "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                                                           "sngp", "csghmc", "masksembles"}
+                                                           "sngp", "ddu", "csghmc", "masksembles"}
     assert {m for b, m in methods if b == "structure_net"} == {"dbsn", "map_fixed", "deep_ensemble", "batch_ensemble",
                                                               "rank1_bnn", "packed_ensemble", "mimo", "csghmc",
                                                               "masksembles"}
@@ -87,6 +87,13 @@ def test_the_field_recipes_follow_their_sources(tmp_path):
         250, 128, 0.1, 2e-4)
     assert (rank1.model.size, rank1.model.prior, rank1.model.prior_stddev, rank1.model.kl_annealing) == (4, "normal", 0.1, 0.8)
     assert (rank1.model.random_sign_init, rank1.model.prediction.n_samples) == (0.5, 4)
+    for backbone in ("resnet18", "wrn28_10"):  # DDU's train.py flags on both: 350 epochs, batch 128, x0.1 at 150, 250
+        ddu = job(f"{backbone}/ddu")
+        assert (ddu.trainer.max_epochs, ddu.data.batch_size, ddu.model.optim.lr, ddu.model.optim.weight_decay) == (
+            350, 128, 0.1, 5e-4)
+        assert [round(m * 350) for m in ddu.model.optim.milestones] == [150, 250] and not ddu.model.optim.nesterov
+        assert (ddu.model.spectral_bound, ddu.model.leaky_relu_slope) == (3.0, 0.01)
+    assert job("wrn28_10/ddu").model.net.dropout == 0.3  # their WideResNet's dropout_rate
     dbsn = job("structure_net/dbsn")  # the paper's run
     assert (dbsn.trainer.max_epochs, dbsn.data.batch_size, dbsn.model.train_samples, dbsn.model.net.cells_per_stage) == (100, 64, 4, 4)
 
