@@ -10,8 +10,8 @@ from dbsn.tools import bench
 
 @pytest.mark.parametrize("backbone, methods", [
     ("resnet18", ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                  "sngp", "ddu")),
-    ("structure_net", ("map_fixed", "dbsn", "mimo")),
+                  "sngp", "ddu", "masksembles", "snapshot_ensemble")),
+    ("structure_net", ("map_fixed", "dbsn", "mimo", "masksembles")),
 ])
 def test_field_suite_times_every_method_against_one_network(backbone, methods, tmp_path, monkeypatch):
     import json
@@ -36,5 +36,8 @@ def test_field_suite_times_every_method_against_one_network(backbone, methods, t
         assert members["batch_ensemble"] == members["packed_ensemble"] == members["mimo"] == members["rank1_bnn"] == 4
         assert members["mc_dropout"] == 30 and members["sngp"] == members["ddu"] == members["map_fixed"] == 1
         assert params["ddu"] == params["map_fixed"]  # spectral normalisation and leaky ReLUs add no parameter
+        # Masksembles: buffers for masks, no parameter; a snapshot ensemble: M = 5 networks (conf/callbacks/)
+        assert params["masksembles"] == params["map_fixed"] and members["masksembles"] == 4
+        assert params["snapshot_ensemble"] == 5 * params["map_fixed"] and members["snapshot_ensemble"] == 5
     if "dbsn" in params:
         assert members["dbsn"] == 100 and members["mimo"] == 3

@@ -8,9 +8,11 @@ On one backbone, every method of the field is built as the field sweep's job bui
 settings are the ones a run uses, and timed on the same batch, in interleaved repetitions (median):
 
   train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble, the
-             rank-1 BNN and Packed-Ensembles on the batch once per member, MIMO on its repeated batch)
+             rank-1 BNN, Masksembles and Packed-Ensembles on the batch once per member, MIMO on its
+             repeated batch; a snapshot ensemble's run: one network's step under the callback's lr)
   predict    the test-time prediction of one batch: all members of the method's ensemble (S for
-             MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN),
+             MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN,
+             the M snapshots of a snapshot ensemble, one network each),
              in eval mode (DDU's one softmax pass: its GDA density is the OOD evaluation's, not its prediction)
 
 Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
@@ -25,24 +27,28 @@ from __future__ import annotations
 
 import statistics
 from datetime import date
+from types import SimpleNamespace
 
 import torch
 
 from dbsn.tools.bench.common import _device_name, timed_call
 from dbsn.tools.compare import DROPOUT_PLACEMENT
 
-#: The methods timed on every backbone (config names), one network first.
-FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                 "sngp", "ddu")
+#: The methods timed on every backbone (config names, and `SNAPSHOT`'s), one network first.
+FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble",
+                 "masksembles", "mimo", "sngp", "ddu", "snapshot_ensemble")
+#: A snapshot ensemble: (its name, the method of the run it collects): that run under
+#: `callbacks=snapshot_ensemble`, predicting with its M snapshots (`posthoc=snapshot_ensemble`).
+SNAPSHOT = ("snapshot_ensemble", "map_fixed")
 #: Methods that run only on DBSN's cell network, timed when the backbone is structure_net.
 CELL_METHODS = ("dbsn",)
 #: Network overrides of each backbone at each size.
 SIZES = {
-    "resnet18": {"quick": ["width=16"], "paper": [], "tiny": ["width=8"]},
+    "resnet18": {"quick": ["width=16"], "paper": [], "tiny": ["width=10"]},
     "wrn28_10": {"quick": ["depth=16", "widen_factor=2"], "paper": [], "tiny": ["depth=10", "widen_factor=1"]},
     "structure_net": {"quick": ["num_nodes=4", "cells_per_stage=1"], "paper": [],
-                      "tiny": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=8", "stem_channels=16"]},
-}  # tiny: the suite's tests
+                      "tiny": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=10", "stem_channels=16"]},
+}  # tiny: the suite's tests (Masksembles' masks need 10 channels in a layer)
 
 
 def build_method(method: str, backbone: str, size: str = "quick", num_classes: int = 10, extra: list[str] = ()):
@@ -70,9 +76,28 @@ def build_method(method: str, backbone: str, size: str = "quick", num_classes: i
     return build_model(cfg.model, num_classes)
 
 
-def training_step(method, x: torch.Tensor, y: torch.Tensor):
+def snapshot_ensemble(backbone: str, size: str = "quick", num_classes: int = 10):
+    """The run a snapshot ensemble collects (`SNAPSHOT`'s method on `backbone`), its collector as
+    conf/callbacks/snapshot_ensemble.yaml builds it (M, α₀), and the ensemble of M snapshots it predicts
+    with (copies of the run's state: the time does not depend on the weights)."""
+    import copy
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from dbsn.posthoc.snapshot_ensemble import SnapshotEnsembleMethod
+    from dbsn.runtime.config import CONF_DIR
+
+    method = build_method(SNAPSHOT[1], backbone, size, num_classes)
+    collector = instantiate(OmegaConf.load(CONF_DIR / "callbacks" / "snapshot_ensemble.yaml").snapshot_ensemble)
+    cycles = collector.schedule.cycles
+    return method, collector, SnapshotEnsembleMethod([copy.deepcopy(method) for _ in range(cycles)], list(range(cycles)))
+
+
+def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
     """A callable running one training step of `method` as `Method.training_step` does, without
-    Lightning's logging (the same as the cpu suite's)."""
+    Lightning's logging (the same as the cpu suite's); with a snapshot ensemble's `collector`, which
+    sets the weights' lr before the step."""
     for m in (method, *getattr(method, "members", ())):  # as on_fit_start sets it (a deep ensemble's members too)
         m.dataset_size = 50_000
     groups = method.weight_parameter_groups()
@@ -81,8 +106,12 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor):
         opts.append(method.structure_optimizer().build(method.structure_parameters()))
     method.attach_guard(opts)  # the NaN guard on the device, as in training (no host read per step)
     method.train()
+    trainer = SimpleNamespace(optimizers=opts, lr_scheduler_configs=groups, current_epoch=0, num_training_batches=1,
+                              max_epochs=100)  # what the collector reads of a trainer
 
     def step():
+        if collector is not None:
+            collector.set_lr(trainer, 0)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
@@ -117,11 +146,16 @@ def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeat
     y = torch.randint(0, 10, (batch,), generator=g).to(dev)
     calls, parameters, members = {}, {}, {}
     for name in names:
-        method = build_method(name, backbone, size).to(dev)
-        parameters[name] = sum(p.numel() for p in method.parameters() if p.requires_grad)
-        members[name] = method.num_members
-        calls[name, "train"] = training_step(method, x, y)
-        calls[name, "predict"] = prediction(method, x)
+        if name == SNAPSHOT[0]:  # one network's run under the callback; its M snapshots at prediction
+            method, collector, ensemble = snapshot_ensemble(backbone, size)
+            method, ensemble = method.to(dev), ensemble.to(dev)
+        else:
+            method, collector = build_method(name, backbone, size).to(dev), None
+            ensemble = method
+        parameters[name] = sum(p.numel() for p in ensemble.parameters() if p.requires_grad)
+        members[name] = ensemble.num_members
+        calls[name, "train"] = training_step(method, x, y, collector)
+        calls[name, "predict"] = prediction(ensemble, x)
     for call in calls.values():  # warm-up (allocator, lazy initialisation)
         call()
     times = {key: [] for key in calls}
