@@ -221,3 +221,23 @@ def test_the_field_jobs_are_the_authors_recipe(dataset, tmp_path):
         assert (sampler.lr, sampler.friction, sampler.weight_decay, sampler.temperature) == (0.5, 0.9, 5e-4, None)
         assert (sampler.schedule.cycles, sampler.schedule.exploration, sampler.schedule.samples_per_cycle) == (4, 0.9, 3)
         assert not cfg.model.get("learn_structure", False)
+
+
+@pytest.mark.slow
+def test_compare_trains_and_tests_the_samplers(tmp_path):
+    """`dbsn-compare --methods csghmc,csgld,csghmc_structure` on 128 digits in batches of 16 for 2
+    epochs (16 steps: 4 cycles of 4 steps, each cycle's 3 samples a step apart), on a tiny cell network
+    (cSGHMC with its structure fixed): each trains with its own schedule and tests with the samples it
+    kept."""
+    from dbsn.tools.compare import run_comparison
+
+    methods = ["csghmc", "csgld", "csghmc_structure"]
+    results = run_comparison(methods, epochs=2, output_dir=tmp_path, subset=128, batch_size=16,
+                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                                    "trainer.limit_test_batches=1"],
+                             net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
+    assert list(results) == methods
+    for method, kept in zip(methods, (12, 12, 48)):  # the structure sampler: 4 chains' states
+        assert {"test/error", "test/nll"} <= set(results[method]) and results[method]["train_seconds"] > 0
+        facts = json.loads((tmp_path / method / "metrics.json").read_text())
+        assert facts["samples_kept"] == facts["n_samples"] == kept, method

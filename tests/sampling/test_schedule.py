@@ -77,9 +77,10 @@ def test_bad_settings_are_refused_in_one_line(settings, message):
         CyclicalSchedule(**settings)
 
 
-def test_a_run_too_short_for_the_schedule_is_refused():
-    with pytest.raises(ValueError, match="a run of 3 steps cannot hold 4 cycles"):
-        CyclicalSchedule(cycles=4).check(3)
-    with pytest.raises(ValueError, match="cycles of 10 steps cannot keep 3 samples"):
-        CyclicalSchedule(cycles=4).check(40)  # 0.02 of 10 steps rounds to one step for all three
-    CyclicalSchedule(cycles=4, sample_spacing=0.1).check(40)
+def test_a_short_run_keeps_its_samples_a_step_apart_and_a_shorter_one_is_refused():
+    schedule = CyclicalSchedule(cycles=4)  # 3 samples 0.02 of a cycle apart: less than a step in cycles of 10
+    assert schedule.sample_steps(1, 40) == [17, 18, 19]
+    schedule.check(12)  # cycles of 3 steps: a sample after each
+    for total in (3, 11):
+        with pytest.raises(ValueError, match=f"a run of {total} steps in 4 cycles cannot keep 3 samples"):
+            schedule.check(total)

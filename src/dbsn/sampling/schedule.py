@@ -14,11 +14,12 @@ noise, SGD with momentum on large steps that moves the chain to a new mode. The 
 authors' code's naming (their CIFAR scripts add noise when ``epoch % 50 + 1 > 45``: the last 5 of
 50 epochs, `exploration` = 0.9).
 
-Samples are kept near each cycle's end, at positions 1, 1 − d, 1 − 2d, … (`samples_per_cycle` of
-them, `sample_spacing` d): the step after which the position has reached each. The authors keep
-the network after each of the last 3 epochs of a 50-epoch cycle: positions 1, 0.98, 0.96.
-Positions are fractions of a cycle, so one setting serves any run length. Knows nothing of
-networks or optimisers: steps in, step sizes and stages out.
+Samples are kept at each cycle's end: after its last step and every d·L steps before it
+(`samples_per_cycle` of them, `sample_spacing` d, rounded to a whole number of steps, at least
+one), i.e. at positions 1, 1 − d, 1 − 2d, … The authors keep the network after each of the last 3
+epochs of a 50-epoch cycle: d = 0.02. The spacing is a fraction of a cycle, so one setting serves
+any run length; in a short run the samples are at least one step apart. Knows nothing of networks
+or optimisers: steps in, step sizes and stages out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class CyclicalSchedule:
             0: noise throughout; 1: never (SGD with warm restarts, as snapshot ensembles).
         samples_per_cycle: samples kept at the end of each cycle (the authors' 3).
         sample_spacing: the distance between a cycle's samples, as a fraction of the cycle (the
-            authors' one epoch of 50: 0.02).
+            authors' one epoch of 50: 0.02), rounded to whole steps, at least one.
     """
 
     cycles: int = 4
@@ -66,16 +67,13 @@ class CyclicalSchedule:
         return self.cycles * self.samples_per_cycle
 
     def check(self, total_steps: int) -> None:
-        """Refuse a run of `total_steps` too short for the schedule: fewer steps than cycles, or
-        cycles too short to keep their samples at distinct steps."""
-        if total_steps < self.cycles:
-            raise ValueError(f"a run of {total_steps} steps cannot hold {self.cycles} cycles: train longer "
-                             "(trainer.max_epochs) or lower the sampler's cycles")
+        """Refuse a run of `total_steps` too short for the schedule: cycles too short to keep their
+        samples (a run of fewer than cycles × samples_per_cycle steps)."""
         shortest = total_steps // self.cycles
-        if len(set(self._sample_offsets(shortest))) < self.samples_per_cycle:
-            raise ValueError(f"cycles of {shortest} steps cannot keep {self.samples_per_cycle} samples "
-                             f"{self.sample_spacing:g} of a cycle apart at distinct steps: train longer "
-                             "(trainer.max_epochs), or lower the sampler's cycles or samples_per_cycle")
+        if shortest < 1 or self._sample_offsets(shortest)[0] < 0:
+            raise ValueError(f"a run of {total_steps} steps in {self.cycles} cycles cannot keep {self.samples_per_cycle} "
+                             f"samples {self.sample_spacing:g} of a cycle apart in each: train longer "
+                             "(trainer.max_epochs), or lower the sampler's cycles, samples_per_cycle or sample_spacing")
 
     def cycle(self, step: int, total_steps: int) -> int:
         """The cycle of `step`: the c with ⌊cK/M⌋ <= step < ⌊(c + 1)K/M⌋."""
@@ -104,8 +102,10 @@ class CyclicalSchedule:
         return done >= round(self.exploration * length)
 
     def _sample_offsets(self, length: int) -> list[int]:
-        """Steps into a cycle of `length` steps after which the samples are kept, in order."""
-        return [max(1, round((1 - j * self.sample_spacing) * length)) - 1 for j in reversed(range(self.samples_per_cycle))]
+        """Steps into a cycle of `length` steps after which the samples are kept, in order (the
+        first negative when the cycle is too short to keep them all)."""
+        spacing = max(1, round(self.sample_spacing * length))
+        return [length - 1 - j * spacing for j in reversed(range(self.samples_per_cycle))]
 
     def sample_steps(self, cycle: int, total_steps: int) -> list[int]:
         """The steps of `cycle` after which the chain's state is kept, in order."""
