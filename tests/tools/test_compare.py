@@ -179,14 +179,14 @@ def test_evaluation_passes_reuse_the_trainer_and_route_evaluate_overrides(tmp_pa
 
     train = [*shared_overrides("digits"), "trainer=gpu", "statistics.resamples=50", "seed=3", "model.x=1"]
     passes = evaluation_passes(["ood", "shift", "conformal"], ["temperature", "dirichlet"], ["photos", "noise"], "digits",
-                               tmp_path, train, ["ood.noise.size=32", "n_samples=3", "posthoc.map=diagonal"])
+                               tmp_path, train, ["ood.noise.size=32", "n_samples=3", "posthoc.calibrator.map=diagonal"])
     assert list(passes) == ["evaluations", "posthoc=temperature", "posthoc=dirichlet"]
     assert passes["evaluations"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50",
                                      "evaluations=[ood,shift,conformal]", "ood=[photos,noise]",
                                      "evaluations.shift.generate=true", f"evaluations.shift.root={tmp_path.resolve() / 'digits-C'}",
                                      "ood.noise.size=32", "n_samples=3"]
     assert passes["posthoc=dirichlet"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50", "posthoc=dirichlet",
-                                           "n_samples=3", "posthoc.map=diagonal"]
+                                           "n_samples=3", "posthoc.calibrator.map=diagonal"]
     cifar = evaluation_passes(["shift"], data="cifar10", output_dir=tmp_path)["evaluations"]
     assert cifar == ["evaluations=[shift]"]  # the published CIFAR-10-C under the data root
     assert evaluation_passes() == {}

@@ -96,7 +96,10 @@ RENAMED = {**{f"{model}.{old}": f"{model}.{new}" for model in ("model", "model.m
     "model.vogn.num_samples": "model.vogn.draws_per_step",
     # the OOD evaluation's post-hoc scores are configs of their own (conf/ood_score/)
     "evaluations.ood.knn_k": "ood_score.knn.k", "evaluations.ood.vim_dim": "ood_score.vim.dim",
-    "evaluations.ood.energy_temperature": "ood_score.energy.temperature", "evaluations.ood.odin": "ood_score.odin"}
+    "evaluations.ood.energy_temperature": "ood_score.energy.temperature", "evaluations.ood.odin": "ood_score.odin",
+    # a calibrator's settings sit under posthoc.calibrator (conf/posthoc/<name>.yaml)
+    **{f"posthoc.{key}": f"posthoc.calibrator.{key}"
+       for key in ("bins", "floor", "map", "reg_lambda", "reg_mu", "folds", "max_iter", "seed")}}
 
 
 def renamed_option(arguments: Sequence[str]) -> str | None:
