@@ -73,8 +73,8 @@ class Rank1BNN(MAP):
                  prediction: Prediction | None = None, **settings) -> None:
         weights = settings.get("weights")
         if weights is not None and type(weights) is not WeightPosterior:
-            raise ValueError(f"a rank-1 BNN's shared weights are point estimates; it cannot take {type(weights).__name__} "
-                             "(leave model.weights unset)")
+            raise ValueError(f"a rank-1 BNN's shared weights are point estimates; it cannot take "
+                             f"{type(weights).__name__} (leave model.weights unset)")
         if size < 1:
             raise ValueError(f"size (M, the number of components) must be >= 1, got {size}")
         if not 0 < dropout_rate < 1:
@@ -89,7 +89,8 @@ class Rank1BNN(MAP):
             _check_whole_rounds(key, getattr(prediction, key), size)
         distribution = FactorDistribution(prior, prior_mean, prior_stddev)
         init_stddev = math.sqrt(dropout_rate / (1 - dropout_rate))
-        super().__init__(rank1(net, size, distribution, random_sign_init, init_stddev), prediction=prediction, **settings)
+        net = rank1(net, size, distribution, random_sign_init, init_stddev)
+        super().__init__(net, prediction=prediction, **settings)
         self.size = size
         self.distribution = distribution
         self.kl_annealing = kl_annealing

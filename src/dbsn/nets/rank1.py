@@ -78,7 +78,8 @@ class _Rank1Layer(_BatchEnsembleLayer):
         ((n, in), (n, out), (n, out) or None)."""
         r_scale, s_scale = self.scales()
         bias = None if self.bias is None else self.bias[components]
-        return self._draw(self.r[components], r_scale[components]), self._draw(self.s[components], s_scale[components]), bias
+        r, s = self._draw(self.r[components], r_scale[components]), self._draw(self.s[components], s_scale[components])
+        return r, s, bias
 
     def forward(self, x: Tensor) -> Tensor:
         if self.members is not None:  # held members, row i·n + k: member k's draws
