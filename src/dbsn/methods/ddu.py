@@ -16,9 +16,9 @@ training, and the density is measured on it, and on every other method beside it
 
 The settings are the authors' (github.com/omegafragger/DDU); `conf/model/ddu.yaml` says which
 source each follows. Where this differs from their code: spectral normalisation is SNGP's
-parametrisation (theirs: `spectral_norm_conv`, a forward pre-hook with the same W / max(1, σ̂ / c)
-and the gradient through σ̂ likewise; 1x1 convolutions by the matrix norm, which for a 1x1
-convolution is its operator norm, as here), with 50 warm-up power iterations at the first training
+parametrisation (theirs: `spectral_norm_conv`, a forward pre-hook with the same W / max(1, σ̂ / c),
+1e-5 added to the divisor, and the gradient through σ̂ likewise; 1x1 convolutions by the matrix
+norm, which for a 1x1 convolution is its operator norm, as here), with 50 warm-up power iterations at the first training
 step (theirs: none); the shortcuts stay the backbone's (spectrally normalised) strided 1x1
 convolutions, the authors' shortcut without `-mod`, where `-mod` pools and pads with zeros.
 """
