@@ -48,8 +48,8 @@ class Rank1BNN(MAP):
     """A rank-1 BNN of M components on any network of `nn.Conv2d` / `nn.Linear` layers (see the
     module docstring); the network is transformed in place.
 
-    It is not a `SinglePassEnsemble` as BatchEnsemble is: its members are draws, S of them for any
-    multiple S of M, not the M networks inside it.
+    It is not a `SinglePassEnsemble` as BatchEnsemble is: its members are draws, any number S of
+    them, not the M networks inside it.
 
     Args:
         size: M, the mixture's components (the authors' `ensemble_size` 4).
@@ -61,8 +61,10 @@ class Rank1BNN(MAP):
         kl_annealing: the fraction of training over which the KL's weight rises to 1 (0: no
             annealing; the authors' 200 of 250 epochs: 0.8).
         fast_weight_lr_multiplier: the factors' lr as a multiple of the weights' (the authors' 1).
-        settings: `MAP`'s and `Method`'s; the weights are point estimates. `prediction.n_samples`
-            and `val_samples` (S) are multiples of M (default M: one draw of each component).
+        settings: `MAP`'s and `Method`'s; the weights are point estimates. S
+            (`prediction.n_samples`, `val_samples`; default M, one draw of each component) weighs
+            the components equally where it is a multiple of M; otherwise the first S mod M
+            components have one draw more.
     """
 
     samples_weights = True  # S draws of its factors' posterior
@@ -85,8 +87,6 @@ class Rank1BNN(MAP):
         if fast_weight_lr_multiplier <= 0:
             raise ValueError(f"fast_weight_lr_multiplier must be > 0, got {fast_weight_lr_multiplier}")
         prediction = prediction if prediction is not None else Prediction(size, size, size)
-        for key in ("n_samples", "val_samples"):
-            _check_whole_rounds(key, getattr(prediction, key), size)
         distribution = FactorDistribution(prior, prior_mean, prior_stddev)
         init_stddev = math.sqrt(dropout_rate / (1 - dropout_rate))
         net = rank1(net, size, distribution, random_sign_init, init_stddev)
@@ -102,14 +102,6 @@ class Rank1BNN(MAP):
     @property
     def is_stochastic(self) -> bool:
         return True
-
-    @property
-    def n_samples(self) -> int:
-        return self.prediction.n_samples
-
-    @n_samples.setter
-    def n_samples(self, value: int) -> None:
-        self.prediction.n_samples = _check_whole_rounds("n_samples", int(value), self.size)
 
     def cuda_graph_refusal(self) -> str | None:
         return Method.cuda_graph_refusal(self)
@@ -206,9 +198,3 @@ class Rank1BNN(MAP):
         bias = weight.new_zeros(n, weight.shape[0]) if bias is None else bias
         return [(s[j, :, None] * weight * r[j, None, :], bias[j]) for j in range(n)]
 
-
-def _check_whole_rounds(key: str, value: int, size: int) -> int:
-    if value < 1 or value % size:
-        raise ValueError(f"prediction.{key}={value}: a rank-1 BNN predicts with K draws of each of its M = {size} "
-                         f"components; set a multiple of {size} (K = 1: {size}).")
-    return value
