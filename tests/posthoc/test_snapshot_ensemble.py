@@ -264,3 +264,22 @@ def test_the_evaluation_suite_runs_on_the_snapshot_ensemble(runs, tmp_path):
         assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
     assert 0 <= results["test/error"] <= 1 and results["adversarial/fgsm/accuracy@0.1"] <= 1
     assert any(key.startswith("shift/") for key in results) and any(key.startswith("conformal/") for key in results)
+
+
+@pytest.mark.slow
+def test_a_dbsn_run_collects_snapshots_and_evaluates_as_their_ensemble(tmp_path):
+    """DBSN (structures sampled, θ by its own Adam): the collector drives the weights' SGD alone; the ensemble's
+    members are the snapshots' DBSNs, each with its own θ and S structures."""
+    from dbsn.runtime.run import train
+
+    run = tmp_path / "run"
+    overrides = ["model=dbsn", "data=digits", "data.batch_size=16", "trainer.limit_train_batches=2", "test=false",
+                 "callbacks=snapshot_ensemble", "callbacks.snapshot_ensemble.cycles=2", "trainer.max_epochs=2",
+                 "~callbacks.progress_bar", *TINY]
+    train(compose_config("train", overrides, run), run)
+    state = load_snapshot_state(load_checkpoint(run / "checkpoints" / "last.ckpt"))
+    assert state["epochs"] == [0, 1]
+    assert not torch.equal(state["snapshots"][0]["structure.theta"], state["snapshots"][1]["structure.theta"])
+    results = evaluate_quietly(run / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=snapshot_ensemble"])
+    record = json.loads((run / "posthoc" / "snapshot_ensemble" / "metrics.json").read_text())
+    assert 0 <= results["test/error"] <= 1 and record["n_samples"] == 2 and record["snapshot_epochs"] == [0, 1]
