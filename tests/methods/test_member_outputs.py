@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dbsn.methods import (DBSN, DDU, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, MCDropoutWeights, PackedEnsemble,
-                          Prediction, Rank1BNN)
+from dbsn.methods import (DBSN, DDU, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, Masksembles, MCDropoutWeights,
+                          PackedEnsemble, Prediction, Rank1BNN)
 from dbsn.nets import ResNet18
 from tests.support.netutil import tiny_structure_net
 
@@ -27,6 +27,7 @@ METHODS = {
     "mimo": lambda: MIMO(tiny_structure_net(), size=3, learn_structure=False, dataset_size=10),
     "rank1_bnn": lambda: Rank1BNN(ResNet18(10, width=8), size=2, dataset_size=10, prediction=Prediction(4, 2, 3)),
     "ddu": lambda: DDU(ResNet18(10, width=8), dataset_size=10),
+    "masksembles": lambda: Masksembles(ResNet18(10, width=16), size=3, dataset_size=10),  # 10 channels: the masks' minimum
 }
 
 
