@@ -10,15 +10,15 @@ from dbsn.tools import bench
 
 @pytest.mark.parametrize("backbone, methods", [
     ("resnet18", ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                  "sngp", "ddu", "masksembles", "snapshot_ensemble")),
-    ("structure_net", ("map_fixed", "dbsn", "mimo", "masksembles")),
+                  "sngp", "ddu", "masksembles", "snapshot_ensemble", "csghmc")),
+    ("structure_net", ("map_fixed", "dbsn", "mimo", "masksembles", "csghmc_structure")),
 ])
 def test_field_suite_times_every_method_against_one_network(backbone, methods, tmp_path, monkeypatch):
     import json
 
     from dbsn.tools.bench import field
 
-    monkeypatch.setattr(field, "FIELD_METHODS", tuple(m for m in methods if m != "dbsn"))
+    monkeypatch.setattr(field, "FIELD_METHODS", tuple(m for m in methods if m not in field.CELL_METHODS))
     out = tmp_path / "field.json"
     result = bench.main(["--suite", "field", "--backbone", backbone, "--size", "tiny", "--batch", "4", "--repeats", "1",
                          "--device", "cpu", "--json", str(out)])
@@ -39,5 +39,8 @@ def test_field_suite_times_every_method_against_one_network(backbone, methods, t
         # Masksembles: buffers for masks, no parameter; a snapshot ensemble: M = 5 networks (conf/callbacks/)
         assert params["masksembles"] == params["map_fixed"] and members["masksembles"] == 4
         assert params["snapshot_ensemble"] == 5 * params["map_fixed"] and members["snapshot_ensemble"] == 5
+        # cSGHMC: one network trained, the 12 samples its run keeps (4 cycles x 3) at prediction, one forward each
+        assert params["csghmc"] == params["map_fixed"] and members["csghmc"] == 12
     if "dbsn" in params:
         assert members["dbsn"] == 100 and members["mimo"] == 3
+        assert members["csghmc_structure"] == 48  # 4 chains x 4 cycles x 3 samples

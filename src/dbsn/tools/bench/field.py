@@ -9,10 +9,14 @@ settings are the ones a run uses, and timed on the same batch, in interleaved re
 
   train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble, the
              rank-1 BNN, Masksembles and Packed-Ensembles on the batch once per member, MIMO on its
-             repeated batch; a snapshot ensemble's run: one network's step under the callback's lr)
+             repeated batch; a snapshot ensemble's run: one network's step under the callback's lr;
+             cSGHMC's step of its sampler, as built at a run's first step, in the exploration stage
+             (the sampling stage's last tenth adds one Gaussian draw per weight); its structure
+             sampler's DBSN step over its T chains' structures)
   predict    the test-time prediction of one batch: all members of the method's ensemble (S for
              MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN,
-             the M snapshots of a snapshot ensemble, one network each),
+             the M snapshots of a snapshot ensemble and the samples cSGHMC keeps (12, its structure
+             sampler 48), one network each),
              in eval mode (DDU's one softmax pass: its GDA density is the OOD evaluation's, not its prediction)
 
 Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
@@ -36,12 +40,14 @@ from dbsn.tools.compare import DROPOUT_PLACEMENT
 
 #: The methods timed on every backbone (config names, and `SNAPSHOT`'s), one network first.
 FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble",
-                 "masksembles", "mimo", "sngp", "ddu", "snapshot_ensemble")
+                 "masksembles", "mimo", "sngp", "ddu", "snapshot_ensemble", "csghmc")
 #: A snapshot ensemble: (its name, the method of the run it collects): that run under
 #: `callbacks=snapshot_ensemble`, predicting with its M snapshots (`posthoc=snapshot_ensemble`).
 SNAPSHOT = ("snapshot_ensemble", "map_fixed")
 #: Methods that run only on DBSN's cell network, timed when the backbone is structure_net.
-CELL_METHODS = ("dbsn",)
+CELL_METHODS = ("dbsn", "csghmc_structure")
+#: The length of the run a cSG-MCMC sampler is built for: 100 CIFAR epochs at batch 64 (its cycles divide it).
+SAMPLER_RUN_STEPS = 100 * 782
 #: Network overrides of each backbone at each size.
 SIZES = {
     "resnet18": {"quick": ["width=16"], "paper": [], "tiny": ["width=10"]},
@@ -101,9 +107,12 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
     for m in (method, *getattr(method, "members", ())):  # as on_fit_start sets it (a deep ensemble's members too)
         m.dataset_size = 50_000
     groups = method.weight_parameter_groups()
-    opts = [method.optim.build(group, 100, method.no_decay_parameters(), method.lr_scales())[0] for group in groups]
-    if method.structure_parameters():
-        opts.append(method.structure_optimizer().build(method.structure_parameters()))
+    if hasattr(method, "run_optimizers"):  # cSG-MCMC: its sampler (and the structure sampler's weights' SGD)
+        opts = method.run_optimizers(SAMPLER_RUN_STEPS, 100)[0]
+    else:
+        opts = [method.optim.build(group, 100, method.no_decay_parameters(), method.lr_scales())[0] for group in groups]
+        if method.structure_parameters():
+            opts.append(method.structure_optimizer().build(method.structure_parameters()))
     method.attach_guard(opts)  # the NaN guard on the device, as in training (no host read per step)
     method.train()
     trainer = SimpleNamespace(optimizers=opts, lr_scheduler_configs=groups, current_epoch=0, num_training_batches=1,
@@ -122,6 +131,13 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
             opt.step()
         method.on_after_optimizer_step(x.shape[0])
     return step
+
+
+def keep_samples(method) -> None:
+    """A cSG-MCMC method's members: as many samples as its run keeps (copies of its state now: the
+    time does not depend on the weights)."""
+    for step in range(method.sampler.schedule.kept):
+        method.keep_sample(step)
 
 
 def prediction(method, x: torch.Tensor):
@@ -152,6 +168,8 @@ def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeat
         else:
             method, collector = build_method(name, backbone, size).to(dev), None
             ensemble = method
+            if hasattr(method, "keep_sample"):  # cSG-MCMC: the samples a run keeps
+                keep_samples(method)
         parameters[name] = sum(p.numel() for p in ensemble.parameters() if p.requires_grad)
         members[name] = ensemble.num_members
         calls[name, "train"] = training_step(method, x, y, collector)
