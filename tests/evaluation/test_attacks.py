@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from dbsn.evaluation.attacks import (
     ATTACKS,
-    MemberChunkedNLL,
+    ExampleChunkedNLL,
     PAPER_EPSILONS,
     RESULT_COLUMNS,
     adversarial_evaluation,
@@ -335,46 +335,41 @@ def test_figure_with_a_single_label():
     assert not fig.get_suptitle()
 
 
-def members_fn(seeds=(0, 1, 2, 3, 4)):
-    """Members first .. first + n - 1 of an ensemble of linear models: (n, N, C) log-probabilities."""
+def ensemble_fn(seeds=(0, 1, 2, 3, 4)):
+    """The log of the averaged probabilities of an ensemble of linear models (its members the same at every call)."""
     models = [linear_model(seed=s) for s in seeds]
-    return lambda x, n, first: torch.stack([F.log_softmax(m(x), dim=1) for m in models[first:first + n]])
+    return lambda x: torch.logsumexp(torch.stack([F.log_softmax(m(x), dim=1) for m in models]), dim=0) - math.log(5)
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
-def test_member_chunked_nll_takes_autograds_gradient_of_the_predictive_nll(chunk):
-    """In chunks of members the gradient is the one autograd takes through the log-mean-exp of all
-    members at once (and the loss is the predictive NLL)."""
-    members, x, y = members_fn(), images(), labels()
-    loss = MemberChunkedNLL(members, y, 5, chunk)
-    predictive = predictive_nll(lambda x: torch.logsumexp(members(x, 5, 0), dim=0) - math.log(5), y)
+@pytest.mark.parametrize("chunk", [1, 5, 12, 40])
+def test_example_chunked_nll_takes_the_whole_batch_gradient(chunk):
+    """A chunk of examples at a time, the gradient is the whole batch's (each example's is its own),
+    the loss is the predictive NLL, and FGSM / BIM give the same images."""
+    predictive, x, y = ensemble_fn(), images(), labels()
+    loss, whole = ExampleChunkedNLL(predictive, y, chunk), predictive_nll(predictive, y)
     x_leaf = x.clone().requires_grad_(True)
-    expected = torch.autograd.grad(predictive(x_leaf), x_leaf)[0]
+    expected = torch.autograd.grad(whole(x_leaf), x_leaf)[0]
     torch.testing.assert_close(loss.gradient(x), expected, rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(loss(x), predictive(x), rtol=1e-12, atol=0)
-    assert torch.equal(fgsm(loss, x, 0.05), fgsm(predictive, x, 0.05))
-    assert torch.equal(bim(loss, x, 0.05), bim(predictive, x, 0.05))
+    torch.testing.assert_close(loss(x), whole(x), rtol=0, atol=0)
+    assert torch.equal(fgsm(loss, x, 0.05), fgsm(whole, x, 0.05))
+    assert torch.equal(bim(loss, x, 0.05), bim(whole, x, 0.05))
 
 
-def test_member_chunked_nll_holds_one_chunk_of_members_in_the_graph():
-    """Each backward pass sees `chunk` members: the members' forwards with a graph come in chunks."""
-    calls = []
-    members = members_fn()
+def test_example_chunked_nll_holds_a_chunk_of_examples_in_the_graph():
+    predictive, sizes = ensemble_fn(), []
 
-    def counted(x, n, first):
-        calls.append((n, first, torch.is_grad_enabled() and x.requires_grad))
-        return members(x, n, first)
+    def counted(x):
+        sizes.append((len(x), x.requires_grad))
+        return predictive(x)
 
     with torch.enable_grad():
-        MemberChunkedNLL(counted, labels(), 5, 2).gradient(images())
-    assert [c for c in calls if c[2]] == [(2, 0, True), (2, 2, True), (1, 4, True)]
-    assert [c[:2] for c in calls if not c[2]] == [(2, 0), (2, 2), (1, 4)]  # the weights, without a graph
+        ExampleChunkedNLL(counted, labels(), 5).gradient(images())
+    assert sizes == [(5, True), (5, True), (2, True)]
 
 
 def test_adversarial_evaluation_attacks_the_given_loss():
-    members, x, y = members_fn(), images(), labels()
-    predictive = lambda x: torch.logsumexp(members(x, 5, 0), dim=0) - math.log(5)  # noqa: E731
+    predictive, x, y = ensemble_fn(), images(), labels()
     plain = adversarial_evaluation(predictive, predictive, [(x, y)], epsilons=(0.0, 0.1), progress=False)
     chunked = adversarial_evaluation(predictive, predictive, [(x, y)], epsilons=(0.0, 0.1), progress=False,
-                                     attack_loss=lambda y: MemberChunkedNLL(members, y, 5, 1))
+                                     attack_loss=lambda y: ExampleChunkedNLL(predictive, y, 5))
     assert plain == chunked

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dbsn.data.augment import normalize, to_unit_range
-from dbsn.evaluation.attacks import (ATTACKS, PAPER_EPSILONS, RESULT_COLUMNS, MemberChunkedNLL, adversarial_evaluation,
+from dbsn.evaluation.attacks import (ATTACKS, PAPER_EPSILONS, RESULT_COLUMNS, ExampleChunkedNLL, adversarial_evaluation,
                                     adversarial_figure)
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
@@ -65,10 +65,9 @@ class AdversarialRobustness(Evaluation):
         eval_samples: other members, which evaluate the attacked images (paper: 30).
         max_examples: attack only the first N test images (None: all).
         batch_size: images per attacked batch.
-        members_per_backward: attacked members whose autograd graph is held at once (the graph
-            holds members_per_backward × batch_size forwards; `MemberChunkedNLL`); None: all
-            attack_samples in one graph. A calibrated predictive (a temperature or a calibrator
-            on the ensemble) is attacked in one graph.
+        examples_per_backward: images whose autograd graph is held at once in an attack's input
+            gradient (it holds their forwards through the attack_samples members;
+            `ExampleChunkedNLL`); None: the whole batch.
     Attacks run in [0, 1] pixel space; the model sees the images normalised as in training.
     """
 
@@ -77,11 +76,11 @@ class AdversarialRobustness(Evaluation):
     def __init__(self, attacks: Sequence[str] = ("fgsm", "bim"), epsilons: Sequence[float] = PAPER_EPSILONS,
                  bim_steps: int = 3, attack_samples: int = 30, eval_samples: int = 30,
                  max_examples: int | None = None, batch_size: int | None = 100,
-                 members_per_backward: int | None = 1) -> None:
+                 examples_per_backward: int | None = 10) -> None:
         self.attacks, self.epsilons = list(attacks), [float(e) for e in epsilons]
         self.bim_steps, self.attack_samples, self.eval_samples = int(bim_steps), int(attack_samples), int(eval_samples)
         self.max_examples, self.batch_size = max_examples, batch_size
-        self.members_per_backward = members_per_backward
+        self.examples_per_backward = examples_per_backward
 
     def check(self, subject: Subject) -> None:
         super().check(subject)
@@ -94,9 +93,9 @@ class AdversarialRobustness(Evaluation):
         for key in ("bim_steps", "attack_samples", "eval_samples"):
             if getattr(self, key) < 1:
                 raise EvaluationError(f"evaluations.adversarial.{key} must be >= 1, got {getattr(self, key)}.")
-        if self.members_per_backward is not None and self.members_per_backward < 1:
-            raise EvaluationError("evaluations.adversarial.members_per_backward must be >= 1 or null (all attacked members "
-                                  f"in one graph), got {self.members_per_backward}.")
+        if self.examples_per_backward is not None and self.examples_per_backward < 1:
+            raise EvaluationError("evaluations.adversarial.examples_per_backward must be >= 1 or null (the whole batch in "
+                                  f"one graph), got {self.examples_per_backward}.")
         if self.max_examples is not None and self.max_examples < 1:
             raise EvaluationError(f"evaluations.adversarial.max_examples must be >= 1 or null, got {self.max_examples}.")
 
@@ -110,14 +109,8 @@ class AdversarialRobustness(Evaluation):
         def attack_log_probs(x: Tensor) -> Tensor:
             return model.predict_log_probs(normalize(x, mean, std), self.attack_samples)
 
-        def member_log_probs(x: Tensor, count: int, first: int) -> Tensor:
-            return model.predict_members(normalize(x, mean, std), count, first)
-
-        chunked = self.members_per_backward is not None and not model.is_calibrated
-
-        def attack_loss(y: Tensor) -> MemberChunkedNLL:
-            members = self.attack_samples if model.is_stochastic else 1
-            return MemberChunkedNLL(member_log_probs, y, members, self.members_per_backward)
+        def attack_loss(y: Tensor) -> ExampleChunkedNLL:
+            return ExampleChunkedNLL(attack_log_probs, y, self.examples_per_backward)
 
         def eval_log_probs(x: Tensor) -> Tensor:  # other members than the attacked ones
             return model.predict_log_probs(normalize(x, mean, std), self.eval_samples, first=self.attack_samples)
@@ -128,7 +121,7 @@ class AdversarialRobustness(Evaluation):
         batches = PixelBatches(datamodule.test_dataloader(), device, self.max_examples)
         rows = adversarial_evaluation(attack_log_probs, eval_log_probs, batches, epsilons=tuple(self.epsilons),
                                       attacks=tuple(self.attacks), bim_steps=self.bim_steps, progress=subject.progress,
-                                      attack_loss=attack_loss if chunked else None)
+                                      attack_loss=None if self.examples_per_backward is None else attack_loss)
         title = subject.title
         return Results(
             shown_as_curves={f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k] for r in rows

@@ -22,7 +22,6 @@ with ``0 log 0 = 0``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,7 +33,7 @@ from dbsn.evaluation.progress import progress as progress_bar
 
 __all__ = [
     "ATTACKS",
-    "MemberChunkedNLL",
+    "ExampleChunkedNLL",
     "PAPER_EPSILONS",
     "adversarial_evaluation",
     "adversarial_figure",
@@ -59,7 +58,7 @@ def _normal_tensor(t: Tensor) -> Tensor:
 
 def _loss_gradient_sign(loss_fn: LossFn, x: Tensor) -> Tensor:
     """``sign(∇_x loss_fn(x))``, taken on a detached copy of ``x`` even under no_grad/inference mode
-    (by the loss's own ``gradient`` where it has one: :class:`MemberChunkedNLL`)."""
+    (by the loss's own ``gradient`` where it has one: :class:`ExampleChunkedNLL`)."""
     with torch.inference_mode(False), torch.enable_grad():
         x = x.detach().clone()
         if hasattr(loss_fn, "gradient"):
@@ -120,55 +119,32 @@ def predictive_nll(predict_log_probs: LossFn, y: Tensor) -> LossFn:
     return lambda x: F.nll_loss(predict_log_probs(x), y)
 
 
-MemberLogProbs = Callable[[Tensor, int, int], Tensor]
-
-
-class MemberChunkedNLL:
-    """The predictive NLL ``L(x) = -1/N Σ_i log(1/S Σ_s p_s(y_i | x_i))`` of members 0 .. S - 1,
-    whose input gradient is summed over chunks of ``chunk`` members: the autograd graph holds
-    ``chunk × N`` forwards at a time instead of ``S × N`` (on the digits cell network about 6 MB
-    each: S = 10 members of 100 images held 6 GB).
-
-    ``member_log_probs(x, n, first)`` gives the log-probabilities (n, N, C) of members first ..
-    first + n - 1, differentiably in ``x``; each member must be the same function at every call.
-    The gradient is the one autograd takes through the log-mean-exp, in pieces:
-    ``∇_x L = -1/N Σ_s w_s ∇_x log p_s(y | x)`` with ``w_s = softmax_s(log p_s(y | x))``, the
-    weights from a first pass without a graph. With ``chunk >= S`` it is autograd's own
-    gradient of ``L`` in one pass.
+class ExampleChunkedNLL:
+    """The predictive NLL ``L(x) = -1/N Σ_i log p(y_i | x_i)`` of ``predict_log_probs`` (as
+    :func:`predictive_nll`), whose input gradient is taken ``chunk`` examples at a time: each
+    example's gradient is its own (the members are the same functions for every example of a
+    call), so the autograd graph holds the members' forwards of ``chunk`` images instead of the
+    whole batch's (on the digits cell network about 6 MB a member and image: 10 members of 100
+    images held 6 GB). ``predict_log_probs`` is called once a chunk and, for a posterior whose
+    members are drawn at every call, draws them afresh for each chunk, as it would for each batch.
     """
 
-    def __init__(self, member_log_probs: MemberLogProbs, y: Tensor, n_members: int, chunk: int) -> None:
-        if n_members < 1 or chunk < 1:
-            raise ValueError(f"n_members and chunk must be >= 1, got {n_members} and {chunk}")
-        self.member_log_probs, self.y = member_log_probs, _normal_tensor(y)
-        self.n_members, self.chunk = n_members, chunk
-
-    def _chunks(self):
-        return [(min(self.chunk, self.n_members - first), first) for first in range(0, self.n_members, self.chunk)]
-
-    def _picked(self, x: Tensor, count: int, first: int) -> Tensor:
-        """log p_s(y_i | x_i) of a chunk of members, (count, N)."""
-        log_probs = self.member_log_probs(x, count, first)
-        return log_probs.gather(-1, self.y.view(1, -1, 1).expand(count, -1, 1)).squeeze(-1)
+    def __init__(self, predict_log_probs: LossFn, y: Tensor, chunk: int) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.predict_log_probs, self.y, self.chunk = predict_log_probs, _normal_tensor(y), chunk
 
     def __call__(self, x: Tensor) -> Tensor:
-        picked = torch.cat([self._picked(x, count, first) for count, first in self._chunks()])
-        return -(torch.logsumexp(picked, dim=0) - math.log(self.n_members)).mean()
+        return F.nll_loss(self.predict_log_probs(x), self.y)
 
     def gradient(self, x: Tensor) -> Tensor:
-        """``∇_x L(x)``, one chunk of members in the graph at a time."""
-        x = x.detach()
-        if self.chunk >= self.n_members:
-            x = x.clone().requires_grad_(True)
-            return torch.autograd.grad(self(x), x)[0]
-        with torch.no_grad():
-            weights = torch.cat([self._picked(x, count, first) for count, first in self._chunks()]).softmax(0)
-        grad = torch.zeros_like(x)
-        for count, first in self._chunks():
-            leaf = x.clone().requires_grad_(True)
-            part = -(weights[first:first + count] * self._picked(leaf, count, first)).sum() / len(self.y)
-            grad += torch.autograd.grad(part, leaf)[0]
-        return grad
+        """``∇_x L(x)``, ``chunk`` examples in the graph at a time."""
+        parts = []
+        for x_part, y_part in zip(x.detach().split(self.chunk), self.y.split(self.chunk)):
+            leaf = x_part.clone().requires_grad_(True)
+            loss = F.nll_loss(self.predict_log_probs(leaf), y_part, reduction="sum") / len(self.y)
+            parts.append(torch.autograd.grad(loss, leaf)[0])
+        return torch.cat(parts)
 
 
 def adversarial_evaluation(
@@ -191,8 +167,8 @@ def adversarial_evaluation(
     ``torch.no_grad()``/``torch.inference_mode()`` (the attacks re-enable gradients).
 
     ``attack_loss(y)``, when given, is the loss the attacks ascend on a batch of labels ``y``
-    instead of ``predictive_nll(attack_log_probs, y)`` (a :class:`MemberChunkedNLL`: the same
-    loss with a graph of fewer members).
+    instead of ``predictive_nll(attack_log_probs, y)`` (an :class:`ExampleChunkedNLL`: the same
+    loss with a graph of fewer images).
 
     Returns one row per (attack, ε), attacks outer, ``{"attack", "epsilon", "accuracy",
     "mean_entropy", "n_examples"}``, averaged over all examples.
