@@ -373,3 +373,27 @@ def test_adversarial_evaluation_attacks_the_given_loss():
     chunked = adversarial_evaluation(predictive, predictive, [(x, y)], epsilons=(0.0, 0.1), progress=False,
                                      attack_loss=lambda y: ExampleChunkedNLL(predictive, y, 5))
     assert plain == chunked
+
+
+def test_example_chunked_nll_holds_members_drawn_per_call_for_the_whole_batch():
+    """A posterior that draws its members at every call is held to one draw for all of a gradient's
+    chunks: the gradient is the whole batch's under that one draw."""
+    from contextlib import contextmanager
+
+    x, y, draws = images(), labels(), []
+    held = {}
+
+    def drawn(x):  # a random member per call unless one is held
+        model = held.get("model") or linear_model(seed=len(draws) + 10)
+        draws.append(model)
+        return F.log_softmax(model(x), dim=1)
+
+    @contextmanager
+    def hold():
+        held["model"] = linear_model(seed=99)
+        yield
+        held.clear()
+
+    gradient = ExampleChunkedNLL(drawn, y, 5, hold=hold).gradient(x)
+    torch.testing.assert_close(gradient, analytic_gradient(linear_model(seed=99), x, y), rtol=1e-12, atol=1e-15)
+    assert len(draws) == 3  # a call a chunk, every one under the held draw

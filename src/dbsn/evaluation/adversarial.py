@@ -110,7 +110,9 @@ class AdversarialRobustness(Evaluation):
             return model.predict_log_probs(normalize(x, mean, std), self.attack_samples)
 
         def attack_loss(y: Tensor) -> ExampleChunkedNLL:
-            return ExampleChunkedNLL(attack_log_probs, y, self.examples_per_backward)
+            # members drawn at every call (DBSN without per-structure BatchNorm) drawn once a gradient
+            return ExampleChunkedNLL(attack_log_probs, y, self.examples_per_backward,
+                                     hold=lambda: model.fixed_members(self.attack_samples))
 
         def eval_log_probs(x: Tensor) -> Tensor:  # other members than the attacked ones
             return model.predict_log_probs(normalize(x, mean, std), self.eval_samples, first=self.attack_samples)

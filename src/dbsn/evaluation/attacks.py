@@ -23,6 +23,7 @@ with ``0 log 0 = 0``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from matplotlib.figure import Figure
@@ -125,14 +126,16 @@ class ExampleChunkedNLL:
     example's gradient is its own (the members are the same functions for every example of a
     call), so the autograd graph holds the members' forwards of ``chunk`` images instead of the
     whole batch's (on the digits cell network about 6 MB a member and image: 10 members of 100
-    images held 6 GB). ``predict_log_probs`` is called once a chunk and, for a posterior whose
-    members are drawn at every call, draws them afresh for each chunk, as it would for each batch.
+    images held 6 GB). ``predict_log_probs`` is called once a chunk; ``hold()``, a context around
+    the chunks of one gradient, keeps a posterior whose members are drawn at every call (DBSN's
+    structures) to one draw for the whole batch, as one call over the batch would.
     """
 
-    def __init__(self, predict_log_probs: LossFn, y: Tensor, chunk: int) -> None:
+    def __init__(self, predict_log_probs: LossFn, y: Tensor, chunk: int,
+                 hold: Callable[[], AbstractContextManager] = nullcontext) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        self.predict_log_probs, self.y, self.chunk = predict_log_probs, _normal_tensor(y), chunk
+        self.predict_log_probs, self.y, self.chunk, self.hold = predict_log_probs, _normal_tensor(y), chunk, hold
 
     def __call__(self, x: Tensor) -> Tensor:
         return F.nll_loss(self.predict_log_probs(x), self.y)
@@ -140,10 +143,11 @@ class ExampleChunkedNLL:
     def gradient(self, x: Tensor) -> Tensor:
         """``∇_x L(x)``, ``chunk`` examples in the graph at a time."""
         parts = []
-        for x_part, y_part in zip(x.detach().split(self.chunk), self.y.split(self.chunk)):
-            leaf = x_part.clone().requires_grad_(True)
-            loss = F.nll_loss(self.predict_log_probs(leaf), y_part, reduction="sum") / len(self.y)
-            parts.append(torch.autograd.grad(loss, leaf)[0])
+        with self.hold():
+            for x_part, y_part in zip(x.detach().split(self.chunk), self.y.split(self.chunk)):
+                leaf = x_part.clone().requires_grad_(True)
+                loss = F.nll_loss(self.predict_log_probs(leaf), y_part, reduction="sum") / len(self.y)
+                parts.append(torch.autograd.grad(loss, leaf)[0])
         return torch.cat(parts)
 
 
