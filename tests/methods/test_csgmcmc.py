@@ -179,6 +179,15 @@ def test_bad_settings_are_refused_in_one_line(model, override, message, tmp_path
         build_model(compose_config("train", overrides, tmp_path).model, num_classes=10)
 
 
+def test_a_deep_ensemble_of_chains_is_refused(tmp_path):
+    """A deep ensemble trains its members without their step hooks, which keep the samples."""
+    from dbsn.methods import DeepEnsemble
+
+    member = build_model(compose_config("train", ["model=csgld", "model.net.width=8"], tmp_path).model, num_classes=10)
+    with pytest.raises(ValueError, match="train the members as separate runs"):
+        DeepEnsemble([member])
+
+
 def test_compare_and_the_registry_take_the_samplers_with_their_own_schedule(tmp_path):
     """compare's fair protocol: the sampler keeps its own settings (its cycles, not the shared ×0.1
     steps), its base lr is model.sampler.lr (the one --tune chooses); S is the samples kept. The
