@@ -44,3 +44,20 @@ def test_field_suite_times_every_method_against_one_network(backbone, methods, t
     if "dbsn" in params:
         assert members["dbsn"] == 100 and members["mimo"] == 3
         assert members["csghmc_structure"] == 48  # 4 chains x 4 cycles x 3 samples
+
+
+def test_a_training_step_after_a_prediction_trains_in_training_mode():
+    """The suite interleaves each method's step and prediction on one object: the step must put it back in
+    training mode (BatchNorm on the batch's statistics), which the prediction left in eval mode."""
+    import torch
+
+    from dbsn.tools.bench import field
+
+    method = field.build_method("map_fixed", "resnet18", "tiny")
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    step, predict = field.training_step(method, x, y), field.prediction(method, x)
+    modes = []
+    method.net.bn1.register_forward_hook(lambda module, args, out: modes.append(module.training))
+    predict()
+    step()
+    assert modes == [False, True]

@@ -114,11 +114,11 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
         if method.structure_parameters():
             opts.append(method.structure_optimizer().build(method.structure_parameters()))
     method.attach_guard(opts)  # the NaN guard on the device, as in training (no host read per step)
-    method.train()
     trainer = SimpleNamespace(optimizers=opts, lr_scheduler_configs=groups, current_epoch=0, num_training_batches=1,
                               max_epochs=100)  # what the collector reads of a trainer
 
     def step():
+        method.train()  # every step: the prediction's call (the same method, interleaved) leaves it in eval mode
         if collector is not None:
             collector.set_lr(trainer, 0)
         for opt in opts:
