@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from dbsn.methods.base import Method
+from dbsn.methods.base import Method, Parallel
 from dbsn.methods.map import MAP
 from dbsn.methods.weights import WeightPosterior
 from dbsn.sampling import CyclicalSampler, CyclicalSGMCMC, SampleSet
@@ -273,7 +273,7 @@ class StructureCSGMCMC(ChainMembers, Method):
     networks = "cells"
 
     def __init__(self, net: nn.Module, *, sampler: CyclicalSampler | None = None, structure_tau: float = 1.0,
-                 train_samples: int = 4, parallel: str = "structure", **settings) -> None:
+                 train_samples: int = 4, parallel: Parallel = "structure", **settings) -> None:
         if net.num_edges == 0:
             raise ValueError(f"{type(self).__name__} samples the structure of DBSN's cells, and {type(net).__name__} has "
                              "none (num_edges = 0): use model/net=structure_net, or model=csghmc on this network")

@@ -30,9 +30,9 @@ from dbsn.nets.backbone import Backbone
 
 #: The order in which the report lists the methods (config names); the configs it does not name
 #: follow, by name.
-REPORT_ORDER = ("dbsn", "fbn", "csghmc_structure", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble",
-                "batch_ensemble", "rank1_bnn", "packed_ensemble", "masksembles", "mimo", "sngp", "ddu", "csghmc",
-                "csgld", "vogn", "vogn_fbn", "nekfac")
+REPORT_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble",
+                "rank1_bnn", "packed_ensemble", "masksembles", "mimo", "sngp", "ddu", "csghmc", "csgld",
+                "csghmc_structure", "vogn", "vogn_fbn", "nekfac")
 
 
 def _short(target) -> str:
