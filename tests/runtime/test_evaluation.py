@@ -137,3 +137,15 @@ def test_a_posterior_that_does_not_apply_is_refused_before_anything_is_fitted(sw
     shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("evaluation", "posthoc", "report"))
     evaluate_quietly(copy, tmp_path / "hydra", ["posthoc=laplace", "n_samples=2"])
     assert (copy / "0" / "posthoc" / "laplace" / "metrics.json").is_file() and not (copy / "1" / "posthoc" / "laplace").exists()
+
+
+def test_a_posthoc_given_by_value_is_refused_naming_every_posterior_of_conf():
+    from omegaconf import OmegaConf
+
+    from dbsn.runtime.config import CONF_DIR, ConfigError
+    from dbsn.runtime.evaluation import build_posterior
+
+    with pytest.raises(ConfigError) as refused:
+        build_posterior(OmegaConf.create({"posthoc": "x"}))
+    names = sorted(path.stem for path in (CONF_DIR / "posthoc").glob("*.yaml"))
+    assert "snapshot_ensemble" in names and f"lists them: {', '.join(names)})" in str(refused.value)
