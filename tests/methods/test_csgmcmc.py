@@ -86,6 +86,12 @@ def test_trains_keeps_its_samples_and_evaluates_from_the_checkpoint_on_digits(mo
     with torch.no_grad():
         torch.testing.assert_close(method.predict_log_probs(x).exp(), _by_hand(method, x), rtol=1e-5, atol=1e-6)
         assert method.predict_members(x).shape == (4 * chains, 8, 10)
+        if model == "csghmc":  # the detection scores read each member's own head and features
+            logits, features = method.member_outputs(x, 4)
+            torch.testing.assert_close(logits, method.stochastic_forward(x, 4))
+            for s, (weight, bias) in enumerate(method.member_heads(4)):
+                assert torch.equal(weight, method.samples[s]["classifier.weight"])
+                torch.testing.assert_close(features[s] @ weight.T + bias, logits[s], rtol=1e-5, atol=1e-5)
     again = evaluate_quietly(ckpt, tmp_path / "eval")  # rebuilt from the checkpoint alone
     assert again["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)
     assert again["test/mutual_information"] > 0  # the members disagree
@@ -250,3 +256,23 @@ def test_compare_trains_and_tests_the_samplers(tmp_path):
         assert {"test/error", "test/nll"} <= set(results[method]) and results[method]["train_seconds"] > 0
         facts = json.loads((tmp_path / method / "metrics.json").read_text())
         assert facts["samples_kept"] == facts["n_samples"] == kept, method
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["csghmc", "csghmc_structure"])
+def test_the_evaluation_suite_runs_on_it(model, tmp_path):
+    """evaluate.py's OOD detection with every score (each sample's features and head), dataset shift on
+    generated corruptions, conformal sets and the adversarial attacks (gradients through the samples)."""
+    run = tmp_path / "run"
+    train(compose_config("train", [*_overrides(model), "test=false"], run), run)
+    results = evaluate_quietly(run / "checkpoints" / "last.ckpt", tmp_path / "eval", [
+        "evaluations=[ood,shift,conformal,adversarial]", "ood=[photos,noise]", "ood.photos.size=32", "ood.noise.size=32",
+        "evaluations.ood.fit_images=64", "ood_score.knn.k=5", f"evaluations.shift.root={tmp_path / 'digits-C'}",
+        "evaluations.shift.generate=true", "evaluations.shift.corruptions=[gaussian_noise]", "evaluations.shift.severities=[3]",
+        "evaluations.adversarial.epsilons=[0.0,0.1]", "evaluations.adversarial.attack_samples=2",
+        "evaluations.adversarial.eval_samples=2", "evaluations.adversarial.max_examples=20",
+        "evaluations.adversarial.batch_size=20", "evaluations.conformal.levels=[0.9]"])
+    for score in ("max_logit", "energy", "mahalanobis", "knn", "vim", "odin"):
+        assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
+    assert 0 <= results["test/error"] <= 1 and results["adversarial/fgsm/accuracy@0.1"] <= 1
+    assert any(key.startswith("shift/") for key in results) and any(key.startswith("conformal/") for key in results)
