@@ -184,6 +184,7 @@ def test_the_noise_has_the_authors_scale_and_only_in_the_sampling_stage():
         x.grad = torch.zeros_like(x)
         expected = np.sqrt(2 * lr * schedule.lr_factor(k, total) * temperature / n) if k % 20 >= 10 else 0.0
         assert opt.noise_std(opt.param_groups[0]) == pytest.approx(expected, rel=1e-12)
+        assert opt.param_groups[0]["lr"] == lr * schedule.lr_factor(k, total)  # what an lr monitor logs
         opt.step()
         moved = (x.detach() - before).std().item()
         assert moved == pytest.approx(expected, rel=0.01, abs=1e-12), k

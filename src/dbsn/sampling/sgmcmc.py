@@ -16,7 +16,8 @@ the noise off (SGD with momentum 1 − a on the cyclical step size, with the ste
 velocity as above); 0 < T < 1 is a cold posterior. The authors' CIFAR runs use T = 1/N
 (`--temperature 1/50000`, "1/dataset_size"), a very cold one.
 
-The noise comes from the optimiser's own generator, seeded at construction and saved in its state
+Each param group's `peak_lr` is α₀ and its `lr` the step size of the next step (what an lr monitor
+logs). The noise comes from the optimiser's own generator, seeded at construction and saved in its state
 dict with the velocities and the step count: a resumed chain continues exactly (its place in the
 cycle, its momentum, its noise), and processes that share the seed draw the same noise (DDP ranks
 keep identical weights). Knows nothing of networks.
@@ -62,10 +63,19 @@ class CyclicalSGMCMC(Optimizer):
         self.steps = 0  # steps taken: the next step's index
         self.generator = torch.Generator(device=self.param_groups[0]["params"][0].device)
         self.generator.manual_seed(int(seed))
+        for group in self.param_groups:
+            group.setdefault("peak_lr", group["lr"])
+        self._show_lr()
 
     def lr(self, group: dict, step: int | None = None) -> float:
         """The step size of `group` at `step` (default: the next step)."""
-        return group["lr"] * self.schedule.lr_factor(self.steps if step is None else step, self.total_steps)
+        return group["peak_lr"] * self.schedule.lr_factor(self.steps if step is None else step, self.total_steps)
+
+    def _show_lr(self) -> None:
+        """Every group's `lr`: the next step's step size (after the last step, the last one's)."""
+        step = min(self.steps, self.total_steps - 1)
+        for group in self.param_groups:
+            group["lr"] = self.lr(group, step)
 
     def noise_std(self, group: dict, step: int | None = None) -> float:
         """The noise's standard deviation at `step` (default: the next): √(2 α_k a T / N) in the
@@ -100,6 +110,7 @@ class CyclicalSGMCMC(Optimizer):
                 torch._foreach_add_(velocities, [self._noise(p) for p in params], alpha=std)
             torch._foreach_add_(params, velocities)
         self.steps += 1
+        self._show_lr()
         return loss
 
     def _noise(self, p: Tensor) -> Tensor:
@@ -114,6 +125,7 @@ class CyclicalSGMCMC(Optimizer):
         self.steps = int(state_dict.pop("steps"))
         self.generator.set_state(state_dict.pop("generator").cpu())
         super().load_state_dict(state_dict)
+        self._show_lr()
 
 
 def _check(lr: float, friction: float, weight_decay: float, temperature: float | None) -> None:
