@@ -7,6 +7,7 @@ training steps and the evaluation suite on digits; the registry, compare and the
 from __future__ import annotations
 
 import copy
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -232,7 +233,8 @@ NET_OVERRIDES = {
 @pytest.mark.parametrize("net", NET_OVERRIDES)
 def test_trains_and_predicts_on_digits(net, tmp_path):
     """Two training steps through train() (the KL annealed over 0.8 of the 2 steps); the method rebuilt
-    from the checkpoint keeps its step count and predicts S = 4 members, two draws of each component."""
+    from the checkpoint keeps its step count and predicts S = 4 members, two draws of each component;
+    evaluate.py's test pass on the ResNet-18 checkpoint."""
     from dbsn.data.digits import DigitsDataModule, digits_splits
     from dbsn.runtime.build import load_method
     from dbsn.runtime.run import train
@@ -245,6 +247,11 @@ def test_trains_and_predicts_on_digits(net, tmp_path):
     with torch.no_grad():
         members = method.predict_members(x)
     assert members.shape == (4, 8, 10) and torch.isfinite(members).all() and (members[0] - members[2]).abs().max() > 0
+    if net != "resnet18":  # one evaluate.py run is enough (the suite's: test_the_evaluation_suite_runs_on_it)
+        return
+    results = evaluate_quietly(tmp_path / "checkpoints" / "last.ckpt", tmp_path / "eval", ["ablation.sizes=[1,2,4]"])
+    assert 0 <= results["test/error"] <= 1 and results["test/nll"] > 0
+    assert json.loads((tmp_path / "evaluation" / "metrics.json").read_text())["n_samples"] == 4
 
 
 @pytest.mark.slow
