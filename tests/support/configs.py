@@ -54,6 +54,24 @@ def evaluate_quietly(ckpt, tmp_path: Path, extra=()) -> dict:
     return evaluate(cfg, tmp_path / "hydra")
 
 
+def evaluate_the_whole_suite(ckpt, out: Path, tmp_path: Path, extra=()) -> dict:
+    """`evaluate_quietly` with OOD detection (every default score), dataset shift on generated
+    corruptions, conformal sets and the adversarial attacks, all at test size; asserts that each ran."""
+    results = evaluate_quietly(ckpt, out, [
+        *extra, "evaluations=[ood,shift,conformal,adversarial]", "ood=[photos,noise]", "ood.photos.size=32",
+        "ood.noise.size=32", "evaluations.ood.fit_images=64", "ood_score.knn.k=5",
+        f"evaluations.shift.root={tmp_path / 'digits-C'}", "evaluations.shift.generate=true",
+        "evaluations.shift.corruptions=[gaussian_noise]", "evaluations.shift.severities=[3]",
+        "evaluations.adversarial.epsilons=[0.0,0.1]", "evaluations.adversarial.attack_samples=2",
+        "evaluations.adversarial.eval_samples=2", "evaluations.adversarial.max_examples=20",
+        "evaluations.adversarial.batch_size=20", "evaluations.conformal.levels=[0.9]"])
+    for score in ("max_logit", "energy", "mahalanobis", "knn", "vim", "odin"):
+        assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
+    assert 0 <= results["test/error"] <= 1 and results["adversarial/fgsm/accuracy@0.1"] <= 1
+    assert any(key.startswith("shift/") for key in results) and any(key.startswith("conformal/") for key in results)
+    return results
+
+
 def small_model(model: str, *extra: str) -> list[str]:
     """`model=...` on a small network: 3 nodes and 3 cells (NEK-FAC: VGG16-BN at width 0.25)."""
     if model == "nekfac":
