@@ -138,7 +138,7 @@ class ExampleChunkedNLL:
         self.predict_log_probs, self.y, self.chunk, self.hold = predict_log_probs, _normal_tensor(y), chunk, hold
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.nll_loss(self.predict_log_probs(x), self.y)
+        return predictive_nll(self.predict_log_probs, self.y)(x)
 
     def gradient(self, x: Tensor) -> Tensor:
         """``∇_x L(x)``, ``chunk`` examples in the graph at a time."""
