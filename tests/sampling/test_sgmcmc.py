@@ -34,7 +34,7 @@ def _exact_moments(x0, grad: np.ndarray, b: np.ndarray, dataset_size: int, lr: f
     (v ← (1 − a) v − α_k (G x − b + σ_g ξ) + √(2 α_k a T / N) ε, x ← x + v) is on a Gaussian target:
     the chain's exact law, discretisation included."""
     d = len(x0)
-    eye, zero = np.eye(d), np.zeros((d, d))
+    eye = np.eye(d)
     mean, cov = np.concatenate([x0, np.zeros(d)]), np.zeros((2 * d, 2 * d))
     kept = []
     for k in range(total):
