@@ -7,3 +7,8 @@ __version__ = "0.1.0"
 #: The Hydra config tree (conf/ at the checkout's root): the method registry reads conf/model/,
 #: entry points and tools compose configs from it.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def conf_choices(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
+    """The options of a config group of conf/ (`posthoc`, `evaluations`, `ood`, `model`...), sorted."""
+    return sorted(path.stem for path in (conf_dir / group).glob("*.yaml"))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from dbsn import conf_choices
 from dbsn.runtime.config import CONF_DIR
 from dbsn.runtime.errors import one_line_errors
 
@@ -74,7 +75,7 @@ def unchosen_option(arguments: Sequence[str], conf_dir: Path = CONF_DIR) -> str 
         setting = text.split("=", 1)[0]
         if parts[0] == "posthoc" and len(parts) > 1 and not chosen["posthoc"] - {"null"}:
             return (f"{setting} sets an option of a post-hoc posterior, and none is chosen: add posthoc=<name> "
-                    f"({', '.join(_names(conf_dir / 'posthoc'))}).")
+                    f"({', '.join(conf_choices('posthoc', conf_dir))}).")
         if parts[0] == "evaluations" and len(parts) > 2 and parts[1] not in chosen["evaluations"]:
             return (f"{setting} sets an option of the evaluation {parts[1]}, which is not chosen: add it to "
                     f"evaluations=[...] (e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {parts[1]}))}]).")
@@ -115,10 +116,6 @@ def renamed_option(arguments: Sequence[str]) -> str | None:
                 moved = new + bare[len(old):]
                 return f"{bare} was renamed {moved}: use {key[:len(key) - len(bare)]}{moved}={value}"
     return None
-
-
-def _names(folder: Path) -> list[str]:
-    return sorted(path.stem for path in folder.glob("*.yaml"))
 
 
 def _hydra_main(config_name: str, task: Callable) -> None:

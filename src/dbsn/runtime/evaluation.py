@@ -29,7 +29,8 @@ from dbsn.evaluation.statistics import Statistics
 from dbsn.methods import DBSN, Method
 from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
-from dbsn.runtime.config import CONF_DIR, ConfigError, check_node
+from dbsn import conf_choices
+from dbsn.runtime.config import ConfigError, check_node
 
 __all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
            "evaluation_folder", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
@@ -89,7 +90,7 @@ def build_posterior(cfg: DictConfig) -> PosthocPosterior | None:
     if not node:
         return None
     if not isinstance(node, DictConfig) or "_target_" not in node:
-        names = ", ".join(sorted(path.stem for path in (CONF_DIR / "posthoc").glob("*.yaml")))
+        names = ", ".join(conf_choices("posthoc"))
         raise ConfigError(f"posthoc={node}: choose a post-hoc posterior by name, e.g. posthoc=laplace "
                           f"(conf/posthoc/ lists them: {names}).")
     posterior = _build(node, "posthoc")

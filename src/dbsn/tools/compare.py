@@ -88,6 +88,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from dbsn import conf_choices
 from dbsn.evaluation.report import build_report
 from dbsn.evaluation.report.format import OUTSIDE_NOTE
 from dbsn.methods.registry import method_config, method_configs
@@ -147,11 +148,6 @@ def data_choices() -> list[str]:
 
     return sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")
                   if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule))
-
-
-def conf_choices(group: str) -> list[str]:
-    """The options of a config group of conf/ (evaluations, posthoc, ood)."""
-    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
 
 def override_key(override: str) -> str:
