@@ -13,7 +13,7 @@ Hydra sends every log record to the console (the message alone: `conf/hydra/defa
 
 `summary_callback()` is Lightning's model summary without its FLOPs column and total: Lightning
 counts FLOPs only by running `example_input_array`, which no method here sets (a forward takes
-structures too), so it printed "Total FLOPs: 0" for every run. A run's real counts are in
+structures too), so it printed "0 Total Flops" for every run. A run's real counts are in
 metrics.json's `cost` (`dbsn.evaluation.cost`).
 """
 
@@ -76,7 +76,7 @@ def summary_callback(rich: bool):
 
             table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
                                           total_flops, *_without_flops(summary_data))
-            rank_zero_info("\n" + "\n".join(line for line in table.splitlines() if not line.startswith("Total FLOPs")))
+            rank_zero_info("\n" + "\n".join(line for line in table.splitlines() if "total flops" not in line.lower()))
 
     class RichSummary(RichModelSummary):
         @staticmethod
