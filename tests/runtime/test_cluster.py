@@ -263,59 +263,69 @@ def test_two_nodes_through_srun_train_one_run_with_world_size_two(cluster, tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name not in ("run", "probe")] == []  # no other folders
 
 
+#: how each stopped job of the requeue test is stopped, by its task_name (job 0, "through", runs through)
+STOPS = {"requeued": "scontrol requeue", "preempted": "preemption signal"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["scontrol requeue", "preemption signal"])
-def test_a_requeued_job_resumes_to_the_uninterrupted_runs_final_state(cluster, tmp_path, stop):
-    """Two identical jobs in one sweep (only task_name differs); job 1 is stopped after its first
-    epoch's checkpoint, either by `scontrol requeue` (SLURM kills and requeues it) or by the
-    preemption signal submitit gets before a time limit or preemption (USR2): the job finishes
-    the epoch it is in, writes its checkpoint and requeues itself. Either way it resumes from its
-    own last.ckpt and ends with the same weights and θ as job 0, which ran through."""
+def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_state(cluster, tmp_path):
+    """Three identical jobs in one sweep (only task_name differs); after its first epoch's
+    checkpoint, job 1 is stopped by `scontrol requeue` (SLURM kills and requeues it) and job 2 by
+    the preemption signal submitit gets before a time limit or preemption (USR2: the job finishes
+    the epoch it is in, writes its checkpoint and requeues itself). Each resumes from its own
+    last.ckpt and ends with the same weights and θ as job 0, which ran through. (One sweep for
+    both stops: the cluster runs the three jobs side by side.)"""
     sweep = tmp_path / "sweep"
     epochs = 6
-    command = _train("-m", *LAUNCHER, *TINY_RUN, f"trainer.max_epochs={epochs}", "seed=5", "task_name=through,requeued",
-                     f"hydra.sweep.dir={sweep}")
+    command = _train("-m", *LAUNCHER, *TINY_RUN, f"trainer.max_epochs={epochs}", "seed=5",
+                     f"task_name=through,{','.join(STOPS)}", f"hydra.sweep.dir={sweep}")
     sweeping = subprocess.Popen(command, cwd=ROOT, env=_job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
+    epoch_at_stop = {}
     try:
-        requeued = sweep / "1"
-        deadline = time.time() + 240
-        while not (requeued / "checkpoints" / "last.ckpt").is_file():
-            assert time.time() < deadline and sweeping.poll() is None, "job 1 wrote no checkpoint"
+        deadline = time.time() + 300
+        while len(epoch_at_stop) < len(STOPS):
+            for index, name in enumerate(STOPS, start=1):
+                job = sweep / str(index)
+                if name in epoch_at_stop or not (job / "checkpoints" / "last.ckpt").is_file():
+                    continue
+                job_id = json.loads((job / "slurm.json").read_text())["job_id"]
+                epoch_at_stop[name] = load_checkpoint(job / "checkpoints" / "last.ckpt")["epoch"]
+                action = ["scontrol", "requeue", job_id] if STOPS[name] == "scontrol requeue" else ["scancel", "--signal=USR2", job_id]
+                subprocess.run(action, env=cluster.env, check=True, capture_output=True)
+            assert time.time() < deadline and sweeping.poll() is None, f"jobs wrote no checkpoint: {sorted(set(STOPS) - set(epoch_at_stop))}"
             time.sleep(0.2)
-        job_id = json.loads((requeued / "slurm.json").read_text())["job_id"]
-        epoch_at_stop = load_checkpoint(requeued / "checkpoints" / "last.ckpt")["epoch"]
-        action = ["scontrol", "requeue", job_id] if stop == "scontrol requeue" else ["scancel", "--signal=USR2", job_id]
-        subprocess.run(action, env=cluster.env, check=True, capture_output=True)
-        out, _ = sweeping.communicate(timeout=300)
+        out, _ = sweeping.communicate(timeout=400)
     finally:
         if sweeping.poll() is None:
             sweeping.kill()
     assert sweeping.returncode == 0, out + cluster.logs()
-    assert epoch_at_stop < epochs - 2  # it was stopped well before the end
-    facts = json.loads((requeued / "slurm.json").read_text())
-    assert facts["restarts"] >= 1  # SLURM_RESTART_COUNT of the run that finished
-    log = Path(facts["stdout"]).read_text()
-    before, resumed_part = log.split(f"Resuming from this run's own checkpoint {requeued / 'checkpoints' / 'last.ckpt'}")
-    # progress lines count epochs from 1; the checkpoint's "epoch" from 0
-    first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
-    last_epoch_before = max(int(line.split("/", 1)[0].removeprefix("epoch ")) for line in before.splitlines()
-                            if line.startswith("epoch "))
-    if stop == "preemption signal":
-        assert "Preemption signal SIGUSR2: requeueing after this epoch's checkpoint" in before
-        # the epoch in progress at the signal was finished and saved before the job stopped
-        assert first_resumed_epoch >= epoch_at_stop + 3, (epoch_at_stop, first_resumed_epoch)
-    else:
-        # continued, not restarted: the first epoch after the requeue follows the checkpointed
-        # one (a run from scratch ends bit-identical too, so the final state alone cannot tell)
-        assert epoch_at_stop + 2 <= first_resumed_epoch <= last_epoch_before + 1, (epoch_at_stop, first_resumed_epoch)
     through = load_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt")
-    resumed = load_checkpoint(requeued / "checkpoints" / "last.ckpt")
-    assert through["epoch"] == resumed["epoch"] == epochs - 1 and through["global_step"] == resumed["global_step"]
-    assert through["state_dict"].keys() == resumed["state_dict"].keys()
-    for key, value in through["state_dict"].items():
-        assert torch.equal(value, resumed["state_dict"][key]), key
-    assert torch.equal(through["state_dict"]["structure.theta"], resumed["state_dict"]["structure.theta"])
+    for index, (name, stop) in enumerate(STOPS.items(), start=1):
+        stopped = sweep / str(index)
+        assert epoch_at_stop[name] < epochs - 2, (name, epoch_at_stop)  # it was stopped well before the end
+        facts = json.loads((stopped / "slurm.json").read_text())
+        assert facts["restarts"] >= 1, name  # SLURM_RESTART_COUNT of the run that finished
+        log = Path(facts["stdout"]).read_text()
+        before, resumed_part = log.split(f"Resuming from this run's own checkpoint {stopped / 'checkpoints' / 'last.ckpt'}")
+        # progress lines count epochs from 1; the checkpoint's "epoch" from 0
+        first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
+        last_epoch_before = max(int(line.split("/", 1)[0].removeprefix("epoch ")) for line in before.splitlines()
+                                if line.startswith("epoch "))
+        if stop == "preemption signal":
+            assert "Preemption signal SIGUSR2: requeueing after this epoch's checkpoint" in before
+            # the epoch in progress at the signal was finished and saved before the job stopped
+            assert first_resumed_epoch >= epoch_at_stop[name] + 3, (epoch_at_stop, first_resumed_epoch)
+        else:
+            # continued, not restarted: the first epoch after the requeue follows the checkpointed
+            # one (a run from scratch ends bit-identical too, so the final state alone cannot tell)
+            assert epoch_at_stop[name] + 2 <= first_resumed_epoch <= last_epoch_before + 1, (epoch_at_stop, first_resumed_epoch)
+        resumed = load_checkpoint(stopped / "checkpoints" / "last.ckpt")
+        assert through["epoch"] == resumed["epoch"] == epochs - 1 and through["global_step"] == resumed["global_step"]
+        assert through["state_dict"].keys() == resumed["state_dict"].keys()
+        for key, value in through["state_dict"].items():
+            assert torch.equal(value, resumed["state_dict"][key]), (name, key)
+        assert torch.equal(through["state_dict"]["structure.theta"], resumed["state_dict"]["structure.theta"])
 
 
 @pytest.mark.slow
