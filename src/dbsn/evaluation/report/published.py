@@ -2,15 +2,21 @@
 
 The figures are uncertainty-baselines' WideResNet-28-10 table (google/uncertainty-baselines,
 baselines/cifar/README.md: trained by its authors on TPUs, ensembles of 4, ECE with 15 bins as
-here) and, for ResNet-18, the deterministic 94.71 % of 200 epochs; SWAG's WideResNet-28-10 row is
-Izmailov et al.'s (2019, 300 epochs). `../shared/reference/field-baselines-facts.md` lists them
-with their sources. Set-ups differ between sources (augmentation, epochs, batch, hardware), so a
-row says how far a run here is from the published figure, not which is right.
+here) and, for ResNet-18, the deterministic 94.71 % (CIFAR-10) and 77.40 % (CIFAR-100) of 200
+epochs that Zhang et al. (2020) report beside cSG-MCMC (the same README's related results); SWAG's
+WideResNet-28-10 row is Izmailov et al.'s (2019, 300 epochs). `../shared/reference/field-baselines-facts.md`
+lists them with their sources. The methods' own papers add theirs: cSGHMC and cSGLD on ResNet-18
+(Zhang et al., ICLR 2020: the test errors of ruqizhang/csgmcmc's README, 12 samples), DDU on
+WideResNet-28-10 (Mukhoti et al.: accuracy, ECE and the AUROC of the feature density with SVHN as
+the OOD set, omegafragger/DDU's README, 5 runs). Each row's `source` says where its figures are
+read. Set-ups differ between sources (augmentation, epochs, batch, hardware), so a row says how far
+a run here is from the published figure, not which is right.
 
 A run here is matched by its method and backbone (`map_fixed@wrn28_10` is uncertainty-baselines'
 "deterministic": on a backbone without structure MAP and MAP-fixed α are the same network). The
 corrupted-data columns are the means over every corruption and severity of the run's shift
-evaluation (CIFAR-10-C), as the published cA / cNLL / cCE are.
+evaluation (CIFAR-10-C), as the published cA / cNLL / cCE are. The SVHN column is the AUROC of the
+row's OOD score (`svhn_score`, e.g. DDU's `gda`) in the run's OOD evaluation with `ood=svhn`.
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ class Published(NamedTuple):
     c_nll: float | None = None
     c_ece: float | None = None
     source: str = "uncertainty-baselines, WideResNet-28-10"
+    svhn_auroc: float | None = None  # AUROC in %, SVHN as the OOD set, of the run's OOD score `svhn_score`
+    svhn_score: str | None = None
 
 
 _DETERMINISTIC = "deterministic"
+_CSGMCMC = "Zhang et al. 2020, ruqizhang/csgmcmc README (100 - test error), 200 epochs"
 #: (dataset, backbone) -> {method config name: the published row}
 PUBLISHED: dict[tuple[str, str], dict[str, Published]] = {
     ("cifar10", "wrn28_10"): {
@@ -52,6 +61,8 @@ PUBLISHED: dict[tuple[str, str], dict[str, Published]] = {
         "deep_ensemble": Published("deep ensemble (4)", 96.6, 0.114, 0.010, 77.9, 0.81, 0.087),
         "bbb": Published("mean-field VI (1 sample)", 94.7, 0.211, 0.029, 71.3, 1.46, 0.181),
         "map_fixed+swag": Published("SWAG", 96.41, 0.1122, source="Izmailov et al. 2019, 300 epochs"),
+        "ddu": Published("DDU (GMM density)", 95.97, ece=0.0085, svhn_auroc=98.09, svhn_score="gda",
+                         source="Mukhoti et al., omegafragger/DDU README (SN + architecture changes, 350 epochs, 5 runs)"),
     },
     ("cifar100", "wrn28_10"): {
         "map_fixed": Published(_DETERMINISTIC, 79.8, 0.875, 0.0857),
@@ -64,6 +75,13 @@ PUBLISHED: dict[tuple[str, str], dict[str, Published]] = {
     },
     ("cifar10", "resnet18"): {
         "map_fixed": Published(_DETERMINISTIC, 94.71, source="ResNet-18 (CIFAR), 200 epochs"),
+        "csghmc": Published("cSGHMC (12 samples)", 95.73, source=_CSGMCMC),  # test error 4.27 %
+        "csgld": Published("cSGLD (12 samples)", 95.71, source=_CSGMCMC),  # 4.29 %
+    },
+    ("cifar100", "resnet18"): {
+        "map_fixed": Published(_DETERMINISTIC, 77.40, source="Zhang et al. 2020 (uncertainty-baselines), 200 epochs"),
+        "csghmc": Published("cSGHMC (12 samples)", 79.50, source=_CSGMCMC),  # 20.50 %
+        "csgld": Published("cSGLD (12 samples)", 79.45, source=_CSGMCMC),  # 20.55 %
     },
 }
 for _rows in PUBLISHED.values():  # MAP learns no structure on a backbone: the same network as MAP-fixed α
@@ -90,6 +108,20 @@ def _shift_means(run: Run) -> dict[str, float] | None:
             "c_nll": float(np.mean([r["nll"] for r in rows])), "c_ece": float(np.mean([r["ece"] for r in rows]))}
 
 
+def _svhn_auroc(run: Run, score: str | None) -> tuple[float, list[float] | None] | None:
+    """The AUROC in % of `score` in the run's OOD evaluation with SVHN as the OOD set (`ood=svhn`), with its
+    bootstrap interval, or None."""
+    path = run.path / "evaluation" / "ood" / "svhn" / "metrics.json"
+    if score is None or not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    value = (record.get("scores") or {}).get(score, {}).get("auroc")
+    if value is None:
+        return None
+    bounds = (record.get("intervals") or {}).get(score, {}).get("auroc")
+    return 100.0 * value, None if bounds is None else [100.0 * b for b in bounds]
+
+
 def _published(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -103,7 +135,7 @@ def published_section(report: Report, ok: list[Run]) -> str:
     if not runs:
         return ""
     header = ["method", "dataset", "published as", "accuracy (%)", "published", "NLL", "published", "ECE", "published",
-              "cA (%)", "published", "cNLL", "published", "cECE", "published", "source"]
+              "cA (%)", "published", "cNLL", "published", "cECE", "published", "SVHN AUROC (%)", "published", "source"]
     rows, csv_rows = [], []
     for dataset in order({d for _, d in runs}, DATASET_ORDER):
         for method in sorted({m for m, d in runs if d == dataset}):
@@ -118,20 +150,26 @@ def published_section(report: Report, ok: list[Run]) -> str:
                            [run_bounds(r, "test/ece") for r in group if "test/ece" in r.metrics]) if group else None
             shifts = [s for s in (_shift_means(r) for r in group) if s]
             shifted = {k: mean_std([s[k] for s in shifts]) for k in ("c_accuracy", "c_nll", "c_ece")} if shifts else {}
+            aurocs = [a for a in (_svhn_auroc(r, pub.svhn_score) for r in group) if a]
+            auroc = mean_std([a[0] for a in aurocs], [a[1] for a in aurocs]) if aurocs else None
             rows.append([method, dataset, pub.name, fmt(accuracy, 2), _published(pub.accuracy, 2), fmt(nll, 3),
                          _published(pub.nll, 3), fmt(ece, 4), _published(pub.ece, 4),
                          fmt(shifted.get("c_accuracy"), 1), _published(pub.c_accuracy, 1),
                          fmt(shifted.get("c_nll"), 3), _published(pub.c_nll, 3),
-                         fmt(shifted.get("c_ece"), 3), _published(pub.c_ece, 3), pub.source])
+                         fmt(shifted.get("c_ece"), 3), _published(pub.c_ece, 3),
+                         fmt(auroc, 2) + (f" ({pub.svhn_score})" if auroc else ""), _published(pub.svhn_auroc, 2), pub.source])
             csv_rows.append([method, dataset, pub.name, accuracy and accuracy.mean, pub.accuracy, nll and nll.mean, pub.nll,
                              ece and ece.mean, pub.ece, shifted.get("c_accuracy") and shifted["c_accuracy"].mean,
                              pub.c_accuracy, shifted.get("c_nll") and shifted["c_nll"].mean, pub.c_nll,
-                             shifted.get("c_ece") and shifted["c_ece"].mean, pub.c_ece, pub.source])
+                             shifted.get("c_ece") and shifted["c_ece"].mean, pub.c_ece, auroc and auroc.mean,
+                             pub.svhn_auroc, pub.source])
     write_csv(report, "published.csv", [h if h != "published" else f"published_{header[i - 1]}" for i, h in enumerate(header)],
               csv_rows)
     return ("## Beside the published figures\n\n"
             "Runs on the field's backbones next to the figures their authors published for the same method and "
             "backbone (uncertainty-baselines' WideResNet-28-10 table, ensembles of 4; ResNet-18: the deterministic "
-            "200-epoch figure). Ours: mean ± std [95 % interval] (seeds). Corrupted-data columns: means over every "
-            "corruption and severity of the run's shift evaluation. Set-ups differ between sources; a gap is a "
-            "question to ask, not a verdict.\n\n" + md_table(header, rows) + "\n")
+            "200-epoch figures; the methods' own papers for cSG-MCMC and DDU; each row's source). Ours: mean ± std "
+            "[95 % interval] (seeds). Corrupted-data columns: means over every corruption and severity of the run's "
+            "shift evaluation. SVHN AUROC: the AUROC of the score in brackets (DDU's feature density `gda`) in the "
+            "run's OOD evaluation with ood=svhn. Set-ups differ between sources; a gap is a question to ask, not a "
+            "verdict.\n\n" + md_table(header, rows) + "\n")
