@@ -51,6 +51,34 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert min(default["faults"][1:]) > 0.8 * PAGES  # glibc's default: the pages fault again, every time
 
 
+RELEASE_PROBE = """
+import json, torch
+from dbsn.runtime.memory import keep_freed_memory, release_freed_memory
+
+def resident_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+keep_freed_memory()
+start = resident_mb()
+live = [torch.ones(n) for n in SIZES]
+del live
+kept = resident_mb()
+released = release_freed_memory()
+print(json.dumps({"start": start, "kept": kept, "after": resident_mb(), "released": released}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_released_memory_leaves_the_process_and_the_setting_stays():
+    """With freed memory kept, the 276 MB of freed tensors stay resident; `release_freed_memory`
+    gives them back (what is in use, the interpreter and torch, stays)."""
+    out = json.loads(run_python("-c", f"SIZES = {SIZES}" + RELEASE_PROBE).stdout.strip().splitlines()[-1])
+    size_mb = 4 * sum(SIZES) / 2**20
+    assert out["kept"] - out["start"] > 0.9 * size_mb, out  # kept: the heap holds them
+    assert out["released"] and out["after"] - out["start"] < 0.1 * size_mb, out
+
+
 def test_calling_it_again_changes_nothing():
     from dbsn.runtime.memory import keep_freed_memory
 
