@@ -65,8 +65,16 @@ def logged(tmp_path_factory):
                "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2", "model.prediction.n_samples=2",
                "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2", "trainer.max_epochs=2", "trainer.accelerator=cpu",
                "trainer.enable_progress_bar=false", "logger=wandb", f"hydra.run.dir={tmp / 'seg'}", cwd=tmp, env=OFFLINE)
+    # the training signals of a posterior over weights (the rank-1 BNN's KL terms, an SGD of two groups) and of a
+    # sampler (cSGLD's step size, noise and samples; 20 steps: its 4 cycles of 5, 3 samples and 1 noisy step each)
+    signals = tmp / "signals"
+    run_python(ROOT / "train.py", "-m", "model=rank1_bnn,csgld", "model/net=resnet18", "model.net.width=8", "data=digits",
+               "data.train_subset=160", "data.batch_size=8", "trainer.max_epochs=1", "trainer.accelerator=cpu",
+               "trainer.log_every_n_steps=1", "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false",
+               "statistics.resamples=20", "logger=wandb", f"hydra.sweep.dir={signals}", cwd=tmp, env=OFFLINE)
     runs = [sweep / "0", sweep / "1"]
     return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
+            "signals": [_run_file(signals / "0"), _run_file(signals / "1")], "signals_dir": signals,
             "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg"),
             "ensemble": tmp / "ensemble", "map": _run_file(tmp / "map"),
             "posthoc": _run_file(tmp / "map" / "posthoc" / "swag" / "evaluation")}
@@ -197,6 +205,25 @@ def test_a_deep_ensemble_of_runs_is_its_own_method_in_its_members_group(logged):
     assert facts["S"] == json.loads((logged["ensemble"] / "metrics.json").read_text())["n_samples"] == 2
 
 
+def test_the_training_section_reads_what_the_rank1_bnn_and_csgld_log_at_every_step(logged):
+    """The Training section's KL panels are the rank-1 BNN run's, its sampler panels cSGLD's: at each of the 20
+    steps the step size (largest at each of the 4 cycles' starts), the noise (only in each cycle's last step, its
+    sampling stage) and the samples kept, counted up to the run's 12."""
+    training = next(s for s in sections(OOD_SETS) if s.name == "Training")
+    named = {m for panel in training.panels for m in panel.metrics}
+    rank1, csgld = logged["signals"]
+    assert config(rank1)["method"] == "rank1_bnn@resnet18" and config(csgld)["method"] == "csgld@resnet18"
+    assert {"train/weight_kl_epoch", "train/kl_scale_epoch"} <= named & set(logged_values(rank1))
+    steps = [row for row in history(csgld) if "sampler/lr" in row]
+    assert {"sampler/lr", "sampler/noise_std", "sampler/samples"} <= named & set(steps[0]) and len(steps) == 20
+    assert all(a["trainer/global_step"] < b["trainer/global_step"] for a, b in zip(steps, steps[1:]))
+    lrs = [row["sampler/lr"] for row in steps]
+    assert max(lrs) == lrs[0] == lrs[5] == lrs[10] == lrs[15] > lrs[1]
+    assert [i for i, row in enumerate(steps) if row["sampler/noise_std"] > 0] == [4, 9, 14, 19]
+    kept = json.loads((logged["signals_dir"] / "1" / "metrics.json").read_text())["samples_kept"]
+    assert steps[-1]["sampler/samples"] == kept == 12
+
+
 def _logged_reads(paths: list[Path]) -> dict[str, set]:
     """What the runs logged, in the terms of `Panel.reads`."""
     scalars, tables, images, columns, summaries = set(), set(), set(), set(), set()
@@ -236,10 +263,10 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
     spec = json.loads(dry.stdout)
     assert [s["name"] for s in spec["sections"]] == ["Calibration", "Intervals", "Accuracy", "Selective prediction", "OOD",
                                                      "Conformal", "Dataset shift", "Adversarial", "Segmentation",
-                                                     "Structure posterior"]
+                                                     "Structure posterior", "Training"]
     dashboard = sections(OOD_SETS)
     assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
-    logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"]]),
+    logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"], logged["map"], *logged["signals"]]),
                      "evaluate": _logged_reads(logged["evaluate"])}
     assert missing_reads(dashboard, logged_by_job) == []
     # a panel for a metric that no run logs is caught
@@ -273,7 +300,8 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         text = json.dumps(stored)
         names = [summary_key(m) for m in panel.metrics] if panel.kind == "bar" else list(panel.metrics)
         assert all(json.dumps(name) in text for name in names), (panel.title, text[:400])
-    assert_stored_axes(panels, specs, logged_by_job, _step_metrics([*logged["train"], logged["camvid"], *logged["evaluate"]]))
+    assert_stored_axes(panels, specs, logged_by_job, _step_metrics([*logged["train"], logged["camvid"], logged["map"],
+                                                                    *logged["signals"], *logged["evaluate"]]))
 
 
 def _step_metrics(paths: list[Path]) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """The W&B dashboard as code: `python -m dbsn.tools.dashboard --entity E --project P [--group G] [--dry-run]`.
 
 Builds a W&B report (with `wandb-workspaces`, W&B's own API for reports and workspaces) with the
-sections Calibration, Accuracy, Selective prediction, OOD, Dataset shift, Adversarial, Segmentation
-and Structure posterior. Every
+sections Calibration, Intervals, Accuracy, Selective prediction, OOD, Conformal, Dataset shift,
+Adversarial, Segmentation, Structure posterior and Training. Every
 panel points at names our runs log (`dbsn.evaluation.tracking`); runs are grouped by `config.method`, so a
 bar or curve is a method's mean over seeds with its standard deviation as the band. Sections
 about training read the `train` runs (Calibration and Selective prediction also the post-hoc
@@ -38,6 +38,7 @@ PanelKind = Literal["bar", "line", "table", "images"]
 JobType = Literal["train", "evaluate"]
 ATTACKS = ("fgsm", "bim")
 DEFAULT_OOD_SETS = ("svhn",)  # the paper's OOD set for CIFAR models; digits: photos,noise
+GLOBAL_STEP = "trainer/global_step"  # Lightning's x axis of the metrics logged at every training step
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,10 @@ def _bar(title: str, *metrics: str) -> Panel:
 
 def _per_epoch(title: str, *metrics: str) -> Panel:
     return Panel("line", title, metrics, x=EPOCH)
+
+
+def _per_step(title: str, *metrics: str) -> Panel:
+    return Panel("line", title, metrics, x=GLOBAL_STEP)
 
 
 def _interval(title: str, metric: str) -> Panel:
@@ -249,6 +254,21 @@ def sections(ood_sets: tuple[str, ...] = DEFAULT_OOD_SETS, ood_scores: tuple[str
                     _per_epoch("Concrete temperature τ", "structure/tau"),
                     Panel("images", "Per-edge operation probabilities", ("structure/heatmap",)),
                 )),
+        Section("Training", "train", "What a method's training logs beside its loss (a panel is empty for the methods "
+                "that do not log its metric): the weights' learning rate (Lightning's LR monitor, once an epoch; a "
+                "snapshot ensemble's cosine cycles), the KL terms of the loss (DBSN's and FBN's over structures; over "
+                "weights: Bayes-by-Backprop, FBN, the rank-1 BNN, whose KL weight is annealed from 0 to 1), and "
+                "cSG-MCMC's sampler at every step: its cyclical step size, the injected noise's standard deviation "
+                "(0 in each cycle's exploration stage) and the samples kept so far.", (
+                    _per_step("Learning rate of the weights' SGD (its first group where it has several)", "lr-SGD",
+                              "lr-SGD/pg1"),
+                    _per_epoch("Structure KL per epoch (nats)", "train/kl_epoch"),
+                    _per_epoch("Weight KL per epoch (nats)", "train/weight_kl_epoch"),
+                    _per_epoch("KL weight per epoch (the rank-1 BNN's annealing)", "train/kl_scale_epoch"),
+                    _per_step("Sampler step size (cSG-MCMC)", "sampler/lr"),
+                    _per_step("Sampler noise standard deviation (cSG-MCMC)", "sampler/noise_std"),
+                    _per_step("Samples kept (cSG-MCMC)", "sampler/samples"),
+                )),
     ]
 
 
@@ -302,7 +322,8 @@ def build_report(entity: str, project: str, group: str | None = None,
                    wr.PanelGrid(runsets=sets, panels=[_wandb_panel(p) for p in section.panels])]
     return wr.Report(entity=entity, project=project, title=title or f"DBSN: {group or project}",
                      description="Calibration, accuracy, selective prediction, near / far OOD detection, dataset "
-                                 "shift, adversarial robustness, segmentation and the structure posterior of dbsn runs.", blocks=blocks, width="fluid")
+                                 "shift, adversarial robustness, segmentation, the structure posterior and the "
+                                 "training signals of dbsn runs.", blocks=blocks, width="fluid")
 
 
 def runsets(report) -> list[list]:
