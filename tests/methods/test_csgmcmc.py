@@ -30,7 +30,8 @@ from tests.support.fakedata import normalised_digits
 
 # 128 digits in batches of 32: 4 steps an epoch, 8 in two epochs
 RUN = ["data=digits", "data.batch_size=32", "data.train_subset=128", "trainer.max_epochs=2", "trainer.accelerator=cpu",
-       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "seed=3"]
+       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "seed=3",
+       "statistics.resamples=100"]
 TINY = {"csghmc": ["model.net.width=8"], "csgld": ["model.net.width=8"],
         "csghmc_structure": ["model.net.num_nodes=3", "model.net.cells_per_stage=1", "model.net.growth=4",
                              "model.net.stem_channels=8", "model.train_samples=2"]}
@@ -92,7 +93,7 @@ def test_trains_keeps_its_samples_and_evaluates_from_the_checkpoint_on_digits(mo
             for s, (weight, bias) in enumerate(method.member_heads(4)):
                 assert torch.equal(weight, method.samples[s]["classifier.weight"])
                 torch.testing.assert_close(features[s] @ weight.T + bias, logits[s], rtol=1e-5, atol=1e-5)
-    again = evaluate_quietly(ckpt, tmp_path / "eval")  # rebuilt from the checkpoint alone
+    again = evaluate_quietly(ckpt, tmp_path / "eval", ["statistics.resamples=100", "ablation.sizes=[]"])  # the checkpoint alone
     assert again["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)
     assert again["test/mutual_information"] > 0  # the members disagree
     with pytest.raises(ValueError, match=f"predicts with the S = {4 * chains} samples its chain kept"):
@@ -240,16 +241,15 @@ def test_the_field_jobs_are_the_authors_recipe(dataset, tmp_path):
 
 @pytest.mark.slow
 def test_compare_trains_and_tests_the_samplers(tmp_path):
-    """`dbsn-compare --methods csghmc,csgld,csghmc_structure` on 128 digits in batches of 16 for 2
-    epochs (16 steps: 4 cycles of 4 steps, each cycle's 3 samples a step apart), on a tiny cell network
-    (cSGHMC with its structure fixed): each trains with its own schedule and tests with the samples it
-    kept."""
+    """`dbsn-compare --methods csghmc,csgld,csghmc_structure` on 96 digits in batches of 8 for 1 epoch (12
+    steps: 4 cycles of 3 steps, each cycle's 3 samples a step apart), on a tiny cell network (cSGHMC with its
+    structure fixed): each trains with its own schedule and tests with the samples it kept."""
     from dbsn.tools.compare import run_comparison
 
     methods = ["csghmc", "csgld", "csghmc_structure"]
-    results = run_comparison(methods, epochs=2, output_dir=tmp_path, subset=128, batch_size=16,
+    results = run_comparison(methods, epochs=1, output_dir=tmp_path, subset=96, batch_size=8,
                              extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                                    "trainer.limit_test_batches=1"],
+                                    "trainer.limit_test_batches=1", "statistics.resamples=20"],
                              net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
     assert list(results) == methods
     for method, kept in zip(methods, (12, 12, 48)):  # the structure sampler: 4 chains' states
@@ -259,10 +259,12 @@ def test_compare_trains_and_tests_the_samplers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["csghmc", "csghmc_structure"])
-def test_the_evaluation_suite_runs_on_it(model, tmp_path):
+def test_the_evaluation_suite_runs_on_it(tmp_path):
     """evaluate.py's OOD detection with every score (each sample's features and head), dataset shift on
-    generated corruptions, conformal sets and the adversarial attacks (gradients through the samples)."""
+    generated corruptions, conformal sets and the adversarial attacks (gradients through the samples), on
+    cSGHMC: its members are networks of their own (the samples' state dicts). The structure sampler's members
+    are kept structures under one network: only `prediction_structures` is its own (checked by hand and through
+    evaluate.py's test pass above), the rest is DBSN's evaluation path (tests/evaluation/test_pipeline.py)."""
     run = tmp_path / "run"
-    train(compose_config("train", [*_overrides(model), "test=false"], run), run)
+    train(compose_config("train", [*_overrides("csghmc"), "test=false"], run), run)
     evaluate_the_whole_suite(run / "checkpoints" / "last.ckpt", tmp_path / "eval", tmp_path)

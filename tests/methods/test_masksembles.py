@@ -197,9 +197,11 @@ def test_the_registry_compare_and_the_field_know_it(tmp_path):
         from dbsn.runtime.build import build_model
 
         assert isinstance(build_model(cfg.model, num_classes=10), Masksembles)
-    for job, net in (("resnet18/masksembles", "ResNet18"), ("wrn28_10/masksembles", "WideResNet"),
-                     ("structure_net/masksembles", "StructureNet")):
-        result = run_python(ROOT / "train.py", "experiment=cifar10_field", f"field={job}", "seed=1", "--cfg", "job",
-                            cwd=tmp_path, timeout=120)
-        assert "_target_: dbsn.methods.Masksembles" in result.stdout and f"_target_: dbsn.nets.{net}" in result.stdout
-        assert "seed: 1" in result.stdout
+    result = run_python(ROOT / "train.py", "experiment=cifar10_field", "field=resnet18/masksembles", "seed=1", "--cfg", "job",
+                        cwd=tmp_path, timeout=120)  # the field's job through train.py's command line
+    assert "_target_: dbsn.methods.Masksembles" in result.stdout and "_target_: dbsn.nets.ResNet18" in result.stdout
+    assert "seed: 1" in result.stdout
+    for backbone, net in (("wrn28_10", "WideResNet"), ("structure_net", "StructureNet")):  # the other jobs, composed
+        cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/masksembles", "seed=1"], tmp_path)
+        validate_config(cfg)
+        assert (cfg.model._target_, cfg.model.net._target_, cfg.seed) == ("dbsn.methods.Masksembles", f"dbsn.nets.{net}", 1)

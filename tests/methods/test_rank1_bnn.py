@@ -261,7 +261,7 @@ def test_the_evaluation_suite_runs_on_it(tmp_path):
     from dbsn.runtime.run import train
 
     run = tmp_path / "run"
-    train(compose_config("train", [*COMMON, *NET_OVERRIDES["structure_net"], "data.train_subset=200",
+    train(compose_config("train", [*COMMON, *NET_OVERRIDES["resnet18"], "data.train_subset=200",
                                    "trainer.limit_train_batches=3"], run), run)
     evaluate_the_whole_suite(run / "checkpoints" / "last.ckpt", tmp_path / "eval", tmp_path)
 
