@@ -35,7 +35,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -53,11 +53,9 @@ from dbsn.metrics.classification import UncertaintyMetrics
 from dbsn.methods.step import FiniteGuard, GraphedForward, GraphedStep, NonFiniteLossError
 from dbsn.nets.batchnorm import RunningStatistics, accumulated_running_statistics
 
-Parallel = Literal["structure", "data"]  # how several devices share a step (see `parallel` below)
-
-
-#: How several devices share a training step (see `Method`).
-PARALLEL_MODES = ("data", "structure")
+#: How several devices share a training step (see `Method`'s `parallel`).
+Parallel = Literal["data", "structure"]
+PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 
 #: The networks a method trains (`Method.networks`).
 Networks = Literal["cells", "any", "own"]
