@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dbsn.evaluation.base import EvaluationError, Subject
+from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.conformal import ConformalPrediction, calibration_split, level_name
 from dbsn.evaluation.report import build_report
 from dbsn.runtime.evaluation import build_evaluator
@@ -144,8 +145,6 @@ class NearestMean(torch.nn.Module):
         self.register_buffer("means", torch.stack([x[labels == k].mean(0) for k in range(10)]))
         self.task = SimpleNamespace(keeps_test_outputs=True)
         self.num_members = 1
-        test = datamodule.test_set
-        self.test_predictions = (self.predict_log_probs(datamodule.preprocess(test.images)), test.labels)
 
     device = torch.device("cpu")
 
@@ -163,7 +162,10 @@ def nearest_mean():
     datamodule = DigitsDataModule(num_workers=0, val_size=300, eval_batch_size=256)
     datamodule.setup("fit")
     datamodule.setup("test")
-    return Subject(NearestMean(datamodule), datamodule, "nearest mean", torch.device("cpu"), progress=False)
+    model, recorded = NearestMean(datamodule), PredictionRecorder()  # what its test pass would have kept
+    recorded.log_probs = model.predict_log_probs(datamodule.preprocess(datamodule.test_set.images))
+    recorded.targets = datamodule.test_set.labels
+    return Subject(model, datamodule, "nearest mean", torch.device("cpu"), progress=False, test_pass=recorded)
 
 
 def test_calibration_on_the_validation_split_evaluates_every_test_example(nearest_mean):

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.results import Results
 from dbsn.evaluation.statistics import Statistics
 
@@ -38,15 +39,17 @@ class Subject:
 
     Attributes:
         model: the trained method (`dbsn.methods.Method`: a run's own method, a deep ensemble
-            of runs, or a post-hoc posterior of a run) in eval mode, after its test pass: its
-            `test_predictions` and `test_scores` hold the test set's ensemble log-probabilities
-            and per-example uncertainty scores (classifiers).
+            of runs, or a post-hoc posterior of a run) in eval mode.
         datamodule: the data the model was trained on (`preprocess` maps loader images to
             the network's input).
         title: what the figures call the model, e.g. "DBSN on Digits (S = 100)".
         device: where to predict.
         progress: show progress bars.
         statistics: the evaluation's seed and bootstrap (set by the `Evaluator`).
+        test_pass: what the model's test pass predicted (set by the `Evaluator` after it, so
+            None in `check`): a `PredictionRecorder` whose `log_probs`, `targets` and `scores`
+            are the test set's ensemble log-probabilities, targets and per-example uncertainty
+            scores (classifiers).
         cache: what one evaluation predicted that another may need, by key, so that nothing
             is predicted twice (`dbsn.evaluation.shift.corrupted_log_probs` keeps each
             corrupted set's log-probabilities here for `shift` and `conformal`). It lives as
@@ -59,6 +62,7 @@ class Subject:
     device: torch.device
     progress: bool = True
     statistics: Statistics = field(default_factory=Statistics)
+    test_pass: PredictionRecorder | None = None
     cache: dict = field(default_factory=dict)
 
     @property

@@ -1,6 +1,6 @@
 """Conformal prediction sets of a classifier's Bayes-ensemble predictive (`evaluations=[conformal]`).
 
-The test pass's log-probabilities (`model.test_predictions`) become prediction sets that hold the
+The test pass's log-probabilities (`subject.test_pass.log_probs`) become prediction sets that hold the
 label with probability at least 1 − α (split conformal prediction; the scores, q̂ and the set
 metrics are in `dbsn.metrics.conformal`). The sets are calibrated on examples the evaluation never
 measures:
@@ -234,7 +234,7 @@ class ConformalPrediction(Evaluation):
     # ------------------------------------------------------------------ evaluation
     def run(self, subject: Subject) -> Results:
         model, datamodule, statistics = subject.model, subject.datamodule, subject.statistics
-        log_probs, targets = model.test_predictions
+        log_probs, targets = subject.test_pass.log_probs, subject.test_pass.targets
         probs = log_probs.double().exp()
         source = self.source(datamodule)
         if source == "validation":
@@ -288,7 +288,7 @@ class ConformalPrediction(Evaluation):
         for corruption, severity in progress(steps, desc="Conformal sets under shift", enabled=subject.progress):
             log_probs, labels = corrupted_log_probs(subject, folder, corruption, severity, self.shift.batch_size)
             if evaluation is not None:
-                if len(labels) != len(subject.model.test_predictions[1]):
+                if len(labels) != len(subject.test_pass.targets):
                     raise EvaluationError(f"evaluations.conformal: {folder}'s {corruption} has {len(labels)} images "
                                           "per severity, not the test set's: use calibration=validation.")
                 log_probs, labels = log_probs[evaluation], labels[evaluation]
@@ -333,7 +333,7 @@ class ConformalPrediction(Evaluation):
         record = {"calibration": calibration, "levels": self.levels, "scores": self.scores,
                   "allow_empty_sets": self.allow_empty_sets, "set_rule": set_rule(self.allow_empty_sets),
                   "n_samples": subject.model.num_members,
-                  "strata": [stratum_name(s) for s in size_strata(subject.model.test_predictions[0].shape[1])],
+                  "strata": [stratum_name(s) for s in size_strata(subject.test_pass.log_probs.shape[1])],
                   "results": results, "shift": shift_record, "metrics": metrics, "intervals": intervals,
                   "statistics": {**statistics.record(), "interval": (
                       "percentile bootstrap over the evaluation examples, q̂ (and RAPS's k_reg, λ) held fixed")}}

@@ -232,7 +232,7 @@ class OODDetection(Evaluation):
     under `ood/<set>/<score>/<metric>`, in `ood/<set>/`: `metrics.json`, per-example scores of both
     sets (`scores.npz`) and the empirical CDF of predictive entropy (`entropy_cdf.png`). OOD
     images are normalised with the in-distribution statistics, as the model saw its training
-    data; the in-distribution scores are the test pass's (`model.test_scores`), not predicted
+    data; the in-distribution scores are the test pass's (`subject.test_pass.scores`), not predicted
     again. Then near / far means over `groups` (`ood/<group>/<score>/<metric>`, `ood/groups.json`):
     the given groups, else OpenOOD v1.5's for CIFAR-10 / -100, else none.
 
@@ -320,7 +320,7 @@ class OODDetection(Evaluation):
         in_data, model = subject.datamodule, subject.model
         datamodule.setup("test")
         out_scores = detection_scores(self.scores_of(subject, datamodule))
-        in_scores = detection_scores(model.test_scores)
+        in_scores = detection_scores(subject.test_pass.scores)
         if self.detection.scores:
             out_scores.update(self.detection.of(model, datamodule, datamodule.test_dataloader(), subject.device,
                                                 f"OOD scores: {datamodule.name}", subject.progress, in_data=in_data))

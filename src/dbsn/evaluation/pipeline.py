@@ -8,7 +8,8 @@ evaluations, each result written down and handed on in one place.
 2. the test pass (`dbsn.evaluation.test_pass`): metrics, calibration beyond ECE, selective
    prediction, the reliability diagram, the MC-sample ablation, the structure posterior;
 3. each evaluation in the order chosen (`evaluations=[ood,shift,adversarial]`), its numbers
-   also in `<name>/summary.json`.
+   also in `<name>/summary.json`; what the test pass predicted is the subject's `test_pass`
+   (its `dbsn.evaluation.recorder.PredictionRecorder`).
 
 Each step returns `Results`; `write_results` writes them into `folder` and hands them to the
 loggers. `train.py` runs the same test pass at the end of training (`Evaluator()` without
@@ -32,7 +33,7 @@ from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.cost import measure_cost
 from dbsn.evaluation.results import write_results
 from dbsn.evaluation.statistics import Statistics
-from dbsn.evaluation.test_pass import add_calibrated_ablation, attach_sample_ablation, run_test_pass, test_pass_results
+from dbsn.evaluation.test_pass import add_calibrated_ablation, prediction_results, run_test_pass
 
 __all__ = ["SUMMARY_FILE", "Evaluator"]
 
@@ -80,18 +81,17 @@ class Evaluator:
         training and prediction FLOPs per image, peak memory; `dbsn.evaluation.cost`)."""
         if not checked:
             self.check(subject)
-        subject = replace(subject, statistics=self.statistics)
         model = subject.model
         seed_everything(self.statistics.seed, workers=True, verbose=False)
-        attach_sample_ablation(model, self.ablation_sizes)
-        metrics = run_test_pass(trainer, model, subject.datamodule)
+        metrics, recorded = run_test_pass(trainer, model, subject.datamodule, self.ablation_sizes)
+        subject = replace(subject, statistics=self.statistics, test_pass=recorded)
         if trainer.world_size == 1:
-            add_calibrated_ablation(model, self.statistics.seed)
+            add_calibrated_ablation(recorded, self.statistics.seed)
         values = dict(metrics)
         if trainer.is_global_zero:
             facts = {**(record() if record else {}), "cost": cost_of(subject, epoch_seconds)}
-            results = test_pass_results(model, metrics, subject.title, record=facts,
-                                        structure=structure, datamodule=subject.datamodule, statistics=self.statistics)
+            results = prediction_results(model, recorded, metrics, subject.title, record=facts, structure=structure,
+                                         datamodule=subject.datamodule, statistics=self.statistics)
             write_results(results, folder, loggers)
             values = results.values
         model.to(subject.device)
@@ -108,8 +108,8 @@ def cost_of(subject: Subject, epoch_seconds: float | None) -> dict[str, Any]:
     """`measure_cost` of the subject's model on (at most) 2 inputs of its test pass (FLOPs per
     image do not depend on the batch), counted on the subject's device with its peak memory
     (`trainer.test` leaves the model itself on the CPU)."""
-    example = getattr(subject.model, "test_example", None)
-    if example is None:  # a model whose test pass keeps none: read them
+    example = None if subject.test_pass is None else subject.test_pass.example
+    if example is None:  # no test pass, or one that ran no batch (trainer.limit_test_batches=0): read them
         images, targets = next(iter(subject.datamodule.test_dataloader()))
         example = subject.datamodule.preprocess(images[:2].to(subject.device)), targets[:2]
     x, y = example[0][:2], example[1][:2]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.methods.temperature import TemperatureScaler
 from dbsn.metrics.intervals import (
     percentile_interval,
@@ -41,8 +42,8 @@ from dbsn.metrics.intervals import (
 )
 from dbsn.metrics.selective import score_as_uncertainty
 
-__all__ = ["PREDICTIONS_FILE", "Statistics", "TestStatistics", "calibrate", "classification_statistics", "intervals_of",
-           "prediction_arrays", "test_statistics", "validation_predictions"]
+__all__ = ["PREDICTIONS_FILE", "RecordedStatistics", "Statistics", "calibrate", "classification_statistics",
+           "intervals_of", "prediction_arrays", "recorded_statistics", "validation_predictions"]
 
 #: the per-example test predictions of an evaluation (log-probabilities, targets, calibrated
 #: log-probabilities, uncertainty scores): what the report pairs methods on
@@ -181,8 +182,8 @@ def validation_predictions(model, datamodule) -> tuple[Tensor, Tensor] | None:
 
 
 @dataclass
-class TestStatistics:
-    """What `test_statistics` found: the calibrated metrics, every interval, how they were made,
+class RecordedStatistics:
+    """What `recorded_statistics` found: the calibrated metrics, every interval, how they were made,
     and the per-example arrays of `predictions.npz`."""
 
     metrics: dict[str, float]
@@ -191,24 +192,25 @@ class TestStatistics:
     arrays: dict[str, np.ndarray] | None
 
 
-def test_statistics(model, datamodule, statistics: Statistics) -> TestStatistics | None:
-    """The intervals and calibrated metrics of a classifier's test pass; of a segmentation model's,
-    the intervals of mIoU, global accuracy, pixel ECE and NLL, resampling test images (None
-    where the test pass kept neither)."""
-    if model.test_predictions is None or model.test_scores is None:
-        rows = getattr(model, "test_image_rows", None)
-        if rows is None or not hasattr(model.test_metrics, "resampled"):
+def recorded_statistics(model, recorded: PredictionRecorder, datamodule,
+                        statistics: Statistics) -> RecordedStatistics | None:
+    """The intervals and calibrated metrics of a classifier's test pass (`recorded`: its
+    predictions; `model` predicts the validation split the temperature is fitted on); of a
+    segmentation model's, the intervals of mIoU, global accuracy, pixel ECE and NLL, resampling
+    test images (None where the test pass kept neither)."""
+    if recorded.log_probs is None or recorded.scores is None:
+        images = recorded.image_metrics
+        rows = None if images is None else images.per_image()
+        if rows is None:
             return None
-        found = model.test_metrics.resampled(statistics.weights(len(rows)), rows)
-        return TestStatistics(metrics={}, intervals=intervals_of({f"test/{k}": v for k, v in found.items()}, statistics.level),
-                              record={"statistics": {**statistics.record(),
-                                                     "interval": "percentile bootstrap over the test images"}},
-                              arrays=None)
-    log_probs, targets = model.test_predictions
-    log_probs = log_probs.double()
+        found = images.resampled(statistics.weights(len(rows)), rows)
+        intervals = intervals_of({f"test/{k}": v for k, v in found.items()}, statistics.level)
+        return RecordedStatistics(metrics={}, intervals=intervals, arrays=None, record={"statistics": {
+            **statistics.record(), "interval": "percentile bootstrap over the test images"}})
+    log_probs, targets, scores = recorded.log_probs.double(), recorded.targets, recorded.scores
     calibrated, calibration = calibrate(log_probs, targets, validation_predictions(model, datamodule), statistics.seed)
-    found = classification_statistics(log_probs, targets, model.test_scores, statistics.weights(len(targets)), calibrated)
+    found = classification_statistics(log_probs, targets, scores, statistics.weights(len(targets)), calibrated)
     metrics = {key: float(found[key][0]) for key in found if key.startswith("test/calibrated/") or key == "test/ce2"}
-    return TestStatistics(metrics=metrics, intervals=intervals_of(found, statistics.level),
-                          record={"statistics": statistics.record(), "calibration": calibration},
-                          arrays=prediction_arrays(log_probs, targets, model.test_scores, calibrated))
+    return RecordedStatistics(metrics=metrics, intervals=intervals_of(found, statistics.level),
+                              record={"statistics": statistics.record(), "calibration": calibration},
+                              arrays=prediction_arrays(log_probs, targets, scores, calibrated))

@@ -1,10 +1,10 @@
 """The test pass: what every training and every evaluation run reports about its test set.
 
 `run_test_pass` runs the method's Bayes-ensemble prediction over the test split once (Lightning's
-`trainer.test`): its metrics (`test/{error,nll,brier,ece}`, the entropy decomposition, for
-segmentation mIoU and per-class IoU), per-example predictions and scores, and with
-`attach_sample_ablation` the metrics of every smaller ensemble. `test_pass_results` turns that
-into `Results`:
+`trainer.test`) with a `PredictionRecorder` attached (`dbsn.evaluation.recorder`): the method logs
+its metrics (`test/{error,nll,brier,ece}`, the entropy decomposition, for segmentation mIoU and
+per-class IoU); the recorder keeps per-example predictions and scores and the metrics of every
+smaller ensemble (the MC-sample ablation). `prediction_results` turns both into `Results`:
 
 - `metrics.json`: every test metric, plus the calibration beyond the equal-width ECE
   (`test/adaptive_ece`, `test/classwise_ece`) and the selective-prediction metrics of each
@@ -17,6 +17,7 @@ into `Results`:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,15 @@ from torch import Tensor
 
 from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
 from dbsn.evaluation.plots import reliability_diagram
+from dbsn.evaluation.recorder import PredictionRecorder, sample_ablation
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
-from dbsn.evaluation.statistics import PREDICTIONS_FILE, SELECTIVE_SCORES, Statistics, calibrate, test_statistics
+from dbsn.evaluation.statistics import PREDICTIONS_FILE, SELECTIVE_SCORES, Statistics, calibrate, recorded_statistics
 from dbsn.evaluation.structure import edge_names_of, structure_files
-from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.calibration import adaptive_expected_calibration_error, classwise_expected_calibration_error
 from dbsn.metrics.classification import reliability_bins
 from dbsn.metrics.selective import risk_coverage_curve, risk_coverage_figure, score_as_uncertainty, selective_metrics
 
-__all__ = ["SELECTIVE_SCORES", "add_calibrated_ablation", "attach_sample_ablation", "prediction_quality", "run_test_pass", "test_pass_results"]
+__all__ = ["SELECTIVE_SCORES", "add_calibrated_ablation", "prediction_quality", "prediction_results", "run_test_pass"]
 
 #: the metrics printed first, in this order (the rest follow alphabetically)
 METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
@@ -42,60 +43,54 @@ METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictiv
 SHOWN_ABLATION_SIZES = {1, 2, 5, 10, 20, 30, 50, 100}
 
 
-def attach_sample_ablation(model, sizes=None) -> None:
-    """Make the next test pass also report the ensembles of the first s members (s in `sizes`,
-    default 1..S). Nothing to ablate for a one-member prediction (or, for now, segmentation)."""
-    if (sizes is not None and len(sizes) == 0) or not model.task.supports_ablation:
-        model.sample_ablation = None
-        return
-    if model.num_members > 1:
-        sizes = None if sizes is None else [s for s in sizes if s <= model.num_members] or [model.num_members]
-        model.sample_ablation = SampleAblation(model.num_classes, model.num_members, sizes)
-
-
-def add_calibrated_ablation(model, seed: int) -> None:
+def add_calibrated_ablation(recorded: PredictionRecorder, seed: int) -> None:
     """Each row of the MC-sample ablation gets the calibrated NLL of its ensemble (temperature by
     test-time 2-fold cross-validation, `seed`ed), where the ablation kept its ensembles (a deep
     ensemble's 1..M): the curve the deep-ensemble equivalent reads."""
-    ablation, rows = model.sample_ablation, model.ablation_rows
-    kept = None if ablation is None or rows is None or model.test_predictions is None else ablation.kept
+    ablation, rows = recorded.ablation, recorded.ablation_rows
+    kept = None if ablation is None or rows is None or recorded.targets is None else ablation.kept
     if kept is None:
         return
-    targets = model.test_predictions[1]
+    targets = recorded.targets
     for row, log_probs in zip(rows, kept):
         calibrated, _ = calibrate(log_probs.double(), targets, seed=seed)
         row["calibrated_nll"] = float(-calibrated.gather(1, targets[:, None]).mean())
 
 
-def run_test_pass(trainer, model, datamodule) -> dict[str, float]:
+def run_test_pass(trainer, model, datamodule,
+                  ablation_sizes: Sequence[int] | None = None) -> tuple[dict[str, float], PredictionRecorder]:
     """`trainer.test` of `model` on `datamodule`'s test split without the trainer's loggers
-    (`write_results` hands the numbers on), then `prediction_quality`: every test metric."""
+    (`write_results` hands the numbers on), recorded by a `PredictionRecorder` with the MC-sample
+    ablation of the ensembles of the first s members, s in `ablation_sizes` (None: every s from
+    1 to S; []: none; `sample_ablation`). Returns every test metric (the logged ones and
+    `prediction_quality`) and the recorder."""
+    recorder = PredictionRecorder(sample_ablation(model, ablation_sizes))
     loggers, trainer.loggers = trainer.loggers, []
+    trainer.callbacks.append(recorder)
     try:
         trainer.test(model, datamodule=datamodule, verbose=False)
     finally:
         trainer.loggers = loggers
+        trainer.callbacks.remove(recorder)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
-    return {**metrics, **prediction_quality(model)}
+    return {**metrics, **prediction_quality(recorder)}, recorder
 
 
-def _errors_and_scores(model) -> tuple[Tensor, dict[str, Tensor]] | None:
-    if model.test_predictions is None or model.test_scores is None:
+def _errors_and_scores(recorded: PredictionRecorder) -> tuple[Tensor, dict[str, Tensor]] | None:
+    if recorded.log_probs is None or recorded.scores is None:
         return None
-    log_probs, targets = model.test_predictions
-    errors = (log_probs.argmax(-1) != targets).double()
-    return errors, {k: model.test_scores[k] for k in SELECTIVE_SCORES if k in model.test_scores}
+    errors = (recorded.log_probs.argmax(-1) != recorded.targets).double()
+    return errors, {k: recorded.scores[k] for k in SELECTIVE_SCORES if k in recorded.scores}
 
 
-def prediction_quality(model) -> dict[str, float]:
+def prediction_quality(recorded: PredictionRecorder) -> dict[str, float]:
     """Of the test pass's Bayes ensemble (classification; {} otherwise): the equal-mass and
     classwise ECE beside the logged equal-width one, and the selective-prediction metrics of each
     uncertainty score (accepting the most certain predictions first)."""
-    found = _errors_and_scores(model)
+    found = _errors_and_scores(recorded)
     if found is None:
         return {}
-    log_probs, targets = model.test_predictions
-    probs = log_probs.exp()
+    probs, targets = recorded.log_probs.exp(), recorded.targets
     out = {"test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15).item(),
            "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15).item()}
     out.update(selective_metrics(*found))  # test/ece is the test pass's own
@@ -110,9 +105,9 @@ def reliability_table(probs, targets, n_bins: int = 10) -> tuple[list[str], list
     return columns, rows
 
 
-def risk_coverage_results(model, title: str) -> Results:
+def risk_coverage_results(recorded: PredictionRecorder, title: str) -> Results:
     """The risk–coverage curves of the test pass (`risk_coverage.png`, W&B image and table)."""
-    found = _errors_and_scores(model)
+    found = _errors_and_scores(recorded)
     if found is None:
         return Results()
     errors, scores = found
@@ -164,15 +159,17 @@ def uncertainty_maps(maps: list[dict], datamodule, title: str):
                             title=f"{title}: pixel-wise uncertainty")
 
 
-def test_pass_results(model, metrics: dict[str, float], title: str, record: dict[str, Any] | None = None,
-                      structure: bool = True, datamodule=None, statistics: Statistics | None = None) -> Results:
-    """What the test pass gives (see the module docstring); `record` adds the run's facts to
+def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, float], title: str,
+                       record: dict[str, Any] | None = None, structure: bool = True, datamodule=None,
+                       statistics: Statistics | None = None) -> Results:
+    """What the test pass of `model` gives (see the module docstring): its `metrics`
+    (`run_test_pass`) and what `recorded` kept of it; `record` adds the run's facts to
     metrics.json. A training run has its structure posterior from the `StructurePosteriorMonitor`
     callback already (`structure=False`). With `statistics`, a classifier's metrics get their
     bootstrap intervals and the calibrated metrics (`dbsn.evaluation.statistics`), and
     `predictions.npz` keeps the per-example predictions the report pairs methods on."""
     metrics, intervals, facts, arrays = dict(metrics), {}, {}, None
-    found = test_statistics(model, datamodule, statistics) if statistics is not None else None
+    found = recorded_statistics(model, recorded, datamodule, statistics) if statistics is not None else None
     if found is not None:
         metrics.update(found.metrics)
         intervals = {key: value for key, value in found.intervals.items() if key in metrics}
@@ -182,15 +179,15 @@ def test_pass_results(model, metrics: dict[str, float], title: str, record: dict
                                               **facts, **(record or {})}})
     if arrays is not None:
         results.files[PREDICTIONS_FILE] = arrays
-    if model.test_predictions is not None:
-        log_probs, targets = model.test_predictions
+    if recorded.log_probs is not None:
+        log_probs, targets = recorded.log_probs, recorded.targets
         results.add(Results(files={"reliability_diagram.png": reliability_diagram(log_probs.exp(), targets, n_bins=10,
                                                                                    title=title)},
                             images={"test/reliability_diagram": "reliability_diagram.png"},
                             tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)}))
-        results.add(risk_coverage_results(model, title))
-    if model.test_maps and datamodule is not None:
-        results.add(Results(files={"uncertainty_maps.png": uncertainty_maps(model.test_maps, datamodule, title)},
+        results.add(risk_coverage_results(recorded, title))
+    if recorded.maps and datamodule is not None:
+        results.add(Results(files={"uncertainty_maps.png": uncertainty_maps(recorded.maps, datamodule, title)},
                             images={"test/uncertainty_maps": "uncertainty_maps.png"}))
     per_class = [[key.removeprefix("test/iou/"), float(value)] for key, value in metrics.items() if key.startswith("test/iou/")]
     if per_class:
@@ -202,8 +199,8 @@ def test_pass_results(model, metrics: dict[str, float], title: str, record: dict
         rows.append([key, float(metrics[key]), low, high])
     level = f"{100 * statistics.level:g} %" if statistics is not None else ""
     results.console.append(ConsoleTable(title, ["metric", "value", f"{level} low", f"{level} high"], rows))
-    if model.ablation_rows is not None:
-        results.add(ablation_results(model.ablation_rows, title))
+    if recorded.ablation_rows is not None:
+        results.add(ablation_results(recorded.ablation_rows, title))
     if structure:
         results.add(structure_results(model, title))
     return results

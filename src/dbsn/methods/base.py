@@ -24,7 +24,9 @@ optimisers. `Method` provides the common parts:
   once per step, τ, β and the learning rates in device tensors, fused optimisers), so that
   `execution.cuda_graph` can capture it whole (`dbsn.methods.step.GraphedStep`);
 - Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`, with the
-  test metrics under stable names `test/{error,nll,brier,ece}`;
+  test metrics under stable names `test/{error,nll,brier,ece}`; `test_step` returns what it
+  predicted (`PredictedBatch`) and keeps nothing for an evaluation (whose recorder,
+  `dbsn.evaluation.recorder`, keeps what it reads);
 - under data-parallel DDP, different random streams per rank, so each rank draws its own
   structures/masks; under structure-parallel DDP one stream (see `parallel`).
 
@@ -35,6 +37,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 import lightning.pytorch as pl
@@ -46,7 +49,6 @@ from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require
 from dbsn.methods.predictive import BayesEnsemble
 from dbsn.methods.settings import Execution, Prediction, WeightOptimizer
 from dbsn.methods.weights import WeightPosterior
-from dbsn.metrics.ablation import SampleAblation
 from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
@@ -63,6 +65,29 @@ Networks = Literal["cells", "any", "own"]
 
 class FeaturesUnavailable(RuntimeError):
     """A method cannot give each member's features at its last layer (the message says why)."""
+
+
+@dataclass(frozen=True)
+class PredictedBatch:
+    """What `Method.test_step` predicted for one test batch, for whoever records the test pass
+    (`dbsn.evaluation.recorder.PredictionRecorder`); the method keeps none of it.
+
+    Attributes:
+        inputs: the network inputs x, (b, ...).
+        targets: y, (b,) or, per pixel, (b, H, W).
+        log_probs: the Bayes ensemble's log-probabilities as the method predicts them
+            (`Method.calibrate`), class last: (b, C) or (b, H, W, C).
+        scores: the uncertainty decomposition of the members, each calibrated as the
+            prediction is (`uncertainty_decomposition`): name -> (b,) or (b, H, W).
+        members: the S members' log-probabilities before calibration, one row per labelled
+            entry: (S, b·H·W, C) (what the MC-sample ablation ensembles prefix by prefix).
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    log_probs: Tensor
+    scores: dict[str, Tensor]
+    members: Tensor
 
 
 class Method(pl.LightningModule):
@@ -152,17 +177,6 @@ class Method(pl.LightningModule):
         self.val_metrics = self.task.make_metrics(num_classes)
         self.test_metrics = self.task.make_metrics(num_classes)
         self.test_uncertainty = UncertaintyMetrics()
-        # After `trainer.test`: the ensemble's log-probabilities and targets, and per-example
-        # uncertainty scores (for OOD detection and entropy plots), gathered over ranks.
-        self.test_predictions: tuple[Tensor, Tensor] | None = None
-        self.test_scores: dict[str, Tensor] | None = None
-        self.test_example: tuple[Tensor, Tensor] | None = None  # the first test batch's first inputs and targets
-        self.test_image_rows: Tensor | None = None  # segmentation: each test image's metric sums (SegmentationMetrics)
-        self.test_maps: list[dict[str, Tensor]] = []  # segmentation: a few images' uncertainty maps
-        # Set by the evaluation code before `trainer.test` to get the MC-sample ablation.
-        self.sample_ablation: SampleAblation | None = None
-        self.ablation_rows: list[dict[str, float]] | None = None  # its result, after `trainer.test`
-        self._test_outputs: list = []
         # post-hoc temperature, fitted on the validation split after training (T = 1 until then)
         self.temperature = TemperatureScaler()
         # a post-hoc calibration map after it (`calibrate`), set by `dbsn.posthoc.calibrators`
@@ -772,69 +786,27 @@ class Method(pl.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in self.val_metrics.compute().items()}, prog_bar=True)
         self.val_metrics.reset()
 
-    def test_step(self, batch, batch_idx: int) -> None:
-        """Metrics of the ensemble, its uncertainty decomposition and per-example scores, and
-        (when `sample_ablation` is set) the metrics of every smaller ensemble, all from one
-        set of S member predictions. Segmentation: the same per pixel, and the maps of the
-        first `task.num_maps` test images."""
+    def test_step(self, batch, batch_idx: int) -> PredictedBatch:
+        """Update the test metrics of the ensemble and its uncertainty decomposition (per pixel for
+        segmentation) from one set of S member predictions, and return that prediction
+        (`PredictedBatch`): what an evaluation keeps of the test pass is its recorder's."""
         x, y = batch
-        if self.test_example is None:  # a few network inputs, for what is measured on inputs later (the cost)
-            self.test_example = (x[:4].detach(), y[:4].detach())
         members = self.predict_members(x)  # (S, b, C) or (S, b, H, W, C)
         shape = members.shape[1:-1]
         flat = self.task.flatten(members)  # (S, b·H·W, C)
-        log_probs = self.calibrate(ensemble_log_probs(flat))
-        self.test_metrics.update(log_probs.view(*shape, -1), y)
+        log_probs = self.calibrate(ensemble_log_probs(flat)).view(*shape, -1)
+        self.test_metrics.update(log_probs, y)
         # With a fitted temperature or calibrator each member is calibrated for the decomposition,
         # so that it describes the calibrated members (unchanged otherwise).
         scores = uncertainty_decomposition(self.calibrate(flat))
         self.test_uncertainty.update(scores)
-        if self.sample_ablation is not None:
-            self.sample_ablation.update(flat, y.flatten(), self.calibrate if self.is_calibrated else None)
-        if self.task.keeps_test_outputs:
-            self._test_outputs.append((log_probs.detach().float(), y.detach(), {k: v.detach().float() for k, v in scores.items()}))
-        else:
-            self._keep_maps(x, y, log_probs.view(*shape, -1), {k: v.view(shape) for k, v in scores.items()})
-
-    def _keep_maps(self, x: Tensor, y: Tensor, log_probs: Tensor, scores: dict[str, Tensor]) -> None:
-        """Keep input, target, prediction and uncertainty maps of the first test images."""
-        for i in range(x.shape[0]):
-            if len(self.test_maps) >= self.task.num_maps:
-                return
-            self.test_maps.append({
-                "image": x[i].detach().float().cpu(), "target": y[i].cpu(), "prediction": log_probs[i].argmax(-1).cpu(),
-                "entropy": scores["predictive_entropy"][i].float().cpu(),
-                "mutual_information": scores["mutual_information"][i].float().cpu(),
-            })
+        return PredictedBatch(x, y, log_probs, {k: v.view(shape) for k, v in scores.items()}, flat)
 
     def on_test_epoch_start(self) -> None:
         self.prepare_prediction(self.trainer.datamodule)
-        self._test_outputs = []
-        self.test_maps = []
-        self.test_predictions = None
-        self.test_scores = None
-        self.test_example = None
-        self.ablation_rows = None
-        if self.sample_ablation is not None:
-            self.sample_ablation.to(self.device).reset()
 
     def on_test_epoch_end(self) -> None:
         self.log_dict({f"test/{k}": v for k, v in self.test_metrics.compute().items()})
-        per_image = getattr(self.test_metrics, "per_image", None)  # segmentation: per-image sums, for intervals
-        self.test_image_rows = per_image() if per_image is not None and self.trainer.world_size == 1 else None
         self.log_dict({f"test/{k}": v for k, v in self.test_uncertainty.compute().items()})
         self.test_metrics.reset()
         self.test_uncertainty.reset()
-        if self.sample_ablation is not None:  # on every rank: computing synchronises them
-            self.ablation_rows = self.sample_ablation.compute()
-        if self._test_outputs:
-            log_probs = torch.cat([lp for lp, _, _ in self._test_outputs])
-            targets = torch.cat([t for _, t, _ in self._test_outputs])
-            scores = {k: torch.cat([s[k] for _, _, s in self._test_outputs]) for k in self._test_outputs[0][2]}
-            if self.trainer.world_size > 1:
-                log_probs = self.all_gather(log_probs).flatten(0, 1)
-                targets = self.all_gather(targets).flatten(0, 1)
-                scores = {k: self.all_gather(v).flatten(0, 1) for k, v in scores.items()}
-            self.test_predictions = (log_probs.cpu(), targets.cpu())
-            self.test_scores = {k: v.cpu() for k, v in scores.items()}
-        self._test_outputs = []

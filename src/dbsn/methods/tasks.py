@@ -26,7 +26,7 @@ class Classification:
     """One label per input: logits (N, C), targets (N,)."""
 
     ignore_index: int = -100  # torch's default: no label is ignored
-    keeps_test_outputs = True  # per-example log-probabilities and scores of the test set
+    keeps_test_outputs = True  # the test pass keeps per-example log-probabilities and scores
     supports_ablation = True
 
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
