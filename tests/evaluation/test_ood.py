@@ -48,6 +48,19 @@ def test_matches_sklearn_on_random_scores(seed, decimals):
         assert result[key] == pytest.approx(expected[key], abs=1e-6), key
 
 
+def test_the_auroc_of_separated_sets_is_one_not_more():
+    """Float32 scores that separate the sets: the AUROC is exactly 1 (a float32 trapezoid passed 1
+    by an ulp on about one such set in thirty) and matches scikit-learn's elsewhere to 1e-12."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        scores_in = torch.rand(int(torch.randint(20, 300, (1,), generator=gen)), generator=gen)
+        scores_out = 1.5 + torch.rand(int(torch.randint(20, 300, (1,), generator=gen)), generator=gen)
+        assert detection_metrics(scores_in, scores_out)["auroc"] == 1.0
+        mixed = scores_out - 1.2
+        expected = sklearn_metrics(scores_in.double().numpy(), mixed.double().numpy())["auroc"]
+        assert abs(detection_metrics(scores_in, mixed)["auroc"] - expected) < 1e-12
+
+
 def test_fpr95_at_exact_95_percent_tpr():
     # 20 OOD scores 1..20, in-distribution scores 0.5..19.5. TPR = 19/20 = 0.95 exactly at the
     # threshold 2 (OOD 2..20 flagged), where the in-distribution 2.5..19.5 are flagged: 18/20.

@@ -67,9 +67,8 @@ def evaluate_the_whole_suite(ckpt, out: Path, tmp_path: Path, extra=()) -> dict:
         "evaluations.adversarial.epsilons=[0.0,0.1]", "evaluations.adversarial.attack_samples=2",
         "evaluations.adversarial.eval_samples=2", "evaluations.adversarial.max_examples=20",
         "evaluations.adversarial.batch_size=20", "evaluations.conformal.levels=[0.9]"])
-    # each an AUROC; torchmetrics' float32 area can pass 1 by an ulp on perfectly separated sets
     for score in ("max_logit", "energy", "mahalanobis", "gda", "knn", "vim", "odin"):
-        assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1 + 1e-6, score
+        assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
     assert 0 <= results["test/error"] <= 1 and results["adversarial/fgsm/accuracy@0.1"] <= 1
     assert any(key.startswith("shift/") for key in results) and any(key.startswith("conformal/") for key in results)
     return results
