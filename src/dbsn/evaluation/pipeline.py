@@ -52,11 +52,14 @@ class Evaluator:
             []: none).
         statistics: the evaluation's seed (set before the test pass: the same checkpoint gives
             the same numbers) and its bootstrap intervals.
+        between_steps: called after the test pass and after each evaluation (the runtime hands
+            the host memory each step freed back to the system: `dbsn.runtime.memory`).
     """
 
     def __init__(self, evaluations: Sequence[Evaluation] = (), ablation_sizes: Sequence[int] | None = None,
-                 statistics: Statistics | None = None) -> None:
+                 statistics: Statistics | None = None, between_steps: Callable[[], Any] | None = None) -> None:
         self.statistics = statistics or Statistics()
+        self.between_steps = between_steps or (lambda: None)
         self.evaluations = list(evaluations)
         names = [e.name for e in self.evaluations]
         if len(set(names)) != len(names) or not all(names):
@@ -95,11 +98,13 @@ class Evaluator:
             write_results(results, folder, loggers)
             values = results.values
         model.to(subject.device)
+        self.between_steps()
         for evaluation in self.evaluations:
             results = evaluation.run(subject)
             results.files[f"{evaluation.name}/{SUMMARY_FILE}"] = {"evaluation": evaluation.name, "metrics": results.values}
             write_results(results, folder, loggers)
             values.update(results.values)
+            self.between_steps()
         _say_where(folder)
         return values
 

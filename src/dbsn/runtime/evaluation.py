@@ -31,6 +31,7 @@ from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
 from dbsn import conf_choices
 from dbsn.runtime.config import ConfigError, check_node
+from dbsn.runtime.memory import release_freed_memory
 
 __all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
            "evaluation_folder", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
@@ -67,7 +68,8 @@ def build_evaluator(cfg: DictConfig) -> Evaluator:
     evaluations = [_build(node, f"evaluations.{name}") for name, node in chosen.items()]
     sizes = (cfg.get("ablation") or {}).get("sizes")
     try:
-        return Evaluator(evaluations, None if sizes is None else list(sizes), statistics_of(cfg))
+        return Evaluator(evaluations, None if sizes is None else list(sizes), statistics_of(cfg),
+                         between_steps=release_freed_memory)
     except EvaluationError as err:
         raise ConfigError(str(err)) from err
 
