@@ -106,7 +106,7 @@ def test_every_method_config_builds(model, tmp_path):
     ("model.prediction.n_samples=2.5", r"model\.prediction\.n_samples=2\.5: expected int, got float"),
     ("trainer.max_epochs=ten", r"trainer\.max_epochs='ten': expected int"),
     ("data.batch_size=true", r"data\.batch_size=True: expected int, got bool"),
-    ("model.parallel=model", r"model\.parallel='model': expected one of 'structure', 'data'"),
+    ("model.parallel=model", r"model\.parallel='model': expected one of 'data', 'structure'"),
     ("seed=first", r"seed='first': expected int or null, got str"),
     ("resume=maybe", r"resume='maybe': expected bool, got str"),
 ])
