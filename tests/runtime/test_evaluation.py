@@ -155,7 +155,7 @@ def test_a_posthoc_given_by_value_is_refused_naming_every_posterior_of_conf():
 def test_the_freed_host_memory_goes_back_after_the_test_pass_and_each_evaluation(sweep, tmp_path, monkeypatch):
     """evaluate.py hands what each step freed back to the system (`release_freed_memory`, glibc's
     malloc_trim) after the test pass and after each evaluation, so that the next step does not start
-    on top of the earlier ones' peaks (`make evaluate`: 2.7 GB -> under 2 GB)."""
+    on top of the heap the earlier ones kept."""
     import dbsn.runtime.evaluation as runtime_evaluation
     import dbsn.runtime.memory as memory
 

@@ -56,7 +56,7 @@ from dbsn.methods.step import FiniteGuard, GraphedForward, GraphedStep, NonFinit
 from dbsn.nets.batchnorm import RunningStatistics, accumulated_running_statistics
 
 #: How several devices share a training step (see `Method`'s `parallel`).
-Parallel = Literal["data", "structure"]  # how several devices share a step (see `parallel` below)
+Parallel = Literal["data", "structure"]
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 
 #: The networks a method trains (`Method.networks`).

@@ -22,8 +22,8 @@ peak resident memory for the T = 4 step alone, +5 % for a mix of cases. It acts 
 `release_freed_memory()` hands what the heap holds free back to the kernel at once (glibc's
 `malloc_trim`: the free pages of every arena, not only the top). An evaluation calls it between
 its phases (the test pass, each OOD set, the attack): each phase reuses its own freed blocks at
-full speed, and the next does not start on top of everything the earlier ones once needed
-(`make evaluate`: the resident memory otherwise climbs phase by phase to the sum of their peaks).
+full speed, and the next does not start on top of the heap the earlier ones kept (measured on
+`make evaluate`: 1.38 GB resident after the test pass, 0.88 GB once released).
 """
 
 from __future__ import annotations
