@@ -31,12 +31,12 @@ evaluate: $(STAMP)
 
 ## The test suite (CI runs this through .ci/run): two workers, one thread each (two torch processes
 ## with default threads on two cores spin against each other), each test file on one worker (its
-## module fixtures, the SLURM cluster among them, are made once).
+## module fixtures, the SLURM cluster among them, are made once), the longest files first (tests/conftest.py).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 ## Speed and memory ratios, measured in one run on this machine.
 bench: $(STAMP)

@@ -23,14 +23,16 @@ def _terminated(signum, frame):
 
 signal.signal(signal.SIGTERM, _terminated)
 
-#: The longest test files (minutes on the 2-core machine), started first: pytest-xdist's `--dist loadfile`
-#: hands out whole files in collection order, so a long file collected last would run alone at the end
-#: while the other worker idles (`make test` measured 21 min with them where they fell, against about
-#: 31 CPU-minutes of tests over two workers).
-LONGEST_FIRST = ("tests/runtime/test_cluster.py", "tests/methods/test_base.py", "tests/tools/test_dashboard.py",
-                 "tests/runtime/test_cli.py", "tests/evaluation/test_pipeline.py", "tests/tools/test_compare.py",
-                 "tests/tools/bench/test_gpu.py", "tests/runtime/test_errors.py", "tests/tools/test_refine.py",
-                 "tests/nets/test_classifier.py")
+#: The longest test files (minutes on the 2-core machine), started first, longest first: with
+#: `--dist loadfile --no-loadscope-reorder` (the Makefile's) pytest-xdist hands out whole files in
+#: collection order, so a long file collected last would run alone at the end while the other worker
+#: idles. (Without `--no-loadscope-reorder` xdist sorts the files by their number of tests instead,
+#: and the SLURM file, six long tests, started near the end.)
+LONGEST_FIRST = ("tests/runtime/test_cluster.py", "tests/tools/test_dashboard.py", "tests/runtime/test_cli.py",
+                 "tests/evaluation/test_pipeline.py", "tests/tools/test_fair_protocol.py", "tests/tools/test_compare.py",
+                 "tests/methods/test_base.py", "tests/runtime/test_errors.py", "tests/methods/test_csgmcmc.py",
+                 "tests/docs/test_extending.py", "tests/tools/bench/test_gpu.py",
+                 "tests/methods/test_regional_compile.py", "tests/tools/test_refine.py", "tests/nets/test_classifier.py")
 
 
 def pytest_collection_modifyitems(config, items):
