@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dbsn.methods import DBSN, MAP, Compilation, Execution, GaussianWeights, Prediction
+from dbsn.methods import DBSN, MAP, Compilation, Execution, GaussianWeights, MCDropoutWeights, Prediction
 from dbsn.methods.tasks import Segmentation
 from dbsn.nets import DBSNSegNet, FCDenseNet, StructureNet
 from dbsn.nets.ops import memory_format
@@ -637,3 +637,47 @@ def test_lr_warm_up_ramps_linearly_step_by_step_then_hands_over_to_the_schedule(
     schedule = [0.1] * 8 + [0.01] * 4 + [0.001] * 4  # milestones at epochs 2 and 3
     assert [pytest.approx([s * r, 0.5 * s * r]) for s, r in zip(schedule, ramp)] == lrs.used
     assert lrs.after_epoch == pytest.approx([0.1, 0.1, 0.01, 0.001])  # before each epoch's schedule step: untouched by the ramp
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_a_bound_on_the_forwards_rows_splits_the_examples_and_changes_no_number(rows):
+    """`prediction.rows_per_forward`: every forward holds at most that many rows (at least one
+    example under all its members), the members stay the same, and the member log-probabilities
+    and the input gradient equal those of the whole forwards up to float32 rounding (a smaller
+    matrix product may sum in another order: 1 ulp here; bit for bit on make train's network)."""
+    torch.manual_seed(0)
+    method = DBSN(StructureNet(**LAYOUT_NET), prediction=Prediction(n_samples=6, samples_per_forward=3),
+                  dataset_size=50, theta_init_std=1.0).eval()
+    x = torch.randn(7, 3, 8, 8, requires_grad=True)
+    seen = []
+    network = method.network
+    method.network = lambda inputs, alpha: seen.append(inputs.shape[0] * alpha.shape[0]) or network(inputs, alpha)
+
+    def members_and_gradient():
+        torch.manual_seed(1)
+        members = method.predict_members(x)
+        return members.detach(), torch.autograd.grad(members.logsumexp(0).sum(), x)[0]
+
+    whole, whole_grad = members_and_gradient()
+    assert seen == [21, 21]  # 7 examples x 3 members, twice
+    seen.clear()
+    method.prediction.rows_per_forward = rows
+    split, split_grad = members_and_gradient()
+    assert max(seen) == max(rows // 3, 1) * 3 and sum(seen) == 42
+    assert torch.allclose(whole, split, rtol=0, atol=1e-6) and torch.allclose(whole_grad, split_grad, rtol=0, atol=1e-7)
+
+
+def test_weights_that_draw_noise_at_every_forward_keep_their_forwards_whole():
+    method = MAP(StructureNet(**LAYOUT_NET), weights=MCDropoutWeights(p=0.2), dataset_size=50,
+                 prediction=Prediction(n_samples=4, samples_per_forward=2, rows_per_forward=3)).eval()
+    method.enable_test_noise()
+    seen = []
+    network = method.network
+    method.network = lambda inputs, alpha: seen.append(inputs.shape[0]) or network(inputs, alpha)
+    method.predict_members(torch.randn(5, 3, 8, 8))
+    assert seen == [5, 5]
+
+
+def test_a_bound_below_one_row_is_refused():
+    with pytest.raises(ValueError, match="rows_per_forward must be >= 1"):
+        Prediction(rows_per_forward=0)

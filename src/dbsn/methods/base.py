@@ -348,9 +348,18 @@ class Method(pl.LightningModule):
         # a graph replays the network as it was captured: only with the statistics the modules hold
         network = self._graphed_network if (self._graphed_network is not None and isinstance(statistics, nullcontext)) \
             else self.network
-        with statistics:
-            logits = self.task.class_last(network(x, alpha))  # row i*n + s: example i, member s
+        with statistics:  # row i*n + s: example i, member s
+            parts = [self.task.class_last(network(part, alpha)) for part in self._example_parts(x, n)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         return logits.view(x.shape[0], n, *logits.shape[1:]).transpose(0, 1)
+
+    def _example_parts(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        """x in parts of at most `prediction.rows_per_forward` // n examples (at least one), or
+        whole: without a bound, or when the weights draw noise at every forward."""
+        rows = self.prediction.rows_per_forward
+        if rows is None or self.weights.stochastic or x.shape[0] * n <= rows:
+            return (x,)
+        return x.split(max(1, rows // n))
 
     def _module_modes(self) -> tuple[bool, ...]:
         """Every module's train/eval mode (a captured prediction belongs to one: MC dropout's)."""

@@ -183,6 +183,13 @@ class Prediction:
         n_samples: S, members of the test-time ensemble (1 for deterministic methods).
         val_samples: members used for validation during training (cheaper than S).
         samples_per_forward: members evaluated in one batched forward (bounds memory).
+        rows_per_forward: the most network rows (examples × members) one prediction forward
+            holds; a larger forward runs its examples in parts, every part under the same
+            members, so the numbers do not change (a member's network treats each example on
+            its own; tested). None: no bound. It bounds the memory of a forward without
+            changing `samples_per_forward`, which sets how the ensemble is summed. Methods whose
+            weights draw noise at every forward (`WeightPosterior.stochastic`) keep their
+            forwards whole: a split would draw other noise.
         temperature_scaling: after training, fit a temperature on the validation split (Guo et
             al. 2017) and apply it to every prediction; refused without a validation split
             (checked before training starts).
@@ -191,12 +198,15 @@ class Prediction:
     n_samples: int = 1
     val_samples: int = 1
     samples_per_forward: int = 10
+    rows_per_forward: int | None = None
     temperature_scaling: bool = False
 
     def __post_init__(self) -> None:
         for key in ("n_samples", "val_samples", "samples_per_forward"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"prediction.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rows_per_forward is not None and int(self.rows_per_forward) < 1:
+            raise ValueError(f"prediction.rows_per_forward must be >= 1 (or null), got {self.rows_per_forward}")
 
 
 @dataclass
