@@ -118,3 +118,7 @@ def test_a_segmentation_pass_keeps_its_first_maps_and_each_image_s_rows():
     unit = recorded.image_metrics.resampled(torch.ones(1, 8), rows)
     for key in ("miou", "global_acc", "ece", "nll"):
         assert float(unit[key][0]) == pytest.approx(metrics[f"test/{key}"], rel=1e-5, abs=1e-6), key
+    # a second pass starts its metrics afresh, and the first pass's copy keeps its own rows
+    _, again = run_test_pass(_trainer(), method, Tensors(x[:5], y[:5]), ablation_sizes=None)
+    assert again.image_metrics.per_image().shape[0] == 5 and recorded.image_metrics.per_image().shape[0] == 8
+    assert again.image_metrics is not method.test_metrics

@@ -8,7 +8,8 @@ attaches for the duration of `trainer.test`, keeps of each batch what the evalua
 - classifiers: every test example's ensemble log-probabilities, target and uncertainty scores
   (`log_probs`, `targets`, `scores`), gathered over the devices;
 - segmentation: the test metrics image by image (`image_metrics`, for bootstrap intervals; on one
-  device) and the uncertainty maps of the first `task.num_maps` images (`maps`);
+  device: a copy of the method's test metrics once the pass is over) and the uncertainty maps of
+  the first `task.num_maps` images (`maps`);
 - the first batch's first inputs and targets (`example`: what the cost is measured on);
 - the MC-sample ablation (`ablation`: the metrics of the ensembles of the first s members, every s,
   from the same S members; `ablation_rows` once the pass is over).
@@ -16,6 +17,7 @@ attaches for the duration of `trainer.test`, keeps of each batch what the evalua
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from lightning.pytorch.callbacks import Callback
@@ -51,8 +53,9 @@ class PredictionRecorder(Callback):
         example: the first test batch's first inputs and targets, where the pass ran them.
         maps: segmentation: input, target, prediction, predictive entropy and mutual information
             of the first `task.num_maps` test images.
-        image_metrics: segmentation on one device: the task's test metrics again, whose
-            `per_image` rows and `resampled` give the bootstrap intervals (None otherwise).
+        image_metrics: segmentation on one device: a copy of the method's test metrics after the
+            pass, whose `per_image` rows and `resampled` give the bootstrap intervals (None
+            otherwise).
         ablation: the MC-sample ablation updated by the pass (None: none), `ablation_rows` its
             rows (`SampleAblation.compute`).
     """
@@ -73,8 +76,6 @@ class PredictionRecorder(Callback):
 
     def on_test_epoch_start(self, trainer, pl_module) -> None:
         self._clear()
-        if not pl_module.task.keeps_test_outputs and trainer.world_size == 1:
-            self.image_metrics = pl_module.task.make_metrics(pl_module.num_classes).to(pl_module.device)
         if self.ablation is not None:
             self.ablation.to(pl_module.device).reset()
 
@@ -89,8 +90,6 @@ class PredictionRecorder(Callback):
             self._batches.append((outputs.log_probs.detach().float(), y.detach(),
                                   {k: v.detach().float() for k, v in outputs.scores.items()}))
             return
-        if self.image_metrics is not None:
-            self.image_metrics.update(outputs.log_probs, y)
         self._keep_maps(outputs, pl_module.task.num_maps)
 
     def _keep_maps(self, outputs: PredictedBatch, count: int) -> None:
@@ -117,3 +116,8 @@ class PredictionRecorder(Callback):
             self.log_probs, self.targets = log_probs.cpu(), targets.cpu()
             self.scores = {k: v.cpu() for k, v in scores.items()}
         self._batches = []
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        # after the method's own epoch end: its test metrics hold the whole pass until the next starts
+        if not pl_module.task.keeps_test_outputs and trainer.world_size == 1:
+            self.image_metrics = copy.deepcopy(pl_module.test_metrics)

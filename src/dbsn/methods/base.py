@@ -200,6 +200,18 @@ class Method(pl.LightningModule):
     def n_samples(self, value: int) -> None:
         self.prediction.n_samples = int(value)
 
+    def use_samples(self, n_samples: int | None) -> None:
+        """Predict with S = `n_samples`: this method and every method inside it (an ensemble's
+        members, a post-hoc posterior's base); None leaves each its own S. The one way an
+        evaluation sets S (`dbsn.runtime.evaluation.evaluation_samples` resolves it)."""
+        if n_samples is None:
+            return
+        if int(n_samples) < 1:
+            raise ValueError(f"n_samples (S) must be >= 1 (or null: the method's own), got {n_samples}")
+        for method in self.modules():
+            if isinstance(method, Method):
+                method.n_samples = int(n_samples)
+
     @property
     def val_samples(self) -> int:
         return self.prediction.val_samples
@@ -701,7 +713,8 @@ class Method(pl.LightningModule):
 
     @property
     def num_members(self) -> int:
-        """How many members `predict_members` returns at the current `n_samples`."""
+        """How many members `predict_members` returns: the resolved S (`n_samples`, as built or
+        as `use_samples` set it) for a method that draws its members, 1 for a deterministic one."""
         return self._num_draws(None)
 
     # ------------------------------------------------------------------ what detection scores read
@@ -812,10 +825,12 @@ class Method(pl.LightningModule):
         return PredictedBatch(x, y, log_probs, {k: v.view(shape) for k, v in scores.items()}, flat)
 
     def on_test_epoch_start(self) -> None:
+        self.test_metrics.reset()
+        self.test_uncertainty.reset()
         self.prepare_prediction(self.trainer.datamodule)
 
     def on_test_epoch_end(self) -> None:
+        """Log the pass's test metrics. They keep its state until the next pass starts: a
+        recorder reads segmentation's per-image rows from them once the pass is over."""
         self.log_dict({f"test/{k}": v for k, v in self.test_metrics.compute().items()})
         self.log_dict({f"test/{k}": v for k, v in self.test_uncertainty.compute().items()})
-        self.test_metrics.reset()
-        self.test_uncertainty.reset()
