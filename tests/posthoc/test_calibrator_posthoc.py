@@ -60,8 +60,10 @@ def test_a_calibrator_on_top_of_laplace_calibrates_the_laplace_predictive(digits
     posterior = PosthocCalibration(IsotonicCalibration(),
                                    base=LastLayerLaplace(n_samples=8, hessian="diag", prior_precision=1.0))
     assert posterior.name == "laplace+isotonic" and posterior.why_not(method, {}) is None
-    posterior.check(method, dm, {})
-    laplace = posterior.fit(method, dm, {})
+    assert posterior.n_samples == 8  # its base's S
+    posterior.check(method, dm, {}, posterior.n_samples)
+    laplace = posterior.fit(method, dm, {}, posterior.n_samples)
+    assert laplace.num_members == 8
     assert isinstance(laplace, LaplaceMethod) and isinstance(laplace.calibrator, IsotonicCalibration)
     assert method.calibrator is None and posterior.calibrator.num_classes is None  # each fit has its own copy
     x = dm.preprocess(next(iter(dm.val_dataloader()))[0][:16])

@@ -134,7 +134,7 @@ def test_each_posthoc_calibration_predicts_its_calibrator_fitted_on_the_validati
     x = dm.preprocess(next(iter(dm.val_dataloader()))[0][:32])
     posterior = PosthocCalibration(make(), base=None if base is None else base())
     assert case.startswith(posterior.name)  # laplace+isotonic: after its base
-    fitted = posterior.fit(copy.deepcopy(method), dm, {})
+    fitted = posterior.fit(copy.deepcopy(method), dm, {}, posterior.n_samples)  # laplace+isotonic: the base's S
     with torch.no_grad():
         predicted = fitted.predict_log_probs(x)
         fitted.calibrator = None  # the method (its base) as the calibrator saw it

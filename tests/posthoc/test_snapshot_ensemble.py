@@ -194,7 +194,7 @@ def test_stochastic_methods_and_deep_ensembles_are_snapshots_too():
         thetas.append(method.structure.theta.detach().clone())
 
     checkpoint = _collected(dbsn, [shift, shift])
-    ensemble = SnapshotEnsemble(n_samples=2).fit(dbsn, None, checkpoint)
+    ensemble = SnapshotEnsemble().fit(dbsn, None, checkpoint, n_samples=2)
     assert [type(m) for m in ensemble.members] == [DBSN, DBSN] and [m.n_samples for m in ensemble.members] == [2, 2]
     for member, theta in zip(ensemble.members, thetas):
         torch.testing.assert_close(member.structure.theta, theta)

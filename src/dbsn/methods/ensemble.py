@@ -109,6 +109,7 @@ class DeepEnsemble(Method):
 
     @property
     def num_members(self) -> int:
+        """M, one prediction per network (each its own Bayes ensemble of its resolved S)."""
         return len(self.members)
 
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:

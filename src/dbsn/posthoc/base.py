@@ -12,10 +12,14 @@ A posterior says three things:
 
 - `why_not(method, checkpoint)`: which methods it applies to (None: this one; else the reason,
   shown to the user, or the run skipped in a sweep);
-- `check(method, datamodule, checkpoint)`: every input it needs (a validation split, moments
-  the run collected, valid settings), before anything is fitted; raise `PosthocError`;
+- `check(method, datamodule, checkpoint, n_samples)`: every input it needs (a validation split,
+  moments the run collected, valid settings, an S where it draws members of its own:
+  `draws_members`), before anything is fitted; raise `PosthocError`;
 - `fit(method, datamodule, checkpoint, n_samples)`: the fitted posterior, a `dbsn.methods.Method`
-  that predicts with `n_samples` members (None: the method's own S).
+  that predicts with exactly `n_samples` members (None: the method's own S).
+
+S is resolved once, by the runtime (`dbsn.runtime.evaluation.evaluation_samples`: `evaluate.py
+n_samples=`, else the posterior's own `n_samples`), and given to `check` and `fit` as it is.
 
 `docs/extending.md` shows a complete one.
 """
@@ -28,7 +32,7 @@ from torch import nn
 
 from dbsn.methods.base import Method
 
-__all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier", "use_samples"]
+__all__ = ["PosthocError", "PosthocPosterior", "point_estimate_classifier"]
 
 
 class PosthocError(ValueError):
@@ -42,10 +46,13 @@ class PosthocPosterior:
         name: the method's name in reports and on W&B (after the run's method: `map+laplace`)
             and the folder `<run>/posthoc/<name>/`; None: the class's `name`.
         n_samples: S, the members it predicts with, unless `evaluate.py n_samples=` says;
-            None: the method's own S.
+            None: the method's own S (refused by `check` where it `draws_members`).
     """
 
     name: str = ""
+    #: It draws members of its own (SWAG's weights, Laplace's last layers), so it needs an S:
+    #: `check` refuses None.
+    draws_members: bool = False
 
     def __init__(self, name: str | None = None, n_samples: int | None = None) -> None:
         self.name = str(name or type(self).name)
@@ -59,8 +66,12 @@ class PosthocPosterior:
         """None when the posterior applies to `method` (whose run wrote `checkpoint`), else why not."""
         return None
 
-    def check(self, method: Method, datamodule, checkpoint: dict[str, Any]) -> None:
-        """Raise `PosthocError` for an input the fit would fail on (the default: none)."""
+    def check(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> None:
+        """Raise `PosthocError` for an input the fit would fail on (here: no S for a posterior
+        that `draws_members`; a subclass with checks of its own calls this one too)."""
+        if self.draws_members and n_samples is None:
+            raise PosthocError(f"posthoc={self.name} draws members of its own and needs their number S: set "
+                               "posthoc.n_samples (e.g. 30) or evaluate.py n_samples=, not null.")
 
     def fit(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> Method:
         raise NotImplementedError
@@ -79,11 +90,3 @@ def point_estimate_classifier(method: Method, name: str) -> str | None:
                 "with its own posterior)")
     return None
 
-
-def use_samples(method: Method, n_samples: int | None) -> None:
-    """Make `method` and every method inside it (an ensemble's members) predict with
-    `n_samples` members; None leaves each its own S."""
-    if n_samples is not None:
-        for inner in method.modules():
-            if isinstance(inner, Method):
-                inner.n_samples = int(n_samples)

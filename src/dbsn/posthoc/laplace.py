@@ -380,6 +380,7 @@ class LastLayerLaplace(PosthocPosterior):
     """
 
     name = "laplace"
+    draws_members = True
 
     def __init__(self, name: str | None = None, n_samples: int | None = 30, hessian: str = "kron",
                  prior_precision: str | float | None = None, seed: int = 0) -> None:
@@ -403,7 +404,8 @@ class LastLayerLaplace(PosthocPosterior):
     def why_not(self, method: Method, checkpoint: dict) -> str | None:
         return point_estimate_classifier(method, self.name)
 
-    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+    def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
+        super().check(method, datamodule, checkpoint, n_samples)
         if self.prior_for(datamodule) == "gridsearch" and not datamodule.has_val:
             raise PosthocError(f"posthoc={self.name} with posthoc.prior_precision=gridsearch fits the prior precision "
                                "on the validation split, and this run has none (data.val_size=0): use "
@@ -414,6 +416,6 @@ class LastLayerLaplace(PosthocPosterior):
         datamodule.setup("fit")
         Console().print(f"Fitting a last-layer Laplace ({self.hessian} Hessian, prior precision: {prior})")
         fitted = fit_laplace_on(method, datamodule, hessian_structure=self.hessian, prior_precision=prior,
-                                n_samples=int(n_samples or self.n_samples or 30), seed=self.seed)
+                                n_samples=n_samples, seed=self.seed)
         Console().print(f"Prior precision λ = {fitted.prior_precision:.4g}")
         return fitted

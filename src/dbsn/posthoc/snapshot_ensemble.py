@@ -54,7 +54,7 @@ from torch import Tensor
 
 from dbsn.methods.base import Method
 from dbsn.methods.ensemble import DeepEnsemble
-from dbsn.posthoc.base import PosthocError, PosthocPosterior, use_samples
+from dbsn.posthoc.base import PosthocError, PosthocPosterior
 
 __all__ = ["SnapshotCollector", "SnapshotEnsemble", "SnapshotEnsembleMethod", "SnapshotSchedule", "load_snapshot_state"]
 
@@ -252,7 +252,7 @@ class SnapshotEnsemble(PosthocPosterior):
                     "model=map_fixed callbacks=snapshot_ensemble")
         return None
 
-    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+    def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
         kept = len(load_snapshot_state(checkpoint)["snapshots"])
         if kept == 0:
             raise PosthocError(f"posthoc={self.name}: the run collected no snapshot yet (its first cycle had not "
@@ -272,5 +272,5 @@ class SnapshotEnsemble(PosthocPosterior):
             members += inner
             epochs += [epoch] * len(inner)
         ensemble = SnapshotEnsembleMethod(members, epochs).eval()
-        use_samples(ensemble, n_samples or self.n_samples)
+        ensemble.use_samples(n_samples)
         return ensemble

@@ -368,6 +368,7 @@ class SWAG(PosthocPosterior):
     """
 
     name = "swag"
+    draws_members = True
 
     def __init__(self, name: str | None = None, n_samples: int | None = 30, scale: float = 0.5) -> None:
         super().__init__(name, n_samples)
@@ -386,7 +387,8 @@ class SWAG(PosthocPosterior):
                     "train with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag)")
         return None
 
-    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+    def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
+        super().check(method, datamodule, checkpoint, n_samples)
         snapshots = int(load_swag_state(checkpoint)["moments"]["count"])
         if snapshots < 2:
             raise PosthocError(f"posthoc={self.name} needs at least 2 collected snapshots of the weights, and this "
@@ -394,5 +396,4 @@ class SWAG(PosthocPosterior):
                                "or more epochs) or after every step (callbacks.swag.collect=step).")
 
     def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> SWAGMethod:
-        return SWAGMethod(method, load_swag_state(checkpoint), n_samples=int(n_samples or self.n_samples or 30),
-                          scale=self.scale)
+        return SWAGMethod(method, load_swag_state(checkpoint), n_samples=n_samples, scale=self.scale)

@@ -4,8 +4,8 @@
   instantiated by their `_target_`), in an `Evaluator`;
 - `build_posterior`: the post-hoc posterior of `posthoc=<name>` (`conf/posthoc/<name>.yaml`);
 - `checkpoint_paths`, `evaluation_data`: the checkpoints and the data they were trained on, with
-  the evaluation's own overrides (`data_root`, `batch_size`); `apply_overrides`: S and the other
-  prediction settings;
+  the evaluation's own overrides (`data_root`, `batch_size`); `evaluation_samples`: S, resolved
+  once; `apply_overrides`: the other prediction settings; `fit_posterior`: the posterior with S;
 - `evaluation_folder`: where a model's results go, refusing a folder the evaluation did not make.
 """
 
@@ -34,7 +34,7 @@ from dbsn.runtime.config import ConfigError, check_node
 from dbsn.runtime.memory import release_freed_memory
 
 __all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
-           "evaluation_folder", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
+           "evaluation_folder", "evaluation_samples", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
 
 
 def _build(node: DictConfig, where: str) -> Any:
@@ -132,14 +132,23 @@ def evaluation_data(cfg: DictConfig, checkpoint: dict) -> Any:
     return datamodule
 
 
+def evaluation_samples(cfg: DictConfig, posterior: PosthocPosterior | None) -> int | None:
+    """S, the members the evaluated model predicts with, resolved once for the evaluation:
+    `evaluate.py n_samples=` when given, else the post-hoc posterior's own `n_samples`, else None
+    (the trained method's own S). The runtime gives it to the model (`Method.use_samples`) or to
+    the posterior (its `check` and `fit`), never both."""
+    if cfg.get("n_samples") is not None:
+        return int(cfg.n_samples)
+    return None if posterior is None else posterior.n_samples
+
+
 def apply_overrides(model: Method, cfg: DictConfig) -> None:
-    """The evaluation's prediction settings, on every method inside `model` (an ensemble's
-    members too): S (`n_samples`), members per forward, DBSN's `test_tau` and BatchNorm statistics."""
+    """The evaluation's prediction settings but S (`evaluation_samples`), on every method inside
+    `model` (an ensemble's members too): members per forward, DBSN's `test_tau` and BatchNorm
+    statistics."""
     for method in model.modules():
         if not isinstance(method, Method):
             continue
-        if cfg.get("n_samples") is not None:
-            method.n_samples = int(cfg.n_samples)
         if cfg.get("samples_per_forward") is not None:
             method.samples_per_forward = int(cfg.samples_per_forward)
         if isinstance(method, DBSN):
@@ -149,14 +158,12 @@ def apply_overrides(model: Method, cfg: DictConfig) -> None:
             method.bn_recalibration = replace(method.bn_recalibration, **changes)
 
 
-def fit_posterior(posterior: PosthocPosterior, model: Method, datamodule, checkpoint: dict, cfg: DictConfig,
+def fit_posterior(posterior: PosthocPosterior, model: Method, datamodule, checkpoint: dict, n_samples: int | None,
                   device: torch.device) -> Method:
-    """`posterior` fitted on the finished `model`, predicting with S members: `n_samples=` when
-    given, else the posterior's own `n_samples` (None: the method's S)."""
-    n_samples = cfg.get("n_samples")
+    """`posterior` fitted on the finished `model` on `device`, predicting with S = `n_samples`
+    members (`evaluation_samples`; None: the method's own)."""
     model.to(device)
-    return posterior.fit(model, datamodule, checkpoint, n_samples=int(n_samples) if n_samples is not None
-                         else posterior.n_samples)
+    return posterior.fit(model, datamodule, checkpoint, n_samples)
 
 
 def _evaluation_record(folder: Path) -> dict | None:

@@ -32,8 +32,8 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigC
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder, checkpoint_paths,
-                                     evaluation_data, evaluation_folder, fatal_in_a_sweep, fit_posterior, statistics_of,
-                                     write_posthoc_run)
+                                     evaluation_data, evaluation_folder, evaluation_samples, fatal_in_a_sweep,
+                                     fit_posterior, statistics_of, write_posthoc_run)
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
@@ -179,6 +179,9 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
                for i, p in enumerate(paths)]
     model: Method = members[0] if len(members) == 1 else DeepEnsemble(members)
     apply_overrides(model, cfg)
+    n_samples = evaluation_samples(cfg, posterior)  # S: the posterior's to use, else the model's
+    if posterior is None:
+        model.use_samples(n_samples)
     device = device_of(cfg.trainer)
     subject = Subject(model, datamodule, "", device, progress_of(cfg))
     if posterior is not None:
@@ -187,9 +190,9 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
             if in_sweep:
                 return None
             raise ConfigError(f"{reason}.")
-        posterior.check(model, datamodule, first)
+        posterior.check(model, datamodule, first, n_samples)
         evaluator.check(subject)  # before the posterior is fitted
-        subject.model = model = fit_posterior(posterior, model, datamodule, first, cfg, device)
+        subject.model = model = fit_posterior(posterior, model, datamodule, first, n_samples, device)
     name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
     subject.title = title_of(name, run_data, model.num_members)
     facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),

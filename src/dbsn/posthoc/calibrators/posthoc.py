@@ -30,7 +30,7 @@ from torch import Tensor
 
 from dbsn.methods.base import Method
 from dbsn.methods.temperature import NoValidationSplitError, require_validation
-from dbsn.posthoc.base import PosthocError, PosthocPosterior, use_samples
+from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.posthoc.calibrators.base import Calibrator
 
 __all__ = ["PosthocCalibration", "validation_predictive"]
@@ -66,7 +66,7 @@ class PosthocCalibration(PosthocPosterior):
         name: see `PosthocPosterior`; None: the calibrator's `name`, after `base`'s
             (`laplace+isotonic`).
         n_samples: S, unless `evaluate.py n_samples=` says; None: the method's own (with a
-            `base`: the base's own).
+            `base`: the base's own `n_samples`, which is then this posterior's).
         base: a post-hoc posterior fitted first, whose predictive the calibrator calibrates.
     """
 
@@ -81,6 +81,8 @@ class PosthocCalibration(PosthocPosterior):
         if base is not None and not isinstance(base, PosthocPosterior):
             raise PosthocError(f"posthoc.base must be a post-hoc posterior (e.g. +posthoc@posthoc.base=laplace), got "
                                f"{type(base).__name__}")
+        if n_samples is None and base is not None:
+            n_samples = base.n_samples
         super().__init__(name or (f"{base.name}+{calibrator.name}" if base is not None else calibrator.name), n_samples)
         self.calibrator, self.base = calibrator, base
 
@@ -89,9 +91,9 @@ class PosthocCalibration(PosthocPosterior):
             return f"posthoc={self.name} is defined for classifiers; this is a segmentation model"
         return self.base.why_not(method, checkpoint) if self.base is not None else None
 
-    def check(self, method: Method, datamodule, checkpoint: dict) -> None:
+    def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
         if self.base is not None:
-            self.base.check(method, datamodule, checkpoint)
+            self.base.check(method, datamodule, checkpoint, n_samples)
         if not datamodule.has_val:
             raise PosthocError(f"posthoc={self.name} is fitted on the validation split, and this run has none "
                                "(data.val_size=0): train with a validation split (e.g. data.val_size=5000 or 0.1); it "
@@ -105,7 +107,7 @@ class PosthocCalibration(PosthocPosterior):
         if self.base is not None:
             method = self.base.fit(method, datamodule, checkpoint, n_samples)
         else:
-            use_samples(method, n_samples)
+            method.use_samples(n_samples)
         datamodule.setup("fit")
         log_probs, targets = validation_predictive(method, datamodule)
         calibrator = copy.deepcopy(self.calibrator).fit(log_probs, targets)
