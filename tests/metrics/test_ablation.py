@@ -28,7 +28,7 @@ def test_prefix_ensembles_equal_the_mean_of_the_first_s_members():
 
 def test_last_row_equals_the_full_ensemble_metrics_over_batches():
     members, target = _members(s=6, n=90).float(), torch.randint(0, 5, (90,), generator=torch.Generator().manual_seed(1))
-    ablation = SampleAblation(num_classes=5, max_samples=6)
+    ablation = SampleAblation(num_classes=5, n_samples=6)
     full = ClassificationMetrics(5)
     for chunk in range(3):  # three test batches
         part = slice(30 * chunk, 30 * (chunk + 1))

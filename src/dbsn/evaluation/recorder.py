@@ -40,7 +40,7 @@ def sample_ablation(model, sizes: Sequence[int] | None = None) -> SampleAblation
     if (sizes is not None and len(sizes) == 0) or not model.task.supports_ablation or model.num_members <= 1:
         return None
     sizes = None if sizes is None else [s for s in sizes if s <= model.num_members] or [model.num_members]
-    return SampleAblation(model.num_classes, model.num_members, sizes)
+    return SampleAblation(model.num_classes, n_samples=model.num_members, sizes=sizes)
 
 
 class PredictionRecorder(Callback):

@@ -49,21 +49,21 @@ class SampleAblation(nn.Module):
 
     Args:
         num_classes: C.
-        sizes: the ensemble sizes to report; None = every s from 1 to `max_samples`.
-        max_samples: S, the number of members each `update` receives.
+        n_samples: S, the number of members each `update` receives.
+        sizes: the ensemble sizes to report; None = every s from 1 to `n_samples`.
         keep: also keep every size's ensemble log-probabilities (`kept`, (sizes, N, C) once
             `compute`d), for what needs them whole (the calibrated NLL of each size); None:
             keep them for at most 16 sizes (a deep ensemble's 1..M, not DBSN's 1..100).
     """
 
-    def __init__(self, num_classes: int, max_samples: int, sizes: Sequence[int] | None = None,
+    def __init__(self, num_classes: int, n_samples: int, sizes: Sequence[int] | None = None,
                  keep: bool | None = None) -> None:
         super().__init__()
-        sizes = list(range(1, max_samples + 1)) if sizes is None else sorted({int(s) for s in sizes})
-        if not sizes or sizes[0] < 1 or sizes[-1] > max_samples:
-            raise ValueError(f"ablation sizes must lie in 1..{max_samples} (the ensemble's S), got {sizes}")
+        sizes = list(range(1, n_samples + 1)) if sizes is None else sorted({int(s) for s in sizes})
+        if not sizes or sizes[0] < 1 or sizes[-1] > n_samples:
+            raise ValueError(f"ablation sizes must lie in 1..{n_samples} (the ensemble's S), got {sizes}")
         self.sizes = sizes
-        self.max_samples = max_samples
+        self.n_samples = n_samples
         self.metrics = nn.ModuleList(ClassificationMetrics(num_classes) for _ in sizes)
         self.keep = len(sizes) <= 16 if keep is None else keep
         self._kept: list[Tensor] = []
@@ -75,8 +75,8 @@ class SampleAblation(nn.Module):
         `transform` is applied to each prefix ensemble's log-probabilities (e.g. the post-hoc
         temperature), as the method applies it to its full ensemble.
         """
-        if member_log_probs.shape[0] != self.max_samples:
-            raise ValueError(f"expected {self.max_samples} members, got {member_log_probs.shape[0]}")
+        if member_log_probs.shape[0] != self.n_samples:
+            raise ValueError(f"expected {self.n_samples} members, got {member_log_probs.shape[0]}")
         ensembles = prefix_ensembles(member_log_probs, self.sizes)
         if transform is not None:
             ensembles = torch.stack([transform(log_probs) for log_probs in ensembles])
