@@ -267,9 +267,9 @@ def test_laplace_refuses_stochastic_methods_and_reloads_without_laplace_torch(di
     from dbsn.methods import DBSN, MCDropoutWeights
 
     with pytest.raises(ValueError, match="point-estimate"):
-        LaplaceMethod(DBSN(tiny_structure_net(), dataset_size=10), None)
+        LaplaceMethod(DBSN(tiny_structure_net(), dataset_size=10), None, n_samples=4)
     with pytest.raises(ValueError, match="point-estimate"):
-        LaplaceMethod(MAP(tiny_structure_net(), weights=MCDropoutWeights(), dataset_size=10), None)
+        LaplaceMethod(MAP(tiny_structure_net(), weights=MCDropoutWeights(), dataset_size=10), None, n_samples=4)
     method, dm = digits_map
     reloaded = LaplaceMethod(method, None, n_samples=64)
     reloaded.load_state_dict(digits_laplace.state_dict())

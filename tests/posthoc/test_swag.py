@@ -183,4 +183,4 @@ def test_swag_method_takes_its_batchnorm_images_from_the_training_split():
     with torch.no_grad():
         assert swag.predict_members(dm.preprocess(dm.val_set.images[:3])).shape == (2, 3, 10)
     with pytest.raises(ValueError, match="do not belong"):
-        SWAGMethod(MAP(tiny_structure_net(num_classes=4), learn_structure=False, dataset_size=10), _swag_of(method))
+        SWAGMethod(MAP(tiny_structure_net(num_classes=4), learn_structure=False, dataset_size=10), _swag_of(method), 2)

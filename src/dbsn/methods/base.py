@@ -136,6 +136,10 @@ class Method(pl.LightningModule):
     #: The settings of its config that tell apart the methods it implements (a run is named by
     #: them): its task and its weight posterior (DBSN with Gaussian weights is FBN).
     variant_keys: ClassVar[tuple[str, ...]] = ("task", "weights")
+    #: Its `Prediction` when none is given: `Prediction`'s own defaults updated by these, the one
+    #: place a method's default S is written (its conf/model/ configs state the same S:
+    #: tests/test_defaults.py).
+    prediction_defaults: ClassVar[dict[str, int]] = {}
 
     def __init__(
         self,
@@ -156,7 +160,7 @@ class Method(pl.LightningModule):
         self.task = task if task is not None else Classification()
         self.weights = weights if weights is not None else WeightPosterior()
         self.net = self.weights.prepare(net)
-        self.prediction = prediction if prediction is not None else Prediction()
+        self.prediction = prediction if prediction is not None else Prediction(**self.prediction_defaults)
         self.execution = execution if execution is not None else Execution()
         if self.execution.uses_channels_last:
             self.net.to(memory_format=torch.channels_last)

@@ -91,8 +91,8 @@ class DBSN(Method):
         theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
         bn_recalibration: per-structure BatchNorm statistics at prediction (see
             `BatchNormRecalibration`); None = the running statistics (the paper).
-        prediction: S and how the ensemble is evaluated; default S = 100 (the paper), 10 members
-            for validation.
+        prediction: S and how the ensemble is evaluated; None: `prediction_defaults` (the paper's
+            S, fewer members for validation).
         train_samples: T, structure samples per training step (paper: 4).
         parallel: "structure" by default (see `Method`).
         settings: the rest of `Method`'s settings (weights: point estimates for DBSN, Gaussian
@@ -101,6 +101,7 @@ class DBSN(Method):
 
     samples_structure = True
     networks = "cells"
+    prediction_defaults = {"n_samples": 100, "val_samples": 10}
 
     def __init__(
         self,
@@ -121,8 +122,7 @@ class DBSN(Method):
             raise ValueError(f"{type(self).__name__} learns a distribution over the structure of DBSN's cells, and "
                              f"{type(net).__name__} has no structure (num_edges = 0): use a StructureNet, or a method "
                              "without structure (MAP, DeepEnsemble)")
-        super().__init__(net, prediction=prediction or Prediction(n_samples=100, val_samples=10),
-                         train_samples=train_samples, parallel=parallel, **settings)
+        super().__init__(net, prediction=prediction, train_samples=train_samples, parallel=parallel, **settings)
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
         self.tau_schedule = tau if tau is not None else TauSchedule()

@@ -234,6 +234,7 @@ class _VOGNWeights(NaturalGradientMethod):
     """
 
     optimizer_key = "vogn"
+    prediction_defaults = {"n_samples": 100, "val_samples": 10}  # S weight draws (VOGN-FBN: with a structure each)
 
     def __init__(self, *args, vogn: dict | None = None, bn_point_estimate: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -325,13 +326,13 @@ def VOGNMethod(
     ``vogn``: VOGN settings (see `_VOGNWeights`); ``tau``, ``beta``, ``test_tau``: DBSN's
     schedules and prediction temperature (``"dbsn"`` only). Training uses one structure per
     VOGN weight draw (T = 1; ``vogn.draws_per_step`` is the number of Monte Carlo weight draws per
-    step). ``prediction``: default S = 100 weight draws, 10 for validation. Other arguments as
-    for `MAP` / `DBSN` / `Method`.
+    step). ``prediction``: None: `_VOGNWeights.prediction_defaults` (S weight draws, fewer for
+    validation). Other arguments as for `MAP` / `DBSN` / `Method`.
     """
     net = unfuse(net)  # VOGN's per-example statistics cover BatchNorm layers: every edge keeps its own
     common = dict(vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
                   structure_optim=structure_optim, theta_init_std=theta_init_std,
-                  prediction=prediction or Prediction(n_samples=100, val_samples=10), **settings)
+                  prediction=prediction, **settings)
     if structure == "map":
         if tau is not None or beta is not None or test_tau != 1.0:
             raise ValueError("tau, beta and test_tau belong to structure='dbsn'; a MAP structure has no schedules")
@@ -361,12 +362,14 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         nekfac: `NEKFAC` settings (``lr``, ``kl_weight``, ``prior_var``, ``damping``,
             ``kl_clip``, ``momentum``, ``cov_update_every``, ``eigen_update_every``,
             ``stat_decay``); its defaults are the paper's CIFAR settings. N is ``dataset_size``.
-        prediction: S weight draws at test (default the paper's comparison: 30; 10 for validation).
+        prediction: S weight draws at test; None: `prediction_defaults` (the paper's comparison's S,
+            fewer for validation).
         lr_milestones, lr_gamma: lr × gamma at these fractions of training.
     """
 
     networks = "own"  # VGG16-BN, the network it is defined on
     optimizer_key = "nekfac"
+    prediction_defaults = {"n_samples": 30, "val_samples": 10}
 
     def __init__(
         self,
@@ -379,7 +382,7 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         **settings,
     ) -> None:
         super().__init__(net, lr_milestones=lr_milestones, lr_gamma=lr_gamma, learn_structure=False,
-                         prediction=prediction or Prediction(n_samples=30, val_samples=10), **settings)
+                         prediction=prediction, **settings)
         self.nekfac = _settings("nekfac", NEKFAC, nekfac, {}, {"dataset_size"})
 
     def _posterior_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -192,7 +192,7 @@ def tune_prior_precision(
     method: str = "gridsearch",
     log10_range: tuple[float, float] = (-4.0, 4.0),
     grid_size: int = 100,
-    n_samples: int = 100,
+    n_samples: int,
     seed: int = 0,
     batch_size: int = 512,
 ) -> float:
@@ -263,7 +263,7 @@ def fit_laplace(
     prior_precision: str | float = "gridsearch",
     log10_range: tuple[float, float] = (-4.0, 4.0),
     grid_size: int = 100,
-    n_samples: int = 100,
+    n_samples: int,
     seed: int = 0,
     head: str = "classifier",
 ) -> LaplaceMethod:
@@ -322,7 +322,7 @@ class LaplaceMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: Method, laplace, n_samples: int = 100, seed: int = 0,
+    def __init__(self, base: Method, laplace, n_samples: int, seed: int = 0,
                  head: str = "classifier", temperature_scaling: bool = False) -> None:
         super().__init__(base, n_samples, head, temperature_scaling)
         self.laplace = laplace

@@ -38,7 +38,7 @@ the mean over batches of its batch means and unbiased variances on a fixed, seed
 exactly what ``nn.BatchNorm2d`` with ``momentum=None`` accumulates after a reset.
 
 Prediction. `SWAGMethod` wraps the finished method and the collected state: S members
-(default 30, the paper's), member s drawn from a generator seeded by (`seed`, s), so every test
+(`posthoc.n_samples`; `SWAG`'s default is the paper's S), member s drawn from a generator seeded by (`seed`, s), so every test
 batch (and every call) sees the same S members, each with its own BatchNorm statistics computed
 once; p(y | x) ≈ 1/S Σ_s softmax(f(x; w_s)), the Bayes ensemble every method here predicts with.
 """
@@ -269,7 +269,7 @@ class SWAGMethod(FixedStructurePosterior):
         base: the finished point-estimate method whose run was collected (its network is shared;
             its weights are not changed: the members are functional).
         state: the `SWAGCollector` state (`load_swag_state(path)` or `collector.state_dict()`).
-        n_samples: S (the paper: 30).
+        n_samples: S (`SWAG.n_samples`, resolved by the evaluation; its default is the paper's).
         scale: the covariance factor (½: the paper's sampler).
         bn_recalibration: images for each member's BatchNorm statistics (`enabled=False`
             predicts with the base's running statistics, which belong to the last iterate).
@@ -277,7 +277,7 @@ class SWAGMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: Method, state: dict, n_samples: int = 30, scale: float = 0.5,
+    def __init__(self, base: Method, state: dict, n_samples: int, scale: float = 0.5,
                  bn_recalibration: BatchNormRecalibration | None = None, seed: int = 0,
                  temperature_scaling: bool = False) -> None:
         params = swag_parameters(base)
