@@ -168,3 +168,23 @@ def test_the_freed_host_memory_goes_back_after_the_test_pass_and_each_evaluation
     assert len(steps) == 3  # the test pass, ood, conformal
     assert "metrics.json" in steps[0] and "ood" not in steps[0]
     assert "ood" in steps[1] and "conformal" not in steps[1] and "conformal" in steps[2]
+
+
+def test_the_evaluation_s_forward_bounds_reach_every_member_of_an_ensemble():
+    from omegaconf import OmegaConf
+
+    from dbsn.methods import MAP, DeepEnsemble, Prediction
+    from dbsn.nets import StructureNet
+    from dbsn.runtime.evaluation import apply_overrides
+
+    net = dict(num_classes=3, num_nodes=2, cells_per_stage=1, num_stages=1, growth=4, stem_channels=4)
+    members = [MAP(StructureNet(**net), learn_structure=False, prediction=Prediction(samples_per_forward=2))
+               for _ in range(2)]
+    ensemble = DeepEnsemble(members)
+    apply_overrides(ensemble, OmegaConf.create({"samples_per_forward": 3, "rows_per_forward": 16}))
+    assert [(m.samples_per_forward, m.prediction.rows_per_forward) for m in members] == [(3, 16), (3, 16)]
+    apply_overrides(ensemble, OmegaConf.create({"rows_per_forward": None}))  # null: as in the run
+    assert [m.prediction.rows_per_forward for m in members] == [16, 16]
+    for key in ("rows_per_forward", "samples_per_forward"):
+        with pytest.raises(ConfigError, match=f"{key} must be >= 1"):
+            apply_overrides(ensemble, OmegaConf.create({key: 0}))

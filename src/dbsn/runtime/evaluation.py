@@ -144,13 +144,18 @@ def evaluation_samples(cfg: DictConfig, posterior: PosthocPosterior | None) -> i
 
 def apply_overrides(model: Method, cfg: DictConfig) -> None:
     """The evaluation's prediction settings but S (`evaluation_samples`), on every method inside
-    `model` (an ensemble's members too): members per forward, DBSN's `test_tau` and BatchNorm
-    statistics."""
+    `model` (an ensemble's members too): members and rows per forward, DBSN's `test_tau` and
+    BatchNorm statistics."""
+    for key in ("samples_per_forward", "rows_per_forward"):
+        if cfg.get(key) is not None and int(cfg[key]) < 1:
+            raise ConfigError(f"{key} must be >= 1 (or null: as in the run), got {cfg[key]}.")
     for method in model.modules():
         if not isinstance(method, Method):
             continue
         if cfg.get("samples_per_forward") is not None:
             method.samples_per_forward = int(cfg.samples_per_forward)
+        if cfg.get("rows_per_forward") is not None:
+            method.prediction = replace(method.prediction, rows_per_forward=int(cfg.rows_per_forward))
         if isinstance(method, DBSN):
             if cfg.get("test_tau") is not None:
                 method.test_tau = float(cfg.test_tau)
