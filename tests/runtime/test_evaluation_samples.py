@@ -17,6 +17,7 @@ from dbsn.methods import DBSN, MAP, DeepEnsemble, Prediction
 from dbsn.methods.weights import MCDropoutWeights
 from dbsn.posthoc.base import PosthocError
 from dbsn.posthoc.swag import STATE_KEY, SWAGCollector
+from dbsn.runtime.config import ConfigError
 from dbsn.runtime.evaluation import build_posterior, evaluation_samples, fit_posterior
 from tests.support.configs import compose_config
 from tests.support.netutil import tiny_structure_net
@@ -70,6 +71,10 @@ def test_n_samples_reaches_a_dbsn_and_every_member_of_an_ensemble(tmp_path):
     assert dbsn.num_members == 7 and [m.num_members for m in ensemble.members] == [7, 7]
     with torch.no_grad():
         assert dbsn.predict_members(torch.randn(2, 3, 32, 32)).shape == (7, 2, 10)
+
+    with pytest.raises(ConfigError, match=r"^n_samples must be >= 1 \(or null: the posterior's or the run's own S\), "
+                                          r"got 0.$"):
+        _resolved(tmp_path, "n_samples=0")
 
     own, _ = _resolved(tmp_path)  # no n_samples=: each keeps its own
     assert own is None

@@ -138,6 +138,9 @@ def evaluation_samples(cfg: DictConfig, posterior: PosthocPosterior | None) -> i
     (the trained method's own S). The runtime gives it to the model (`Method.use_samples`) or to
     the posterior (its `check` and `fit`), never both."""
     if cfg.get("n_samples") is not None:
+        if int(cfg.n_samples) < 1:
+            raise ConfigError(f"n_samples must be >= 1 (or null: the posterior's or the run's own S), got "
+                              f"{cfg.n_samples}.")
         return int(cfg.n_samples)
     return None if posterior is None else posterior.n_samples
 
