@@ -73,10 +73,10 @@ def test_chunks_without_the_accumulated_batchnorm_update_would_differ(monkeypatc
     of one) leave other statistics than the grouped step."""
     import contextlib
 
-    import dbsn.methods.base
+    import dbsn.methods.training
 
     grouped = _one_step(None)
-    monkeypatch.setattr(dbsn.methods.base, "accumulated_running_statistics",
+    monkeypatch.setattr(dbsn.methods.training, "accumulated_running_statistics",
                         lambda net, enabled=True, **settings: contextlib.nullcontext())
     with pytest.raises(AssertionError, match="running_"):
         _assert_same_state(_one_step(1), grouped)

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import dbsn.methods.base
+import dbsn.methods.training
 from dbsn.methods import DBSN, Execution, MAP, WeightOptimizer
 from dbsn.methods.step import FiniteGuard, NonFiniteLossError
 from dbsn.nets import StructureNet
@@ -93,7 +94,7 @@ def test_tau_beta_and_the_learning_rate_follow_their_schedules_inside_a_graphed_
     that the host writes in place between steps: the same tensor objects every step (what a graph
     captured), holding each step's scheduled value. τ decays per example, β per epoch, the lr by
     its warm-up within the first epoch and its milestone after the second."""
-    monkeypatch.setattr(dbsn.methods.base, "GraphedStep", _EagerGraph)
+    monkeypatch.setattr(dbsn.methods.training, "GraphedStep", _EagerGraph)
     monkeypatch.setattr(dbsn.methods.base.Method, "_graph_refusal", lambda self: None)
     _EagerGraph.instances.clear()
     tau, beta = TauSchedule(initial=3.0, decay=0.5, minimum=1.0), BetaSchedule(start=1.0, end=0.5, decay_per_epoch=0.2)

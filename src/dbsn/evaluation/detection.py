@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from dbsn.data.augment import normalize, to_unit_range
 from dbsn.data.base import in_memory_loader
 from dbsn.evaluation.progress import progress
-from dbsn.methods.base import FeaturesUnavailable
+from dbsn.methods.features import FeaturesUnavailable
 from dbsn.metrics.ood_scores import KNN, Mahalanobis, ViM, energy, max_logit, odin
 
 __all__ = ["DetectionScores", "EnergyScore", "FeatureScore", "KNNScore", "MahalanobisScore", "MaxLogitScore", "Members",

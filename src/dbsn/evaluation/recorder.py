@@ -1,7 +1,7 @@
 """What the test pass predicted, kept for the evaluations: the recorder of `trainer.test`.
 
 `Method.test_step` updates the method's own test metrics and returns what it predicted for the
-batch (`dbsn.methods.base.PredictedBatch`); the method keeps nothing for an evaluation.
+batch (`dbsn.methods.predictive.PredictedBatch`); the method keeps nothing for an evaluation.
 `PredictionRecorder`, a Lightning callback that `dbsn.evaluation.test_pass.run_test_pass`
 attaches for the duration of `trainer.test`, keeps of each batch what the evaluations read:
 
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import PredictedBatch
+from dbsn.methods.predictive import PredictedBatch
 from dbsn.metrics.ablation import SampleAblation
 
 __all__ = ["PredictionRecorder", "sample_ablation"]

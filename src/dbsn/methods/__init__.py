@@ -24,7 +24,9 @@ Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP
 dbsn_seg (DBSN on DBSNSegNet).
 """
 
-from dbsn.methods.base import FeaturesUnavailable, Method, NonFiniteLossError
+from dbsn.methods.base import Method
+from dbsn.methods.features import FeaturesUnavailable
+from dbsn.methods.step import NonFiniteLossError
 from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.batch_ensemble import BatchEnsemble

@@ -11,12 +11,15 @@ first, ..., first + n - 1 in one batched call (for DBSN: one grouped forward ove
 fresh draws for a method without a fixed set of members), and the ensemble runs it in chunks of
 `samples_per_forward` so that S × batch never has to fit in memory at once. The members'
 log-probabilities and their average are computed in float32 whatever the logits' precision
-(under `trainer.precision=bf16-mixed` the network's logits are bfloat16).
+(under `trainer.precision=bf16-mixed` the network's logits are bfloat16). What a method's test
+step predicted for one batch, the ensemble with its members and their uncertainty, is a
+`PredictedBatch`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -74,3 +77,26 @@ def _log_softmax(logits: Tensor) -> Tensor:
     """log softmax over the last dimension, in float32 (at least)."""
     with float32():
         return full(logits).log_softmax(-1)
+
+
+@dataclass(frozen=True)
+class PredictedBatch:
+    """What `Method.test_step` predicted for one test batch, for whoever records the test pass
+    (`dbsn.evaluation.recorder.PredictionRecorder`); the method keeps none of it.
+
+    Attributes:
+        inputs: the network inputs x, (b, ...).
+        targets: y, (b,) or, per pixel, (b, H, W).
+        log_probs: the Bayes ensemble's log-probabilities as the method predicts them
+            (`Method.calibrate`), class last: (b, C) or (b, H, W, C).
+        scores: the uncertainty decomposition of the members, each calibrated as the
+            prediction is (`uncertainty_decomposition`): name -> (b,) or (b, H, W).
+        members: the S members' log-probabilities before calibration, one row per labelled
+            entry: (S, b·H·W, C) (what the MC-sample ablation ensembles prefix by prefix).
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    log_probs: Tensor
+    scores: dict[str, Tensor]
+    members: Tensor

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dbsn.methods.base import FeaturesUnavailable, Method
+from dbsn.methods.base import Method
+from dbsn.methods.features import FeaturesUnavailable
 from dbsn.methods.map import MAP
 
 

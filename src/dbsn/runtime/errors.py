@@ -20,7 +20,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     Hydra has parsed the command line)."""
     from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
     from dbsn.evaluation.base import EvaluationError
-    from dbsn.methods.base import NonFiniteLossError
+    from dbsn.methods.step import NonFiniteLossError
     from dbsn.methods.temperature import NoValidationSplitError
     from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
