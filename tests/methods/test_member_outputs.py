@@ -71,3 +71,18 @@ def test_sngp_gives_features_but_no_linear_head():
         logits, features = method.member_outputs(x, 1)
         torch.testing.assert_close(logits[0].log_softmax(-1), method.predict_log_probs(x), atol=1e-5, rtol=1e-4)
     assert features.shape[:2] == (1, 4) and method.member_heads(1) is None
+
+
+def test_features_of_a_forward_run_in_parts_are_those_of_the_whole_forward():
+    """`prediction.rows_per_forward` below the batch: each member's forward runs its examples in
+    parts, so its last layer sees them in several calls; the features are those calls' rows in
+    order, as the whole forward's."""
+    torch.manual_seed(0)
+    method = METHODS["dbsn"]().eval()
+    x = torch.randn(7, 3, 32, 32)
+    with torch.no_grad(), method.fixed_members(3):
+        whole = method.member_outputs(x, 3)
+        method.prediction.rows_per_forward = 3
+        parts = method.member_outputs(x, 3)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

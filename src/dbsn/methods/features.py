@@ -40,7 +40,8 @@ class MemberFeatures:
         member per forward, the features captured at the input of `feature_head`.
 
         Raises `FeaturesUnavailable` when the method has no such layer, or when one member's
-        forward does not pass the b examples through it once."""
+        forward does not pass the b examples through it once (in one call, or in the parts of
+        `prediction.rows_per_forward`)."""
         head = self.feature_head()
         if head is None:
             raise FeaturesUnavailable(f"{type(self).__name__} has no last layer `classifier` to read features at")
@@ -56,11 +57,12 @@ class MemberFeatures:
         return torch.stack(logits), torch.stack(features)
 
     def head_input(self, captured: list[Tensor], batch: int) -> Tensor:
-        """One member's features (b, D) from the inputs `feature_head` saw in its forward."""
-        if len(captured) != 1 or captured[0].shape[0] != batch:
+        """One member's features (b, D) from the inputs `feature_head` saw in its forward, in
+        order (several calls: the forward ran its examples in parts)."""
+        if not captured or sum(c.shape[0] for c in captured) != batch:
             raise FeaturesUnavailable(f"{type(self).__name__}'s last layer saw {[tuple(c.shape) for c in captured]} "
                                       f"in one member's forward, not the {batch} examples once")
-        return captured[0].flatten(1)
+        return torch.cat(captured).flatten(1) if len(captured) > 1 else captured[0].flatten(1)
 
     def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]] | None:
         """The linear last layer (W (C, D), b (C,)) of members 0 .. n - 1 on the features of
