@@ -16,7 +16,8 @@ A posterior says three things:
   moments the run collected, valid settings, an S where it draws members of its own:
   `draws_members`), before anything is fitted; raise `PosthocError`;
 - `fit(method, datamodule, checkpoint, n_samples)`: the fitted posterior, a `dbsn.methods.Method`
-  that predicts with exactly `n_samples` members (None: the method's own S).
+  that predicts with exactly `n_samples` members (None, for a posterior that keeps the method's
+  members: the method's own S; one that `draws_members` takes S as a required argument).
 
 S is resolved once, by the runtime (`dbsn.runtime.evaluation.evaluation_samples`: `evaluate.py
 n_samples=`, else the posterior's own `n_samples`), and given to `check` and `fit` as it is.

@@ -411,7 +411,7 @@ class LastLayerLaplace(PosthocPosterior):
                                "on the validation split, and this run has none (data.val_size=0): use "
                                "posthoc.prior_precision=marglik (training data only), or train with data.val_size.")
 
-    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> LaplaceMethod:
+    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int) -> LaplaceMethod:
         prior = self.prior_for(datamodule)
         datamodule.setup("fit")
         Console().print(f"Fitting a last-layer Laplace ({self.hessian} Hessian, prior precision: {prior})")

@@ -395,5 +395,5 @@ class SWAG(PosthocPosterior):
                                f"checkpoint has {snapshots}: collect over more epochs (callbacks.swag.start earlier, "
                                "or more epochs) or after every step (callbacks.swag.collect=step).")
 
-    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> SWAGMethod:
+    def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int) -> SWAGMethod:
         return SWAGMethod(method, load_swag_state(checkpoint), n_samples=n_samples, scale=self.scale)
