@@ -153,6 +153,9 @@ EVALUATE_CASES = {
                                             ["post-hoc posterior, and none is chosen", "laplace"]),
     "a misspelled option of a posterior": (["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],
                                            ["posthoc: unknown key 'hesian'", "Did you mean 'hessian'?"]),
+    # before any checkpoint is read (x.ckpt is not there)
+    "an ensemble of no members": (["ckpt_path=x.ckpt", "n_samples=0"], ["n_samples must be >= 1"]),
+    "a forward of no rows": (["ckpt_path=x.ckpt", "rows_per_forward=0"], ["rows_per_forward must be >= 1"]),
 }
 
 

@@ -175,7 +175,7 @@ def test_the_evaluation_s_forward_bounds_reach_every_member_of_an_ensemble():
 
     from dbsn.methods import MAP, DeepEnsemble, Prediction
     from dbsn.nets import StructureNet
-    from dbsn.runtime.evaluation import apply_overrides
+    from dbsn.runtime.evaluation import apply_overrides, check_prediction_overrides
 
     net = dict(num_classes=3, num_nodes=2, cells_per_stage=1, num_stages=1, growth=4, stem_channels=4)
     members = [MAP(StructureNet(**net), learn_structure=False, prediction=Prediction(samples_per_forward=2))
@@ -185,6 +185,6 @@ def test_the_evaluation_s_forward_bounds_reach_every_member_of_an_ensemble():
     assert [(m.samples_per_forward, m.prediction.rows_per_forward) for m in members] == [(3, 16), (3, 16)]
     apply_overrides(ensemble, OmegaConf.create({"rows_per_forward": None}))  # null: as in the run
     assert [m.prediction.rows_per_forward for m in members] == [16, 16]
-    for key in ("rows_per_forward", "samples_per_forward"):
-        with pytest.raises(ConfigError, match=f"{key} must be >= 1"):
-            apply_overrides(ensemble, OmegaConf.create({key: 0}))
+    for key in ("rows_per_forward", "samples_per_forward", "n_samples"):
+        with pytest.raises(ConfigError, match=f"^{key} must be >= 1"):
+            check_prediction_overrides(OmegaConf.create({key: 0}))

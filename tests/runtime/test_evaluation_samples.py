@@ -18,7 +18,7 @@ from dbsn.methods.weights import MCDropoutWeights
 from dbsn.posthoc.base import PosthocError
 from dbsn.posthoc.swag import STATE_KEY, SWAGCollector
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.evaluation import build_posterior, evaluation_samples, fit_posterior
+from dbsn.runtime.evaluation import build_posterior, check_prediction_overrides, evaluation_samples, fit_posterior
 from tests.support.configs import compose_config
 from tests.support.netutil import tiny_structure_net
 
@@ -29,6 +29,7 @@ def _resolved(tmp_path, *overrides):
     """S and the posterior of `evaluate.py ckpt_path=x.ckpt *overrides`, as the runtime resolves them."""
     cfg = compose_config("evaluate", ["ckpt_path=x.ckpt", *overrides], tmp_path)
     posterior = build_posterior(cfg)
+    check_prediction_overrides(cfg)
     return evaluation_samples(cfg, posterior), posterior
 
 

@@ -138,20 +138,24 @@ def evaluation_samples(cfg: DictConfig, posterior: PosthocPosterior | None) -> i
     (the trained method's own S). The runtime gives it to the model (`Method.use_samples`) or to
     the posterior (its `check` and `fit`), never both."""
     if cfg.get("n_samples") is not None:
-        if int(cfg.n_samples) < 1:
-            raise ConfigError(f"n_samples must be >= 1 (or null: the posterior's or the run's own S), got "
-                              f"{cfg.n_samples}.")
         return int(cfg.n_samples)
     return None if posterior is None else posterior.n_samples
+
+
+def check_prediction_overrides(cfg: DictConfig) -> None:
+    """Refuse an evaluation's S or forward size below 1 in one line, before any checkpoint is read
+    (in a folder of runs, before the first)."""
+    if cfg.get("n_samples") is not None and int(cfg.n_samples) < 1:
+        raise ConfigError(f"n_samples must be >= 1 (or null: the posterior's or the run's own S), got {cfg.n_samples}.")
+    for key in ("samples_per_forward", "rows_per_forward"):
+        if cfg.get(key) is not None and int(cfg[key]) < 1:
+            raise ConfigError(f"{key} must be >= 1 (or null: as in the run), got {cfg[key]}.")
 
 
 def apply_overrides(model: Method, cfg: DictConfig) -> None:
     """The evaluation's prediction settings but S (`evaluation_samples`), on every method inside
     `model` (an ensemble's members too): members and rows per forward, DBSN's `test_tau` and
-    BatchNorm statistics."""
-    for key in ("samples_per_forward", "rows_per_forward"):
-        if cfg.get(key) is not None and int(cfg[key]) < 1:
-            raise ConfigError(f"{key} must be >= 1 (or null: as in the run), got {cfg[key]}.")
+    BatchNorm statistics (checked by `check_prediction_overrides`)."""
     for method in model.modules():
         if not isinstance(method, Method):
             continue

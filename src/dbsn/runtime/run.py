@@ -31,9 +31,10 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigC
                                      load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
-from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder, checkpoint_paths,
-                                     evaluation_data, evaluation_folder, evaluation_samples, fatal_in_a_sweep,
-                                     fit_posterior, statistics_of, write_posthoc_run)
+from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder,
+                                     check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
+                                     evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
+                                     write_posthoc_run)
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
@@ -156,6 +157,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     """
     check_trainer(cfg.get("trainer"))
     evaluator, posterior = build_evaluator(cfg), build_posterior(cfg)
+    check_prediction_overrides(cfg)
     paths = checkpoint_paths(cfg)
     keep_freed_memory()
     if len(paths) == 1 and paths[0].is_dir():
