@@ -185,11 +185,16 @@ class Prediction:
         samples_per_forward: members evaluated in one batched forward (bounds memory).
         rows_per_forward: the most network rows (examples × members) one prediction forward
             holds; a larger forward runs its examples in parts, every part under the same
-            members, so the numbers do not change (a member's network treats each example on
-            its own; tested). None: no bound. It bounds the memory of a forward without
-            changing `samples_per_forward`, which sets how the ensemble is summed. Methods whose
-            weights draw noise at every forward (`WeightPosterior.stochastic`) keep their
-            forwards whole: a split would draw other noise.
+            members. A member's network treats each example on its own, so the numbers change
+            at most by float rounding (a smaller product may sum in another order; bit for bit
+            on `make train`'s network; tested). None: no bound. It bounds the memory of a
+            forward without changing `samples_per_forward`, which sets how the ensemble is
+            summed. It applies where a method predicts through `Method.stochastic_forward`
+            (DBSN, MAP, MAP-fixed, SNGP, DDU, and such members of a deep ensemble); methods
+            with a forward of their own (the single-pass ensembles, the rank-1 BNN, VOGN,
+            NEK-FAC, cSG-MCMC, SWAG, Laplace) and weights that draw noise at every forward
+            (`WeightPosterior.stochastic`: a split would draw other noise) keep their forwards
+            whole.
         temperature_scaling: after training, fit a temperature on the validation split (Guo et
             al. 2017) and apply it to every prediction; refused without a validation split
             (checked before training starts).

@@ -11,8 +11,10 @@
 - **name**: method, dataset and seed, e.g. `dbsn cifar10 seed=1`.
 - **config**: the resolved config, plus flat keys that W&B groups and filters on: `method`,
   `dataset`, `seed`, `network` (resnet18, wrn28_10, or the network's class: StructureNet, ...),
-  `T` (structures per training step), `S` (members of the test ensemble: metrics.json's
-  `n_samples`, in the paper's letter as `T` is), `epochs`, `batch_size`, `sweep`, `job_type`.
+  `T` (structures per training step), `S` (members of the test ensemble as the config sets
+  them, in the paper's letter as `T` is; an evaluation's run gives the members it predicted with,
+  metrics.json's `n_samples`, which can differ: a sampler's kept samples, a deterministic method's
+  single member), `epochs`, `batch_size`, `sweep`, `job_type`.
 A user's own `logger.wandb.{id,group,name,job_type}` wins over each of these.
 """
 
