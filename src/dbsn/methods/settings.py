@@ -232,7 +232,8 @@ class Execution:
         cuda_graph_prediction: the prediction's network forward (S members in forwards of
             `samples_per_forward`) captured per input shape and replayed
             (`dbsn.methods.step.GraphedForward`), where the members use the modules' own BatchNorm
-            statistics; on a GPU, without gradients. Off by default: not measured on a GPU yet.
+            statistics; on a GPU, without gradients. Off by default: on an H200 it predicted 3 % more
+            images/s than eager prediction (docs/performance.md).
     """
 
     channels_last: bool | Literal["auto"] = False

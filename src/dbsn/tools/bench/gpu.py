@@ -70,12 +70,14 @@ def _autocast(device: torch.device, precision: str):
 
 
 def build_method(net_name: str, device: torch.device, cell: str, mode: str, chunk: int | None,
-                 train_samples: int = 4, samples_per_forward: int = 25, backend: str = "inductor") -> DBSN:
+                 train_samples: int = 4, samples_per_forward: int = 25, backend: str = "inductor",
+                 graph_prediction: bool = False) -> DBSN:
     torch.manual_seed(0)
     compile = Compilation(enabled=True, scope="cells", backend=backend) if mode == "compile" else Compilation()
     method = DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net_name]), train_samples=train_samples,
                   train_samples_per_forward=chunk, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward),
-                  execution=Execution(channels_last=False, compile=compile, cuda_graph=mode == "graph")).to(device)
+                  execution=Execution(channels_last=False, compile=compile, cuda_graph=mode == "graph",
+                                      cuda_graph_prediction=graph_prediction)).to(device)
     method.dataset_size = TRAIN_IMAGES
     return method
 
@@ -284,6 +286,13 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
                     rows[key].update(counts)
                 if chunk_name == "grouped" and name not in prediction and mode != "compile":  # the ensemble does not chunk T
                     prediction[name] = prediction_rate(method, dev, precision, prediction_batch, max(2, steps // 5))
+                    if mode == "graph":  # the same members' forwards replayed from CUDA graphs
+                        twin = build_method(net, dev, cell, "eager", chunk, samples_per_forward=samples_per_forward,
+                                            graph_prediction=True)
+                        twin.load_state_dict(method.state_dict())
+                        prediction[f"{name}, graphed prediction"] = prediction_rate(
+                            twin, dev, precision, prediction_batch, max(2, steps // 5))
+                        del twin
             except Exception as error:  # one configuration's failure must not lose the others
                 rows[key] = {"error": _error_text(error)}
             finally:
