@@ -209,6 +209,17 @@ def _backbones(conf_dir: Path) -> dict[str, str]:
             if issubclass(get_object(target), Backbone) and _short(target) not in own}
 
 
+def builds_backbone(target: str) -> bool | None:
+    """Whether the network `_target_` builds a `Backbone` (a network without structure); None
+    where that is not known without building it (a factory function, or a network this process
+    cannot import). Composes no config."""
+    try:
+        cls = get_object(target)
+    except Exception:  # noqa: BLE001 - a user's network this process cannot import
+        return None
+    return issubclass(cls, Backbone) if isinstance(cls, type) else None
+
+
 def field_backbones(conf_dir: Path | None = None) -> dict[str, str]:
     """The field's backbones, {config name of conf/model/net/: class name}, by name: the networks
     without structure (`Backbone`) that a method of any network trains, not a method's own
