@@ -23,7 +23,8 @@ draw, forward and backward under the configuration's precision, gradient clippin
 - the FLOP/s achieved (convolution and matmul FLOPs of one step, torch's `FlopCounterMode`)
   against the dense-matmul FLOP/s of the same GPU measured in the same run.
 
-Then the S = 100 Bayes ensemble's images/s in each configuration's cell and precision, and (with
+Then the S = 100 Bayes ensemble's images/s in each configuration's cell and precision (for the
+CUDA-graph rows also with the members' forwards replayed from graphs, `cuda_graph_prediction`), and (with
 ``--segmentation yes``) one CamVid DBSN training step. The default suite fits in about 4 minutes
 on an H100/H200, so that a 15-minute lease runs it twice; `--configs` runs a subset, and `--json`
 accumulates results over several calls. On a CPU it runs the same code on a small setting (the
