@@ -64,3 +64,33 @@ def test_the_model_summary_has_no_flops_and_keeps_the_rest(tmp_path, capsys, cap
         caplog.clear()
         assert "Linear" in out and "Total params" in out, out
         assert "flops" not in out.lower(), out
+
+
+def test_a_learning_rate_that_is_a_tensor_is_monitored_without_a_warning(tmp_path, recwarn):
+    """Under the CUDA graph every learning rate is a tensor the schedule writes in place; Lightning's
+    LearningRateMonitor copied it with torch.tensor() and warned on every GPU run of the paper's
+    experiment (seen on an H200). Here the same on a CPU: the rate still reaches the logger."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=torch.tensor(0.25))
+
+    quiet_console()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[LearningRateMonitor()],
+                         logger=CSVLogger(tmp_path))
+    trainer.fit(Tiny(), data)
+    assert not [w for w in recwarn if "copy construct from a tensor" in str(w.message)]
+    assert trainer.callback_metrics["lr-SGD"].item() == 0.25

@@ -41,7 +41,7 @@ class _NoTips(logging.Filter):
 
 def quiet_console() -> None:
     """Each Lightning message once (through the handlers Hydra configured), no product tips, no
-    `_pytree` deprecation warning. Without handlers on the root logger (no Hydra: tests, a
+    `_pytree` deprecation warning, no warning for a learning rate that is a tensor. Without handlers on the root logger (no Hydra: tests, a
     notebook) Lightning keeps its own, so its messages still show. Calling it again changes nothing."""
     import lightning.pytorch  # noqa: F401 - its import adds the handlers taken away here
 
@@ -56,6 +56,10 @@ def quiet_console() -> None:
         tips.addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated",
                             module=r"lightning\.pytorch\.utilities\._pytree")
+    # the learning-rate monitor copies each rate with torch.tensor(): a rate that is a tensor (every rate under
+    # the CUDA graph, which the schedule writes in place) warned once per run
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor",
+                            module=r"lightning\.pytorch\.callbacks\.lr_monitor")
 
 
 def _without_flops(summary_data: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
