@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed
 .PHONY: env train evaluate test test-fast bench clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
-## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28); pip does it where uv cannot be had.
+## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
+## added about 20 s); pip does it where uv cannot be had.
 ## --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (as on CI's
 ## machines) every process then compiles torch, Lightning and SciPy again: 12 s to import the training
 ## code instead of 5 (measured, 2026-11-28).
@@ -37,11 +38,13 @@ evaluate: $(STAMP)
 ## The test suite (CI runs this through .ci/run): two workers, one thread each (two torch processes
 ## with default threads on two cores spin against each other), each test file on one worker (its
 ## module fixtures, the SLURM cluster among them, are made once), the longest files first (tests/conftest.py).
+## compileall: the package's .pyc too, for the suite's many processes (it prints only a file that does not compile).
 test: $(STAMP)
-	$(PY) -m compileall -q src >/dev/null  # the package's .pyc too, for the suite's many processes
+	$(PY) -m compileall -q src
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
+	$(PY) -m compileall -q src
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 ## Speed and memory ratios, measured in one run on this machine.

@@ -59,17 +59,25 @@ def test_a_cell_network_run_is_named_without_composing_every_methods_config(tmp_
     """A run on the cell network (DBSN's, the common case) is named from Hydra's choices alone:
     composing conf/model/ for the field's backbones took 1.4 s of every train.py on a CPU. A
     residual network, a factory or an unknown network still asks the registry."""
+    import functools
+    import inspect
+
+    from hydra.utils import get_object
+
     from dbsn.evaluation.runs import method_and_dataset
     from dbsn.methods import registry
 
     assert registry.builds_backbone("dbsn.nets.ResNet18") is True
     assert registry.builds_backbone("dbsn.nets.StructureNet") is False
     assert registry.builds_backbone("no.such.Network") is None
-    assert registry.builds_backbone(f"{__name__}.network_factory") is None  # what it builds is not known
+    factory = f"{__name__}.network_factory"
+    assert inspect.isfunction(get_object(factory)) and registry.builds_backbone(factory) is None  # not known
 
     def composed(*args, **kwargs):
         raise AssertionError("composed every method's config")
-    registry._registry.cache_clear(), registry._backbones.cache_clear()
+    # fresh caches of the registry for this test alone (the suite's own stay as they are)
+    monkeypatch.setattr(registry, "_registry", functools.cache(registry._registry.__wrapped__))
+    monkeypatch.setattr(registry, "_backbones", functools.cache(registry._backbones.__wrapped__))
     monkeypatch.setattr(registry, "_model_configs", composed)
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "hydra.yaml").write_text(
@@ -79,7 +87,39 @@ def test_a_cell_network_run_is_named_without_composing_every_methods_config(tmp_
     residual = {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}
     with pytest.raises(AssertionError, match="composed every method's config"):
         method_and_dataset(tmp_path, {"model": residual, "data": {}})
-    registry._registry.cache_clear(), registry._backbones.cache_clear()
+
+
+def test_every_methods_config_names_the_backbone_its_network_is():
+    """For each method of conf/model/ on its own network and on each network of conf/model/net/:
+    `backbone_of` (with its shortcut for networks with structure) gives the field backbone whose
+    class the network is, and None for a network with structure or a method's own network."""
+    from omegaconf import OmegaConf
+
+    import dbsn
+    from dbsn.evaluation.runs import backbone_of
+    from dbsn.methods.registry import field_backbones, method_configs
+
+    backbones = field_backbones()
+    nets = {path.stem: OmegaConf.to_container(OmegaConf.load(path))
+            for path in sorted((dbsn.CONF_DIR / "model" / "net").glob("*.yaml"))}
+    assert {"resnet18", "wrn28_10"} <= set(backbones) and "structure_net" in nets
+    checked = 0
+    for method in method_configs():
+        key = "member" if method.config.get("member") is not None else None
+        node = method.config[key] if key else method.config
+        if not isinstance(node.get("net"), dict):
+            continue
+        for net_name, net in [(None, node["net"]), *nets.items()]:
+            model_node = {**node, "net": net}
+            model = {**method.config, key: model_node} if key else model_node
+            cls = net["_target_"].rsplit(".", 1)[-1]
+            expected = next((name for name, c in backbones.items() if c == cls), None)
+            assert backbone_of(model) == expected, (method.name, net_name)
+            if net_name is not None:
+                choice = "model/net@model.member.net" if key else "model/net"
+                assert backbone_of(model, {choice: net_name}) == expected, (method.name, net_name)
+            checked += 1
+    assert checked > 50
 
 
 def network_factory(num_classes: int = 10):

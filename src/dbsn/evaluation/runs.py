@@ -57,10 +57,11 @@ def backbone_of(model: dict, choices: dict | None = None) -> str | None:
     uses, from Hydra's choices or the config; None for any other network. A run on one of them is
     named `<method>@<backbone>` (`mimo@wrn28_10`), so that a method on DBSN's cell network and on
     a residual network are different rows of every table; the cell network (and a method's own
-    network, e.g. NEK-FAC's VGG) adds nothing."""
+    network, e.g. NEK-FAC's VGG) adds nothing. Where the node's network is a class that is not a
+    `Backbone`, that class decides (None) before any choice is read."""
     net = model.get("net") or (model.get("member") or {}).get("net") or {}
     if net.get("_target_") and builds_backbone(net["_target_"]) is False:
-        return None  # a cell network: no method's config needs composing (1.4 s a process on a CPU)
+        return None  # a network with structure: no method's config is composed (1.4 s a process on a CPU)
     choices, backbones = choices or {}, field_backbones()
     for key in ("model/net", "model/net@model.member.net"):  # the second: a deep ensemble's members'
         if choices.get(key) in backbones:

@@ -213,8 +213,10 @@ def builds_backbone(target: str) -> bool | None:
     """Whether the network `_target_` builds a `Backbone` (a network without structure); None
     where that is not known without building it (a factory function, or a network this process
     cannot import). Composes no config."""
+    from hydra._internal.utils import _locate  # get_object without its error log: not knowing is no error here
+
     try:
-        cls = get_object(target)
+        cls = _locate(target)
     except Exception:  # noqa: BLE001 - a user's network this process cannot import
         return None
     return issubclass(cls, Backbone) if isinstance(cls, type) else None
