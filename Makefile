@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
 ## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
 ## added about 20 s); pip does it where uv cannot be had.
-## --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (as on CI's
-## machines) every process then compiles torch, Lightning and SciPy again: 12 s to import the training
+## --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (as on the
+## development machine, and CI runs on one like it) every process then compiles torch, Lightning and SciPy again: 12 s to import the training
 ## code instead of 5 (measured, 2026-11-28).
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)

@@ -41,8 +41,9 @@ class _NoTips(logging.Filter):
 
 def quiet_console() -> None:
     """Each Lightning message once (through the handlers Hydra configured), no product tips, no
-    `_pytree` deprecation warning, no warning for a learning rate that is a tensor. Without handlers on the root logger (no Hydra: tests, a
-    notebook) Lightning keeps its own, so its messages still show. Calling it again changes nothing."""
+    `_pytree` deprecation warning, no warning for a learning rate that is a tensor. Without
+    handlers on the root logger (no Hydra: tests, a notebook) Lightning keeps its own, so its
+    messages still show. Calling it again changes nothing."""
     import lightning.pytorch  # noqa: F401 - its import adds the handlers taken away here
 
     if logging.getLogger().handlers:

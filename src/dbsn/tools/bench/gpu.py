@@ -286,13 +286,14 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
                 if counts is not None:
                     rows[key].update(counts)
                 if chunk_name == "grouped" and name not in prediction and mode != "compile":  # the ensemble does not chunk T
-                    prediction[name] = prediction_rate(method, dev, precision, prediction_batch, max(2, steps // 5))
+                    prediction_steps = max(2, steps // 5)
+                    prediction[name] = prediction_rate(method, dev, precision, prediction_batch, prediction_steps)
                     if mode == "graph":  # the same members' forwards replayed from CUDA graphs
                         twin = build_method(net, dev, cell, "eager", chunk, samples_per_forward=samples_per_forward,
                                             graph_prediction=True)
                         twin.load_state_dict(method.state_dict())
                         prediction[f"{name}, graphed prediction"] = prediction_rate(
-                            twin, dev, precision, prediction_batch, max(2, steps // 5))
+                            twin, dev, precision, prediction_batch, prediction_steps)
                         del twin
             except Exception as error:  # one configuration's failure must not lose the others
                 rows[key] = {"error": _error_text(error)}
