@@ -19,6 +19,10 @@ WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run c
 SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
 METRICS_FILE = "metrics.json"           # the test pass's metrics and the run's facts (train and evaluate write it)
 CALIBRATED_CHECKPOINT = "calibrated.ckpt"  # the model after `temperature_scaling` was fitted
+RUN_FILE = "run.json"                   # the run's identity and state: run_id, status, config digest, history
+RUN_ID_KEY = "dbsn_run_id"              # the run id inside every checkpoint the run writes
+#: a run's `status` in RUN_FILE: training (or holding the folder), done, stopped by an error, stopped by a signal
+RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 
 
 def last_checkpoint(run_dir: str | Path) -> Path:
@@ -32,6 +36,21 @@ def run_checkpoint(run_dir: str | Path) -> Path | None:
         if (Path(run_dir) / CHECKPOINT_DIR / name).is_file():
             return Path(run_dir) / CHECKPOINT_DIR / name
     return None
+
+
+def read_run_record(run_dir: str | Path) -> dict | None:
+    """The run's identity record (`RUN_FILE`: `run_id`, `status`, `config_sha256`, `history`), or
+    None for a folder without one (not a run, or a run written before runs named themselves)."""
+    import json
+
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
 
 
 def load_run_config(run_dir: str | Path) -> dict:
