@@ -97,7 +97,7 @@ def test_swag_collector_over_a_lightning_run_and_its_checkpoint(tmp_path):
     assert m.mean.numel() == sum(p.numel() for p in method.net.parameters())
     assert method.theta.numel() > 0 and all(p is not method.theta for _, p in swag_parameters(method))
     # the last checkpoint holds both snapshots
-    state = load_swag_state(tmp_path / "last.ckpt")
+    state = load_swag_state(torch.load(tmp_path / "last.ckpt", weights_only=False))
     assert state["epochs"] == [2, 3]
     torch.testing.assert_close(state["moments"]["mean"], m.mean)
     torch.testing.assert_close(state["moments"]["deviations"], m.deviations)

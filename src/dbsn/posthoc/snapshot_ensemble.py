@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,15 +178,12 @@ class SnapshotCollector(Callback):
         self.snapshots = [dict(s) for s in state_dict["snapshots"]]
 
 
-def load_snapshot_state(checkpoint: str | Path | dict) -> dict[str, Any]:
-    """The `SnapshotCollector` state saved in a Lightning checkpoint (its path, or the checkpoint
-    already loaded)."""
-    loaded = checkpoint if isinstance(checkpoint, dict) else torch.load(checkpoint, map_location="cpu",
-                                                                         weights_only=False)
-    state = loaded.get("callbacks", {}).get(STATE_KEY)
+def load_snapshot_state(checkpoint: dict) -> dict[str, Any]:
+    """The `SnapshotCollector` state saved in a Lightning checkpoint, already loaded (and checked:
+    `dbsn.runtime.checkpoint.load_checkpoint`)."""
+    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
     if state is None:
-        where = "the checkpoint" if isinstance(checkpoint, dict) else checkpoint
-        raise ValueError(f"{where} holds no snapshots: train with callbacks=snapshot_ensemble")
+        raise ValueError("the checkpoint holds no snapshots: train with callbacks=snapshot_ensemble")
     return state
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -248,15 +247,12 @@ class SWAGCollector(Callback):
         self.moments = SWAGMoments.from_state(state_dict["moments"])
 
 
-def load_swag_state(checkpoint: str | Path | dict) -> dict:
-    """The `SWAGCollector` state saved in a Lightning checkpoint (its path, or the checkpoint
-    already loaded)."""
-    loaded = checkpoint if isinstance(checkpoint, dict) else torch.load(checkpoint, map_location="cpu",
-                                                                         weights_only=False)
-    state = loaded.get("callbacks", {}).get(STATE_KEY)
+def load_swag_state(checkpoint: dict) -> dict:
+    """The `SWAGCollector` state saved in a Lightning checkpoint, already loaded (and checked:
+    `dbsn.runtime.checkpoint.load_checkpoint`)."""
+    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
     if state is None or "moments" not in state:
-        where = "the checkpoint" if isinstance(checkpoint, dict) else checkpoint
-        raise ValueError(f"{where} holds no SWAG statistics: train with the SWAGCollector callback "
+        raise ValueError("the checkpoint holds no SWAG statistics: train with the SWAGCollector callback "
                          "(and read the last checkpoint, written after the last collected epoch)")
     return state
 

@@ -1,14 +1,18 @@
 """Checkpoints that survive crashes and say clearly when they are not ours.
 
 - `AtomicCheckpointIO` writes every checkpoint to a temporary file beside the target, fsyncs
-  it and renames it into place, so a run killed mid-write never leaves a truncated `last.ckpt`.
+  it and renames it into place, so a run killed mid-write never leaves a truncated `last.ckpt`;
+  the checkpoint carries the digest of its tensors (`checkpoint_digest`, `dbsn.runtime.integrity`),
+  recorded in the same write.
 - `RunConfigCallback` stores the run's resolved Hydra config inside each checkpoint, so
   `evaluate.py ckpt_path=...` can rebuild data and model without being told the method.
 - `RandomStateCallback` stores the random state (torch CPU/CUDA, numpy, Python) inside each
   checkpoint and puts it back before the first resumed epoch, so a resumed run draws the same
   structures, masks and weight noise as an uninterrupted one.
-- `load_checkpoint` reads a checkpoint and turns every way it can be wrong (missing, corrupt,
-  foreign) into a `CheckpointError` that says what was found and what to do.
+- `load_checkpoint` reads a checkpoint and turns every way it can be wrong (missing, truncated,
+  damaged after it was written, foreign) into a `CheckpointError` that says what was found and
+  what to do (`dbsn.runtime.integrity`). Every path that reads a checkpoint (evaluate, resume,
+  `init_from`, refine, the post-hoc posteriors) goes through it.
 """
 
 from __future__ import annotations
@@ -24,17 +28,17 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from dbsn import __version__
+from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
+
+__all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
+           "RunConfigCallback", "check_resume_checkpoint", "checkpoint_digest", "load_checkpoint", "upgrade_config"]
 
 CONFIG_KEY = "dbsn_config"
-VERSION_KEY = "dbsn_version"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with the reason and the fix in the message."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """`torch.save` to `.<name>.tmp-<pid>` in the target folder, fsync, then `os.replace`."""
+    """`torch.save` to `.<name>.tmp-<pid>` in the target folder, fsync, then `os.replace`; the
+    checkpoint written carries its tensors' digest (`DIGEST_KEY`, `dbsn.runtime.integrity.with_digest`)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -44,7 +48,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
+                torch.save(with_digest(checkpoint), f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -186,21 +190,10 @@ def upgrade_config(node: Any) -> Any:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint written by `train.py`, or raise `CheckpointError` saying why not."""
+    """Load a checkpoint written by `train.py`, or raise `CheckpointError` saying why not: its
+    container and tensors are checked against what its writer recorded (`dbsn.runtime.integrity`)."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointError(
-            f"Checkpoint not found: {path}. train.py writes checkpoints to "
-            "<run dir>/checkpoints/ (last.ckpt is the most recent)."
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for a bad file; all mean the same here
-        raise CheckpointError(
-            f"Could not read checkpoint {path} ({type(err).__name__}: {err}). The file is corrupt, "
-            "truncated or not a PyTorch checkpoint; copy it again, or use the run's last.ckpt, "
-            "which train.py writes atomically."
-        ) from err
+    checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(
             f"{path} is a PyTorch file but not a Lightning checkpoint (no 'state_dict')."
