@@ -18,7 +18,10 @@ which exits at once. `install_preemption_handler` puts `PreemptionRequeue` in fr
 signal only marks the job; training goes on to the end of the current epoch, whose checkpoint
 is written as usual, and then requeues (exact resume from an epoch end). If the grace period
 runs out first (`signal_delay_s` minus a margin), it requeues from the previous epoch's
-checkpoint: at most the current epoch is lost.
+checkpoint: at most the current epoch is lost. The SIGTERM that SLURM sends a job it requeues
+is then expected; any other SIGTERM (`scancel`, `scontrol requeue`, the time limit) stops the run
+as an interruption (`dbsn.runtime.signals`: non-zero exit status, resumed from the last epoch-end
+checkpoint by the requeued job).
 """
 
 from __future__ import annotations
@@ -452,8 +455,11 @@ def install_preemption_handler(grace_s: float) -> None:
         return
 
     def requeue() -> None:
+        from dbsn.runtime.signals import requeueing
+
         callback.signalled_at = None  # once: on ranks other than 0 submitit's handler returns
-        previous(signal.SIGUSR2, None)  # rank 0: checkpoint the submission, scontrol requeue, exit
+        with requeueing():  # the SIGTERM that SLURM sends the requeued job is expected, not an interruption
+            previous(signal.SIGUSR2, None)  # rank 0: checkpoint the submission, scontrol requeue, exit
 
     callback = PreemptionRequeue(requeue, grace_s)
     signal.signal(signal.SIGUSR2, callback.signalled)

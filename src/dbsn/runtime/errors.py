@@ -6,6 +6,9 @@ The entry points (`train.py` / `dbsn-train`, `evaluate.py` / `dbsn-evaluate`, `r
 wrong and how to fix it, prints `Error: <message>` on stderr and exits with status 2. Every other
 exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the traceback of these
 too.
+
+A run stopped by a signal (`dbsn.runtime.signals.RunInterrupted`) prints `Interrupted: <what
+stopped it, where its checkpoint is, how to resume>` and exits with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -36,12 +39,23 @@ def one_line(error: BaseException) -> str:
 
 
 def one_line_errors(task):
-    """Decorate an entry point's body: user errors print one line and exit with status 2."""
+    """Decorate an entry point's body: user errors print one line and exit with status 2; an
+    interruption prints one line and exits with 128 + the signal's number."""
 
     @functools.wraps(task)
     def run(*args, **kwargs):
+        from dbsn.runtime.signals import RunInterrupted
+
         try:
             return task(*args, **kwargs)
+        except RunInterrupted as stop:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            try:
+                print(f"Interrupted: {one_line(stop)}", file=sys.stderr, flush=True)
+            except OSError:  # the terminal is gone (SIGHUP)
+                pass
+            sys.exit(stop.exit_status)
         except Exception as error:
             if not isinstance(error, user_errors()) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise

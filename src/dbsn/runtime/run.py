@@ -37,6 +37,7 @@ from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_pos
                                      write_posthoc_run)
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
+from dbsn.runtime.signals import current_watch, interruptible
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
 
@@ -68,8 +69,10 @@ def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
     return None
 
 
+@interruptible
 def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
-    """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
+    """Fit a method, test the final model, write metrics and plots; returns the test metrics. A
+    signal stops it as `RunInterrupted` (`dbsn.runtime.signals`)."""
     validate_config(cfg)
     statistics = statistics_of(cfg)
     keep_freed_memory()
@@ -94,7 +97,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     epoch_timer, curve = EpochTimer(), TrainingCurve()
     callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer,
-                                                           curve]
+                                                           curve, *current_watch()]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -142,6 +145,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- evaluate
+@interruptible(resumable=False)
 def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     """Evaluate a checkpoint, a list of checkpoints (one deep ensemble), or every run in a folder.
 

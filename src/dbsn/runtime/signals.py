@@ -1,0 +1,270 @@
+"""Signals that stop a run are reported as what they are: an interruption, with a non-zero exit status.
+
+What each signal does while `train` (or `evaluate`) runs under `interruptible`:
+
+- SIGTERM (a scheduler before it kills, `kill`, `scancel`, SLURM's time limit), SIGINT (Ctrl-C)
+  and SIGHUP (the terminal closed; left alone when ignored at start, as under `nohup`) stop the
+  run: in a Lightning loop at the end of the batch in progress (under DDP, on every rank
+  together: Lightning's own SIGTERM flag is set, which rank 0 broadcasts each step), anywhere
+  else at once. A second signal stops at once. `RunInterrupted` then leaves `train`; the entry
+  points print its one line and exit with 128 + the signal's number (143, 130, 129), so shell
+  `&&` chains, job arrays and schedulers see a run that did not finish.
+- SIGUSR1 is left to Lightning (its SLURM auto-requeue, when SLURM sends it) or to its default.
+- SIGUSR2 is submitit's preemption signal: `dbsn.runtime.cluster.PreemptionRequeue` finishes the
+  epoch and requeues; the SIGTERM that SLURM then sends is expected (`requeueing`), not an
+  interruption.
+
+No checkpoint is written at the signal: the run rolls back to its last epoch-end checkpoint
+(`checkpoints/last.ckpt`, written atomically at every epoch end), and `resume=true` in the same
+folder continues from there, bit for bit like an uninterrupted run. A checkpoint written mid-epoch
+could not resume exactly: the training loader's position in its epoch, the epoch's metric
+accumulators and the random state mid-epoch are not restored by Lightning, so the resumed run would
+redo part of the epoch with other draws. The work lost is at most the epoch in progress. Rolling
+back is exact because no file of the run depends on when the process stops after its last
+checkpoint was written: the same bytes are on disk as after a `kill -9` at that moment.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from dbsn.evaluation.runs import last_checkpoint
+
+__all__ = ["INTERRUPTING", "RunInterrupted", "SignalWatch", "interruptible", "requeueing"]
+
+#: the signals that stop a run, with what usually sends them
+INTERRUPTING = {signal.SIGTERM: "a scheduler or kill", signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}
+
+
+class RunInterrupted(BaseException):
+    """A run stopped by a signal. Like KeyboardInterrupt, not an `Exception`: nothing that handles
+    errors (a sweep that goes on after a failed run) may swallow it.
+
+    Attributes:
+        signum: the signal's number; `exit_status` is 128 + signum, as a shell reports a process
+            the signal killed.
+        checkpoint: the run's last epoch-end checkpoint, what `resume=true` continues from (None:
+            none was written yet, or the run writes none, as an evaluation).
+        epochs_done: the epochs that checkpoint holds (None where unknown).
+        max_epochs: the epochs the run trains (None where unknown).
+        epoch: the epoch (from 1) in progress at the signal (None: not training).
+        run_dir: the run folder.
+    """
+
+    def __init__(self, signum: int, run_dir: Path | None = None, checkpoint: Path | None = None,
+                 epochs_done: int | None = None, max_epochs: int | None = None, epoch: int | None = None) -> None:
+        self.signum, self.run_dir, self.checkpoint, self.epochs_done = int(signum), run_dir, checkpoint, epochs_done
+        self.max_epochs, self.epoch = max_epochs, epoch
+        super().__init__(self._message())
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def signal_name(self) -> str:
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"
+
+    def _message(self) -> str:
+        stopped = f"Stopped by {self.signal_name}"
+        if self.run_dir is None:
+            return f"{stopped} before the evaluation finished: run the same command again."
+        resume = f"run the same command plus resume=true hydra.run.dir={self.run_dir}"
+        if self.checkpoint is None:
+            return f"{stopped} before the run's first checkpoint: to continue, {resume} (it starts from the beginning)."
+        if self.epochs_done is None:
+            return f"{stopped}: to continue from {self.checkpoint}, {resume}."
+        if self.max_epochs and self.epochs_done >= self.max_epochs:
+            return (f"{stopped} after training: {self.checkpoint} holds all {self.epochs_done} epochs; to finish, {resume} "
+                    "(it tests the model without training).")
+        of = f" of {self.max_epochs}" if self.max_epochs else ""
+        redone = self.epochs_done + 1
+        return (f"{stopped} in epoch {self.epoch or redone}{of}: {self.checkpoint} holds the first {self.epochs_done} "
+                f"epoch{'' if self.epochs_done == 1 else 's'}; to continue, {resume} (from the start of epoch {redone}, "
+                "as an uninterrupted run would).")
+
+
+def _epochs_in(path: Path) -> int | None:
+    """How many epochs a checkpoint holds (its 0-based `epoch` + 1), read without its tensors."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return int(checkpoint["epoch"]) + 1
+    except Exception:  # noqa: BLE001 - a message detail: unknown rather than a second fault
+        return None
+
+
+class SignalWatch(pl.Callback):
+    """Knows the trainer while a Lightning loop runs, so that a signal there ends the batch in
+    progress first: it keeps Lightning's stop flag set after every batch and at every loop start
+    (Lightning clears the flag when a loop starts; its loops check it after each batch, and under DDP
+    rank 0 broadcasts it before each training step), and stops at the end of a loop that finished
+    without checking it (a signal during the last batch)."""
+
+    def __init__(self, interruptions: Interruptions) -> None:
+        self.interruptions = interruptions
+        self.trainer: pl.Trainer | None = None
+        self.max_epochs: int | None = None
+
+    def _flag(self, trainer) -> None:
+        if self.interruptions.signum is not None and hasattr(trainer, "_signal_connector"):
+            trainer._signal_connector.received_sigterm = True
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.trainer = trainer
+        if stage == "fit" and trainer.max_epochs and trainer.max_epochs > 0:
+            self.max_epochs = trainer.max_epochs
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._flag(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._flag(trainer)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._flag(trainer)
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        self._flag(trainer)
+
+    def on_validation_batch_end(self, trainer, *args, **kwargs) -> None:
+        self._flag(trainer)
+
+    def on_test_batch_end(self, trainer, *args, **kwargs) -> None:
+        self._flag(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._flag(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.trainer = None
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.trainer = None  # a loop that ended normally: Lightning calls teardown only then
+        if self.interruptions.signum is not None:
+            raise self.interruptions.interrupted()
+
+
+class _State:
+    leaving = False  # set while submitit requeues: the SIGTERM SLURM then sends is expected
+
+
+_STATE = _State()
+
+
+class requeueing:
+    """While a requeue is under way (`dbsn.runtime.cluster`), signals are not interruptions: the
+    process is leaving and will be started again. On a normal exit (submitit's handler returns on
+    ranks other than 0, which go on) signals count again."""
+
+    def __enter__(self) -> None:
+        _STATE.leaving = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            _STATE.leaving = False
+
+
+class Interruptions:
+    """Installs the handlers of `INTERRUPTING` for the duration of a run (see the module docstring).
+
+    Args:
+        run_dir: the run folder whose `last.ckpt` a resume continues from (None: an evaluation,
+            nothing to resume).
+    """
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.watch = SignalWatch(self)
+        self.signum: int | None = None
+        self.epoch: int | None = None  # the epoch (from 1) training was in at the signal
+        self._previous: dict[int, object] = {}
+
+    def interrupted(self, signum: int | None = None) -> RunInterrupted:
+        signum = signum or self.signum or signal.SIGTERM
+        checkpoint = None if self.run_dir is None else last_checkpoint(self.run_dir)
+        if checkpoint is None or not checkpoint.is_file():
+            return RunInterrupted(signum, self.run_dir, None)
+        return RunInterrupted(signum, self.run_dir, checkpoint, _epochs_in(checkpoint), self.watch.max_epochs, self.epoch)
+
+    def _say(self, text: str) -> None:
+        try:  # not print(): the signal may have interrupted a write to the same stream
+            os.write(2, (text + "\n").encode())
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if _STATE.leaving:
+            return
+        trainer = self.watch.trainer
+        if self.epoch is None and trainer is not None and trainer.training:
+            self.epoch = trainer.current_epoch + 1
+        if self.signum is None and trainer is not None and hasattr(trainer, "_signal_connector"):
+            self.signum = signum
+            # Lightning's loops check this flag after every batch (under DDP rank 0 broadcasts it) and raise
+            # SIGTERMException; `__exit__` turns that into RunInterrupted.
+            trainer._signal_connector.received_sigterm = True
+            self._say(f"{signal.Signals(signum).name} received: stopping after this batch (again: at once).")
+            return
+        self.signum = self.signum or signum
+        raise self.interrupted(signum)
+
+    def __enter__(self) -> Interruptions:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers belong to the main thread; elsewhere the defaults stay
+        for signum in INTERRUPTING:
+            previous = signal.getsignal(signum)
+            if previous == signal.SIG_IGN:  # nohup, or a background job: the user asked to ignore it
+                continue
+            self._previous[signum] = previous
+            signal.signal(signum, self.handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+        if isinstance(exc, SIGTERMException):
+            raise self.interrupted() from None
+
+
+def interruptible(task=None, *, resumable: bool = True):
+    """Decorate a run's body `task(cfg, output_dir, ...)`: signals stop it as `RunInterrupted` (see
+    the module docstring). `resumable`: a training run, resumed from `<output_dir>/checkpoints/last.ckpt`;
+    else an evaluation, started again. The body adds `current_watch()` to its trainer's callbacks
+    so that a signal inside a Lightning loop ends the batch first."""
+    if task is None:
+        return functools.partial(interruptible, resumable=resumable)
+
+    @functools.wraps(task)
+    def run(cfg, output_dir, *args, **kwargs):
+        global _CURRENT
+        interruptions = Interruptions(Path(output_dir) if resumable else None)
+        outer, _CURRENT = _CURRENT, interruptions
+        try:
+            with interruptions:
+                return task(cfg, output_dir, *args, **kwargs)
+        finally:
+            _CURRENT = outer
+
+    return run
+
+
+_CURRENT: Interruptions | None = None
+
+
+def current_watch() -> list[pl.Callback]:
+    """The callback of the run under way (`interruptible`), as a list to add to a trainer's callbacks
+    ([] outside one)."""
+    return [] if _CURRENT is None else [_CURRENT.watch]
