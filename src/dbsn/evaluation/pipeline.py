@@ -48,8 +48,8 @@ class Evaluator:
     Args:
         evaluations: the evaluations beyond the test pass, in the order they run; their names
             must differ (each writes into `<folder>/<name>/`).
-        ablation_sizes: the ensemble sizes of the MC-sample ablation (None: every S = 1..S;
-            []: none).
+        ablation_sizes: the ensemble sizes of the MC-sample ablation (None: every S up to 100, then
+            200, 500, 1000, ... and S, `dbsn.metrics.ablation.default_sizes`; []: none).
         statistics: the evaluation's seed (set before the test pass: the same checkpoint gives
             the same numbers) and its bootstrap intervals.
         between_steps: called after the test pass and after each evaluation (the runtime hands

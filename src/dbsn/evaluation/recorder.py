@@ -11,8 +11,10 @@ attaches for the duration of `trainer.test`, keeps of each batch what the evalua
   device: a copy of the method's test metrics once the pass is over) and the uncertainty maps of
   the first `task.num_maps` images (`maps`);
 - the first batch's first inputs and targets (`example`: what the cost is measured on);
-- the MC-sample ablation (`ablation`: the metrics of the ensembles of the first s members, every s,
-  from the same S members; `ablation_rows` once the pass is over).
+- the MC-sample ablation (`ablation`: the metrics of the ensembles of the first s members, for a
+  bounded set of s (`dbsn.metrics.ablation.default_sizes`), from the same S members; `ablation_rows`
+  once the pass is over). For the pass, the recorder sets the method's `prefix_sizes` to the
+  ablation's sizes: the method streams its members and hands over only those prefix ensembles.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ EXAMPLE_SIZE = 4
 
 def sample_ablation(model, sizes: Sequence[int] | None = None) -> SampleAblation | None:
     """The MC-sample ablation of `model`'s next test pass: the ensembles of the first s members,
-    s in `sizes` (None: 1..S; sizes above S dropped, S where none is left). None where there is
+    s in `sizes` (None: `default_sizes(S)`, every s up to 100; sizes above S dropped, S where none is left). None where there is
     nothing to ablate: no sizes, a one-member prediction, or (for now) segmentation."""
     if (sizes is not None and len(sizes) == 0) or not model.task.supports_ablation or model.num_members <= 1:
         return None
@@ -78,6 +80,7 @@ class PredictionRecorder(Callback):
         self._clear()
         if self.ablation is not None:
             self.ablation.to(pl_module.device).reset()
+        pl_module.prefix_sizes = () if self.ablation is None else tuple(self.ablation.sizes)
 
     def on_test_batch_end(self, trainer, pl_module, outputs: PredictedBatch, batch, batch_idx: int,
                           dataloader_idx: int = 0) -> None:
@@ -85,7 +88,8 @@ class PredictionRecorder(Callback):
         if self.example is None:
             self.example = (x[:EXAMPLE_SIZE].detach(), y[:EXAMPLE_SIZE].detach())
         if self.ablation is not None:
-            self.ablation.update(outputs.members, y.flatten(), pl_module.calibrate if pl_module.is_calibrated else None)
+            self.ablation.update_prefixes(outputs.prefixes, y.flatten(),
+                                          pl_module.calibrate if pl_module.is_calibrated else None)
         if pl_module.task.keeps_test_outputs:
             self._batches.append((outputs.log_probs.detach().float(), y.detach(),
                                   {k: v.detach().float() for k, v in outputs.scores.items()}))
@@ -117,7 +121,11 @@ class PredictionRecorder(Callback):
             self.scores = {k: v.cpu() for k, v in scores.items()}
         self._batches = []
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        pl_module.prefix_sizes = ()
+
     def on_test_end(self, trainer, pl_module) -> None:
+        pl_module.prefix_sizes = ()
         # after the method's own epoch end: its test metrics hold the whole pass until the next starts
         if not pl_module.task.keeps_test_outputs and trainer.world_size == 1:
             self.image_metrics = copy.deepcopy(pl_module.test_metrics)

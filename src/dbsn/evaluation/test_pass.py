@@ -61,8 +61,8 @@ def run_test_pass(trainer, model, datamodule,
                   ablation_sizes: Sequence[int] | None = None) -> tuple[dict[str, float], PredictionRecorder]:
     """`trainer.test` of `model` on `datamodule`'s test split without the trainer's loggers
     (`write_results` hands the numbers on), recorded by a `PredictionRecorder` with the MC-sample
-    ablation of the ensembles of the first s members, s in `ablation_sizes` (None: every s from
-    1 to S; []: none; `sample_ablation`). Returns every test metric (the logged ones and
+    ablation of the ensembles of the first s members, s in `ablation_sizes` (None: every s up to
+    100, then 200, 500, 1000, ... and S; []: none; `sample_ablation`). Returns every test metric (the logged ones and
     `prediction_quality`) and the recorder."""
     recorder = PredictionRecorder(sample_ablation(model, ablation_sizes))
     loggers, trainer.loggers = trainer.loggers, []

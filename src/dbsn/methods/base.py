@@ -31,6 +31,7 @@ structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import ClassVar, Literal, get_args
 
@@ -40,11 +41,11 @@ from torch import Tensor, nn
 
 from dbsn.methods.features import MemberFeatures
 from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
-from dbsn.methods.predictive import BayesEnsemble, PredictedBatch
+from dbsn.methods.predictive import BayesEnsemble, EnsembleStream, PredictedBatch
 from dbsn.methods.settings import Execution, Prediction, WeightOptimizer
 from dbsn.methods.training import TrainingLoop
 from dbsn.methods.weights import WeightPosterior
-from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
+from dbsn.metrics.uncertainty import uncertainty_decomposition
 from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
 from dbsn.methods.step import GraphedForward
@@ -86,6 +87,10 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
 
     Subclasses take their own settings and pass the rest on by keyword (`**settings`).
     """
+
+    #: the ensemble sizes whose prefix ensembles `test_step` returns (a test pass's recorder sets
+    #: them for the MC-sample ablation; none otherwise)
+    prefix_sizes: tuple[int, ...] = ()
 
     # What the method is, declared for `dbsn.methods.registry`, which reads it with the method's
     # config without building anything (compare's choices and settings, the report's names). A
@@ -399,6 +404,12 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
             self.stochastic_forward, x
         )
 
+    def member_chunks(self, x: Tensor) -> Iterator[Tensor]:
+        """`predict_members(x)` a chunk at a time ((n, b, C) each, `samples_per_forward` members), for
+        what reads the members once and keeps only what it needs of them (`test_step`). A method
+        that overrides `predict_members` overrides this too."""
+        yield from BayesEnsemble(self._num_draws(None), self.samples_per_forward).member_chunks(self.stochastic_forward, x)
+
     def uncertainty_scores(self, x: Tensor, n_samples: int | None = None) -> dict[str, Tensor]:
         """Per-example uncertainty of the prediction on x (`uncertainty_decomposition` of the
         members, each calibrated as the prediction is, `calibrate`)."""
@@ -467,19 +478,23 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
 
     def test_step(self, batch, batch_idx: int) -> PredictedBatch:
         """Update the test metrics of the ensemble and its uncertainty decomposition (per pixel for
-        segmentation) from one set of S member predictions, and return that prediction
-        (`PredictedBatch`): what an evaluation keeps of the test pass is its recorder's."""
+        segmentation) from one set of S member predictions, read a chunk at a time (`member_chunks`
+        into an `EnsembleStream`: memory does not grow with S), and return that prediction
+        (`PredictedBatch`, with the prefix ensembles of `prefix_sizes`): what an evaluation keeps
+        of the test pass is its recorder's."""
         x, y = batch
-        members = self.predict_members(x)  # (S, b, C) or (S, b, H, W, C)
-        shape = members.shape[1:-1]
-        flat = self.task.flatten(members)  # (S, b·H·W, C)
-        log_probs = self.calibrate(ensemble_log_probs(flat)).view(*shape, -1)
-        self.test_metrics.update(log_probs, y)
         # With a fitted temperature or calibrator each member is calibrated for the decomposition,
         # so that it describes the calibrated members (unchanged otherwise).
-        scores = uncertainty_decomposition(self.calibrate(flat))
+        stream = EnsembleStream(self.calibrate if self.is_calibrated else None, self.prefix_sizes)
+        shape = None
+        for members in self.member_chunks(x):  # (n, b, C) or (n, b, H, W, C)
+            shape = members.shape[1:-1]
+            stream.add(self.task.flatten(members))  # (n, b·H·W, C)
+        log_probs = self.calibrate(stream.log_probs()).view(*shape, -1)
+        self.test_metrics.update(log_probs, y)
+        scores = stream.scores()
         self.test_uncertainty.update(scores)
-        return PredictedBatch(x, y, log_probs, {k: v.view(shape) for k, v in scores.items()}, flat)
+        return PredictedBatch(x, y, log_probs, {k: v.view(shape) for k, v in scores.items()}, stream.prefixes)
 
     def on_test_epoch_start(self) -> None:
         self.test_metrics.reset()

@@ -107,6 +107,9 @@ class DeepEnsemble(Method):
         deep ensemble is across its networks, and the sample ablation over 1..M networks."""
         return torch.stack([m.predict_log_probs(x, n_samples or m.n_samples) for m in self.members])
 
+    def member_chunks(self, x: Tensor):
+        yield self.predict_members(x)  # M networks: one chunk
+
     @property
     def num_members(self) -> int:
         """M, one prediction per network (each its own Bayes ensemble of its resolved S)."""

@@ -8,8 +8,13 @@ members is
 which is one `torch.logcumsumexp` over the member axis. `SampleAblation` accumulates the test
 metrics (error, NLL, Brier, ECE) of every requested s over the test batches, so the row for
 s = S is exactly the full ensemble's metrics (same members, same order) and no forward pass is
-repeated per s. The paper's Figure 5 is this table for s = 1 … 100 (`dbsn.evaluation.ablation`
-writes and draws it).
+repeated per s. A test pass streams its members (`dbsn.methods.predictive.EnsembleStream`) and
+hands over only the prefix ensembles of the requested sizes (`update_prefixes`).
+
+The sizes default to `default_sizes(S)`: every s up to 100 (the paper's Figure 5 is this table
+for s = 1 … 100; `dbsn.evaluation.ablation` writes and draws it), then 200, 500, 1000, 2000, …
+and S: at most 100 + 3 per decade of S, so the ablation's memory (each size's metric states) and
+its work per batch stay bounded whatever S is.
 """
 
 from __future__ import annotations
@@ -22,7 +27,20 @@ from torch import Tensor, nn
 
 from dbsn.metrics.classification import ClassificationMetrics
 
-__all__ = ["SampleAblation", "prefix_ensembles"]
+__all__ = ["EVERY_SIZE_UP_TO", "SampleAblation", "default_sizes", "prefix_ensembles"]
+
+#: the default sizes include every s up to this one (the paper's Figure 5)
+EVERY_SIZE_UP_TO = 100
+
+
+def default_sizes(n_samples: int) -> list[int]:
+    """Every s in 1..min(S, 100), then 200, 500, 1000, 2000, 5000, … below S, and S."""
+    sizes = list(range(1, min(n_samples, EVERY_SIZE_UP_TO) + 1))
+    decade = EVERY_SIZE_UP_TO
+    while decade < n_samples:
+        sizes += [m * decade for m in (2, 5, 10) if m * decade < n_samples]
+        decade *= 10
+    return sorted(set(sizes) | {n_samples})
 
 
 def prefix_ensembles(member_log_probs: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -50,7 +68,7 @@ class SampleAblation(nn.Module):
     Args:
         num_classes: C.
         n_samples: S, the number of members each `update` receives.
-        sizes: the ensemble sizes to report; None = every s from 1 to `n_samples`.
+        sizes: the ensemble sizes to report; None = `default_sizes(n_samples)` (every s up to 100).
         keep: also keep every size's ensemble log-probabilities (`kept`, (sizes, N, C) once
             `compute`d), for what needs them whole (the calibrated NLL of each size); None:
             keep them for at most 16 sizes (a deep ensemble's 1..M, not DBSN's 1..100).
@@ -59,7 +77,7 @@ class SampleAblation(nn.Module):
     def __init__(self, num_classes: int, n_samples: int, sizes: Sequence[int] | None = None,
                  keep: bool | None = None) -> None:
         super().__init__()
-        sizes = list(range(1, n_samples + 1)) if sizes is None else sorted({int(s) for s in sizes})
+        sizes = default_sizes(n_samples) if sizes is None else sorted({int(s) for s in sizes})
         if not sizes or sizes[0] < 1 or sizes[-1] > n_samples:
             raise ValueError(f"ablation sizes must lie in 1..{n_samples} (the ensemble's S), got {sizes}")
         self.sizes = sizes
@@ -77,7 +95,18 @@ class SampleAblation(nn.Module):
         """
         if member_log_probs.shape[0] != self.n_samples:
             raise ValueError(f"expected {self.n_samples} members, got {member_log_probs.shape[0]}")
-        ensembles = prefix_ensembles(member_log_probs, self.sizes)
+        self.update_prefixes(prefix_ensembles(member_log_probs, self.sizes), target, transform)
+
+    def update_prefixes(self, ensembles: Tensor | dict[int, Tensor], target: Tensor,
+                        transform: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Add a batch from its prefix ensembles: (sizes, b, C) in `sizes`' order, or size -> (b, C)
+        (`EnsembleStream.prefixes`, which must hold every size), and the targets (b,)."""
+        if isinstance(ensembles, dict):
+            missing = [s for s in self.sizes if s not in ensembles]
+            if missing:
+                raise ValueError(f"the prediction holds no prefix ensemble of sizes {missing[:5]}: set the method's "
+                                 "prefix_sizes to the ablation's sizes before the test pass")
+            ensembles = torch.stack([ensembles[s] for s in self.sizes])
         if transform is not None:
             ensembles = torch.stack([transform(log_probs) for log_probs in ensembles])
         for metrics, log_probs in zip(self.metrics, ensembles):

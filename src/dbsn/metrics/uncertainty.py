@@ -21,7 +21,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["detection_scores", "ensemble_log_probs", "entropy", "ood_scores", "uncertainty_decomposition"]
+__all__ = ["decomposition_of", "detection_scores", "ensemble_log_probs", "entropy", "ood_scores",
+           "uncertainty_decomposition"]
 
 
 def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:
@@ -65,9 +66,15 @@ def uncertainty_decomposition(member_log_probs: Tensor) -> dict[str, Tensor]:
       that round-off. With S = 1 it is exactly 0;
     * ``max_probability``: ``max_c`` of the averaged prediction, the confidence.
     """
-    log_probs = ensemble_log_probs(member_log_probs)
+    return decomposition_of(ensemble_log_probs(member_log_probs), entropy(member_log_probs).mean(dim=0))
+
+
+def decomposition_of(log_probs: Tensor, expected_entropy: Tensor) -> dict[str, Tensor]:
+    """`uncertainty_decomposition` from its two ingredients, the ensemble's log-probabilities
+    (N, C) and the members' mean entropy (N,): what a prediction that streams over its members
+    keeps instead of the members themselves."""
     total = entropy(log_probs)
-    aleatoric = entropy(member_log_probs).mean(dim=0)
+    aleatoric = expected_entropy
     return {
         "predictive_entropy": total,
         "expected_entropy": aleatoric,

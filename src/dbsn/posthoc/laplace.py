@@ -355,6 +355,9 @@ class LaplaceMethod(FixedStructurePosterior):
         the network (only the last layer differs between members)."""
         return self.stochastic_forward(x, n_samples or self.n_samples, first).float().log_softmax(-1)
 
+    def member_chunks(self, x: Tensor):
+        yield self.predict_members(x)  # one pass: the S last layers are held anyway
+
     def predict_log_probs(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         """The Monte Carlo GLM predictive log 1/S Σ_s softmax(W_s φ(x) + b_s) (then the
         temperature and the calibrator, when fitted: `calibrate`)."""

@@ -3,7 +3,9 @@
 A progress bar redraws one line with carriage returns; in a file that leaves either nothing
 readable or megabytes of half-lines. When stdout is not a terminal, the runtime replaces the
 configured bar by `LineProgress`: a plain line at the end of every epoch, and every `every_s`
-seconds within long epochs, with the step, the loss, the throughput and the time left.
+seconds within long epochs, with the step, the loss, the throughput and the time left; in a test
+pass (which can run for hours at a large S), a line when it starts, every `every_s` seconds with
+the batches done and the time left, and when it ends.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LineProgress(ProgressBar):
         self._start = self._last = 0.0
         self._first_step = 0
         self._examples = 0
+        self._test_start = self._test_last = 0.0
 
     def disable(self) -> None:
         self._enabled = False
@@ -52,9 +55,30 @@ class LineProgress(ProgressBar):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.print_line(trainer)
 
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._test_start = self._test_last = time.monotonic()
+        if self._enabled:
+            members = getattr(pl_module, "num_members", None)
+            print(f"test: {_test_batches(trainer)} batches" + (f", S = {members} members each" if members else ""),
+                  flush=True)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        now = time.monotonic()
+        if now - self._test_last >= self.every_s:
+            self._test_last = now
+            if self._enabled:
+                print(self.test_line(trainer, batch_idx + 1, now), flush=True)
+
+    def test_line(self, trainer, done: int, now: float) -> str:
+        """`test: batch 120/450 | elapsed 0:05:00 | left 0:13:45`"""
+        total, elapsed = _test_batches(trainer), now - self._test_start
+        left = f" | left {_duration(elapsed / done * max(total - done, 0))}" if done and total else ""
+        return f"test: batch {done}/{total} | elapsed {_duration(elapsed)}{left}"
+
     def on_test_end(self, trainer, pl_module) -> None:
         if self._enabled:
-            print(f"test: {trainer.num_test_batches[0] if trainer.num_test_batches else 0} batches done", flush=True)
+            elapsed = _duration(time.monotonic() - self._test_start)
+            print(f"test: {_test_batches(trainer)} batches done in {elapsed}", flush=True)
 
     def line(self, trainer) -> str:
         now = time.monotonic()
@@ -91,6 +115,10 @@ def _batches_total(trainer) -> float:
         return float("inf")
     total = trainer.num_training_batches * trainer.max_epochs
     return min(total, trainer.max_steps) if trainer.max_steps and trainer.max_steps > 0 else total
+
+
+def _test_batches(trainer) -> int:
+    return int(sum(trainer.num_test_batches)) if trainer.num_test_batches else 0
 
 
 def _batch_size(batch) -> int:
