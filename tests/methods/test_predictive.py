@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dbsn.methods.predictive import BayesEnsemble
+from dbsn.methods.predictive import BayesEnsemble, EnsembleStream
 from tests.support.autocast import bf16_autocast
 
 
@@ -90,3 +90,27 @@ def test_bayes_ensemble_averages_in_float32_under_autocast():
     assert predictive.dtype == members.dtype == torch.float32
     torch.testing.assert_close(predictive, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(members, logits.float().log_softmax(-1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 10])
+def test_the_stream_gives_the_ensemble_its_decomposition_and_prefixes_without_keeping_members(chunk):
+    """`EnsembleStream` over chunks of members: the same ensemble, uncertainty decomposition (of the
+    calibrated members) and prefix ensembles as computed from all the members at once."""
+    from dbsn.metrics.ablation import prefix_ensembles
+    from dbsn.metrics.uncertainty import ensemble_log_probs, uncertainty_decomposition
+
+    torch.manual_seed(0)
+    members = (torch.randn(10, 6, 5) * 3).log_softmax(-1)
+    calibrate = lambda log_probs: (log_probs / 1.7).log_softmax(-1)  # noqa: E731 - a temperature
+    stream = EnsembleStream(calibrate, prefix_sizes=[1, 3, 10]).extend(members.split(chunk))
+    torch.testing.assert_close(stream.log_probs(), ensemble_log_probs(members))
+    expected = uncertainty_decomposition(calibrate(members))
+    assert stream.scores().keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(stream.scores()[name], value, msg=name)
+    assert sorted(stream.prefixes) == [1, 3, 10]
+    for s, prefix in zip([1, 3, 10], prefix_ensembles(members, [1, 3, 10])):
+        torch.testing.assert_close(stream.prefixes[s], prefix)
+    # the last prefix is the ensemble itself, and asking for prefixes changes the ensemble in no bit
+    assert torch.equal(stream.prefixes[10], stream.log_probs())
+    assert torch.equal(EnsembleStream(calibrate).extend(members.split(chunk)).log_probs(), stream.log_probs())

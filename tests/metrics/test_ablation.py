@@ -62,3 +62,24 @@ def test_sizes_are_checked_and_wrong_member_count_refused():
     ablation = SampleAblation(3, 4, sizes=[1, 4])
     with pytest.raises(ValueError, match="expected 4 members"):
         ablation.update(_members(s=3, c=3), torch.zeros(50, dtype=torch.long))
+
+
+def test_the_default_sizes_are_every_s_up_to_100_then_a_few_per_decade():
+    from dbsn.metrics.ablation import default_sizes
+
+    assert default_sizes(4) == [1, 2, 3, 4]
+    assert default_sizes(100) == list(range(1, 101))
+    assert default_sizes(1234) == [*range(1, 101), 200, 500, 1000, 1234]
+    assert default_sizes(100_000) == [*range(1, 101), 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000]
+    assert len(default_sizes(10**9)) <= 100 + 3 * 7 + 1  # bounded by log S, not S
+    assert SampleAblation(3, n_samples=100_000).sizes == default_sizes(100_000)
+
+
+def test_prefixes_handed_over_by_a_stream_give_the_same_rows_as_the_members():
+    members, target = _members(s=6, n=40).float(), torch.randint(0, 5, (40,), generator=torch.Generator().manual_seed(2))
+    from_members, from_prefixes = SampleAblation(5, 6, sizes=[2, 6]), SampleAblation(5, 6, sizes=[2, 6])
+    from_members.update(members, target)
+    from_prefixes.update_prefixes({s: p for s, p in zip([2, 6], prefix_ensembles(members, [2, 6]))}, target)
+    assert from_members.compute() == from_prefixes.compute()
+    with pytest.raises(ValueError, match=r"no prefix ensemble of sizes \[6\]"):
+        from_prefixes.update_prefixes({2: members[0]}, target)
