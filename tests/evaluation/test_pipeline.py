@@ -22,6 +22,7 @@ from hydra.errors import MissingConfigException
 
 from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.posthoc.base import PosthocError
+from dbsn.runtime.checkpoint import AtomicCheckpointIO
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.run import train
 from tests.support.configs import ROOT, compose_config, evaluate_quietly, tiny_for
@@ -295,7 +296,7 @@ def test_a_post_hoc_posterior_the_run_cannot_have_is_refused(tmp_path, map_run):
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in checkpoint["callbacks"].items() if "SWAG" in k)
     state["moments"]["count"].fill_(1)
-    torch.save(checkpoint, tmp_path / "one_snapshot.ckpt")
+    AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "one_snapshot.ckpt")  # with the edit's own digest
     with pytest.raises(PosthocError, match="at least 2 collected snapshots.*has 1: .*callbacks.swag.collect=step"):
         evaluate_quietly(tmp_path / "one_snapshot.ckpt", tmp_path, ["posthoc=swag"])
 
