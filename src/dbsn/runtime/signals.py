@@ -60,7 +60,12 @@ class SignalWatch(pl.Callback):
     progress first: it keeps Lightning's stop flag set after every batch and at every loop start
     (Lightning clears the flag when a loop starts; its loops check it after each batch, and under DDP
     rank 0 broadcasts it before each training step), and stops at the end of a loop that finished
-    without checking it (a signal during the last batch)."""
+    without checking it (a signal during the last batch).
+
+    When a loop starts it takes SIGTERM back from Lightning, whose handler broadcasts to the other
+    ranks from inside the handler: a rank signalled while the others wait in a collective of the
+    step would then wait forever. Here the handler only sets the flag (and passes SIGTERM on to the
+    ranks this process started, as Lightning's does); the ranks meet at the next step's broadcast."""
 
     def __init__(self, interruptions: Interruptions) -> None:
         self.interruptions = interruptions
@@ -76,13 +81,20 @@ class SignalWatch(pl.Callback):
         if stage == "fit" and trainer.max_epochs and trainer.max_epochs > 0:
             self.max_epochs = trainer.max_epochs
 
+    def _take_sigterm(self) -> None:
+        if threading.current_thread() is threading.main_thread() and signal.SIGTERM in self.interruptions.installed:
+            signal.signal(signal.SIGTERM, self.interruptions.handle)  # Lightning puts its own back at the loop's end
+
     def on_train_start(self, trainer, pl_module) -> None:
+        self._take_sigterm()
         self._flag(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        self._take_sigterm()
         self._flag(trainer)
 
     def on_test_start(self, trainer, pl_module) -> None:
+        self._take_sigterm()
         self._flag(trainer)
 
     def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
@@ -141,6 +153,11 @@ class Interruptions:
         self.epoch: int | None = None  # the epoch (from 1) training was in at the signal
         self._previous: dict[int, object] = {}
 
+    @property
+    def installed(self) -> set[int]:
+        """The signals whose handler this is (not those ignored at the start)."""
+        return set(self._previous)
+
     def interrupted(self, signum: int | None = None) -> RunInterrupted:
         signum = signum or self.signum or signal.SIGTERM
         checkpoint = None if self.run_dir is None else last_checkpoint(self.run_dir)
@@ -160,13 +177,20 @@ class Interruptions:
         trainer = self.watch.trainer
         if self.epoch is None and trainer is not None and trainer.training:
             self.epoch = trainer.current_epoch + 1
-        if self.signum is None and trainer is not None and hasattr(trainer, "_signal_connector"):
-            self.signum = signum
-            # Lightning's loops check this flag after every batch (under DDP rank 0 broadcasts it) and raise
-            # SIGTERMException; `__exit__` turns that into RunInterrupted.
-            trainer._signal_connector.received_sigterm = True
-            self._say(f"{signal.Signals(signum).name} received: stopping after this batch (again: at once).")
-            return
+        if trainer is not None and hasattr(trainer, "_signal_connector"):
+            if self.signum is None:
+                self.signum = signum
+                # Lightning's loops check this flag after every batch (under DDP rank 0 broadcasts it) and raise
+                # SIGTERMException; `__exit__` turns that into RunInterrupted.
+                trainer._signal_connector.received_sigterm = True
+                launcher = getattr(trainer.strategy, "launcher", None)
+                if signum == signal.SIGTERM and getattr(launcher, "procs", None):
+                    launcher.kill(signum)  # the DDP ranks this process started (a terminal's signals reach them itself)
+                if trainer.global_rank == 0:
+                    self._say(f"{signal.Signals(signum).name} received: stopping after this batch (again: at once).")
+                return
+            if trainer.global_rank != 0:
+                return  # a DDP rank stops with rank 0, at the step they share: a repeat is the same stop
         self.signum = self.signum or signum
         raise self.interrupted(signum)
 
