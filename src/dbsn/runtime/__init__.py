@@ -3,6 +3,8 @@
 - `run`: the bodies of `train.py` and `evaluate.py` (build, fit, test, report);
 - `config`: checks of a composed config (unknown keys, wrong types, launcher mismatches);
 - `checkpoint`: atomic checkpoints, the run config and random state inside them, clear errors;
+- `integrity`: the digest every checkpoint carries and the checks before one is used;
+- `signals`: SIGTERM, SIGINT, SIGHUP stop a run as `RunInterrupted` (exit 128 + signum);
 - `ddp`, `child`: single-node DDP whose extra ranks start from the run's saved config
   (`ddp` launches them; each runs `python -m dbsn.runtime.child`);
 - `rank`: `is_rank_zero`, which rank this process is;

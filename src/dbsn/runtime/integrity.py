@@ -57,6 +57,8 @@ def _raw_bytes(tensor: torch.Tensor) -> list[memoryview]:
         return _raw_bytes(tensor.indices()) + _raw_bytes(tensor.values())
     if tensor.is_quantized:
         return _raw_bytes(tensor.int_repr())
+    if tensor.is_meta:
+        return []  # no data: its path, dtype and shape are hashed
     tensor = tensor.resolve_conj().resolve_neg().to("cpu").contiguous()
     return [memoryview(tensor.reshape(-1).view(torch.uint8).numpy())]
 
