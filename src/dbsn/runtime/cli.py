@@ -28,9 +28,10 @@ from dbsn.runtime.errors import one_line_errors
 __all__ = ["RENAMED", "discard_refused_run", "evaluate", "renamed_option", "train", "unchosen_option"]
 
 _STARTED = time.time()  # before Hydra makes the run folder
-#: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config
-#: and a SLURM job's facts. A folder holding only these, all made by this process, was a refused start.
-STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json"})
+#: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config,
+#: run.json, the folder's lock and a SLURM job's facts. A folder holding only these, all made by this
+#: process, was a refused start.
+STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json", "run.json", ".dbsn.lock"})
 
 
 def _ood_sets(choice: str, conf_dir: Path) -> set[str]:

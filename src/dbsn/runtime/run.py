@@ -9,10 +9,12 @@ goes config -> objects -> fit / evaluate; what is evaluated and how lives in `db
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
@@ -23,7 +25,7 @@ from dbsn.evaluation.convergence import TrainingCurve
 from dbsn.evaluation.cost import EpochTimer, reset_peak_memory
 from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report
-from dbsn.evaluation.runs import CONFIG_FILE, run_checkpoint
+from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE, read_run_record, run_checkpoint
 from dbsn.methods import DeepEnsemble, Method
 from dbsn.runtime.build import (build_model, build_trainer, count_parameters, device_of, init_weights,
                                 instantiate_group, load_method, with_facts)
@@ -31,6 +33,7 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigC
                                      load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
+from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder,
                                      check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
                                      evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
@@ -68,19 +71,57 @@ def checkpoint_to_resume(cfg: DictConfig, output_dir: Path) -> Path | None:
     return None
 
 
-def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
-    """Fit a method, test the final model, write metrics and plots; returns the test metrics."""
+def train(cfg: DictConfig, output_dir: Path, where: str = "hydra.run.dir") -> dict[str, float]:
+    """Fit a method, test the final model, write metrics and plots; returns the test metrics.
+
+    The run folder is claimed first (`dbsn.runtime.folder`: one process, one run; `where` names the
+    setting that chose it in a refusal), and nothing is written there until every check of the
+    start has passed."""
+    composed = copy.deepcopy(cfg)  # as composed: Hydra's record of it (.hydra/config.yaml)
     validate_config(cfg)
     statistics = statistics_of(cfg)
     keep_freed_memory()
     output_dir = Path(output_dir)
+    folder = claim_run_folder(output_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
+                              where=where) if is_rank_zero() else None
+    try:
+        metrics = _train(cfg, composed, output_dir, statistics, folder)
+    except BaseException as err:
+        if folder is not None:
+            folder.end("interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed",
+                       error=f"{type(err).__name__}: {err}"[:500])
+        raise
+    else:
+        if folder is not None:
+            folder.end("finished")
+        return metrics
+    finally:
+        if folder is not None:
+            folder.release()
+
+
+def _begin(composed: DictConfig, plain: dict, output_dir: Path, folder: RunFolder, ckpt_path: Path | None) -> None:
+    """Write the run's files for this start: the resolved config, Hydra's record, run.json, the log file."""
+    if folder.mode == "continue" and ckpt_path is None and (output_dir / METRICS_FILE).is_file():
+        raise ConfigError(f"{output_dir} holds a finished run without a checkpoint to continue: start the new run in "
+                          "a new folder.")
+    OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
+    write_hydra_files(output_dir, composed)
+    folder.begin(continued_from=str(ckpt_path) if ckpt_path is not None and folder.mode == "new" else None)
+    if HydraConfig.initialized():
+        folder.log_to_file(str(HydraConfig.get().job.name))
+    if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
+        write_job_facts(output_dir, facts)
+
+
+def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
+           folder: RunFolder | None) -> dict[str, float]:
+    """The body of `train` once the folder is claimed (`folder`: None on ranks other than 0)."""
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
     plain = to_plain(cfg)
-    if is_rank_zero():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
-        if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
-            write_job_facts(output_dir, facts)
+    if folder is not None:
+        _begin(composed, plain, output_dir, folder, ckpt_path)
+    run_id = folder.run_id if folder is not None else (read_run_record(output_dir) or {}).get("run_id")
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
 
@@ -93,7 +134,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     epoch_timer, curve = EpochTimer(), TrainingCurve()
-    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer,
+    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(), epoch_timer,
                                                            curve]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
@@ -127,7 +168,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if not cfg.get("test", True):
         return {}
     def record() -> dict:
-        return {"n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
+        return {"run_id": run_id, "n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
                 "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
                 "convergence": curve.summary(),
                 **model.run_facts(), "slurm": job_facts(),
