@@ -353,10 +353,23 @@ class RunFolderCheck(Callback):
         from hydra.core.hydra_config import HydraConfig
 
         HydraConfig.instance().set_config(config)
-        check_sweep_folder(Path(str(config.hydra.sweep.dir)), resume=bool(config.get("resume")))
+        folder = Path(str(config.hydra.sweep.dir))
+        check_sweep_folder(folder, resume=bool(config.get("resume")))
+        if not folder.exists():
+            _NEW_SWEEP_FOLDERS.add(folder.absolute())
 
 
 SWEEP_FILE = "multirun.yaml"
+_NEW_SWEEP_FOLDERS: set[Path] = set()  # sweep folders this process is about to make (RunFolderCheck)
+
+
+def remove_new_sweep_folder(folder: Path) -> None:
+    """Remove a refused sweep's folder if this process made it and it holds only Hydra's multirun.yaml."""
+    folder = Path(folder)
+    if folder.absolute() in _NEW_SWEEP_FOLDERS and folder.is_dir() and \
+            {p.name for p in folder.iterdir()} <= {SWEEP_FILE}:
+        (folder / SWEEP_FILE).unlink(missing_ok=True)
+        _remove_empty(folder)
 
 
 def check_sweep_folder(folder: Path, *, resume: bool, where: str = "hydra.sweep.dir") -> None:
