@@ -24,7 +24,7 @@ from dbsn.evaluation.base import Subject
 from dbsn.evaluation.convergence import TrainingCurve
 from dbsn.evaluation.cost import EpochTimer, reset_peak_memory
 from dbsn.evaluation.pipeline import Evaluator
-from dbsn.evaluation.report import build_sweep_report
+from dbsn.evaluation.report import build_sweep_report, check_sweep_report_folder
 from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE, read_run_record, run_checkpoint
 from dbsn.methods import DeepEnsemble, Method
 from dbsn.runtime.build import (build_model, build_trainer, count_parameters, device_of, init_weights,
@@ -38,6 +38,7 @@ from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_pos
                                      check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
                                      evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
                                      write_posthoc_run)
+from dbsn.runtime.evaluation_folder import check_run_files, evaluation_record, evaluation_settings, identify
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
@@ -194,7 +195,8 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     A single checkpoint inside a training run folder is evaluated into `<run>/evaluation`
     (`<run>/posthoc/<name>/evaluation` with a posterior, so the report finds it next to the run);
     otherwise into `output_dir`, unless `cfg.output_dir` says where. Nothing the evaluation did
-    not write is overwritten (`evaluation_folder` refuses such a folder).
+    not write is overwritten, nor the evaluation of another checkpoint (`evaluation_folder`
+    refuses such a folder), and a checkpoint whose run folder holds another run's files is refused.
     """
     check_trainer(cfg.get("trainer"))
     evaluator, posterior = build_evaluator(cfg), build_posterior(cfg)
@@ -206,15 +208,19 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
             raise ConfigError(f"output_dir={cfg.output_dir} takes one model's results; a folder of runs is evaluated into "
                               "each run's own evaluation/ folder (and <folder>/report): leave output_dir unset.")
         return evaluate_folder(cfg, paths[0], evaluator, posterior)
-    out = evaluation_folder(cfg, paths, posterior, Path(output_dir))
-    return evaluate_checkpoints(cfg, paths, out, evaluator, posterior)
+    check_run_files(paths)
+    identities = identify(paths)
+    out = evaluation_folder(cfg, paths, posterior, Path(output_dir), identities)
+    return evaluate_checkpoints(cfg, paths, out, evaluator, posterior, identities=identities)
 
 
 def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluator: Evaluator, posterior=None,
-                         in_sweep: bool = False) -> dict[str, float] | None:
+                         in_sweep: bool = False, identities: list[dict] | None = None) -> dict[str, float] | None:
     """The test pass and the chosen evaluations of one model (several paths: a deep ensemble;
     `posterior`: a post-hoc posterior of the run). In a sweep, a run the posterior does not
-    apply to is skipped (None)."""
+    apply to is skipped (None). metrics.json records what was evaluated (`identities`, read from
+    the checkpoints when not given) and the evaluation's own settings."""
+    identities = identify(paths) if identities is None else identities
     first = load_checkpoint(paths[0])
     datamodule = evaluation_data(cfg, first)
     run_data = first[CONFIG_KEY]["data"]
@@ -239,7 +245,8 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
     name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
     subject.title = title_of(name, run_data, model.num_members)
     facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),
-             **({"posthoc": posterior.name, "seed": first[CONFIG_KEY].get("seed")} if posterior else {})}
+             **({"posthoc": posterior.name, "seed": first[CONFIG_KEY].get("seed")} if posterior else {}),
+             **evaluation_record(identities), "settings": evaluation_settings(cfg, posterior)}
     loggers = evaluation_loggers(cfg, paths, first[CONFIG_KEY], out, model, posterior)
     trainer = build_trainer(cfg.trainer, out, callbacks=instantiate_group(cfg.get("callbacks")), loggers=loggers)
     try:
@@ -262,6 +269,7 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
     if not runs:
         raise ConfigError(f"ckpt_path={root} is a folder without training runs (folders with {CONFIG_FILE}): give a "
                           "checkpoint (<run>/checkpoints/last.ckpt), a list of them, or a folder of runs (a sweep).")
+    check_sweep_report_folder(root)  # before any run is evaluated
     problems: dict[str, str] = {}
     for run_dir in runs:
         ckpt = run_checkpoint(run_dir)
@@ -270,9 +278,11 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
             continue
         out = run_dir / "posthoc" / posterior.name / "evaluation" if posterior else run_dir / "evaluation"
         try:
-            out = check_folder(out, posterior=posterior)
+            check_run_files([ckpt])
+            identities = identify([ckpt])
+            out = check_folder(out, posterior=posterior, identities=identities, where=None)
             Console().print(f"[bold]Evaluating {ckpt}{f' with posthoc={posterior.name}' if posterior else ''}[/bold]")
-            evaluate_checkpoints(cfg, [ckpt], out, evaluator, posterior, in_sweep=True)
+            evaluate_checkpoints(cfg, [ckpt], out, evaluator, posterior, in_sweep=True, identities=identities)
         except Exception as err:  # one bad run must not stop the others; it is listed below
             if fatal_in_a_sweep(err):
                 raise
