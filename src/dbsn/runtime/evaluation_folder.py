@@ -50,7 +50,7 @@ def _state_dict_digest(state: dict) -> str:
         tensor = state[name]
         if not isinstance(tensor, torch.Tensor):
             continue
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()

@@ -11,7 +11,9 @@ not compared.
 The finished runs of one method on one dataset are split by setting. The setting most runs share
 (counted in seeds) keeps the method's name; every other setting is a row of its own, named by what
 differs from it: `dbsn (trainer.max_epochs=3)`, `dbsn (trainer.limit_test_batches=1, S=10)`. Where
-no setting has more runs than every other, each row is named by what differs. A post-hoc
+no setting has more runs than every other, the rows are named by what differs from the value of
+each key that more runs share than any other (the setting that has all of them, if any, keeps the
+name; a key whose values tie is named in every row). A post-hoc
 posterior's run is named first by its training run's row, then by what differs between the
 evaluations (`map+laplace (posthoc.hessian=full)`). Runs of one row with the same seed are
 repeats, not seeds: the newest is kept, the others are listed as repeats (`REPEAT`).
@@ -100,18 +102,20 @@ def _seeds(runs: list[Run]) -> int:
     return len({("seed", r.seed) if r.seed is not None else ("run", id(r)) for r in runs})
 
 
-def _differences(setting: dict[str, str], other: dict[str, str] | None, varying: set[str]) -> list[str]:
-    """`key=value` of `setting` where it differs from `other` (None: on the keys in `varying`);
-    a fact only where the key that sets it does not differ too."""
-    keys = [k for k in setting if (k in varying if other is None else other.get(k) != setting[k])]
+def _differences(setting: dict[str, str], reference: dict[str, str]) -> list[str]:
+    """`key=value` of `setting` where it differs from `reference`, the config's keys sorted, then the
+    facts; a fact only where the key that sets it does not differ too."""
+    keys = [k for k in setting if reference.get(k) != setting[k]]
     keys = sorted((k for k in keys if k not in FACTS), key=str) + [k for k in FACTS if k in keys]
     keys = [k for k in keys if k not in FACTS or not set(FACTS[k]) & set(keys)]
     return [f"{k}={setting[k]}" for k in keys]
 
 
-def _labels(runs: list[Run], setting) -> tuple[dict[int, list[str]], list[str] | None]:
-    """Each run's differences (by `id`) from the group's main setting, and the main setting's
-    description (None where one setting has most runs, else the keys that vary)."""
+def _labels(runs: list[Run], setting) -> tuple[dict[int, list[str]], bool]:
+    """Each run's differences (by `id`) from the group's reference setting, and whether one setting
+    has more runs (in seeds) than every other. The reference is that setting; where there is none,
+    the value of each key that more runs share than any other value (none for a tie: every row
+    names its own)."""
     settings = {id(r): setting(r) for r in runs}
     common = set.intersection(*(set(s) for s in settings.values()))
     settings = {i: {k: v for k, v in s.items() if k in common} for i, s in settings.items()}
@@ -119,12 +123,21 @@ def _labels(runs: list[Run], setting) -> tuple[dict[int, list[str]], list[str] |
     for run in runs:
         classes[json.dumps(settings[id(run)], sort_keys=True)].append(run)
     if len(classes) == 1:
-        return {id(r): [] for r in runs}, None
-    sizes = Counter({key: _seeds(members) for key, members in classes.items()})
-    (first, most), *rest = sizes.most_common()
-    main = json.loads(first) if not rest or rest[0][1] < most else None
-    varying = {k for k in common if len({s[k] for s in settings.values()}) > 1}
-    return {id(r): _differences(settings[id(r)], main, varying) for r in runs}, None if main else sorted(varying)
+        return {id(r): [] for r in runs}, True
+    sizes = {key: _seeds(members) for key, members in classes.items()}
+    ranked = sorted(sizes.values(), reverse=True)
+    if ranked[0] > ranked[1]:
+        reference = json.loads(max(sizes, key=sizes.get))
+    else:
+        reference = {}
+        for key in sorted(common):
+            weights: Counter = Counter()
+            for found, size in sizes.items():
+                weights[json.loads(found)[key]] += size
+            (value, most), *others = weights.most_common()
+            if not others or others[0][1] < most:  # a tie: no value is the reference's, every row names its own
+                reference[key] = value
+    return {id(r): _differences(settings[id(r)], reference) for r in runs}, ranked[0] > ranked[1]
 
 
 def row_name(method: str, differences: list[str]) -> str:
@@ -153,12 +166,12 @@ def pool_runs(runs: list[Run]) -> list[str]:
         if Path(run.path).parent.name != "posthoc":
             trained[run.method, run.dataset].append(run)
     for (method, dataset), group in trained.items():
-        labels, varying = _labels(group, setting_of)
+        labels, most = _labels(group, setting_of)
         for run in group:
             run.differences = labels[id(run)]
-        if varying:
-            notes.append(f"{method} on {dataset}: no setting has most of its runs, so each row is named by what "
-                         f"differs ({', '.join(varying)})")
+        if not most:
+            notes.append(f"{method} on {dataset}: no setting has more of its runs than every other, so its rows are "
+                         "named by what differs from the value of each key that most of its runs share")
     evaluated = defaultdict(list)
     for run in ok:
         if Path(run.path).parent.name == "posthoc":
@@ -168,7 +181,7 @@ def pool_runs(runs: list[Run]) -> list[str]:
     for (method, dataset, inherited), group in evaluated.items():
         def setting(run: Run, known=inherited is not None) -> dict[str, str]:
             return _evaluation_setting(run) if known else {**setting_of(run), **_evaluation_setting(run)}
-        labels, varying = _labels(group, setting)
+        labels, _ = _labels(group, setting)
         for run in group:
             run.evaluation_differences = labels[id(run)]
             run.differences = [*(inherited or ()), *labels[id(run)]]
