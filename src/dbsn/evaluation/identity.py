@@ -120,8 +120,9 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
       metrics.json's run id, each checkpoint's run id, and the run id of the evaluation in
       `evaluation/` (a post-hoc posterior's folder answers for its metrics.json and evaluation,
       against its training run's run.json);
-    - stale: its `evaluation/` evaluated a checkpoint of the run that is no longer among its
-      checkpoints (the run continued after it was evaluated).
+    - stale: its `evaluation/` (a post-hoc posterior's folder: its evaluation) evaluated a
+      checkpoint of the run that is no longer among its checkpoints (the run continued after it
+      was evaluated).
 
     `evaluation`: False leaves `evaluation/` out of both. A folder without run.json (written before
     runs named themselves) is not checked."""
@@ -142,18 +143,19 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
                 return (f"{CHECKPOINT_DIR}/{Path(identity['path']).name} " + (
                     f"belongs to run {str(theirs)[:8]}" if theirs else "names no run")
                         + f", not to this folder's run {run_id[:8]} (run.json)"), None
-    evaluation = read_json(run_dir / "evaluation" / METRICS_FILE) if evaluation else None
-    for name, found in ((METRICS_FILE, read_json(run_dir / METRICS_FILE)), (f"evaluation/{METRICS_FILE}", evaluation)):
+    evaluated_here = read_json(run_dir / "evaluation" / METRICS_FILE) if evaluation else None
+    for name, found in ((METRICS_FILE, read_json(run_dir / METRICS_FILE)), (f"evaluation/{METRICS_FILE}", evaluated_here)):
         if found is None or (name != METRICS_FILE and "run_id" not in found):
             continue  # none, or an evaluation written before evaluations named their checkpoint's run
         if found.get("run_id") != run_id:
             theirs = found.get("run_id")
             return (f"{name} " + (f"is of run {str(theirs)[:8]}" if theirs else "names no run")
                     + f", not of this folder's run {run_id[:8]} (run.json)"), None
-    evaluated = [i for i in (evaluation or {}).get("evaluated") or [] if isinstance(i, dict)]
-    if owner == run_dir and len(evaluated) == 1 and checkpoints \
-            and not any(same_checkpoint(evaluated[0], identity) for identity in checkpoints):
-        return None, (f"its evaluation/ is of {describe_checkpoint(evaluated[0])}, which is no longer among the run's "
+    made = evaluated_here if owner == run_dir else read_json(run_dir / METRICS_FILE)  # a post-hoc run's: its evaluation's
+    evaluated = [i for i in (made or {}).get("evaluated") or [] if isinstance(i, dict)]
+    if len(evaluated) == 1 and checkpoints and not any(same_checkpoint(evaluated[0], identity) for identity in checkpoints):
+        where = "evaluation/" if owner == run_dir else "evaluation"
+        return None, (f"its {where} is of {describe_checkpoint(evaluated[0])}, which is no longer among the run's "
                       "checkpoints (the run went on after it was evaluated): its evaluations describe that earlier "
                       "model; evaluate the run's last checkpoint again (evaluate.py says how to keep the old one)")
     return None, None

@@ -125,7 +125,9 @@ def _other_checkpoint(out: Path, record: dict, identities: list[dict], shown: st
     if same_run:
         epoch = theirs[0].get("epoch")
         keep = out.with_name(f"{out.name}-epoch{epoch}" if epoch is not None else f"{out.name}-old")
-        return (f"{shown} holds the evaluation of an earlier checkpoint of this run, {found}, not of {ours}: "
+        steps = (theirs[0].get("global_step"), identities[0].get("global_step"))
+        which = "an earlier" if None not in steps and steps[0] < steps[1] else "another"
+        return (f"{shown} holds the evaluation of {which} checkpoint of this run, {found}, not of {ours}: "
                 f"keep it by moving it (e.g. mv {out} {keep}) or delete it, then evaluate again; or write this "
                 f"evaluation elsewhere (output_dir=<a new folder>).")
     return (f"{shown} holds the evaluation of another checkpoint, {found}, not of {ours}: an evaluation "

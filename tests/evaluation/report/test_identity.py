@@ -111,3 +111,17 @@ def test_same_checkpoint_by_digest_else_by_run_and_step(tmp_path):
     assert same_checkpoint(dict(base, digest=digest), dict(base, digest={"algorithm": "other", "tensors": "2"}))
     unnamed = dict(base, run_id=None)
     assert same_checkpoint(unnamed, dict(unnamed)) and not same_checkpoint(unnamed, dict(unnamed, path="/else.ckpt"))
+
+
+def test_a_posthoc_evaluation_of_an_earlier_checkpoint_is_named_in_the_notes(tmp_path):
+    run = runs(tmp_path)["1"]
+    posthoc = run / "posthoc" / "temperature"
+    posthoc.mkdir(parents=True)
+    (posthoc / "resolved_config.yaml").write_text((run / "resolved_config.yaml").read_text() + "posthoc: temperature\n")
+    earlier = {"path": str(run / "checkpoints" / "last.ckpt"), "run_id": "1" * 32, "epoch": 3, "global_step": 30}
+    (posthoc / "metrics.json").write_text(json.dumps({"metrics": {"test/error": 0.05}, "seed": 1, "posthoc": "temperature",
+                                                      "checkpoints": ["x"], "run_id": "1" * 32, "evaluated": [earlier]}))
+    assert examine(posthoc)[0] is None and "its evaluation is of" in examine(posthoc)[1]
+    (posthoc / "metrics.json").write_text(json.dumps({**json.loads((posthoc / "metrics.json").read_text()),
+                                                      "evaluated": [dict(earlier, epoch=9, global_step=90)]}))
+    assert examine(posthoc) == (None, None)
