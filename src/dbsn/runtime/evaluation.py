@@ -32,7 +32,7 @@ from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
 from dbsn import conf_choices
 from dbsn.runtime.config import ConfigError, check_node
-from dbsn.runtime.evaluation_folder import check_folder, evaluation_folder
+from dbsn.runtime.evaluation_folder import evaluation_folder  # re-exported: where one model's results go
 from dbsn.runtime.memory import release_freed_memory
 
 __all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",

@@ -34,11 +34,12 @@ from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigC
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
 from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
-from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder,
+from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior,
                                      check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
                                      evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
                                      write_posthoc_run)
-from dbsn.runtime.evaluation_folder import check_run_files, evaluation_record, evaluation_settings, identify
+from dbsn.runtime.evaluation_folder import (check_folder, check_run_files, evaluation_record, evaluation_settings,
+                                            identify)
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
