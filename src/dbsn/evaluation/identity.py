@@ -125,12 +125,15 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
       was evaluated).
 
     `evaluation`: False leaves `evaluation/` out of both. A folder without run.json (written before
-    runs named themselves) is not checked."""
+    runs named themselves) is not checked, and a run that adopted such a folder (`resume=true`
+    there; run.json's first event is "adopted") accepts its earlier files that name no run."""
     run_dir = Path(run_dir)
     record, owner = _run_record_of(run_dir)
     if record is None:
         return None, None
     run_id = record["run_id"]
+    # a run that continued a folder written before runs named themselves: its earlier files name no run
+    adopted = any(isinstance(e, dict) and e.get("event") == "adopted" for e in record.get("history") or [])
     checkpoints = _checkpoints(owner)
     if owner == run_dir:
         config = run_dir / CONFIG_FILE
@@ -139,7 +142,7 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
                     "config_sha256): it was replaced or edited"), None
         for identity in checkpoints:
             theirs = identity.get("run_id")
-            if theirs != run_id:
+            if theirs != run_id and not (theirs is None and adopted):
                 return (f"{CHECKPOINT_DIR}/{Path(identity['path']).name} " + (
                     f"belongs to run {str(theirs)[:8]}" if theirs else "names no run")
                         + f", not to this folder's run {run_id[:8]} (run.json)"), None
@@ -147,7 +150,7 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
     for name, found in ((METRICS_FILE, read_json(run_dir / METRICS_FILE)), (f"evaluation/{METRICS_FILE}", evaluated_here)):
         if found is None or (name != METRICS_FILE and "run_id" not in found):
             continue  # none, or an evaluation written before evaluations named their checkpoint's run
-        if found.get("run_id") != run_id:
+        if found.get("run_id") != run_id and not (found.get("run_id") is None and adopted):
             theirs = found.get("run_id")
             return (f"{name} " + (f"is of run {str(theirs)[:8]}" if theirs else "names no run")
                     + f", not of this folder's run {run_id[:8]} (run.json)"), None

@@ -206,8 +206,10 @@ class RunFolder:
         facts = {"status": "running", "updated": _now(), "dbsn_version": __version__, "host": socket.gethostname(),
                  "pid": os.getpid(), "config_sha256": digest}
         if self.record is None or self.mode == "new":
+            # a folder of a run written before runs named themselves is adopted: its earlier files name no run
+            event = "started" if self.mode == "new" else "adopted"
             self.record = {"run_id": uuid.uuid4().hex, "created": _now(), **facts,
-                           "history": [{"event": "started", "at": _now(),
+                           "history": [{"event": event, "at": _now(),
                                         **({"continues": continued_from} if continued_from else {})}]}
         else:
             event = {"event": "resumed", "at": _now(), **({"changes": changes} if changes else {})}
