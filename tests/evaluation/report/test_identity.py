@@ -125,3 +125,19 @@ def test_a_posthoc_evaluation_of_an_earlier_checkpoint_is_named_in_the_notes(tmp
     (posthoc / "metrics.json").write_text(json.dumps({**json.loads((posthoc / "metrics.json").read_text()),
                                                       "evaluated": [dict(earlier, epoch=9, global_step=90)]}))
     assert examine(posthoc) == (None, None)
+
+
+def test_a_run_that_adopted_an_older_folder_accepts_its_unnamed_files(tmp_path):
+    """`resume=true` in a folder written before runs named themselves adopts it (run.json's first
+    event is "adopted"): its earlier checkpoints and metrics.json name no run and still agree, while
+    a checkpoint of another run is still a disagreement."""
+    run = runs(tmp_path)["2"]
+    record = json.loads((run / "run.json").read_text())
+    write_checkpoint(run / "checkpoints" / "epoch003.ckpt", None, epoch=3)
+    (run / "metrics.json").write_text(json.dumps({k: v for k, v in json.loads((run / "metrics.json").read_text()).items()
+                                                  if k != "run_id"}))
+    assert "names no run" in examine(run)[0]
+    (run / "run.json").write_text(json.dumps({**record, "history": [{"event": "adopted", "at": "then"}]}))
+    assert examine(run) == (None, None)
+    write_checkpoint(run / "checkpoints" / "epoch004.ckpt", B, epoch=4)
+    assert "belongs to run bbbbbbbb" in examine(run)[0]
