@@ -281,9 +281,12 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     config = launcher.config
     sweep_dir = Path(str(config.hydra.sweep.dir))
     configs, run_dirs = compose_jobs(launcher, job_overrides, initial_job_idx)
+    from dbsn.evaluation.report import ReportError, check_sweep_report_folder
+
     try:
         check_jobs(configs, run_dirs, initial_job_idx)  # every job's config and folder, before anything is submitted
-    except ConfigError as err:
+        check_sweep_report_folder(sweep_dir)  # where the report goes when the jobs have ended
+    except (ConfigError, ReportError) as err:
         raise ConfigError(f"{err} Nothing was submitted.") from err
     params = dict(launcher.params)
     params.update(check_sweep(configs, params))
