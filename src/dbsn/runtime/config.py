@@ -31,18 +31,25 @@ from dbsn.precision import cpu_bf16_channels_last_is_wrong
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
-# Keys a node may carry without being constructor arguments: values supplied by train.py at
-# build time (e.g. a network's `num_classes` comes from the data module).
-RUNTIME_KEYS = {"num_classes", "net", "member"}
+# Keys a node may carry without being constructor arguments, and where: an ensemble's `member` (the
+# method each member is, which `build_model` builds `size` times).
+RUNTIME_KEYS = {"model": {"member"}}
 
+#: The top-level keys of train.py's config, each read by the run (`validate_config` refuses any
+#: other): the sections that build its objects, `paths` (read through interpolations), `hydra`,
+#: the run's own settings, `tags` (W&B's, and the run's record), `statistics` (the test pass),
+#: `report` (a sweep's report).
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "n_samples", "print_config", "resume", "statistics", "report",
+    "test", "task_name", "tags", "resume", "resume_changes", "statistics", "report",
 }
 
 # Top-level keys of train.py and the types they take (None = may be null).
 TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (str, None), "test": (bool,),
-                   "resume": (bool,), "task_name": (str,)}
+                   "resume": (bool,), "task_name": (str,), "resume_changes": (list, None), "tags": (list, None)}
+
+#: The keys of the top-level sections that are settings without a `_target_` (train and evaluate).
+PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"}}
 
 
 class ConfigError(ValueError):
@@ -128,6 +135,30 @@ def _check_type(where: str, value: Any, annotation: Any) -> None:
     raise ConfigError(f"{where}={value!r}: expected {_describe(annotation)}, got {type(value).__name__}.")
 
 
+class UnknownKeysError(ConfigError):
+    """Keys of a node that its constructor does not take: `where` (the node's path), `keys`, the
+    `target` it builds and the keys it `accepted`. `validate_config` names where they came from."""
+
+    def __init__(self, where: str, keys: list[str], target: str, accepted: set[str]) -> None:
+        self.where, self.keys, self.target, self.accepted = where, keys, target, accepted
+        key = keys[0]
+        super().__init__(f"{where}: unknown key '{key}' for {target}.{_suggest(str(key), accepted)} "
+                         f"Valid keys: {', '.join(sorted(accepted))}.")
+
+
+def _is_settings_class(annotation: Any) -> bool:
+    """Whether a parameter takes an object that a config builds from a mapping with `_target_`
+    (a settings dataclass, a network): a string, a number or a list there is a malformed config."""
+    return inspect.isclass(annotation) and (dataclasses.is_dataclass(annotation) or issubclass(annotation, torch.nn.Module))
+
+
+def _takes_a_mapping(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_takes_a_mapping(a) for a in args)
+    return _is_settings_class(annotation)
+
+
 def check_node(node: DictConfig, where: str) -> None:
     """Refuse a key that `node`'s `_target_` (or one of its children's) does not take, and a value
     that does not fit its annotation, naming the key and what would be right."""
@@ -141,15 +172,19 @@ def check_node(node: DictConfig, where: str) -> None:
         annotations = _annotations(target)
         for key in node.keys():
             if key in annotations and key not in HYDRA_KEYS and not OmegaConf.is_missing(node, key):
-                _check_type(f"{where}.{key}", node[key], annotations[key])
+                value = node[key]
+                if _takes_a_mapping(annotations[key]) and value is not None and not OmegaConf.is_config(value):
+                    raise ConfigError(f"{where}.{key}={value!r}: expected a mapping of settings with _target_ (the "
+                                      f"class it builds), got {type(value).__name__}.")
+                _check_type(f"{where}.{key}", value, annotations[key])
+        if "num_classes" in node and where.endswith(".net"):
+            raise ConfigError(f"{where}.num_classes: the network's class count is the data's (train.py passes the data "
+                              f"module's num_classes); remove {where}.num_classes.")
         if not takes_kwargs:
-            for key in node.keys():
-                if key in HYDRA_KEYS or key in accepted or key in RUNTIME_KEYS:
-                    continue
-                raise ConfigError(
-                    f"{where}: unknown key '{key}' for {target_name}.{_suggest(str(key), accepted)} "
-                    f"Valid keys: {', '.join(sorted(accepted))}."
-                )
+            runtime = RUNTIME_KEYS.get(where, set())
+            unknown = [key for key in node.keys() if key not in HYDRA_KEYS and key not in accepted and key not in runtime]
+            if unknown:
+                raise UnknownKeysError(where, [str(k) for k in unknown], target_name, accepted)
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig):
@@ -230,9 +265,9 @@ def check_compile(cfg: DictConfig) -> None:
             )
 
 
-def check_cuda_graph(cfg: DictConfig) -> None:
+def check_cuda_graph(cfg: DictConfig, on_this_machine: bool = True) -> None:
     """Refuse `model.execution.cuda_graph=true` before anything is built where it cannot run: without a
-    CUDA device, or on several devices."""
+    CUDA device (on this machine: `on_this_machine`), or on several devices."""
     trainer = cfg.get("trainer") or {}
     model = cfg.get("model") or {}
     execution = model.get("execution")
@@ -242,7 +277,9 @@ def check_cuda_graph(cfg: DictConfig) -> None:
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
         if ((node or {}).get("execution") or {}).get("cuda_graph") is not True:
             continue
-        if _on_cpu(trainer) or not torch.cuda.is_available():
+        on_cpu = (_on_cpu(trainer) or not torch.cuda.is_available()) if on_this_machine \
+            else str(trainer.get("accelerator", "auto")) == "cpu"  # a cluster's "auto" is its GPUs
+        if on_cpu:
             raise ConfigError(f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
                               f"this run trains on the CPU: use trainer=gpu on a machine with a GPU, or set "
                               f"{where}.execution.cuda_graph=false.")
@@ -395,12 +432,175 @@ def check_backbone(cfg: DictConfig) -> None:
             )
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
+def _kind(value: Any) -> str:
+    if isinstance(value, (ListConfig, list, tuple)):
+        return "a list"
+    if isinstance(value, (DictConfig, dict)):
+        return "a mapping without _target_ (the class it builds)"
+    if value is None:
+        return "nothing"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({value!r})"
+
+
+def _malformed(cfg: DictConfig, key: str, value: Any, expected: str) -> ConfigError:
+    """`key` holds `value` where `expected` belongs: named by the file that made it so, where that
+    is known (a group file of a user's extension that holds a list or a string)."""
+    from dbsn.runtime.origin import group_origin, origin_of
+
+    group = key.replace(".", "/")
+    origin, whole = origin_of(cfg, key), group_origin(cfg, group)
+    if origin is not None and origin.kind == "command line":
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        return ConfigError(f"{key}={shown!r} (set on {origin.text}): expected {expected}, got {_kind(value)}.")
+    if whole is not None and (origin is None or origin.file == whole.file):
+        return ConfigError(f"{key}: {whole.text} holds {_kind(value)}, and {key} takes {expected}: a config file of "
+                           "this group is a YAML mapping of key: value lines.")
+    if origin is not None:
+        option = f" (an option of the group {group} is chosen in the file's defaults list: - {key.rsplit('.', 1)[-1]}: " \
+                 "<option>)" if whole is not None else ""
+        return ConfigError(f"{key}: {origin.text} sets it to {_kind(value)}, and {key} takes {expected}{option}.")
+    return ConfigError(f"{key}: expected {expected}, got {_kind(value)}.")
+
+
+def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", "trainer")) -> None:
+    """Each section holds what its group files hold: `sections` a mapping with `_target_`, `logger`
+    and `callbacks` a mapping of named objects (each with `_target_`, or null), `statistics` and
+    `report` their settings only. A malformed file of a user's extension (a YAML list or string)
+    is named here, not met later as an AttributeError."""
+    for section in sections:
+        if section in cfg:
+            node = cfg._get_node(section)
+            if not isinstance(node, DictConfig) or node._is_none() or "_target_" not in node:
+                raise _malformed(cfg, section, None if node is None or node._is_none() else cfg[section],
+                                 "a mapping of settings with _target_ (the class it builds)")
+    model = cfg.get("model")
+    for where, node in (("model", model), ("model.member", model.get("member") if isinstance(model, DictConfig) else None)):
+        if not isinstance(node, DictConfig):
+            continue
+        for key in ("member", "net", "optim", "structure_optim", "weights", "prediction", "execution", "task"):
+            value = node.get(key)
+            if value is not None and not isinstance(value, DictConfig):
+                raise _malformed(cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)")
+        compile_node = (node.get("execution") or {}).get("compile")
+        if compile_node is not None and not isinstance(compile_node, DictConfig):
+            raise _malformed(cfg, f"{where}.execution.compile", compile_node, "a mapping of settings")
+    for section in ("logger", "callbacks"):
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise _malformed(cfg, section, node, "a mapping of named objects (name: {_target_: ..., ...})")
+        for name, child in node.items():
+            if child is not None and (not isinstance(child, DictConfig) or "_target_" not in child):
+                raise _malformed(cfg, f"{section}.{name}", child,
+                                 "a mapping with _target_ (the class it builds), or null (none)")
+    for section, keys in PLAIN_SECTIONS.items():
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise _malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+        unknown = sorted(set(node) - keys)
+        if unknown:
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{_from(cfg, f'{section}.{unknown[0]}')}: "
+                              f"{section} takes {', '.join(sorted(keys))}.")
+
+
+def _from(cfg: DictConfig, key: str) -> str:
+    """" (set on the command line (…))" / " (set by <file>)" for `key`, or "" where not known."""
+    from dbsn.runtime.origin import origin_of
+
+    origin = origin_of(cfg, key)
+    if origin is None:
+        return ""
+    return f" (set on {origin.text})" if origin.kind == "command line" else f" (set by {origin.text})"
+
+
+def _section_choice(cfg: DictConfig, where: str) -> str | None:
+    """`group=choice` of the config group whose file builds the node at `where` (`model/net=wrn28_10`)."""
+    from dbsn.runtime.origin import _facts
+
+    facts = _facts(cfg)
+    if facts is None:
+        return None
+    group = where.replace(".", "/")
+    choice = facts[3].get(group)
+    return f"{group}={choice}" if choice else None
+
+
+def _networks_of(model: DictConfig) -> tuple[str, str] | None:
+    """(the method's name, the networks it trains on, in words) for a `model:` node."""
+    from dbsn.methods.registry import built_class, field_backbones
+
+    try:
+        cls = built_class(OmegaConf.to_container(model, resolve=True))
+    except Exception:  # noqa: BLE001 - a target that does not import: check_node names it
+        return None
+    networks = getattr(cls, "networks", "any")
+    if networks == "cells":
+        return cls.__name__, "DBSN's cell network only (model/net=structure_net)"
+    if networks == "own":
+        return cls.__name__, "its own network only (the one conf/model/ gives it)"
+    return cls.__name__, f"any network ({', '.join(['structure_net', *field_backbones()])})"
+
+
+def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
+    """`err` with where its keys came from: the user (the command line), a preset that set them
+    for another method, or a method's file that set them for its own network."""
+    from dbsn.runtime.origin import origin_of
+
+    origins = [origin_of(cfg, f"{err.where}.{key}") for key in err.keys]
+    first = origins[0]
+    if first is None:
+        return err
+    target = err.target.rsplit(".", 1)[-1]
+    if first.kind == "command line":
+        key = err.keys[0]
+        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{_suggest(key, err.accepted)} "
+                           f"Valid keys: {', '.join(sorted(err.accepted))}.")
+    keys = [key for key, origin in zip(err.keys, origins) if origin == first]
+    paths = [f"{err.where}.{key}" for key in keys]
+    named = ", ".join(paths)
+    one = len(keys) == 1
+    no_such = "has no such setting" if one else "has no such settings"
+    remove = " ".join(f"~{p}" for p in paths)
+    them = "it" if one else "them"
+    section = _section_choice(cfg, err.where)
+    builds = f"{target} ({section})" if section else target
+    group_of_where = err.where.replace(".", "/")
+    chosen_there = dict(first.chooses).get(group_of_where)
+    if first.kind == "preset":
+        for_what = f" for {group_of_where}={chosen_there}" if chosen_there else ""
+        keep = f", or keep the preset's {group_of_where}={chosen_there}" if chosen_there and section \
+            and section != f"{group_of_where}={chosen_there}" else ""
+        return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}{for_what}, and {builds} {no_such}: "
+                           f"remove {them} on the command line with {remove}{keep}.")
+    if err.where.endswith("net") and chosen_there:
+        model = OmegaConf.select(cfg, err.where.rsplit(".", 1)[0]) if "." in err.where else None
+        method = _networks_of(model) if isinstance(model, DictConfig) else None
+        chosen_method = _section_choice(cfg, err.where.rsplit(".", 1)[0])
+        name = f"{method[0]} ({chosen_method})" if method and chosen_method else (method[0] if method else "")
+        runs = f" {name} runs on {method[1]}; to run it on {target}, remove {them} with {remove}." if method \
+            else f" Remove {them} with {remove}."
+        settings = ", ".join(f"{k}={OmegaConf.select(cfg, p)}" for k, p in zip(keys, paths))
+        return ConfigError(f"{err.where}: {first.text} sets {settings} for its own network {group_of_where}="
+                           f"{chosen_there}, and {builds} {no_such}.{runs}")
+    return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove "
+                       f"{them} with {remove}.")
+
+
+def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
+    """Raise `ConfigError` for unknown top-level keys, keys no constructor accepts (naming where
+    they came from), values of the wrong type or range, and settings the run would not apply.
+    `on_this_machine=False` (a job only submitted from here, as to SLURM) leaves out what asks
+    this machine's hardware."""
+    from dbsn.runtime.trainer_settings import check_devices, check_trainer_settings
+
     for key in cfg.keys():
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"Unknown top-level config key '{key}'.{_suggest(str(key), TOP_LEVEL_KEYS)} "
+                f"Unknown top-level config key '{key}'{_from(cfg, str(key))}.{_suggest(str(key), TOP_LEVEL_KEYS)} "
                 f"Valid keys: {', '.join(sorted(TOP_LEVEL_KEYS))}."
             )
     for key, allowed in TOP_LEVEL_TYPES.items():
@@ -408,18 +608,25 @@ def validate_config(cfg: DictConfig) -> None:
         if key in cfg and not (value is None and None in allowed) and not any(_fits(value, t) for t in allowed if t):
             expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
-    check_cuda_graph(cfg)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
+    check_sections(cfg)
+    check_cuda_graph(cfg, on_this_machine)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
     check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
         if isinstance(node, DictConfig):
-            check_node(node, section)
+            try:
+                check_node(node, section)
+            except UnknownKeysError as err:
+                raise explain_unknown(err, cfg) from err
             _check_finite(node, section)
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
-    check_compile(cfg)
-    check_channels_last(cfg)
-    resolve_channels_last(cfg)
+    check_trainer_settings(cfg)
+    if on_this_machine:
+        check_devices(cfg)
+        check_compile(cfg)
+        check_channels_last(cfg)
+        resolve_channels_last(cfg)
     check_sync_batchnorm(cfg)
 
 
