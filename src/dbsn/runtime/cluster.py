@@ -86,18 +86,16 @@ def slurm_request(job: DictConfig, launcher: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict[str, Any]:
-    """Check every job of a sweep before submission; return the SLURM request they share."""
-    from dbsn.runtime.checkpoint import check_resume_checkpoint
-    from dbsn.runtime.config import to_plain, validate_config
+    """Check every job of a sweep before submission (`dbsn.runtime.preflight.check_job`, without
+    what asks this machine's hardware: the jobs run on the cluster's); return the SLURM request
+    they share."""
+    from dbsn.runtime.preflight import check_job
 
     requests = []
     for num, job in enumerate(configs):
         try:
             if "model" in job and "data" in job:  # a train.py job
-                job_only = OmegaConf.masked_copy(job, [k for k in job.keys() if k != "hydra"])
-                validate_config(job_only)
-                if job.get("ckpt_path"):
-                    check_resume_checkpoint(job.ckpt_path, to_plain(job_only))
+                check_job(job, on_this_machine=False)
             requests.append(slurm_request(job, launcher))
         except Exception as err:
             overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""

@@ -51,6 +51,18 @@ TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (
 #: The keys of the top-level sections that are settings without a `_target_` (train and evaluate).
 PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"}}
 
+#: The top-level keys of evaluate.py's config, each read by the evaluation
+#: (`dbsn.runtime.evaluation`, `dbsn.runtime.run.evaluate`); `check_evaluate_config` refuses others.
+EVALUATE_TOP_LEVEL_KEYS = {
+    "task_name", "tags", "ckpt_path", "output_dir", "n_samples", "samples_per_forward", "rows_per_forward",
+    "data_root", "batch_size", "test_tau", "bn_recalibration", "statistics", "report", "ablation", "evaluations",
+    "ood", "ood_score", "posthoc", "trainer", "logger", "callbacks", "paths", "hydra",
+}
+
+#: evaluate.py's sections of settings without a `_target_`, beyond `PLAIN_SECTIONS`.
+EVALUATE_PLAIN_SECTIONS = {"ablation": {"sizes"},
+                           "bn_recalibration": {"enabled", "images", "augment", "batch_size", "seed"}}
+
 
 class ConfigError(ValueError):
     """A config that cannot run, with what is wrong and what would be right."""
@@ -588,6 +600,28 @@ def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
                            f"{chosen_there}, and {builds} {no_such}.{runs}")
     return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove "
                        f"{them} with {remove}.")
+
+
+def check_evaluate_config(cfg: DictConfig) -> None:
+    """evaluate.py's counterpart of `validate_config`'s first checks: a top-level key, or a key of
+    a section of plain settings, that the evaluation does not read is refused, naming where it
+    came from; the sections are what their group files hold."""
+    for key in cfg.keys():
+        if key not in EVALUATE_TOP_LEVEL_KEYS:
+            raise ConfigError(f"Unknown top-level config key '{key}'{_from(cfg, str(key))} for evaluate.py."
+                              f"{_suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
+                              f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
+    check_sections(cfg, sections=("trainer",))
+    for section, keys in EVALUATE_PLAIN_SECTIONS.items():
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise _malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+        unknown = sorted(set(node) - keys)
+        if unknown:
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{_from(cfg, f'{section}.{unknown[0]}')}: "
+                              f"{section} takes {', '.join(sorted(keys))}.")
 
 
 def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:

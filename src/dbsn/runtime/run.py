@@ -30,12 +30,14 @@ from dbsn.runtime.build import (build_model, build_trainer, count_parameters, de
 from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigCallback, check_resume_checkpoint,
                                      load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
-from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
+from dbsn.runtime.config import ConfigError, check_evaluate_config, check_trainer, to_plain, validate_config
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior, check_folder,
                                      check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
                                      evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
                                      write_posthoc_run)
 from dbsn.runtime.memory import keep_freed_memory
+from dbsn.runtime.preflight import check_run_length, check_trained
+from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
@@ -75,6 +77,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     keep_freed_memory()
     output_dir = Path(output_dir)
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
+    resume_changes = check_resume(cfg, ckpt_path)  # [{"key", "old", "new"}] applied on resume (run history)
     plain = to_plain(cfg)
     if is_rank_zero():
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -88,13 +91,14 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     check_files = getattr(datamodule, "check_files", None)
     if check_files is not None and not getattr(datamodule, "download", False):
         check_files()  # a missing dataset fails now, before the model, the loggers and the trainer
+    check_run_length(cfg, datamodule)  # a run of no step, or too short for its settings, before the model
     model = build_model(cfg.model, datamodule.num_classes)
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     epoch_timer, curve = EpochTimer(), TrainingCurve()
     callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain), RandomStateCallback(), epoch_timer,
-                                                           curve]
+                                                           curve, *resume_callbacks(resume_changes)]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -114,6 +118,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
 
     reset_peak_memory(trainer.strategy.root_device)  # the cost's peak memory: this run's, not an earlier one's in this process
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    check_trained(trainer)
     if model.temperature_scaling:
         temperature = model.fit_temperature(datamodule)
         Console().print(f"Temperature fitted on the validation split: T = {temperature:.4f}")
@@ -155,6 +160,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     otherwise into `output_dir`, unless `cfg.output_dir` says where. Nothing the evaluation did
     not write is overwritten (`evaluation_folder` refuses such a folder).
     """
+    check_evaluate_config(cfg)
     check_trainer(cfg.get("trainer"))
     evaluator, posterior = build_evaluator(cfg), build_posterior(cfg)
     check_prediction_overrides(cfg)

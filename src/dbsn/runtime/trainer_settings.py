@@ -90,7 +90,8 @@ def check_trainer_settings(cfg: DictConfig) -> None:
         raise _error("trainer.barebones=true turns off the checkpoints, loggers and callbacks that a run writes "
                      "its results with; set trainer.barebones=false.")
     if trainer.get("fast_dev_run"):
-        raise _error(f"trainer.fast_dev_run={trainer.get('fast_dev_run')} writes no checkpoint and would report "
+        value = trainer.get("fast_dev_run")
+        raise _error(f"trainer.fast_dev_run={str(value).lower() if isinstance(value, bool) else value} writes no checkpoint and would report "
                      "a run of a batch or two as a finished one; for a quick check use e.g. trainer.max_epochs=1 "
                      "trainer.limit_train_batches=2 trainer.limit_test_batches=2.")
     callbacks = cfg.get("callbacks") or {}
