@@ -155,6 +155,8 @@ def check_run_length(cfg: DictConfig, datamodule: Any) -> int:
             check_files()
         except DatasetNotFoundError:
             return -1
+    if not all(hasattr(datamodule, a) for a in ("setup", "batch_size")) or not hasattr(type(datamodule), "num_train"):
+        return -1  # a data module of an extension that does not say its size: `check_trained` after the fit
     batches, steps = training_steps(cfg, datamodule)
     _check_evaluation_batches(cfg, datamodule)
     _check_schedules(cfg, batches, steps)

@@ -53,7 +53,8 @@ FREE = (
     "data.root", "data.num_workers", "data.download", "data.pin_memory", "data.on_device", "data.eval_batch_size",
     "model.prediction", "model.member.prediction", "model.execution", "model.member.execution",
     "model.bn_recalibration", "model.member.bn_recalibration", "model.test_tau", "model.member.test_tau",
-    "trainer.default_root_dir", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+    "trainer.default_root_dir", "trainer.accelerator", "trainer.benchmark", "trainer.deterministic",
+    "trainer.detect_anomaly", "trainer.inference_mode", "trainer.enable_progress_bar", "trainer.enable_model_summary",
     "trainer.log_every_n_steps", "trainer.profiler", "trainer.limit_test_batches", "trainer.limit_predict_batches",
     "trainer.enable_autolog_hparams", "trainer.model_registry", "trainer.enable_checkpointing",
 )
