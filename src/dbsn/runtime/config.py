@@ -444,47 +444,18 @@ def check_backbone(cfg: DictConfig) -> None:
             )
 
 
-def _kind(value: Any) -> str:
-    if isinstance(value, (ListConfig, list, tuple)):
-        return "a list"
-    if isinstance(value, (DictConfig, dict)):
-        return "a mapping without _target_ (the class it builds)"
-    if value is None:
-        return "nothing"
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({value!r})"
-
-
-def _malformed(cfg: DictConfig, key: str, value: Any, expected: str) -> ConfigError:
-    """`key` holds `value` where `expected` belongs: named by the file that made it so, where that
-    is known (a group file of a user's extension that holds a list or a string)."""
-    from dbsn.runtime.origin import group_origin, origin_of
-
-    group = key.replace(".", "/")
-    origin, whole = origin_of(cfg, key), group_origin(cfg, group)
-    if origin is not None and origin.kind == "command line":
-        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        return ConfigError(f"{key}={shown!r} (set on {origin.text}): expected {expected}, got {_kind(value)}.")
-    if whole is not None and (origin is None or origin.file == whole.file):
-        return ConfigError(f"{key}: {whole.text} holds {_kind(value)}, and {key} takes {expected}: a config file of "
-                           "this group is a YAML mapping of key: value lines.")
-    if origin is not None:
-        option = f" (an option of the group {group} is chosen in the file's defaults list: - {key.rsplit('.', 1)[-1]}: " \
-                 "<option>)" if whole is not None else ""
-        return ConfigError(f"{key}: {origin.text} sets it to {_kind(value)}, and {key} takes {expected}{option}.")
-    return ConfigError(f"{key}: expected {expected}, got {_kind(value)}.")
-
-
 def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", "trainer")) -> None:
     """Each section holds what its group files hold: `sections` a mapping with `_target_`, `logger`
     and `callbacks` a mapping of named objects (each with `_target_`, or null), `statistics` and
     `report` their settings only. A malformed file of a user's extension (a YAML list or string)
     is named here, not met later as an AttributeError."""
+    from dbsn.runtime.origin import malformed, set_by
+
     for section in sections:
         if section in cfg:
             node = cfg._get_node(section)
             if not isinstance(node, DictConfig) or node._is_none() or "_target_" not in node:
-                raise _malformed(cfg, section, None if node is None or node._is_none() else cfg[section],
+                raise malformed(cfg, section, None if node is None or node._is_none() else cfg[section],
                                  "a mapping of settings with _target_ (the class it builds)")
     model = cfg.get("model")
     for where, node in (("model", model), ("model.member", model.get("member") if isinstance(model, DictConfig) else None)):
@@ -493,122 +464,41 @@ def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", 
         for key in ("member", "net", "optim", "structure_optim", "weights", "prediction", "execution", "task"):
             value = node.get(key)
             if value is not None and not isinstance(value, DictConfig):
-                raise _malformed(cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)")
+                raise malformed(cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)")
         compile_node = (node.get("execution") or {}).get("compile")
         if compile_node is not None and not isinstance(compile_node, DictConfig):
-            raise _malformed(cfg, f"{where}.execution.compile", compile_node, "a mapping of settings")
+            raise malformed(cfg, f"{where}.execution.compile", compile_node, "a mapping of settings")
     for section in ("logger", "callbacks"):
         node = cfg.get(section)
         if node is None:
             continue
         if not isinstance(node, DictConfig):
-            raise _malformed(cfg, section, node, "a mapping of named objects (name: {_target_: ..., ...})")
+            raise malformed(cfg, section, node, "a mapping of named objects (name: {_target_: ..., ...})")
         for name, child in node.items():
             if child is not None and (not isinstance(child, DictConfig) or "_target_" not in child):
-                raise _malformed(cfg, f"{section}.{name}", child,
+                raise malformed(cfg, f"{section}.{name}", child,
                                  "a mapping with _target_ (the class it builds), or null (none)")
     for section, keys in PLAIN_SECTIONS.items():
         node = cfg.get(section)
         if node is None:
             continue
         if not isinstance(node, DictConfig):
-            raise _malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+            raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
         unknown = sorted(set(node) - keys)
         if unknown:
-            raise ConfigError(f"{section}.{unknown[0]} is not a setting{_from(cfg, f'{section}.{unknown[0]}')}: "
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
                               f"{section} takes {', '.join(sorted(keys))}.")
-
-
-def _from(cfg: DictConfig, key: str) -> str:
-    """" (set on the command line (…))" / " (set by <file>)" for `key`, or "" where not known."""
-    from dbsn.runtime.origin import origin_of
-
-    origin = origin_of(cfg, key)
-    if origin is None:
-        return ""
-    return f" (set on {origin.text})" if origin.kind == "command line" else f" (set by {origin.text})"
-
-
-def _section_choice(cfg: DictConfig, where: str) -> str | None:
-    """`group=choice` of the config group whose file builds the node at `where` (`model/net=wrn28_10`)."""
-    from dbsn.runtime.origin import _facts
-
-    facts = _facts(cfg)
-    if facts is None:
-        return None
-    group = where.replace(".", "/")
-    choice = facts[3].get(group)
-    return f"{group}={choice}" if choice else None
-
-
-def _networks_of(model: DictConfig) -> tuple[str, str] | None:
-    """(the method's name, the networks it trains on, in words) for a `model:` node."""
-    from dbsn.methods.registry import built_class, field_backbones
-
-    try:
-        cls = built_class(OmegaConf.to_container(model, resolve=True))
-    except Exception:  # noqa: BLE001 - a target that does not import: check_node names it
-        return None
-    networks = getattr(cls, "networks", "any")
-    if networks == "cells":
-        return cls.__name__, "DBSN's cell network only (model/net=structure_net)"
-    if networks == "own":
-        return cls.__name__, "its own network only (the one conf/model/ gives it)"
-    return cls.__name__, f"any network ({', '.join(['structure_net', *field_backbones()])})"
-
-
-def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
-    """`err` with where its keys came from: the user (the command line), a preset that set them
-    for another method, or a method's file that set them for its own network."""
-    from dbsn.runtime.origin import origin_of
-
-    origins = [origin_of(cfg, f"{err.where}.{key}") for key in err.keys]
-    first = origins[0]
-    if first is None:
-        return err
-    target = err.target.rsplit(".", 1)[-1]
-    if first.kind == "command line":
-        key = err.keys[0]
-        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{_suggest(key, err.accepted)} "
-                           f"Valid keys: {', '.join(sorted(err.accepted))}.")
-    keys = [key for key, origin in zip(err.keys, origins) if origin == first]
-    paths = [f"{err.where}.{key}" for key in keys]
-    named = ", ".join(paths)
-    one = len(keys) == 1
-    no_such = "has no such setting" if one else "has no such settings"
-    remove = " ".join(f"~{p}" for p in paths)
-    them = "it" if one else "them"
-    section = _section_choice(cfg, err.where)
-    builds = f"{target} ({section})" if section else target
-    group_of_where = err.where.replace(".", "/")
-    chosen_there = dict(first.chooses).get(group_of_where)
-    if first.kind == "preset":
-        for_what = f" for {group_of_where}={chosen_there}" if chosen_there else ""
-        keep = f", or keep the preset's {group_of_where}={chosen_there}" if chosen_there and section \
-            and section != f"{group_of_where}={chosen_there}" else ""
-        return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}{for_what}, and {builds} {no_such}: "
-                           f"remove {them} on the command line with {remove}{keep}.")
-    if err.where.endswith("net") and chosen_there:
-        model = OmegaConf.select(cfg, err.where.rsplit(".", 1)[0]) if "." in err.where else None
-        method = _networks_of(model) if isinstance(model, DictConfig) else None
-        chosen_method = _section_choice(cfg, err.where.rsplit(".", 1)[0])
-        name = f"{method[0]} ({chosen_method})" if method and chosen_method else (method[0] if method else "")
-        runs = f" {name} runs on {method[1]}; to run it on {target}, remove {them} with {remove}." if method \
-            else f" Remove {them} with {remove}."
-        settings = ", ".join(f"{k}={OmegaConf.select(cfg, p)}" for k, p in zip(keys, paths))
-        return ConfigError(f"{err.where}: {first.text} sets {settings} for its own network {group_of_where}="
-                           f"{chosen_there}, and {builds} {no_such}.{runs}")
-    return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove "
-                       f"{them} with {remove}.")
 
 
 def check_evaluate_config(cfg: DictConfig) -> None:
     """evaluate.py's counterpart of `validate_config`'s first checks: a top-level key, or a key of
     a section of plain settings, that the evaluation does not read is refused, naming where it
     came from; the sections are what their group files hold."""
+    from dbsn.runtime.origin import malformed, set_by
+
     for key in cfg.keys():
         if key not in EVALUATE_TOP_LEVEL_KEYS:
-            raise ConfigError(f"Unknown top-level config key '{key}'{_from(cfg, str(key))} for evaluate.py."
+            raise ConfigError(f"Unknown top-level config key '{key}'{set_by(cfg, str(key))} for evaluate.py."
                               f"{_suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
                               f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
     check_sections(cfg, sections=("trainer",))
@@ -617,10 +507,10 @@ def check_evaluate_config(cfg: DictConfig) -> None:
         if node is None:
             continue
         if not isinstance(node, DictConfig):
-            raise _malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+            raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
         unknown = sorted(set(node) - keys)
         if unknown:
-            raise ConfigError(f"{section}.{unknown[0]} is not a setting{_from(cfg, f'{section}.{unknown[0]}')}: "
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
                               f"{section} takes {', '.join(sorted(keys))}.")
 
 
@@ -629,12 +519,13 @@ def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
     they came from), values of the wrong type or range, and settings the run would not apply.
     `on_this_machine=False` (a job only submitted from here, as to SLURM) leaves out what asks
     this machine's hardware."""
+    from dbsn.runtime.origin import explain_unknown, set_by
     from dbsn.runtime.trainer_settings import check_devices, check_trainer_settings
 
     for key in cfg.keys():
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"Unknown top-level config key '{key}'{_from(cfg, str(key))}.{_suggest(str(key), TOP_LEVEL_KEYS)} "
+                f"Unknown top-level config key '{key}'{set_by(cfg, str(key))}.{_suggest(str(key), TOP_LEVEL_KEYS)} "
                 f"Valid keys: {', '.join(sorted(TOP_LEVEL_KEYS))}."
             )
     for key, allowed in TOP_LEVEL_TYPES.items():

@@ -7,6 +7,12 @@ composition (a later file wins), and the command line comes after all of them. `
 the command line and that list from the composed config's `hydra` node, or from the running Hydra
 job (`HydraConfig`), and returns the last source that sets the key; None where neither is there
 (a config composed without Hydra's node, as most tests do) or nothing sets it.
+
+The refusals built on it: `explain_unknown` (keys a constructor does not take, blamed on their
+source: a preset that set them for another method, a method's file that set them for its own
+network, saying which networks the method runs on), `malformed` (a group file of a user's
+extension that holds a list or a string where a mapping belongs) and `set_by` (a note for any
+other message).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["PRESETS", "Origin", "group_origin", "origin_of"]
+from dbsn.runtime.config import ConfigError, UnknownKeysError, _suggest
+
+__all__ = ["PRESETS", "Origin", "explain_unknown", "group_origin", "malformed", "origin_of", "set_by"]
 
 #: Config groups whose files are presets: `# @package _global_` overlays of a whole run.
 PRESETS = ("experiment", "field", "speed")
@@ -186,3 +194,110 @@ def _origin(config_path: str, primary: bool, sources, choices: dict, chooses=())
     chosen = choices.get(group)
     via = f"{group}={choice}" if chosen == choice else f"{group}={chosen}, which builds on {choice}"
     return Origin("file", f"{file} ({via})", file=file, group=group, choice=choice, chooses=chooses)
+
+
+# ---------------------------------------------------------------------- refusals that name the origin
+def _kind(value: Any) -> str:
+    if isinstance(value, (ListConfig, list, tuple)):
+        return "a list"
+    if isinstance(value, (DictConfig, dict)):
+        return "a mapping without _target_ (the class it builds)"
+    if value is None:
+        return "nothing"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({value!r})"
+
+
+def malformed(cfg: DictConfig, key: str, value: Any, expected: str) -> ConfigError:
+    """`key` holds `value` where `expected` belongs: named by the file that made it so, where that
+    is known (a group file of a user's extension that holds a list or a string)."""
+    group = key.replace(".", "/")
+    origin, whole = origin_of(cfg, key), group_origin(cfg, group)
+    if origin is not None and origin.kind == "command line":
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        return ConfigError(f"{key}={shown!r} (set on {origin.text}): expected {expected}, got {_kind(value)}.")
+    if whole is not None and (origin is None or origin.file == whole.file):
+        return ConfigError(f"{key}: {whole.text} holds {_kind(value)}, and {key} takes {expected}: a config file of "
+                           "this group is a YAML mapping of key: value lines.")
+    if origin is not None:
+        option = f" (an option of the group {group} is chosen in the file's defaults list: - {key.rsplit('.', 1)[-1]}: " \
+                 "<option>)" if whole is not None else ""
+        return ConfigError(f"{key}: {origin.text} sets it to {_kind(value)}, and {key} takes {expected}{option}.")
+    return ConfigError(f"{key}: expected {expected}, got {_kind(value)}.")
+
+
+def set_by(cfg: DictConfig, key: str) -> str:
+    """" (set on the command line (…))" / " (set by <file>)" for `key`, or "" where not known."""
+    origin = origin_of(cfg, key)
+    if origin is None:
+        return ""
+    return f" (set on {origin.text})" if origin.kind == "command line" else f" (set by {origin.text})"
+
+
+def _section_choice(cfg: DictConfig, where: str) -> str | None:
+    """`group=choice` of the config group whose file builds the node at `where` (`model/net=wrn28_10`)."""
+    facts = _facts(cfg)
+    if facts is None:
+        return None
+    group = where.replace(".", "/")
+    choice = facts[3].get(group)
+    return f"{group}={choice}" if choice else None
+
+
+def _networks_of(model: DictConfig) -> tuple[str, str] | None:
+    """(the method's name, the networks it trains on, in words) for a `model:` node."""
+    from dbsn.methods.registry import built_class, field_backbones
+
+    try:
+        cls = built_class(OmegaConf.to_container(model, resolve=True))
+    except Exception:  # noqa: BLE001 - a target that does not import: check_node names it
+        return None
+    networks = getattr(cls, "networks", "any")
+    if networks == "cells":
+        return cls.__name__, "DBSN's cell network only (model/net=structure_net)"
+    if networks == "own":
+        return cls.__name__, "its own network only (the one conf/model/ gives it)"
+    return cls.__name__, f"any network ({', '.join(['structure_net', *field_backbones()])})"
+
+
+def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
+    """`err` with where its keys came from: the user (the command line), a preset that set them
+    for another method, or a method's file that set them for its own network."""
+    origins = [origin_of(cfg, f"{err.where}.{key}") for key in err.keys]
+    first = origins[0]
+    if first is None:
+        return err
+    target = err.target.rsplit(".", 1)[-1]
+    if first.kind == "command line":
+        key = err.keys[0]
+        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{_suggest(key, err.accepted)} "
+                           f"Valid keys: {', '.join(sorted(err.accepted))}.")
+    keys = [key for key, origin in zip(err.keys, origins) if origin == first]
+    paths = [f"{err.where}.{key}" for key in keys]
+    named = ", ".join(paths)
+    one = len(keys) == 1
+    no_such = "has no such setting" if one else "has no such settings"
+    remove = " ".join(f"~{p}" for p in paths)
+    them = "it" if one else "them"
+    section = _section_choice(cfg, err.where)
+    builds = f"{target} ({section})" if section else target
+    group_of_where = err.where.replace(".", "/")
+    chosen_there = dict(first.chooses).get(group_of_where)
+    if first.kind == "preset":
+        for_what = f" for {group_of_where}={chosen_there}" if chosen_there else ""
+        keep = f", or keep the preset's {group_of_where}={chosen_there}" if chosen_there and section \
+            and section != f"{group_of_where}={chosen_there}" else ""
+        return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}{for_what}, and {builds} {no_such}: "
+                           f"remove {them} on the command line with {remove}{keep}.")
+    if err.where.endswith("net") and chosen_there:
+        model = OmegaConf.select(cfg, err.where.rsplit(".", 1)[0]) if "." in err.where else None
+        method = _networks_of(model) if isinstance(model, DictConfig) else None
+        chosen_method = _section_choice(cfg, err.where.rsplit(".", 1)[0])
+        name = f"{method[0]} ({chosen_method})" if method and chosen_method else (method[0] if method else "")
+        runs = f" {name} runs on {method[1]}; to run it on {target}, remove {them} with {remove}." if method \
+            else f" Remove {them} with {remove}."
+        settings = ", ".join(f"{k}={OmegaConf.select(cfg, p)}" for k, p in zip(keys, paths))
+        return ConfigError(f"{err.where}: {first.text} sets {settings} for its own network {group_of_where}="
+                           f"{chosen_there}, and {builds} {no_such}.{runs}")
+    return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove "
+                       f"{them} with {remove}.")

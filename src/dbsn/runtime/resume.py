@@ -49,7 +49,7 @@ RESUME_CHANGES = "resume_changes"
 #: Keys (and the keys below them) that do not change the run: they may differ on resume.
 FREE = (
     "logger", "paths", "hydra", "resume", RESUME_CHANGES, "ckpt_path", "test", "statistics", "report", "tags",
-    "task_name",
+    "task_name", "init_from",  # init_from's weights are replaced by the checkpoint's on resume
     "data.root", "data.num_workers", "data.download", "data.pin_memory", "data.on_device", "data.eval_batch_size",
     "model.prediction", "model.member.prediction", "model.execution", "model.member.execution",
     "model.bn_recalibration", "model.member.bn_recalibration", "model.test_tau", "model.member.test_tau",
@@ -76,7 +76,6 @@ FIXED = {
     "model.member.learn_structure": "the checkpoint's structure parameters are its own",
     "data._target_": "the checkpoint was trained on its own data",
     "seed": "the checkpoint's random streams continue where they stopped; a seed only starts them",
-    "init_from": "the checkpoint's weights replace those of init_from",
 }
 
 
