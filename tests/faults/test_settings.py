@@ -205,6 +205,8 @@ def test_every_accepted_top_level_key_is_read_and_the_unread_ones_are_refused(tm
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.batch_size=5000"], r"data\.batch_size=5000 is larger than the training split \(1347 images.*drop_last"),
+    (["data.batch_size=0"], r"data\.batch_size=0: expected a number of images >= 1"),
+    (["data.num_workers=-1"], r"data\.num_workers=-1: expected a number of worker processes >= 0"),
     (["trainer.limit_train_batches=0.01"], r"limit_train_batches=0\.01 of an epoch's 21 batches is less than one"),
     (["trainer.limit_test_batches=0.01", "test=true"], r"limit_test_batches=0\.01 of the 8 batches of the test split"),
     (["data.val_size=1347"], r"data\.val_size=1347 leaves no training images out of 1347"),

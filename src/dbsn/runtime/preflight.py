@@ -70,6 +70,11 @@ def training_steps(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     """(batches of an epoch, optimiser steps of the run) that the fit will run, refusing a run of
     none; reads the training split."""
     trainer = cfg.trainer
+    for key, least in (("batch_size", 1), ("eval_batch_size", 1), ("num_workers", 0)):
+        value = getattr(datamodule, key, None)
+        if isinstance(value, int) and value < least:
+            what = "a number of images" if least else "a number of worker processes"
+            raise ConfigError(f"data.{key}={value}: expected {what} >= {least}.")
     _setup(datamodule, "fit")
     images, batch_size = int(datamodule.num_train), int(datamodule.batch_size)
     drop_last = bool(getattr(datamodule, "drop_last", False))
