@@ -192,7 +192,8 @@ def test_every_accepted_top_level_key_is_read_and_the_unread_ones_are_refused(tm
     for extra, message in ((["+statistics.seeds=1"], "statistics.seeds is not a setting"),
                            (["+report.reference_method=map"], "report.reference_method is not a setting"),
                            (["+callbacks.timer2=1"], "callbacks.timer2=1"),
-                           (["+model.net.num_classes=5"], "model.net.num_classes: the network's class count is the data's")):
+                           (["+model.net.num_classes=5"], "model.net.num_classes: the network's class count is the data's"),
+                           (["+model.optim.decay_start=0.3"], "schedule=multistep does not read it")):
         assert message in _refused(extra, tmp_path)
     evaluate_cfg = compose_config("evaluate", ["ckpt_path=x.ckpt", "+print_config=true"], tmp_path)
     with pytest.raises(ConfigError, match="Unknown top-level config key 'print_config'.* for evaluate.py"):
@@ -207,6 +208,7 @@ def test_every_accepted_top_level_key_is_read_and_the_unread_ones_are_refused(tm
     (["data.batch_size=5000"], r"data\.batch_size=5000 is larger than the training split \(1347 images.*drop_last"),
     (["data.batch_size=0"], r"data\.batch_size=0: expected a number of images >= 1"),
     (["data.num_workers=-1"], r"data\.num_workers=-1: expected a number of worker processes >= 0"),
+    (["data.download=true"], r"data\.download=true: DigitsDataModule has nothing to download"),
     (["trainer.limit_train_batches=0.01"], r"limit_train_batches=0\.01 of an epoch's 21 batches is less than one"),
     (["trainer.limit_test_batches=0.01", "test=true"], r"limit_test_batches=0\.01 of the 8 batches of the test split"),
     (["data.val_size=1347"], r"data\.val_size=1347 leaves no training images out of 1347"),

@@ -147,12 +147,22 @@ def _check_schedules(cfg: DictConfig, batches: int, steps: int) -> None:
                                   f"{cfg.trainer.max_epochs}: train at least {cycles} epochs or lower the cycles.")
 
 
+def _cannot_download(datamodule: Any) -> bool:
+    """Whether a data module keeps the base class's `download_files`, which downloads nothing."""
+    from dbsn.data.base import ImageClassificationDataModule
+
+    return getattr(type(datamodule), "download_files", None) is ImageClassificationDataModule.download_files
+
+
 def check_run_length(cfg: DictConfig, datamodule: Any) -> int:
     """Refuse, before the network is built, a run that would train no step, or too few for what
     its settings lay out over it (see the module docstring); returns its optimiser steps. A data
     module whose files are still to be downloaded (`data.download=true`) is not read here:
     `check_trained` sees a run of no step after its fit."""
     check_files = getattr(datamodule, "check_files", None)
+    if getattr(datamodule, "download", False) and _cannot_download(datamodule):
+        raise ConfigError(f"data.download=true: {type(datamodule).__name__} has nothing to download (its data ship "
+                          "with the package that provides them); set data.download=false.")
     if check_files is not None and getattr(datamodule, "download", False):
         from dbsn.data.base import DatasetNotFoundError
 
