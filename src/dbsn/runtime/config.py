@@ -13,7 +13,6 @@ the type it expects, instead of failing later in a comparison deep inside the me
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 import os
@@ -28,6 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from dbsn import CONF_DIR  # noqa: F401 (entry points and tools import it from here)
 from dbsn.precision import cpu_bf16_channels_last_is_wrong
+from dbsn.runtime.config_errors import ConfigError, UnknownKeysError, suggest  # noqa: F401 (imported from here)
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
@@ -62,15 +62,6 @@ EVALUATE_TOP_LEVEL_KEYS = {
 #: evaluate.py's sections of settings without a `_target_`, beyond `PLAIN_SECTIONS`.
 EVALUATE_PLAIN_SECTIONS = {"ablation": {"sizes"},
                            "bn_recalibration": {"enabled", "images", "augment", "batch_size", "seed"}}
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, with what is wrong and what would be right."""
-
-
-def _suggest(key: str, valid: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def _accepted_keys(target: Any) -> tuple[set[str], bool]:
@@ -145,17 +136,6 @@ def _check_type(where: str, value: Any, annotation: Any) -> None:
     if OmegaConf.is_config(value) or _fits(value, annotation) is not False:
         return
     raise ConfigError(f"{where}={value!r}: expected {_describe(annotation)}, got {type(value).__name__}.")
-
-
-class UnknownKeysError(ConfigError):
-    """Keys of a node that its constructor does not take: `where` (the node's path), `keys`, the
-    `target` it builds and the keys it `accepted`. `validate_config` names where they came from."""
-
-    def __init__(self, where: str, keys: list[str], target: str, accepted: set[str]) -> None:
-        self.where, self.keys, self.target, self.accepted = where, keys, target, accepted
-        key = keys[0]
-        super().__init__(f"{where}: unknown key '{key}' for {target}.{_suggest(str(key), accepted)} "
-                         f"Valid keys: {', '.join(sorted(accepted))}.")
 
 
 def _is_settings_class(annotation: Any) -> bool:
@@ -499,7 +479,7 @@ def check_evaluate_config(cfg: DictConfig) -> None:
     for key in cfg.keys():
         if key not in EVALUATE_TOP_LEVEL_KEYS:
             raise ConfigError(f"Unknown top-level config key '{key}'{set_by(cfg, str(key))} for evaluate.py."
-                              f"{_suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
+                              f"{suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
                               f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
     check_sections(cfg, sections=("trainer",))
     for section, keys in EVALUATE_PLAIN_SECTIONS.items():
@@ -525,7 +505,7 @@ def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
     for key in cfg.keys():
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"Unknown top-level config key '{key}'{set_by(cfg, str(key))}.{_suggest(str(key), TOP_LEVEL_KEYS)} "
+                f"Unknown top-level config key '{key}'{set_by(cfg, str(key))}.{suggest(str(key), TOP_LEVEL_KEYS)} "
                 f"Valid keys: {', '.join(sorted(TOP_LEVEL_KEYS))}."
             )
     for key, allowed in TOP_LEVEL_TYPES.items():

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dbsn.runtime.config import ConfigError, UnknownKeysError, _suggest
+from dbsn.runtime.config_errors import ConfigError, UnknownKeysError, suggest
 
 __all__ = ["PRESETS", "Origin", "explain_unknown", "group_origin", "malformed", "origin_of", "set_by"]
 
@@ -270,7 +270,7 @@ def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
     target = err.target.rsplit(".", 1)[-1]
     if first.kind == "command line":
         key = err.keys[0]
-        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{_suggest(key, err.accepted)} "
+        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{suggest(key, err.accepted)} "
                            f"Valid keys: {', '.join(sorted(err.accepted))}.")
     keys = [key for key, origin in zip(err.keys, origins) if origin == first]
     paths = [f"{err.where}.{key}" for key in keys]

@@ -38,7 +38,8 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dbsn.runtime.config import ConfigError, _suggest, to_plain
+from dbsn.runtime.config import ConfigError, to_plain
+from dbsn.runtime.config_errors import suggest
 
 __all__ = ["FIXED", "FREE", "RESUME_CHANGES", "ApplyResumeChanges", "check_resume", "config_differences",
            "resume_callbacks"]
@@ -221,7 +222,7 @@ def check_resume(cfg: DictConfig, path: str | Path | None) -> list[dict]:
     flat = _flatten(current)
     for key in listed:
         if not any(_under(k, key) for k in flat) and not any(_under(k, key) for k in _flatten(checkpoint[CONFIG_KEY])):
-            raise ConfigError(f"{RESUME_CHANGES} lists '{key}', which is no key of this run's config.{_suggest(key, flat)}")
+            raise ConfigError(f"{RESUME_CHANGES} lists '{key}', which is no key of this run's config.{suggest(key, flat)}")
     changes = config_differences(checkpoint[CONFIG_KEY], current)
     for change in changes:
         reason = next((why for prefix, why in FIXED.items() if _under(change["key"], prefix)), None)

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dbsn.runtime.config_errors import ConfigError
+
 __all__ = ["check_devices", "check_trainer_settings", "limit_value"]
 
 
 def _error(message: str) -> Exception:
-    from dbsn.runtime.config import ConfigError
-
     return ConfigError(message)
 
 
