@@ -86,14 +86,16 @@ def slurm_request(job: DictConfig, launcher: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict[str, Any]:
-    """Check every job of a sweep before submission; return the SLURM request they share."""
-    from dbsn.runtime.sweep import check_train_job
+    """Check every job of a sweep before submission (`dbsn.runtime.preflight.check_job`, without
+    what asks this machine's hardware: the jobs run on the cluster's); return the SLURM request
+    they share."""
+    from dbsn.runtime.preflight import check_job
 
     requests = []
     for num, job in enumerate(configs):
         try:
             if "model" in job and "data" in job:  # a train.py job
-                check_train_job(job)
+                check_job(job, on_this_machine=False)
             requests.append(slurm_request(job, launcher))
         except Exception as err:
             overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""

@@ -32,7 +32,7 @@ from dbsn.runtime.build import (build_model, build_trainer, count_parameters, de
 from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigCallback, check_resume_checkpoint,
                                      load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
-from dbsn.runtime.config import ConfigError, check_trainer, to_plain, validate_config
+from dbsn.runtime.config import ConfigError, check_evaluate_config, check_trainer, to_plain, validate_config
 from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior,
                                      check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
@@ -41,6 +41,8 @@ from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_pos
 from dbsn.runtime.evaluation_folder import (check_folder, check_run_files, evaluation_record, evaluation_settings,
                                             identify)
 from dbsn.runtime.memory import keep_freed_memory
+from dbsn.runtime.preflight import check_run_length, check_trained
+from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
@@ -102,14 +104,16 @@ def train(cfg: DictConfig, output_dir: Path, where: str = "hydra.run.dir") -> di
             folder.release()
 
 
-def _begin(composed: DictConfig, plain: dict, output_dir: Path, folder: RunFolder, ckpt_path: Path | None) -> None:
-    """Write the run's files for this start: the resolved config, Hydra's record, run.json, the log file."""
+def _begin(composed: DictConfig, plain: dict, output_dir: Path, folder: RunFolder, ckpt_path: Path | None,
+           changes: list) -> None:
+    """Write the run's files for this start: the resolved config, Hydra's record, run.json (with the
+    settings a resume changed), the log file."""
     if folder.mode == "continue" and ckpt_path is None and (output_dir / METRICS_FILE).is_file():
         raise ConfigError(f"{output_dir} holds a finished run without a checkpoint to continue: start the new run in "
                           "a new folder.")
     OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
     write_hydra_files(output_dir, composed)
-    folder.begin(continued_from=str(ckpt_path) if ckpt_path is not None and folder.mode == "new" else None)
+    folder.begin(changes=changes, continued_from=str(ckpt_path) if ckpt_path is not None and folder.mode == "new" else None)
     if HydraConfig.initialized():
         folder.log_to_file(str(HydraConfig.get().job.name))
     if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
@@ -120,9 +124,10 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
            folder: RunFolder | None) -> dict[str, float]:
     """The body of `train` once the folder is claimed (`folder`: None on ranks other than 0)."""
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
+    resume_changes = check_resume(cfg, ckpt_path)  # [{"key", "old", "new"}] applied on resume (run history)
     plain = to_plain(cfg)
     if folder is not None:
-        _begin(composed, plain, output_dir, folder, ckpt_path)
+        _begin(composed, plain, output_dir, folder, ckpt_path, resume_changes)
     run_id = folder.run_id if folder is not None else (read_run_record(output_dir) or {}).get("run_id")
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
@@ -131,13 +136,14 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
     check_files = getattr(datamodule, "check_files", None)
     if check_files is not None and not getattr(datamodule, "download", False):
         check_files()  # a missing dataset fails now, before the model, the loggers and the trainer
+    check_run_length(cfg, datamodule)  # a run of no step, or too short for its settings, before the model
     model = build_model(cfg.model, datamodule.num_classes)
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     epoch_timer, curve = EpochTimer(), TrainingCurve()
-    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(), epoch_timer,
-                                                           curve]
+    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(),
+                                                           epoch_timer, curve, *resume_callbacks(resume_changes)]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -157,6 +163,7 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
 
     reset_peak_memory(trainer.strategy.root_device)  # the cost's peak memory: this run's, not an earlier one's in this process
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    check_trained(trainer)
     if model.temperature_scaling:
         temperature = model.fit_temperature(datamodule)
         Console().print(f"Temperature fitted on the validation split: T = {temperature:.4f}")
@@ -199,6 +206,7 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     not write is overwritten, nor the evaluation of another checkpoint (`evaluation_folder`
     refuses such a folder), and a checkpoint whose run folder holds another run's files is refused.
     """
+    check_evaluate_config(cfg)
     check_trainer(cfg.get("trainer"))
     evaluator, posterior = build_evaluator(cfg), build_posterior(cfg)
     check_prediction_overrides(cfg)

@@ -3,7 +3,7 @@
 `python train.py -m model.optim.lr=0.1,-1` used to train job 0 to its end before job 1's learning
 rate was refused. Both launchers (conf/hydra/launcher/: `local`, the default, and `slurm`) call
 `compose_jobs` and `check_jobs` first: each job's config is composed as it will run, checked as
-`train.py` checks a single run (`check_train_job`), and its run folder as `train.py` checks its own
+`train.py` checks a single run (`dbsn.runtime.preflight.check_job`), and its run folder as `train.py` checks its own
 (`dbsn.runtime.folder.check_run_folder`); one bad job refuses the whole sweep in one line, before
 anything is trained or submitted.
 """
@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dbsn.runtime.config import ConfigError
 
-__all__ = ["check_jobs", "check_train_job", "compose_jobs", "refuse"]
+__all__ = ["check_jobs", "compose_jobs", "refuse"]
 
 
 def compose_jobs(launcher, job_overrides: Sequence[Sequence[str]],
@@ -45,18 +45,6 @@ def compose_jobs(launcher, job_overrides: Sequence[Sequence[str]],
     return configs, run_dirs
 
 
-def check_train_job(job: DictConfig) -> None:
-    """What `train.py` checks of its config before it builds anything: the schema and types, and
-    the checkpoint it would resume."""
-    from dbsn.runtime.checkpoint import check_resume_checkpoint
-    from dbsn.runtime.config import to_plain, validate_config
-
-    job_only = OmegaConf.masked_copy(job, [k for k in job.keys() if k != "hydra"])
-    validate_config(job_only)
-    if job.get("ckpt_path"):
-        check_resume_checkpoint(job.ckpt_path, to_plain(job_only))
-
-
 def _job_name(num: int, job: DictConfig) -> str:
     overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""
     return f"sweep job #{num} ({overrides or 'no overrides'})"
@@ -66,6 +54,7 @@ def check_jobs(configs: Sequence[DictConfig], run_dirs: Sequence[Path], initial_
     """Refuse the sweep (`ConfigError`, one line naming the job) if any job's config is wrong or its
     run folder may not be used (another run's, a live run's, or shared with another job)."""
     from dbsn.runtime.folder import check_run_folder
+    from dbsn.runtime.preflight import check_job
 
     seen: dict[Path, int] = {}
     for idx, (job, run_dir) in enumerate(zip(configs, run_dirs)):
@@ -77,7 +66,7 @@ def check_jobs(configs: Sequence[DictConfig], run_dirs: Sequence[Path], initial_
         seen[key] = num
         try:
             if "model" in job and "data" in job:  # a train.py job
-                check_train_job(job)
+                check_job(job, output_dir=run_dir)
                 check_run_folder(run_dir, resume=bool(job.get("resume")), ckpt_path=job.get("ckpt_path"),
                                  where=f"the job's folder hydra.sweep.dir/{Path(run_dir).name}")
         except ConfigError as err:
