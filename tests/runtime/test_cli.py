@@ -70,7 +70,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     run_python(*common, "trainer.max_epochs=1", cwd=tmp_path, env=env)
     run_id = (run_dir / "wandb_id").read_text().strip()
-    run_python(*common, "trainer.max_epochs=2", "resume=true", cwd=tmp_path, env=env)
+    run_python(*common, "trainer.max_epochs=2", "resume=true", "resume_changes=[trainer.max_epochs]", cwd=tmp_path, env=env)
     files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files), files
     ids = {r.run.run_id for f in files for r in read_records(f) if r.WhichOneof("record_type") == "run"}

@@ -163,6 +163,7 @@ EVALUATE_CASES = {
 def test_evaluate_py_says_what_is_wrong_in_one_line(case, tmp_path):
     args, phrases = EVALUATE_CASES[case]
     _assert_one_line(_run("evaluate.py", [a.replace("{tmp}", str(tmp_path)) for a in args], tmp_path), *phrases)
+    assert not (tmp_path / "out").exists()  # a refused evaluation leaves no Hydra folder behind
 
 
 def test_structure_parallel_devices_that_do_not_divide_t_are_refused_in_one_line(tmp_path):

@@ -118,7 +118,8 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     assert len(saved["optimizer_states"]) == 2  # SGD on weights, Adam on theta
 
     resumed_dir = tmp_path / "resumed"
-    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=5), f"ckpt_path={last}"], resumed_dir)
+    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=5), f"ckpt_path={last}",
+                                   "resume_changes=[trainer.max_epochs]"], resumed_dir)
     train(cfg, resumed_dir)
     after = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")
     assert after["epoch"] == 4  # 0-based: the fifth epoch
@@ -222,7 +223,8 @@ def test_resume_true_continues_from_the_run_folders_own_last_checkpoint(cifar_ro
     assert first["epoch"] == 0 and first["global_step"] > 0  # from scratch: one epoch
     # the same folder again, two epochs, and a ckpt_path that would start from a 4-epoch run
     cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=2), "resume=true", "test=false",
-                                   f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"], run_dir)
+                                   "resume_changes=[trainer.max_epochs]", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"],
+                         run_dir)
     train(cfg, run_dir)
     second = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert second["epoch"] == 1 and second["global_step"] == 2 * first["global_step"]  # continued its own run

@@ -77,3 +77,62 @@ def write_outputs(tmp_path: Path) -> Path:
 def job_dir(outputs: Path, model: str, data: str, seed: int) -> Path:
     root = outputs / "sweep" / "multiruns" / "2024-01-01_00-00-00"
     return root / str(["dbsn", "map"].index(model) * 6 + (seed - 1) * 2 + ["cifar10", "cifar100"].index(data))
+
+
+# ---------------------------------------------------------------------- runs that name themselves
+def write_identity(folder: Path, run_id: str, **record) -> dict:
+    """run.json as training writes it: the run's id and the sha256 of its resolved_config.yaml."""
+    import hashlib
+
+    config = folder / "resolved_config.yaml"
+    run = {"run_id": run_id, "status": "finished", "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+           "history": [{"event": "started"}, {"event": "finished"}], **record}
+    (folder / "run.json").write_text(json.dumps(run))
+    return run
+
+
+def name_run(folder: Path, run_id: str) -> Path:
+    """A hand-made run (`write_run`) that names itself: run.json, and its metrics.json's run_id."""
+    write_identity(folder, run_id)
+    metrics = folder / "metrics.json"
+    if metrics.is_file():
+        metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "run_id": run_id}))
+    return folder
+
+
+def write_checkpoint(path: Path, run_id: str | None, epoch: int = 0, global_step: int = 1, **extra) -> Path:
+    """A small file that reads as a checkpoint for the run identity's checks (no weights)."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": epoch, "global_step": global_step,
+                **({"dbsn_run_id": run_id} if run_id else {}), **extra}, path)
+    return path
+
+
+def write_trained_run(folder: Path, run_id: str | None, seed: int = 0, epoch: int = 1, global_step: int = 20,
+                      extra: tuple[str, ...] = ()) -> Path:
+    """A run folder as train.py leaves it, without training: a tiny DBSN on digits, freshly
+    initialised (`seed`), saved as checkpoints/last.ckpt with the run's config and id; its
+    resolved_config.yaml, metrics.json and (with `run_id`) run.json. evaluate.py evaluates it."""
+    import torch
+
+    from dbsn import __version__
+    from dbsn.runtime.build import build_model
+    from dbsn.runtime.config import to_plain
+    from tests.support.configs import TINY, compose_config
+
+    cfg = compose_config("train", ["data=digits", *TINY, f"seed={seed}", "logger=none", *extra], folder)
+    plain = to_plain(cfg)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, 10)
+    write_yaml(folder / "resolved_config.yaml", plain)
+    checkpoint = {"state_dict": model.state_dict(), "dbsn_config": plain, "dbsn_version": __version__, "epoch": epoch,
+                  "global_step": global_step, **({"dbsn_run_id": run_id} if run_id else {})}
+    (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, folder / "checkpoints" / "last.ckpt")
+    record = {"metrics": {"test/error": 0.9}, "seed": seed, "epochs": epoch, "n_samples": 4}
+    (folder / "metrics.json").write_text(json.dumps({**record, **({"run_id": run_id} if run_id else {})}))
+    if run_id:
+        write_identity(folder, run_id)
+    return folder

@@ -55,6 +55,15 @@ class WeightOptimizer:
             raise ValueError(f"decay_start is a fraction of training in [0, 1), got {self.decay_start}")
         if self.warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        # the other schedule's settings are not read: a value other than its default would be ignored
+        if self.schedule == "linear" and (self.milestones != (0.5, 0.75) or self.gamma != 0.1):
+            raise ValueError(f"milestones={list(self.milestones)} and gamma={self.gamma} drop the lr of "
+                             "schedule=multistep, and schedule=linear does not read them (it decays linearly from "
+                             "decay_start): leave them at [0.5, 0.75] and 0.1, or set schedule=multistep")
+        if self.schedule == "multistep" and self.decay_start != 0.5:
+            raise ValueError(f"decay_start={self.decay_start} is where schedule=linear starts to decay, and "
+                             "schedule=multistep does not read it (its lr drops at the milestones): leave it at 0.5, "
+                             "or set schedule=linear")
 
     def warmup_factor(self, epoch: int, batch_idx: int, batches_per_epoch: float) -> float:
         """The lr's multiplier at step `batch_idx` of `epoch` under the linear warm-up: the

@@ -28,6 +28,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from dbsn import __version__
+from dbsn.evaluation.runs import RUN_ID_KEY
 from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
 
 __all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
@@ -57,14 +58,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class RunConfigCallback(pl.Callback):
-    """Adds the resolved run config (plain dicts and lists) to every checkpoint."""
+    """Adds the resolved run config (plain dicts and lists), the version and the run's id to every
+    checkpoint."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
+    def __init__(self, config: dict[str, Any], run_id: str | None = None) -> None:
+        self.config, self.run_id = config, run_id
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         checkpoint[CONFIG_KEY] = self.config
         checkpoint[VERSION_KEY] = __version__
+        if self.run_id is not None:
+            checkpoint[RUN_ID_KEY] = self.run_id
 
 
 class RandomStateCallback(pl.Callback):

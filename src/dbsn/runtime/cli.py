@@ -25,12 +25,14 @@ from dbsn import conf_choices
 from dbsn.runtime.config import CONF_DIR
 from dbsn.runtime.errors import one_line_errors
 
-__all__ = ["RENAMED", "discard_refused_run", "evaluate", "renamed_option", "train", "unchosen_option"]
+__all__ = ["RENAMED", "discard_refused_evaluation", "discard_refused_run", "evaluate", "renamed_option", "train",
+           "unchosen_option"]
 
 _STARTED = time.time()  # before Hydra makes the run folder
-#: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config
-#: and a SLURM job's facts. A folder holding only these, all made by this process, was a refused start.
-STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json"})
+#: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config,
+#: run.json, the folder's lock and a SLURM job's facts. A folder holding only these, all made by this
+#: process, was a refused start.
+STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json", "run.json", ".dbsn.lock"})
 
 
 def _ood_sets(choice: str, conf_dir: Path) -> set[str]:
@@ -135,12 +137,12 @@ def _output_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def discard_refused_run(folder: Path, started: float = _STARTED) -> bool:
+def discard_refused_run(folder: Path, started: float = _STARTED, files: frozenset[str] = STARTUP_FILES) -> bool:
     """Remove the run folder of a start refused before it trained: one that holds nothing but
-    `STARTUP_FILES`, every file made since `started` (so never a run being resumed, nor anything
-    this process did not create). Returns whether it was removed."""
+    `files` (`STARTUP_FILES`), every file made since `started` (so never a run being resumed, nor
+    anything this process did not create). Returns whether it was removed."""
     folder = Path(folder)
-    if not folder.is_dir() or not {p.name for p in folder.iterdir()} <= STARTUP_FILES:
+    if not folder.is_dir() or not {p.name for p in folder.iterdir()} <= files:
         return False
     if any(p.stat().st_mtime < started - 1.0 for p in folder.rglob("*")):
         return False
@@ -165,14 +167,47 @@ def train_task(cfg) -> float | None:
         raise
 
 
+#: What Hydra leaves in an evaluation's own folder before the evaluation writes: its config and the log.
+EVALUATION_STARTUP_FILES = frozenset({".hydra", "evaluate.log"})
+
+
+def discard_refused_evaluation(folder: Path, started: float = _STARTED) -> bool:
+    """Remove the Hydra folder of a refused evaluation: one this process made (the folder itself
+    is newer than `started`: never a `hydra.run.dir` that was there before) that holds nothing but
+    `EVALUATION_STARTUP_FILES`. Returns whether it was removed."""
+    folder = Path(folder)
+    if not folder.is_dir() or folder.stat().st_mtime < started - 1.0:
+        return False
+    return discard_refused_run(folder, started, EVALUATION_STARTUP_FILES)
+
+
 @one_line_errors
 def evaluate_task(cfg) -> None:
-    """The body of `evaluate`."""
+    """The body of `evaluate`. A refused evaluation leaves no Hydra folder behind
+    (`discard_refused_evaluation`)."""
     from dbsn.runtime.console import quiet_console
+    from dbsn.runtime.errors import user_errors
     from dbsn.runtime.run import evaluate as run_evaluate
 
     quiet_console()
-    run_evaluate(cfg, _output_dir())
+    try:
+        run_evaluate(cfg, _output_dir())
+    except user_errors():
+        _close_log_files()
+        discard_refused_evaluation(_output_dir())
+        raise
+
+
+def _close_log_files() -> None:
+    """Take the root logger's file handlers (Hydra's evaluate.log) off and close them, so that their
+    folder can go and no later message makes the file again."""
+    import logging
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
 
 
 def train() -> None:

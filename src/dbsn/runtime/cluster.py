@@ -89,18 +89,16 @@ def slurm_request(job: DictConfig, launcher: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict[str, Any]:
-    """Check every job of a sweep before submission; return the SLURM request they share."""
-    from dbsn.runtime.checkpoint import check_resume_checkpoint
-    from dbsn.runtime.config import to_plain, validate_config
+    """Check every job of a sweep before submission (`dbsn.runtime.preflight.check_job`, without
+    what asks this machine's hardware: the jobs run on the cluster's); return the SLURM request
+    they share."""
+    from dbsn.runtime.preflight import check_job
 
     requests = []
     for num, job in enumerate(configs):
         try:
             if "model" in job and "data" in job:  # a train.py job
-                job_only = OmegaConf.masked_copy(job, [k for k in job.keys() if k != "hydra"])
-                validate_config(job_only)
-                if job.get("ckpt_path"):
-                    check_resume_checkpoint(job.ckpt_path, to_plain(job_only))
+                check_job(job, on_this_machine=False)
             requests.append(slurm_request(job, launcher))
         except Exception as err:
             overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""
@@ -283,25 +281,20 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     from hydra.core.singleton import Singleton
     from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
-    from hydra.core.hydra_config import HydraConfig
+    from dbsn.runtime.sweep import check_jobs, compose_jobs
 
     config = launcher.config
     sweep_dir = Path(str(config.hydra.sweep.dir))
-    configs, run_dirs = [], []
-    hydra_config = HydraConfig.instance().cfg
+    configs, run_dirs = compose_jobs(launcher, job_overrides, initial_job_idx)
+    from dbsn.evaluation.report import ReportError, check_sweep_report_folder
+
     try:
-        for idx, overrides in enumerate(job_overrides):
-            job = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
-            with open_dict(job.hydra):
-                job.hydra.job.num = initial_job_idx + idx
-                run_dirs.append(sweep_dir / str(job.hydra.sweep.subdir))
-                job.hydra.runtime.output_dir = str(run_dirs[-1].absolute())
-            HydraConfig.instance().set_config(job)  # the job's ${hydra:...} values resolve as on the cluster
-            configs.append(OmegaConf.create(OmegaConf.to_container(job, resolve=True)))
-        params = dict(launcher.params)
-        params.update(check_sweep(configs, params))
-    finally:
-        HydraConfig.instance().cfg = hydra_config
+        check_jobs(configs, run_dirs, initial_job_idx)  # every job's config and folder, before anything is submitted
+        check_sweep_report_folder(sweep_dir)  # where the report goes when the jobs have ended
+    except (ConfigError, ReportError) as err:
+        raise ConfigError(f"{err} Nothing was submitted.") from err
+    params = dict(launcher.params)
+    params.update(check_sweep(configs, params))
     poll_s = params.pop("poll_s", None)
     poll_s = 30.0 if poll_s is None else max(float(poll_s), 0.1)
     if params.pop("check_partition", True):

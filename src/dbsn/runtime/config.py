@@ -13,7 +13,6 @@ the type it expects, instead of failing later in a comparison deep inside the me
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 import os
@@ -28,30 +27,41 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from dbsn import CONF_DIR  # noqa: F401 (entry points and tools import it from here)
 from dbsn.precision import cpu_bf16_channels_last_is_wrong
+from dbsn.runtime.config_errors import ConfigError, UnknownKeysError, suggest  # noqa: F401 (imported from here)
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
-# Keys a node may carry without being constructor arguments: values supplied by train.py at
-# build time (e.g. a network's `num_classes` comes from the data module).
-RUNTIME_KEYS = {"num_classes", "net", "member"}
+# Keys a node may carry without being constructor arguments, and where: an ensemble's `member` (the
+# method each member is, which `build_model` builds `size` times).
+RUNTIME_KEYS = {"model": {"member"}}
 
+#: The top-level keys of train.py's config, each read by the run (`validate_config` refuses any
+#: other): the sections that build its objects, `paths` (read through interpolations), `hydra`,
+#: the run's own settings, `tags` (W&B's, and the run's record), `statistics` (the test pass),
+#: `report` (a sweep's report).
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "n_samples", "print_config", "resume", "statistics", "report",
+    "test", "task_name", "tags", "resume", "resume_changes", "statistics", "report",
 }
 
 # Top-level keys of train.py and the types they take (None = may be null).
 TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (str, None), "test": (bool,),
-                   "resume": (bool,), "task_name": (str,)}
+                   "resume": (bool,), "task_name": (str,), "resume_changes": (list, None), "tags": (list, None)}
 
+#: The keys of the top-level sections that are settings without a `_target_` (train and evaluate).
+PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"}}
 
-class ConfigError(ValueError):
-    """A config that cannot run, with what is wrong and what would be right."""
+#: The top-level keys of evaluate.py's config, each read by the evaluation
+#: (`dbsn.runtime.evaluation`, `dbsn.runtime.run.evaluate`); `check_evaluate_config` refuses others.
+EVALUATE_TOP_LEVEL_KEYS = {
+    "task_name", "tags", "ckpt_path", "output_dir", "n_samples", "samples_per_forward", "rows_per_forward",
+    "data_root", "batch_size", "test_tau", "bn_recalibration", "statistics", "report", "ablation", "evaluations",
+    "ood", "ood_score", "posthoc", "trainer", "logger", "callbacks", "paths", "hydra",
+}
 
-
-def _suggest(key: str, valid: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
+#: evaluate.py's sections of settings without a `_target_`, beyond `PLAIN_SECTIONS`.
+EVALUATE_PLAIN_SECTIONS = {"ablation": {"sizes"},
+                           "bn_recalibration": {"enabled", "images", "augment", "batch_size", "seed"}}
 
 
 def _accepted_keys(target: Any) -> tuple[set[str], bool]:
@@ -128,6 +138,19 @@ def _check_type(where: str, value: Any, annotation: Any) -> None:
     raise ConfigError(f"{where}={value!r}: expected {_describe(annotation)}, got {type(value).__name__}.")
 
 
+def _is_settings_class(annotation: Any) -> bool:
+    """Whether a parameter takes an object that a config builds from a mapping with `_target_`
+    (a settings dataclass, a network): a string, a number or a list there is a malformed config."""
+    return inspect.isclass(annotation) and (dataclasses.is_dataclass(annotation) or issubclass(annotation, torch.nn.Module))
+
+
+def _takes_a_mapping(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_takes_a_mapping(a) for a in args)
+    return _is_settings_class(annotation)
+
+
 def check_node(node: DictConfig, where: str) -> None:
     """Refuse a key that `node`'s `_target_` (or one of its children's) does not take, and a value
     that does not fit its annotation, naming the key and what would be right."""
@@ -141,15 +164,19 @@ def check_node(node: DictConfig, where: str) -> None:
         annotations = _annotations(target)
         for key in node.keys():
             if key in annotations and key not in HYDRA_KEYS and not OmegaConf.is_missing(node, key):
-                _check_type(f"{where}.{key}", node[key], annotations[key])
+                value = node[key]
+                if _takes_a_mapping(annotations[key]) and value is not None and not OmegaConf.is_config(value):
+                    raise ConfigError(f"{where}.{key}={value!r}: expected a mapping of settings with _target_ (the "
+                                      f"class it builds), got {type(value).__name__}.")
+                _check_type(f"{where}.{key}", value, annotations[key])
+        if "num_classes" in node and where.endswith(".net"):
+            raise ConfigError(f"{where}.num_classes: the network's class count is the data's (train.py passes the data "
+                              f"module's num_classes); remove {where}.num_classes.")
         if not takes_kwargs:
-            for key in node.keys():
-                if key in HYDRA_KEYS or key in accepted or key in RUNTIME_KEYS:
-                    continue
-                raise ConfigError(
-                    f"{where}: unknown key '{key}' for {target_name}.{_suggest(str(key), accepted)} "
-                    f"Valid keys: {', '.join(sorted(accepted))}."
-                )
+            runtime = RUNTIME_KEYS.get(where, set())
+            unknown = [key for key in node.keys() if key not in HYDRA_KEYS and key not in accepted and key not in runtime]
+            if unknown:
+                raise UnknownKeysError(where, [str(k) for k in unknown], target_name, accepted)
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig):
@@ -230,9 +257,9 @@ def check_compile(cfg: DictConfig) -> None:
             )
 
 
-def check_cuda_graph(cfg: DictConfig) -> None:
+def check_cuda_graph(cfg: DictConfig, on_this_machine: bool = True) -> None:
     """Refuse `model.execution.cuda_graph=true` before anything is built where it cannot run: without a
-    CUDA device, or on several devices."""
+    CUDA device (on this machine: `on_this_machine`), or on several devices."""
     trainer = cfg.get("trainer") or {}
     model = cfg.get("model") or {}
     execution = model.get("execution")
@@ -242,7 +269,9 @@ def check_cuda_graph(cfg: DictConfig) -> None:
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
         if ((node or {}).get("execution") or {}).get("cuda_graph") is not True:
             continue
-        if _on_cpu(trainer) or not torch.cuda.is_available():
+        on_cpu = (_on_cpu(trainer) or not torch.cuda.is_available()) if on_this_machine \
+            else str(trainer.get("accelerator", "auto")) == "cpu"  # a cluster's "auto" is its GPUs
+        if on_cpu:
             raise ConfigError(f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
                               f"this run trains on the CPU: use trainer=gpu on a machine with a GPU, or set "
                               f"{where}.execution.cuda_graph=false.")
@@ -395,12 +424,88 @@ def check_backbone(cfg: DictConfig) -> None:
             )
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` for unknown top-level keys or keys no constructor accepts."""
+def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", "trainer")) -> None:
+    """Each section holds what its group files hold: `sections` a mapping with `_target_`, `logger`
+    and `callbacks` a mapping of named objects (each with `_target_`, or null), `statistics` and
+    `report` their settings only. A malformed file of a user's extension (a YAML list or string)
+    is named here, not met later as an AttributeError."""
+    from dbsn.runtime.origin import malformed, set_by
+
+    for section in sections:
+        if section in cfg:
+            node = cfg._get_node(section)
+            if not isinstance(node, DictConfig) or node._is_none() or "_target_" not in node:
+                raise malformed(cfg, section, None if node is None or node._is_none() else cfg[section],
+                                 "a mapping of settings with _target_ (the class it builds)")
+    model = cfg.get("model")
+    for where, node in (("model", model), ("model.member", model.get("member") if isinstance(model, DictConfig) else None)):
+        if not isinstance(node, DictConfig):
+            continue
+        for key in ("member", "net", "optim", "structure_optim", "weights", "prediction", "execution", "task"):
+            value = node.get(key)
+            if value is not None and not isinstance(value, DictConfig):
+                raise malformed(cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)")
+        compile_node = (node.get("execution") or {}).get("compile")
+        if compile_node is not None and not isinstance(compile_node, DictConfig):
+            raise malformed(cfg, f"{where}.execution.compile", compile_node, "a mapping of settings")
+    for section in ("logger", "callbacks"):
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise malformed(cfg, section, node, "a mapping of named objects (name: {_target_: ..., ...})")
+        for name, child in node.items():
+            if child is not None and (not isinstance(child, DictConfig) or "_target_" not in child):
+                raise malformed(cfg, f"{section}.{name}", child,
+                                 "a mapping with _target_ (the class it builds), or null (none)")
+    for section, keys in PLAIN_SECTIONS.items():
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+        unknown = sorted(set(node) - keys)
+        if unknown:
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
+                              f"{section} takes {', '.join(sorted(keys))}.")
+
+
+def check_evaluate_config(cfg: DictConfig) -> None:
+    """evaluate.py's counterpart of `validate_config`'s first checks: a top-level key, or a key of
+    a section of plain settings, that the evaluation does not read is refused, naming where it
+    came from; the sections are what their group files hold."""
+    from dbsn.runtime.origin import malformed, set_by
+
+    for key in cfg.keys():
+        if key not in EVALUATE_TOP_LEVEL_KEYS:
+            raise ConfigError(f"Unknown top-level config key '{key}'{set_by(cfg, str(key))} for evaluate.py."
+                              f"{suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
+                              f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
+    check_sections(cfg, sections=("trainer",))
+    for section, keys in EVALUATE_PLAIN_SECTIONS.items():
+        node = cfg.get(section)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
+        unknown = sorted(set(node) - keys)
+        if unknown:
+            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
+                              f"{section} takes {', '.join(sorted(keys))}.")
+
+
+def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
+    """Raise `ConfigError` for unknown top-level keys, keys no constructor accepts (naming where
+    they came from), values of the wrong type or range, and settings the run would not apply.
+    `on_this_machine=False` (a job only submitted from here, as to SLURM) leaves out what asks
+    this machine's hardware."""
+    from dbsn.runtime.origin import explain_unknown, set_by
+    from dbsn.runtime.trainer_settings import check_devices, check_trainer_settings
+
     for key in cfg.keys():
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(
-                f"Unknown top-level config key '{key}'.{_suggest(str(key), TOP_LEVEL_KEYS)} "
+                f"Unknown top-level config key '{key}'{set_by(cfg, str(key))}.{suggest(str(key), TOP_LEVEL_KEYS)} "
                 f"Valid keys: {', '.join(sorted(TOP_LEVEL_KEYS))}."
             )
     for key, allowed in TOP_LEVEL_TYPES.items():
@@ -408,18 +513,25 @@ def validate_config(cfg: DictConfig) -> None:
         if key in cfg and not (value is None and None in allowed) and not any(_fits(value, t) for t in allowed if t):
             expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
-    check_cuda_graph(cfg)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
+    check_sections(cfg)
+    check_cuda_graph(cfg, on_this_machine)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
     check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)
         if isinstance(node, DictConfig):
-            check_node(node, section)
+            try:
+                check_node(node, section)
+            except UnknownKeysError as err:
+                raise explain_unknown(err, cfg) from err
             _check_finite(node, section)
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
-    check_compile(cfg)
-    check_channels_last(cfg)
-    resolve_channels_last(cfg)
+    check_trainer_settings(cfg)
+    if on_this_machine:
+        check_devices(cfg)
+        check_compile(cfg)
+        check_channels_last(cfg)
+        resolve_channels_last(cfg)
     check_sync_batchnorm(cfg)
 
 

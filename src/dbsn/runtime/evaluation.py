@@ -6,7 +6,8 @@
 - `checkpoint_paths`, `evaluation_data`: the checkpoints and the data they were trained on, with
   the evaluation's own overrides (`data_root`, `batch_size`); `evaluation_samples`: S, resolved
   once; `apply_overrides`: the other prediction settings; `fit_posterior`: the posterior with S;
-- `evaluation_folder`: where a model's results go, refusing a folder the evaluation did not make.
+- `evaluation_folder`: where a model's results go, refusing a folder the evaluation did not make
+  for the same checkpoints (`dbsn.runtime.evaluation_folder`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
 from dbsn import conf_choices
 from dbsn.runtime.config import ConfigError, check_node
+from dbsn.runtime.evaluation_folder import evaluation_folder  # re-exported: where one model's results go
 from dbsn.runtime.memory import release_freed_memory
 
 __all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
@@ -176,54 +178,6 @@ def fit_posterior(posterior: PosthocPosterior, model: Method, datamodule, checkp
     members (`evaluation_samples`; None: the method's own)."""
     model.to(device)
     return posterior.fit(model, datamodule, checkpoint, n_samples)
-
-
-def _evaluation_record(folder: Path) -> dict | None:
-    """The metrics.json of a folder an evaluation made (it names the checkpoints evaluated), else None."""
-    import json
-
-    try:
-        record = json.loads((folder / METRICS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and "checkpoints" in record else None
-
-
-def check_folder(out: Path, own: Path | None = None, posterior: PosthocPosterior | None = None) -> Path:
-    """`out`, if this evaluation may write there: this command's own (Hydra) folder, a new or empty
-    folder, or one an earlier evaluation of the same kind made (the run's own predictive, or the
-    same post-hoc posterior: its files are replaced). A training run's folder, a folder of other
-    files, or another evaluation's folder is refused before anything runs."""
-    out = Path(out)
-    if own is not None and out.resolve() == Path(own).resolve():
-        return out
-    if (out / CONFIG_FILE).is_file() or (out / "checkpoints").is_dir():
-        raise ConfigError(f"output_dir={out} is a training run's folder: an evaluation never writes over a run's "
-                          f"files; leave output_dir unset (<run>/evaluation) or choose a new folder.")
-    if not out.is_dir() or not any(out.iterdir()):
-        return out
-    record = _evaluation_record(out)
-    if record is None:
-        raise ConfigError(f"output_dir={out} holds files that no evaluation wrote: an evaluation never writes over "
-                          "them; choose a new or empty folder.")
-    if record.get("posthoc") != (posterior.name if posterior else None):
-        found = f"posthoc={record['posthoc']}" if record.get("posthoc") else "the run's own predictive"
-        raise ConfigError(f"output_dir={out} holds another evaluation's results ({found}): choose a new folder for "
-                          f"{f'posthoc={posterior.name}' if posterior else 'the run’s own predictive'}.")
-    return out
-
-
-def evaluation_folder(cfg: DictConfig, paths: list[Path], posterior: PosthocPosterior | None, hydra_dir: Path) -> Path:
-    """Where one model's results go: `output_dir` when given; for one checkpoint inside a run
-    folder, `<run>/evaluation` (with a posterior: `<run>/posthoc/<name>/evaluation`); else this
-    command's own folder. Checked by `check_folder`."""
-    if cfg.get("output_dir"):
-        return check_folder(Path(cfg.output_dir), hydra_dir, posterior)
-    run_dir = paths[0].parent.parent
-    if len(paths) == 1 and (run_dir / CONFIG_FILE).is_file():
-        out = run_dir / "posthoc" / posterior.name / "evaluation" if posterior else run_dir / "evaluation"
-        return check_folder(out, posterior=posterior)
-    return check_folder(hydra_dir, hydra_dir, posterior)
 
 
 def write_posthoc_run(out: Path, run_config: dict, posterior: PosthocPosterior | None) -> None:

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from dbsn.evaluation.identity import DIGEST_KEY
+
 __all__ = ["DIGEST_KEY", "CheckpointError", "checkpoint_digest", "container_damage", "digest_problem",
            "read_checkpoint", "with_digest"]
 
-DIGEST_KEY = "dbsn_digest"
 ALGORITHM = "sha256"
 #: where the writer's version is recorded (`dbsn.runtime.checkpoint.VERSION_KEY`)
 VERSION_KEY = "dbsn_version"

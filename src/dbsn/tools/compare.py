@@ -3,7 +3,7 @@
     python -m dbsn.tools.compare [--data digits] [--subset N] [--epochs 10] [--methods dbsn,map,...] [--tune]
                            [--backbone structure_net|resnet18|wrn28_10] [--batch-size 64] [--out DIR]
                            [--evaluations ood,shift,conformal] [--ood SETS] [--posthoc temperature,...]
-                           [--evaluate-overrides "KEY=VALUE ..."] [overrides ...]
+                           [--evaluate-overrides "KEY=VALUE ..."] [--resume] [overrides ...]
 
 `--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
 CPU, no files needed); `--subset N` trains on a seeded, class-stratified N images (or a fraction
@@ -94,6 +94,7 @@ from dbsn.evaluation.report.format import OUTSIDE_NOTE
 from dbsn.methods.registry import method_config, method_configs
 from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH
+from dbsn.tools.comparison_folder import check_output, finished_run, finished_tuning_run, validated
 
 #: The networks a comparison runs on, at CPU size: DBSN's small cell network (the paper's B = 4, one
 #: cell per stage), a ResNet-18 of width 16 and a WideResNet-16-2. Methods that need DBSN's cells
@@ -352,7 +353,8 @@ def choose(curve: dict[float, float]) -> float:
     return min(sorted(finite), key=lambda lr: finite[lr])
 
 
-def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, epochs: int) -> dict:
+def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, epochs: int,
+         resume: bool = False) -> dict:
     """`method` trained once per learning rate of `grid` (`overrides_at(lr)`: its model's overrides),
     on the training split without its validation part, each run validated once, at its end, and
     never tested; the chosen rate is the one of the lowest validation NLL (`choose`). Returns the
@@ -369,9 +371,11 @@ def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, e
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides_at(lr), *shared, "test=false",
                                               f"trainer.check_val_every_n_epoch={epochs}",
-                                              f"paths.output_dir={run_dir}", "task_name=compare_tune"])
+                                              f"paths.output_dir={run_dir}", "task_name=compare_tune",
+                                              *(["resume=true"] if resume else [])])
         try:
-            train(cfg, run_dir)
+            if not (resume and finished_tuning_run(run_dir)):
+                train(cfg, run_dir, where="--out")
             curve[lr] = last_validation_nll(run_dir)
         except NonFiniteLossError:
             curve[lr] = math.inf
@@ -397,14 +401,15 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
                    net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
                    subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
                    ood=None, evaluate_extra: list[str] = (), protocol: str = "fair", lr_grid=None,
-                   tuned_from: Path | None = None) -> dict[str, dict[str, float]]:
+                   tuned_from: Path | None = None, resume: bool = False) -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
     ``output_dir/<method>`` under `protocol`, each with the learning rate of `lr_grid` that its
     validation NLL chooses (`tune`; None: its config's, or with `tuned_from` the rate an earlier
     comparison chose, its `<method>/tuning.json`: one search for every seed), then evaluate it with `evaluations` and
     each of `posthoc` (`evaluation_passes`; `ood`: the OOD sets, None: the dataset's default);
     returns its test metrics plus ``train_seconds`` (the fit's wall time) by method; `methods`: the
-    methods' config names, None = every one (`compared_methods`)."""
+    methods' config names, None = every one (`compared_methods`). `resume`: continue the comparison
+    in `output_dir` (`dbsn.tools.comparison_folder`); without it, `output_dir` must be new or empty."""
     methods = compared_methods() if methods is None else list(methods)
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -413,6 +418,7 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
     if lr_grid is not None and tuned_from is not None:
         raise ConfigError("--tune searches the learning rates and --tuned-from reuses an earlier search's: give one of them")
     reused = {} if tuned_from is None else reused_tuning(Path(tuned_from), methods, protocol)
+    check_output(Path(output_dir), methods, compared_methods(), resume)  # before anything trains
     from hydra import compose, initialize_config_dir
 
     from dbsn.runtime.console import quiet_console
@@ -455,13 +461,17 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
             tuning = {**json.loads((Path(output_dir) / member.name / TUNING_FILE).read_text()),
                       "key": lr_key(method), "shared_with": member.name}
         elif lr_grid is not None:
-            tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs), "key": lr_key(method)}
+            tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs, resume), "key": lr_key(method)}
             Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
                             + ", ".join(f"{k}: {v:.4f}" for k, v in tuning["validation_nll"].items()) + ")", soft_wrap=True)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides_at(None if tuning is None else tuning["chosen"]),
-                                              *shared, f"paths.output_dir={run_dir}", "task_name=compare"])
-        metrics = train(cfg, run_dir)
+                                              *shared, f"paths.output_dir={run_dir}", "task_name=compare",
+                                              *(["resume=true"] if resume else [])])
+        done = finished_run(run_dir, validated(cfg)) if resume else None
+        if done is not None:
+            Console().print(f"{method}: kept, its run in {run_dir} finished with these settings")
+        metrics = done["metrics"] if done is not None else train(cfg, run_dir, where="--out")
         if tuning is not None:
             (run_dir / TUNING_FILE).write_text(json.dumps(tuning, indent=2) + "\n")
         record = json.loads((run_dir / "metrics.json").read_text())
@@ -603,6 +613,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tuned-from", type=Path, default=None, metavar="DIR",
                         help="train with the learning rates an earlier --tune comparison in DIR chose (its "
                              "<method>/tuning.json): one search for every seed (e.g. with seed=1)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the comparison in --out: finished methods are kept, unfinished ones continue from "
+                             "their last checkpoints (without it, --out must be new or empty)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(compared_methods()))
@@ -624,7 +637,8 @@ def main(argv: list[str] | None = None) -> dict:
                           data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
                           evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,
                           evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk], protocol=args.protocol,
-                          lr_grid=args.lr_grid if args.tune else None, tuned_from=args.tuned_from)
+                          lr_grid=args.lr_grid if args.tune else None, tuned_from=args.tuned_from,
+                          resume=args.resume)
 
 
 def cli() -> None:

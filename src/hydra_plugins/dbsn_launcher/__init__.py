@@ -1,8 +1,11 @@
-"""dbsn's SLURM launcher for Hydra: `python train.py -m hydra/launcher=slurm ...` (conf/hydra/launcher/slurm.yaml).
+"""dbsn's launchers for Hydra: `python train.py -m ...` runs its jobs one after another on this
+machine (`local`, conf/hydra/launcher/local.yaml, the default), `-m hydra/launcher=slurm ...` submits
+them to SLURM (conf/hydra/launcher/slurm.yaml). Both compose and check every job, its config and its
+run folder, before the first one starts (`dbsn.runtime.sweep`).
 
-Hydra only instantiates launchers that live in the `hydra_plugins` namespace, so this thin
-subclass of hydra-submitit-launcher's `SlurmLauncher` lives here; the work is in
-`dbsn.runtime.cluster`, imported lazily (Hydra imports every plugin module at start-up).
+Hydra only instantiates launchers that live in the `hydra_plugins` namespace, so these thin
+subclasses of Hydra's `BasicLauncher` and hydra-submitit-launcher's `SlurmLauncher` live here; the
+work is in `dbsn.runtime`, imported lazily (Hydra imports every plugin module at start-up).
 """
 
 from __future__ import annotations
@@ -10,7 +13,29 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+
+class DBSNLocalLauncher(BasicLauncher):
+    """Hydra's basic launcher (the jobs one after another in this process), after every job's
+    config and run folder were checked (`dbsn.runtime.sweep.check_jobs`): one bad job refuses the
+    sweep before job 0 trains, and a sweep folder this start made is removed."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        from pathlib import Path
+
+        from dbsn.runtime.config import ConfigError
+        from dbsn.runtime.folder import remove_new_sweep_folder
+        from dbsn.runtime.sweep import check_jobs, compose_jobs, refuse
+
+        configs, run_dirs = compose_jobs(self, job_overrides, initial_job_idx)
+        try:
+            check_jobs(configs, run_dirs, initial_job_idx)
+        except ConfigError as err:
+            remove_new_sweep_folder(Path(str(self.config.hydra.sweep.dir)))
+            refuse(err, "No job was started.")
+        return super().launch(job_overrides, initial_job_idx)
 
 
 class DBSNSlurmLauncher(SlurmLauncher):

@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 
 from dbsn.evaluation.convergence import convergence
+from dbsn.evaluation.identity import examine
+from dbsn.evaluation.report.folder import ReportFolder
 from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
 
 # <run>/posthoc/<name> is a run of its own; `dbsn-compare --tune`'s tuning runs (never tested) are read from
@@ -22,10 +24,10 @@ SKIP_DIRS = {"checkpoints", "evaluation", ".hydra", "wandb", "csv", "tune"}
 @dataclass
 class Run:
     path: Path
-    method: str
+    method: str  # the row it is in: its method, and what differs from the method's main setting (`pooling`)
     dataset: str
     seed: object
-    status: str  # ok | failed | missing
+    status: str  # ok | failed | missing | inconsistent (its files disagree about their run) | repeat (`pooling`)
     metrics: dict = field(default_factory=dict)
     overrides: list = field(default_factory=list)
     note: str = ""
@@ -39,6 +41,15 @@ class Run:
     convergence: dict = field(default_factory=dict)  # metrics.json's convergence: the training loss's last tenth
     tuning: dict = field(default_factory=dict)  # tuning.json of `dbsn-compare --tune`: the lr grid, its validation NLLs
     calibrator: str | None = None  # metrics.json's calibrator: the post-hoc calibrator a `posthoc/<name>/` run applied
+    config: dict = field(default_factory=dict)  # resolved_config.yaml
+    evaluation_settings: dict = field(default_factory=dict)  # an evaluation's metrics.json `settings` (post-hoc runs)
+    base_method: str = ""  # the method alone (`method` without the differences of its setting)
+    differences: list = field(default_factory=list)  # `key=value` of its setting that differ from its method's main one
+    evaluation_differences: list = field(default_factory=list)  # those of them that are its evaluation's (post-hoc runs)
+    stale: str | None = None  # why its evaluation/ is of an earlier checkpoint of the run (`identity.examine`)
+
+    def __post_init__(self) -> None:
+        self.base_method = self.base_method or self.method
 
 
 @dataclass
@@ -49,6 +60,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)  # one line per finding the console repeats (indistinguishable differences)
     unconverged: set[str] = field(default_factory=set)  # methods with a run whose training had not converged: marked ‡
+    folder: ReportFolder | None = None  # the manifest of the files written (None: not kept, e.g. a section's test)
 
     def with_status(self, status: str) -> list[Run]:
         return [r for r in self.runs if r.status == status]
@@ -63,7 +75,7 @@ def load_run(folder: Path) -> Run:
     config = _yaml(folder / CONFIG_FILE) or _yaml(folder / ".hydra" / "config.yaml") or {}
     method, dataset = method_and_dataset(folder, config)
     run = Run(folder, method, dataset, config.get("seed"), "failed",
-              overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [])
+              overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [], config=config)
     metrics = folder / "metrics.json"
     slurm = _json(folder / SLURM_FILE)
     if not (folder / CONFIG_FILE).is_file():
@@ -84,8 +96,13 @@ def load_run(folder: Path) -> Run:
             run.tuning = _json(folder / "tuning.json") or {}
             # a posthoc=temperature run of an earlier version names no calibrator
             run.calibrator = record.get("calibrator") or ("temperature" if record.get("posthoc") == "temperature" else None)
+            run.evaluation_settings = dict(record.get("settings") or {})
         except (ValueError, KeyError, TypeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
+    if run.status == "ok":
+        disagreement, run.stale = examine(folder)
+        if disagreement is not None:
+            run.status, run.note = "inconsistent", f"its files are not all this run's: {disagreement}"
     if run.status != "ok" and slurm:
         run.log = slurm.get("stdout")
         if slurm.get("error"):

@@ -20,15 +20,17 @@ OOD_METRICS = (("auroc", "AUROC ↑"), ("aupr", "AUPR ↑"), ("fpr95", "FPR95 �
 def order(names, canonical) -> list[str]:
     """`names` in the order of `canonical`; method names `<method>@<backbone>[+posthoc]` grouped by
     backbone (the cell network first, then the field's backbones by name), each group in the
-    canonical order, unknown names last."""
+    canonical order, unknown names last; a method's rows of other settings (`<method> (<what
+    differs>)`, `pooling`) right after its own."""
     backbones = ("", *field_backbones())
 
     def key(name: str):
-        base, _, rest = name.partition("@")
+        method, _, differences = name.partition(" (")
+        base, _, rest = method.partition("@")
         backbone, _, posthoc = rest.partition("+")
         base = base + (f"+{posthoc}" if posthoc else "")
         group = backbones.index(backbone) if backbone in backbones else len(backbones)
-        return (group, backbone, canonical.index(base) if base in canonical else len(canonical), base)
+        return (group, backbone, canonical.index(base) if base in canonical else len(canonical), base, differences)
     return sorted(set(names), key=key)
 
 

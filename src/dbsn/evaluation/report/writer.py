@@ -1,5 +1,7 @@
 """Writing into the report folder: every file a section writes goes through here, is listed in
-`Report.files`, and its markdown tables carry the unconverged mark (`format.mark_unconverged`).
+`Report.files` and in the folder's manifest (`Report.folder`, `report.folder.ReportFolder`: the
+report writes only files it made), and its markdown tables carry the unconverged mark
+(`format.mark_unconverged`).
 `write_section` writes a section's CSV and markdown page and returns its part of report.md."""
 
 from __future__ import annotations
@@ -12,28 +14,40 @@ from dbsn.evaluation.report.collect import Report
 from dbsn.evaluation.report.format import mark_unconverged
 
 
+def _claim(report: Report, name: str) -> Path:
+    if report.folder is not None:
+        report.folder.claim(name)
+    return report.out / name
+
+
+def _written(report: Report, path: Path) -> None:
+    report.files.append(path)
+    if report.folder is not None and path:
+        report.folder.record(path)
+
+
 def write_markdown(report: Report, name: str, text: str) -> Path:
     """`text` into `<out>/<name>`, the unconverged methods' rows marked."""
-    path = report.out / name
+    path = _claim(report, name)
     path.write_text(mark_unconverged(report.unconverged, text))
-    report.files.append(path)
+    _written(report, path)
     return path
 
 
 def write_csv(report: Report, name: str, header: list[str], rows: list[list]) -> None:
     """`header` and `rows` into `<out>/<name>`, None as an empty field."""
-    path = report.out / name
+    path = _claim(report, name)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows([["" if c is None else c for c in row] for row in rows])
-    report.files.append(path)
+    _written(report, path)
 
 
 def write_figure(report: Report, figure, name: str) -> Path:
     """A matplotlib figure into `<out>/<name>` (`plots.save_figure`: falsy where none was saved)."""
-    path = save_figure(figure, report.out / name)
-    report.files.append(path)
+    path = save_figure(figure, _claim(report, name))
+    _written(report, path)
     return path
 
 

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import STATS, md_table, mean_std, order, short
+from dbsn.evaluation.report.pooling import row_name
 from dbsn.evaluation.report.sections.accuracy import per_method_table
 from dbsn.evaluation.report.writer import write_section
 from dbsn.methods.registry import METHOD_ORDER
@@ -36,9 +37,12 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
     calibrator."""
     values: dict[tuple, list[float]] = defaultdict(list)
     found = False
-    for r in ok:
-        base, _, posthoc = r.method.rpartition("+")
-        base, posthoc = (base, posthoc) if r.calibrator else (r.method, "")
+    for r in ok:  # a row per trained setting, a column per calibrator and evaluation setting (`pooling.row_name`)
+        base, posthoc = r.method, ""
+        if r.calibrator:
+            base, _, posthoc = r.base_method.rpartition("+")
+            trained = r.differences[:len(r.differences) - len(r.evaluation_differences)]
+            base, posthoc = row_name(base, trained), row_name(posthoc, r.evaluation_differences)
         found |= bool(posthoc)
         for key in ("test/nll", "test/ece", "test/error"):
             if key in r.metrics:
