@@ -32,8 +32,9 @@ RUN = ["data=digits", "data.train_subset=128", "data.batch_size=32", "data.val_s
 
 
 def _probe(folder, **where) -> list[str]:
-    """The probe's overrides: a signal at `where`, sent once per run folder (its marker file)."""
-    return ["+callbacks.signal._target_=tests.support.fault_probe.SignalAt", f"+callbacks.signal.once_file={folder}/signalled",
+    """The probe's overrides: a signal at `where`, sent once per run folder (a marker file beside it)."""
+    return ["+callbacks.signal._target_=tests.support.fault_probe.SignalAt",
+            f"+callbacks.signal.once_file={folder.parent / (folder.name + '.signalled')}",
             *[f"+callbacks.signal.{key}={value}" for key, value in where.items()]]
 
 
@@ -56,8 +57,8 @@ def _assert_same_run(reference, folder) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run (the same config as every interrupted one: its probe never fires)."""
-    folder = tmp_path_factory.mktemp("straight")
-    (folder / "signalled").touch()
+    folder = tmp_path_factory.mktemp("straight") / "run"
+    (folder.parent / "run.signalled").touch()
     dbsn.runtime.run.train(compose_config("train", [*RUN, *_probe(folder, epoch=1, batch=2)], folder), folder)
     return _final(folder)
 
