@@ -225,21 +225,23 @@ def test_a_sweep_runs_as_slurm_jobs_and_ends_with_a_report(cluster, tmp_path):
 @pytest.mark.slow
 def test_a_failed_job_does_not_stop_the_others_and_is_reported_with_its_log(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    # the middle job asks for more training images than there are: it fails in the job, on the cluster
-    done = _run(cluster, _train("-m", *LAUNCHER, *[o for o in TINY_RUN if "train_subset" not in o],
-                                "trainer.max_epochs=1", "data.train_subset=128,99999,256", f"hydra.sweep.dir={sweep}"),
+    # the middle job fails in the job, on the cluster, where no check before submission can see it
+    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=1", "seed=1,2,3",
+                                "+callbacks.fail._target_=tests.support.cluster_probe.FailInJob",
+                                "+callbacks.fail.seed=${seed}", "+callbacks.fail.fail_seed=2", f"hydra.sweep.dir={sweep}"),
                 timeout=300, check=False)
+    failure = "injected failure in the job of seed 2"
     assert done.returncode != 0  # the sweep command says that a job failed ...
     assert "2 of 3 jobs finished" in done.stdout, done.stdout + done.stderr
     assert (sweep / "0" / "metrics.json").is_file() and (sweep / "2" / "metrics.json").is_file()  # ... the others ran
     facts = json.loads((sweep / "1" / "slurm.json").read_text())
-    assert facts["status"] == "failed" and "data.train_subset=99999" in facts["error"]
-    assert "data.train_subset=99999" in Path(facts["stdout"]).read_text()  # the error is in the job's SLURM log
+    assert facts["status"] == "failed" and failure in facts["error"]
+    assert failure in Path(facts["stdout"]).read_text()  # the error is in the job's SLURM log
     assert f"SLURM log  {facts['stdout']}" in done.stdout
     report = (sweep / "report" / "report.md").read_text()
     assert "3 runs — 2 ok, 1 failed, 0 missing" in report
     section = report.split("## Runs not included", 1)[1]
-    assert "data.train_subset=99999" in section and f"SLURM log: `{facts['stdout']}`" in section
+    assert failure in section and f"SLURM log: `{facts['stdout']}`" in section
 
 
 @pytest.mark.slow
