@@ -172,19 +172,39 @@ def test_resume_continues_the_same_run_and_records_it(comparison, tmp_path):
     assert json.loads((run / "metrics.json").read_text())["run_id"] == first["run_id"]
 
 
+def _mounted(folder, options: str):
+    """`folder` as a tmpfs mounted with `options` (needs root, as on CI; the test is skipped elsewhere)."""
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small or read-only file system needs root")
+    return folder
+
+
 @pytest.fixture
 def read_only_folder(tmp_path):
-    """A read-only file system (a tmpfs mounted read-only; needs root, as on CI)."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a read-only file system needs root")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    yield _mounted(tmp_path / "ro", "ro,size=1m")
+    subprocess.run(["umount", str(tmp_path / "ro")], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A disk of 256 KiB: room for a run's small files, not for its first checkpoint (~0.5 MB)."""
+    yield _mounted(tmp_path / "small", "size=256k")
+    subprocess.run(["umount", str(tmp_path / "small")], check=True)
 
 
 def test_a_read_only_output_disk_is_refused_in_one_line(read_only_folder, tmp_path):
     assert_one_line(_train_py(f"hydra.run.dir={read_only_folder / 'run'}", cwd=tmp_path), "read-only file system",
                     "choose a writable folder")
     assert not any(read_only_folder.iterdir())
+
+
+def test_a_full_output_disk_stops_the_run_in_one_line(small_disk, tmp_path):
+    """The first checkpoint does not fit: one line names the file and the full disk, no partial
+    checkpoint is left, and run.json says the run failed."""
+    run = small_disk / "run"
+    assert_one_line(_train_py(f"hydra.run.dir={run}", cwd=tmp_path), "Could not write the checkpoint",
+                    "the disk is full", "resume=true")
+    assert read_run_record(run)["status"] == "failed"
+    assert not [p for p in (run / "checkpoints").glob("*") if p.name.startswith(".")]  # no temporary file left

@@ -29,6 +29,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from dbsn import __version__
 from dbsn.evaluation.runs import RUN_ID_KEY
+from dbsn.runtime.errors import OutputError, disk_problem
 from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
 
 __all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
@@ -53,6 +54,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:
+            problem = disk_problem(err, path.parent)
+            if problem is None:
+                raise
+            raise OutputError(f"Could not write the checkpoint {path}: {problem}. The run stopped; the checkpoints "
+                              f"written before are intact: free space, then continue with resume=true in the same "
+                              f"run folder.") from err
         finally:
             tmp.unlink(missing_ok=True)
 

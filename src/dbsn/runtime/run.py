@@ -44,7 +44,7 @@ from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.preflight import check_run_length, check_trained
 from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.rank import is_rank_zero
-from dbsn.runtime.errors import RunInterrupted
+from dbsn.runtime.errors import OutputError, RunInterrupted, disk_problem
 from dbsn.runtime.signals import current_watch, interruptible
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
@@ -97,6 +97,9 @@ def train(cfg: DictConfig, output_dir: Path, where: str = "hydra.run.dir") -> di
         if folder is not None:
             folder.end("interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit, RunInterrupted)) else "failed",
                        error=f"{type(err).__name__}: {err}"[:500])
+        if isinstance(err, OSError) and (problem := disk_problem(err, output_dir)) is not None:
+            raise OutputError(f"Could not write {err.filename or 'a file'} in the run folder {output_dir}: {problem}. "
+                              "Free space (or choose a writable folder), then continue with resume=true.") from err
         raise
     else:
         if folder is not None:
