@@ -25,10 +25,7 @@ from pathlib import Path
 
 
 class RunInterrupted(BaseException):
-    """A run whose files cannot be written (a full, read-only or failing disk) stops with `OutputError`,
-one line of the same kind, saying what is intact and how to continue.
-
-A run stopped by a signal. Like KeyboardInterrupt, not an `Exception`: nothing that handles
+    """A run stopped by a signal. Like KeyboardInterrupt, not an `Exception`: nothing that handles
     errors (a sweep that goes on after a failed run) may swallow it.
 
     Attributes:
@@ -78,33 +75,6 @@ A run stopped by a signal. Like KeyboardInterrupt, not an `Exception`: nothing t
                 "as an uninterrupted run would).")
 
 
-class OutputError(RuntimeError):
-    """The run's files could not be written: a full, read-only or failing disk. The message names
-    the file and the disk's state, and says what is intact and how to continue."""
-
-
-#: what an OSError's errno says about the disk it wrote to
-_DISK_PROBLEMS = {28: "the disk is full", 122: "the disk quota is exceeded", 30: "the file system is read-only",
-                  5: "the disk reported an input/output error"}
-
-
-def disk_problem(error: BaseException, folder: Path) -> str | None:
-    """Why writing into `folder` failed, in words, where the disk is to blame: an OSError of a full,
-    read-only or failing disk, or (torch's zip writer reports a failed write as a RuntimeError) any
-    failed write into a folder whose disk has less than 1 MiB free; None otherwise."""
-    errno = getattr(error, "errno", None)
-    if isinstance(error, OSError) and errno in _DISK_PROBLEMS:
-        return _DISK_PROBLEMS[errno]
-    if isinstance(error, (OSError, RuntimeError)):
-        try:
-            stats = os.statvfs(next(p for p in (Path(folder), *Path(folder).parents) if p.exists()))
-        except (OSError, StopIteration):
-            return None
-        if stats.f_bavail * stats.f_frsize < 2**20:
-            return f"the disk is full ({stats.f_bavail * stats.f_frsize:,} bytes free)"
-    return None
-
-
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a user can fix (imported when needed: the entry points import nothing heavy before
     Hydra has parsed the command line)."""
@@ -115,6 +85,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
+    from dbsn.runtime.disk import OutputError
 
     return (ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError,
             NonFiniteLossError, EvaluationError, PosthocError, OutputError)

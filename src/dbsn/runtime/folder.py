@@ -334,8 +334,10 @@ class RunFolderCheck(Callback):
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         from dbsn.runtime.errors import one_line_errors
+        from dbsn.runtime.rank import is_rank_zero
 
-        one_line_errors(self._check_run)(config)
+        if is_rank_zero():  # every task of a multi-node SLURM run starts train.py in the same folder
+            one_line_errors(self._check_run)(config)
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         from dbsn.runtime.errors import one_line_errors

@@ -44,7 +44,8 @@ from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.preflight import check_run_length, check_trained
 from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.rank import is_rank_zero
-from dbsn.runtime.errors import OutputError, RunInterrupted, disk_problem
+from dbsn.runtime.disk import OutputError, disk_problem
+from dbsn.runtime.errors import RunInterrupted
 from dbsn.runtime.signals import current_watch, interruptible
 from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
                                     stable_wandb_id, with_identity)
