@@ -30,7 +30,8 @@ signal.signal(signal.SIGTERM, _terminated)
 #: and the SLURM file, six long tests, started near the end.)
 LONGEST_FIRST = ("tests/runtime/test_cluster.py", "tests/tools/test_dashboard.py", "tests/runtime/test_cli.py",
                  "tests/evaluation/test_pipeline.py", "tests/tools/test_fair_protocol.py", "tests/tools/test_compare.py",
-                 "tests/methods/test_base.py", "tests/runtime/test_errors.py", "tests/methods/test_csgmcmc.py",
+                 "tests/methods/test_base.py", "tests/faults/test_folders.py", "tests/runtime/test_errors.py",
+                 "tests/faults/test_settings.py", "tests/faults/test_signals.py", "tests/methods/test_csgmcmc.py",
                  "tests/docs/test_extending.py", "tests/tools/bench/test_gpu.py",
                  "tests/methods/test_regional_compile.py", "tests/tools/test_refine.py", "tests/nets/test_classifier.py")
 

@@ -25,6 +25,39 @@ RUN_ID_KEY = "dbsn_run_id"              # the run id inside every checkpoint the
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 
 
+#: Config keys (and every key below them) that change neither what a run trains nor what it tests:
+#: where its files go and how progress is shown, where its data is read from and how, and knobs of
+#: speed and memory that compute the same numbers. A resume may change them freely
+#: (`dbsn.runtime.resume.FREE` adds the test-time settings), the report pools runs that differ in
+#: them (`dbsn.evaluation.report.pooling.NOT_THE_RUN` adds the seed), and `dbsn-compare --resume`
+#: keeps a finished method's run that differs only in them.
+OUTSIDE_THE_RUN = (
+    "paths", "hydra", "logger", "task_name", "tags", "resume", "resume_changes", "ckpt_path", "test", "report",
+    "statistics",
+    "data.root", "data.num_workers", "data.pin_memory", "data.download", "data.on_device", "data.eval_batch_size",
+    "trainer.default_root_dir", "trainer.enable_checkpointing", "trainer.enable_progress_bar",
+    "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.profiler", "trainer.accelerator",
+    "trainer.benchmark", "trainer.deterministic", "trainer.detect_anomaly", "trainer.enable_autolog_hparams",
+    "trainer.model_registry",
+    "model.execution", "model.member.execution",
+)
+
+
+def under(key: str, prefix: str) -> bool:
+    """Whether the dotted `key` is `prefix` or a key below it."""
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def flatten_config(node, prefix: str = "") -> dict:
+    """A config as dotted keys -> values; lists and empty mappings are values."""
+    if isinstance(node, dict) and (node or not prefix):
+        out: dict = {}
+        for key, value in node.items():
+            out.update(flatten_config(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: node}
+
+
 def last_checkpoint(run_dir: str | Path) -> Path:
     """`<run_dir>/checkpoints/last.ckpt`: what a resumed or requeued run continues from."""
     return Path(run_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT

@@ -38,6 +38,7 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dbsn.evaluation.runs import OUTSIDE_THE_RUN, flatten_config, under
 from dbsn.runtime.config import ConfigError, to_plain
 from dbsn.runtime.config_errors import suggest
 
@@ -49,15 +50,11 @@ RESUME_CHANGES = "resume_changes"
 
 #: Keys (and the keys below them) that do not change the run: they may differ on resume.
 FREE = (
-    "logger", "paths", "hydra", "resume", RESUME_CHANGES, "ckpt_path", "test", "statistics", "report", "tags",
-    "task_name", "init_from",  # init_from's weights are replaced by the checkpoint's on resume
-    "data.root", "data.num_workers", "data.download", "data.pin_memory", "data.on_device", "data.eval_batch_size",
-    "model.prediction", "model.member.prediction", "model.execution", "model.member.execution",
-    "model.bn_recalibration", "model.member.bn_recalibration", "model.test_tau", "model.member.test_tau",
-    "trainer.default_root_dir", "trainer.accelerator", "trainer.benchmark", "trainer.deterministic",
-    "trainer.detect_anomaly", "trainer.inference_mode", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-    "trainer.log_every_n_steps", "trainer.profiler", "trainer.limit_test_batches", "trainer.limit_predict_batches",
-    "trainer.enable_autolog_hparams", "trainer.model_registry", "trainer.enable_checkpointing",
+    *OUTSIDE_THE_RUN,
+    "init_from",  # init_from's weights are replaced by the checkpoint's on resume
+    "model.prediction", "model.member.prediction", "model.bn_recalibration", "model.member.bn_recalibration",
+    "model.test_tau", "model.member.test_tau",
+    "trainer.inference_mode", "trainer.limit_test_batches", "trainer.limit_predict_batches",
 )
 
 #: Callbacks that only show, time or save the run: their settings may differ on resume.
@@ -78,22 +75,6 @@ FIXED = {
     "data._target_": "the checkpoint was trained on its own data",
     "seed": "the checkpoint's random streams continue where they stopped; a seed only starts them",
 }
-
-
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + ".")
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys -> leaf values (lists are leaves)."""
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-        if not node and prefix:
-            out[prefix] = {}
-        return out
-    return {prefix: node}
 
 
 def _target_at(config: dict, key: str) -> str | None:
@@ -126,7 +107,7 @@ def _default(config: dict, key: str) -> Any:
 def _free(key: str, saved: dict, current: dict) -> bool:
     """Whether `key` does not change the run (`FREE`, or a setting of a callback in `FREE_CALLBACKS`
     in both configs)."""
-    if any(_under(key, prefix) for prefix in FREE):
+    if any(under(key, prefix) for prefix in FREE):
         return True
     parts = key.split(".")
     if parts[0] != "callbacks" or len(parts) < 2:
@@ -151,7 +132,7 @@ def config_differences(saved: dict, current: dict) -> list[dict]:
     """The keys in which the run config `current` differs from the checkpoint's `saved`, free
     keys left out: `[{"key", "old", "new"}]` ("old": the checkpoint's value; a key that one config
     lacks stands for its constructor's default, or `None` where none is known)."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten_config(saved), flatten_config(current)
     changes = []
     for key in [*old, *(k for k in new if k not in old)]:
         if _free(key, saved, current):
@@ -219,13 +200,13 @@ def check_resume(cfg: DictConfig, path: str | Path | None) -> list[dict]:
 
     checkpoint = load_checkpoint(path)
     current = to_plain(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]))
-    flat = _flatten(current)
+    flat = flatten_config(current)
     for key in listed:
-        if not any(_under(k, key) for k in flat) and not any(_under(k, key) for k in _flatten(checkpoint[CONFIG_KEY])):
+        if not any(under(k, key) for k in flat) and not any(under(k, key) for k in flatten_config(checkpoint[CONFIG_KEY])):
             raise ConfigError(f"{RESUME_CHANGES} lists '{key}', which is no key of this run's config.{suggest(key, flat)}")
     changes = config_differences(checkpoint[CONFIG_KEY], current)
     for change in changes:
-        reason = next((why for prefix, why in FIXED.items() if _under(change["key"], prefix)), None)
+        reason = next((why for prefix, why in FIXED.items() if under(change["key"], prefix)), None)
         if reason is None and "init" in change["key"].rsplit(".", 1)[-1]:
             reason = "it sets only how training starts"
         if reason is not None:
@@ -233,7 +214,7 @@ def check_resume(cfg: DictConfig, path: str | Path | None) -> list[dict]:
                               f"checkpoint it resumes ({path}), and a resumed run cannot change it: {reason}. Resume "
                               f"with {change['key']}={_show(change['old'])}, or start a new run from its weights with "
                               f"init_from={path}.")
-    unlisted = [c for c in changes if not any(_under(c["key"], key) for key in listed)]
+    unlisted = [c for c in changes if not any(under(c["key"], key) for key in listed)]
     if unlisted:
         shown = ", ".join(f"{c['key']} (the checkpoint's {_show(c['old'])}, this run's {_show(c['new'])})" for c in unlisted[:6])
         more = f" and {len(unlisted) - 6} more" if len(unlisted) > 6 else ""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE, load_run_config, read_run_record
+from dbsn.evaluation.runs import (CONFIG_FILE, METRICS_FILE, OUTSIDE_THE_RUN, flatten_config, load_run_config,
+                                 read_run_record, under)
 from dbsn.runtime.config import ConfigError
 
 __all__ = ["COMPARISON_FILES", "check_output", "finished_run", "finished_tuning_run", "validated"]
@@ -46,31 +47,18 @@ def check_output(output_dir: Path, methods, known_methods, resume: bool) -> None
         check_run_folder(output_dir / method, resume=True, where=f"--out {output_dir}: the method folder")
 
 
-#: settings that a comparison resumed may give differently without making another run
-_FREE = ("resume", "ckpt_path", "paths", "hydra")
-
-
-def _flat(node, prefix: str = "") -> dict[str, object]:
-    if isinstance(node, dict):
-        out: dict[str, object] = {}
-        for key, value in node.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def finished_run(run_dir: Path, config: dict) -> dict | None:
     """The metrics.json of the run in `run_dir` if it finished with `config` (the resolved config this
     comparison gives it); None if it did not finish (it is continued); `ConfigError` if it ran with
-    other settings (naming the first difference)."""
+    other settings (naming the first difference; keys `OUTSIDE_THE_RUN` may differ)."""
     record = read_run_record(run_dir)
     if record is None and (Path(run_dir) / METRICS_FILE).is_file() and (Path(run_dir) / CONFIG_FILE).is_file():
         record = {"status": "finished"}  # a run written before runs named themselves
     if record is None or record.get("status") != "finished" or not (Path(run_dir) / METRICS_FILE).is_file():
         return None
-    saved, ours = _flat(load_run_config(run_dir)), _flat(json.loads(json.dumps(config)))
+    saved, ours = flatten_config(load_run_config(run_dir)), flatten_config(json.loads(json.dumps(config)))
     keys = sorted(k for k in saved.keys() | ours.keys()
-                  if not k.split(".", 1)[0] in _FREE and saved.get(k, "<absent>") != ours.get(k, "<absent>"))
+                  if not any(under(k, p) for p in OUTSIDE_THE_RUN) and saved.get(k, "<absent>") != ours.get(k, "<absent>"))
     if keys:
         key = keys[0]
         raise ConfigError(f"{run_dir} holds a finished run with other settings ({key}: {saved.get(key, '<absent>')} "

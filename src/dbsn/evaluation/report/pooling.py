@@ -26,6 +26,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from dbsn.evaluation.report.collect import Run
+from dbsn.evaluation.runs import OUTSIDE_THE_RUN, flatten_config, under
 
 __all__ = ["NOT_THE_RUN", "REPEAT", "pool_runs", "row_name", "setting_of"]
 
@@ -34,15 +35,11 @@ REPEAT = "repeat"
 
 #: config keys (and everything below them) that do not change what a run trained or tested
 NOT_THE_RUN = (
-    "seed", "paths", "hydra", "logger", "task_name", "tags", "resume", "ckpt_path", "report", "statistics", "test",
+    "seed", *OUTSIDE_THE_RUN,
     "callbacks.model_checkpoint", "callbacks.lr_monitor", "callbacks.progress_bar", "callbacks.structure_posterior",
     "callbacks.timer.verbose", "callbacks.timer.interval",
-    "data.root", "data.num_workers", "data.pin_memory", "data.download", "data.on_device", "data.eval_batch_size",
-    "trainer.default_root_dir", "trainer.enable_checkpointing", "trainer.enable_progress_bar",
-    "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.profiler", "trainer.accelerator",
-    "trainer.benchmark", "trainer.deterministic", "trainer.detect_anomaly", "trainer.enable_autolog_hparams",
-    "trainer.model_registry", "trainer.barebones", "trainer.num_sanity_val_steps",
-    "model.execution", "model.prediction.samples_per_forward", "model.prediction.rows_per_forward",
+    "trainer.barebones", "trainer.num_sanity_val_steps",
+    "model.prediction.samples_per_forward", "model.prediction.rows_per_forward",
     "model.train_samples_per_forward", "model.bn_recalibration.batch_size",
     "model.prediction.n_samples",  # S as tested is metrics.json's (`S`)
     "posthoc",                     # a post-hoc posterior's name is in its method's name; its settings are its evaluation's
@@ -56,16 +53,7 @@ NAME_KEYS = 3
 
 
 def _ignored(key: str, ignored=NOT_THE_RUN) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in ignored)
-
-
-def _flatten(node, prefix: str = "") -> dict[str, object]:
-    if isinstance(node, dict) and node:
-        out = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node} if prefix else {}
+    return any(under(key, p) for p in ignored)
 
 
 def _text(value) -> str:
@@ -81,7 +69,7 @@ def _text(value) -> str:
 def setting_of(run: Run) -> dict[str, str]:
     """The run's training setting: its config's keys that change the run, then S and the epochs
     trained (module docstring); values as text."""
-    setting = {k: _text(v) for k, v in _flatten(run.config).items() if not _ignored(k)}
+    setting = {k: _text(v) for k, v in flatten_config(run.config).items() if not _ignored(k)}
     if run.n_samples is not None:
         setting["S"] = _text(run.n_samples)
     if run.epochs is not None:
@@ -91,7 +79,7 @@ def setting_of(run: Run) -> dict[str, str]:
 
 def _evaluation_setting(run: Run) -> dict[str, str]:
     """A post-hoc posterior's run's evaluation: S and the evaluation's own settings."""
-    setting = {k: _text(v) for k, v in _flatten(run.evaluation_settings).items() if not _ignored(k, _SAME_AS_FACT)}
+    setting = {k: _text(v) for k, v in flatten_config(run.evaluation_settings).items() if not _ignored(k, _SAME_AS_FACT)}
     if run.n_samples is not None:
         setting["S"] = _text(run.n_samples)
     return setting
