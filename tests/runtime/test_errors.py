@@ -12,7 +12,7 @@ from dbsn.runtime.cli import discard_refused_run
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.errors import one_line, one_line_errors
 from tests.support.configs import ROOT
-from tests.support.scripts import run_python
+from tests.support.scripts import assert_one_line, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +22,6 @@ def _run(script: str, args: list[str], cwd, env=None) -> subprocess.CompletedPro
     its exit status is for the test to judge."""
     return run_python(ROOT / script, *args, f"hydra.run.dir={cwd / 'out'}", cwd=cwd, timeout=300,
                       env={"HYDRA_FULL_ERROR": "0", **(env or {})}, check=False)
-
-
-def _assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> str:
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output and "Error executing job" not in output, output[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
 
 
 CASES = {
@@ -79,7 +68,7 @@ def test_every_old_name_answers_with_a_key_that_exists(tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_py_says_what_is_wrong_in_one_line(case, tmp_path):
     args, phrases = CASES[case]
-    _assert_one_line(_run("train.py", args, tmp_path), *phrases)
+    assert_one_line(_run("train.py", args, tmp_path), *phrases)
     assert not (tmp_path / "out").exists()  # refused before training: no run folder left behind
 
 
@@ -108,7 +97,7 @@ def test_only_a_refused_starts_own_folder_is_removed(tmp_path):
 def test_evaluate_py_on_a_corrupt_checkpoint_says_so_in_one_line(tmp_path):
     corrupt = tmp_path / "last.ckpt"
     corrupt.write_bytes(b"PK\x03\x04 not really a checkpoint")
-    _assert_one_line(_run("evaluate.py", [f"ckpt_path={corrupt}"], tmp_path), str(corrupt), "corrupt")
+    assert_one_line(_run("evaluate.py", [f"ckpt_path={corrupt}"], tmp_path), str(corrupt), "corrupt")
 
 
 def test_hydra_full_error_shows_the_traceback(tmp_path):
@@ -162,12 +151,12 @@ EVALUATE_CASES = {
 @pytest.mark.parametrize("case", list(EVALUATE_CASES))
 def test_evaluate_py_says_what_is_wrong_in_one_line(case, tmp_path):
     args, phrases = EVALUATE_CASES[case]
-    _assert_one_line(_run("evaluate.py", [a.replace("{tmp}", str(tmp_path)) for a in args], tmp_path), *phrases)
+    assert_one_line(_run("evaluate.py", [a.replace("{tmp}", str(tmp_path)) for a in args], tmp_path), *phrases)
     assert not (tmp_path / "out").exists()  # a refused evaluation leaves no Hydra folder behind
 
 
 def test_structure_parallel_devices_that_do_not_divide_t_are_refused_in_one_line(tmp_path):
-    _assert_one_line(_run("train.py", ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu",
+    assert_one_line(_run("train.py", ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu",
                                        "trainer.devices=3"], tmp_path),
                      "T = 4 structures of a step over 3 devices", "model.parallel=data")
     assert not (tmp_path / "out" / "checkpoints").exists()

@@ -458,7 +458,15 @@ def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", 
             if child is not None and (not isinstance(child, DictConfig) or "_target_" not in child):
                 raise malformed(cfg, f"{section}.{name}", child,
                                  "a mapping with _target_ (the class it builds), or null (none)")
-    for section, keys in PLAIN_SECTIONS.items():
+    check_plain_sections(cfg, PLAIN_SECTIONS)
+
+
+def check_plain_sections(cfg: DictConfig, sections: dict[str, set[str]]) -> None:
+    """Refuse a section of plain settings that is not a mapping, or that holds a key it does not
+    take, naming where the key came from."""
+    from dbsn.runtime.origin import malformed, set_by
+
+    for section, keys in sections.items():
         node = cfg.get(section)
         if node is None:
             continue
@@ -474,7 +482,7 @@ def check_evaluate_config(cfg: DictConfig) -> None:
     """evaluate.py's counterpart of `validate_config`'s first checks: a top-level key, or a key of
     a section of plain settings, that the evaluation does not read is refused, naming where it
     came from; the sections are what their group files hold."""
-    from dbsn.runtime.origin import malformed, set_by
+    from dbsn.runtime.origin import set_by
 
     for key in cfg.keys():
         if key not in EVALUATE_TOP_LEVEL_KEYS:
@@ -482,16 +490,7 @@ def check_evaluate_config(cfg: DictConfig) -> None:
                               f"{suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
                               f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
     check_sections(cfg, sections=("trainer",))
-    for section, keys in EVALUATE_PLAIN_SECTIONS.items():
-        node = cfg.get(section)
-        if node is None:
-            continue
-        if not isinstance(node, DictConfig):
-            raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
-        unknown = sorted(set(node) - keys)
-        if unknown:
-            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
-                              f"{section} takes {', '.join(sorted(keys))}.")
+    check_plain_sections(cfg, EVALUATE_PLAIN_SECTIONS)
 
 
 def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
