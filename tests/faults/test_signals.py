@@ -103,7 +103,17 @@ def test_ctrl_c_twice_stops_at_once_and_the_handlers_are_restored(reference, tmp
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+@pytest.fixture
+def sighup_not_ignored():
+    """SIGHUP at its default for the test: under `nohup` it starts ignored, and a run then rightly
+    leaves it alone (`signals.py`), so a test that sends it would see nothing happen."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("sighup_not_ignored")
 def test_sighup_while_testing_resumes_to_the_test_pass_alone(reference, tmp_path, monkeypatch):
     """A signal after training (in the test pass): the checkpoint holds every epoch; resume=true
     trains nothing and writes the uninterrupted run's metrics."""
