@@ -497,11 +497,12 @@ def check_budget(cfg: DictConfig) -> None:
     backbone, epochs = node.get("backbone"), node.get("epochs")
     if backbone is None:
         raise ConfigError("budget=shared gives every method on a backbone the same epochs, and this run names no "
-                          "backbone: it is for the field's jobs (field=<backbone>/<method>, e.g. experiment=cifar10_field "
-                          "field=resnet18/map_fixed budget=shared); set trainer.max_epochs for any other run.")
+                          "backbone: it is for the field's jobs (field=<backbone>/<method>, e.g. "
+                          "experiment=cifar10_field field=resnet18/map_fixed budget=shared); set trainer.max_epochs "
+                          "for any other run.")
     if not isinstance(epochs, DictConfig) or backbone not in epochs:
-        raise ConfigError(f"budget=shared has no epochs for the backbone {backbone}: add budget.epochs.{backbone}=<epochs> "
-                          f"(it has {', '.join(map(str, epochs or {})) or 'none'}).")
+        raise ConfigError(f"budget=shared has no epochs for the backbone {backbone}: add "
+                          f"budget.epochs.{backbone}=<epochs> (it has {', '.join(map(str, epochs or {})) or 'none'}).")
 
 
 def check_evaluate_config(cfg: DictConfig) -> None:

@@ -18,9 +18,9 @@ folder an earlier report wrote: the report writes only files it made (`report_fi
 them; `folder.ReportFolder`).
 
 Writes into OUT (default outputs/report): report.md, runs.csv, rows.{md,csv} (the runs each row pools), table1_error.{md,csv},
-table2_ece.{md,csv}, table_nll.{md,csv}, budget.{md,csv} (every row's epochs, optimiser steps, images seen, training
-split and time, the field's recipe it ran, a held-out split or a sampler's temperature), calibration.{md,csv} (equal-width, equal-mass and
-classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
+table2_ece.{md,csv}, table_nll.{md,csv}, budget.{md,csv} (every row's epochs, optimiser steps, images seen,
+training split and time, the field's recipe it ran, a held-out split or a sampler's temperature),
+calibration.{md,csv} (equal-width, equal-mass and classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
 have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
 ood_groups.csv (near / far OOD means), ood_scores.{md,csv} (every detection score by method), shift.{md,csv} with Ovadia et al.'s box plots per
 dataset, conformal.{md,csv} (coverage and set sizes), calibrators.{md,csv} (each method after every post-hoc
