@@ -206,3 +206,16 @@ def test_ddu_holds_out_its_authors_validation_split(tmp_path):
         cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/ddu", "seed=2"], tmp_path)
         assert (cfg.data.val_size, cfg.data.split_seed, cfg.trainer.limit_val_batches) == (5000, 0, 0)
     assert compose_config("train", ["model=ddu"], tmp_path).data.val_size == 0  # plain model=ddu: every image
+
+
+def test_a_budget_outside_the_field_or_unknown_is_refused_in_one_line(tmp_path):
+    from dbsn.runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match="budget=shared .* names no backbone: it is for the field's jobs"):
+        validate_config(compose_config("train", ["budget=shared"], tmp_path))
+    with pytest.raises(ConfigError, match="budget.recipe=longest: expected authors or shared"):
+        validate_config(compose_config("train", ["experiment=cifar10_field", "field=resnet18/mimo",
+                                                 "budget.recipe=longest"], tmp_path))
+    with pytest.raises(ConfigError, match="no epochs for the backbone resnet18: add budget.epochs.resnet18"):
+        validate_config(compose_config("train", ["experiment=cifar10_field", "field=resnet18/mimo", "budget=shared",
+                                                 "~budget.epochs.resnet18"], tmp_path))
