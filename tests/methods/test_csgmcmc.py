@@ -74,6 +74,10 @@ def test_trains_keeps_its_samples_and_evaluates_from_the_checkpoint_on_digits(mo
     assert facts["samples_kept"] == 4 * chains and facts["n_samples"] == 4 * chains
     if model == "csghmc":  # the last sample is the network after the last step, BatchNorm statistics included
         assert facts["sampler_temperature"] == pytest.approx(1 / 128)
+        # the largest noise a step added: each cycle's second step, at α₀ (cos(π / 4) + 1) / 2, T = 1 / N, N = 128
+        peak = math.sqrt(2 * 0.5 * (math.cos(math.pi / 4) + 1) / 2 * 0.9 / 128**2)
+        assert facts["sampler_noise_std_max"] == pytest.approx(peak, rel=1e-9)
+        assert facts["budget"] == {"steps": 8, "images": 256, "train_images": 128, "batch_size": 32}
         for name, tensor in method.net.state_dict().items():
             assert torch.equal(method.samples[3][name], tensor), name
         assert not torch.equal(method.samples[0]["conv1.weight"], method.samples[1]["conv1.weight"])

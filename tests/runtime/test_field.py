@@ -24,6 +24,27 @@ TINY_NETS_OF = {"masksembles": {**TINY_NETS, "resnet18": ["width=10"],
                                                   "stem_channels=16"]}}
 NETS = {"resnet18": "ResNet18", "wrn28_10": "WideResNet", "structure_net": "StructureNet"}
 
+#: the authors' epochs of every job (conf/field/), the default budget (budget=authors)
+AUTHORS_EPOCHS = {
+    "structure_net": dict.fromkeys(("dbsn", "map_fixed", "deep_ensemble", "batch_ensemble", "rank1_bnn",
+                                    "packed_ensemble", "masksembles", "mimo", "csghmc"), 100),
+    "resnet18": {**dict.fromkeys(("map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble", "rank1_bnn",
+                                  "packed_ensemble", "masksembles", "mimo", "sngp"), 75), "ddu": 350, "csghmc": 200},
+    "wrn28_10": {**dict.fromkeys(("map_fixed", "mc_dropout", "bbb", "deep_ensemble", "packed_ensemble", "masksembles",
+                                  "csghmc"), 200),
+                 **dict.fromkeys(("batch_ensemble", "rank1_bnn", "mimo", "sngp"), 250), "ddu": 350},
+}
+SHARED_EPOCHS = {"structure_net": 100, "resnet18": 200, "wrn28_10": 200}
+
+
+def _plain(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(cfg, resolve=True)
+    out["trainer"].pop("max_epochs")
+    out.pop("budget")
+    return out
+
 
 def sweep_params(dataset: str):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -59,6 +80,8 @@ def test_every_job_of_the_field_sweep_composes_checks_and_builds(dataset, tmp_pa
         assert model.net._target_.rsplit(".", 1)[-1] == NETS[backbone], job
         lr = (model.sampler if method == "csghmc" else model.optim).lr  # cSGHMC's weights move by its sampler
         assert job_cfg.trainer.max_epochs >= 75 and lr > 0, job
+        authors = 200 if job.startswith("resnet18/") and job.endswith("_cifar100") else AUTHORS_EPOCHS[backbone][method]
+        assert (job_cfg.budget.recipe, job_cfg.trainer.max_epochs) == ("authors", authors), job  # the default budget
         if dataset == "cifar10":  # the same classes and settings on CIFAR-100 (the checks above cover its keys)
             torch.manual_seed(0)
             assert type(build_model(job_cfg.model, num_classes=10)).__name__ == CLASSES[method], job
@@ -127,3 +150,72 @@ def test_the_cell_network_jobs_follow_the_fair_protocol(tmp_path):
     for backbone in ("structure_net", "resnet18"):  # the initialisation measured (docs/field.md): the authors'
         cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/batch_ensemble"], tmp_path)
         assert cfg.model.random_sign_init == -0.5, backbone
+
+
+def test_the_shared_budget_gives_every_method_on_a_backbone_the_same_epochs(tmp_path):
+    """budget=shared: one length per backbone for every job of both sweeps (CIFAR-100's: the jobs
+    whose files differ from CIFAR-10's), and nothing else of a recipe changes (a job of each kind of
+    schedule against its authors' recipe); the authors' epochs are checked for every job in
+    `test_every_job_of_the_field_sweep_composes_checks_and_builds`."""
+    seen = set()
+    for dataset in ("cifar10", "cifar100"):
+        _, params = sweep_params(dataset)
+        jobs = [job for job in params.field.split(",") if job not in seen]
+        assert len(jobs) == (33 if dataset == "cifar10" else 11)  # CIFAR-100: ResNet-18's recipes and SNGP's
+        epochs = {}
+        for job in jobs:
+            backbone = job.split("/")[0]
+            shared = compose_config("train", [f"experiment={dataset}_field", f"field={job}", "budget=shared"], tmp_path)
+            assert (shared.budget.recipe, shared.budget.backbone) == ("shared", backbone), job
+            epochs.setdefault(backbone, set()).add(shared.trainer.max_epochs)
+        assert epochs == {b: {SHARED_EPOCHS[b]} for b in epochs}, (dataset, epochs)
+        seen |= set(jobs)
+    for job in ("structure_net/dbsn", "resnet18/csghmc", "resnet18/rank1_bnn", "wrn28_10/deep_ensemble", "wrn28_10/ddu",
+                "wrn28_10/mimo"):  # warm-up, cycles, KL annealing, milestones: fractions of the run, unchanged
+        authors = compose_config("train", ["experiment=cifar10_field", f"field={job}", "budget=authors"], tmp_path)
+        shared = compose_config("train", ["experiment=cifar10_field", f"field={job}", "budget=shared"], tmp_path)
+        assert authors.budget.recipe == "authors" and _plain(shared) == _plain(authors), job
+    validate_config(shared)
+
+
+def test_the_cifar100_recipes_follow_torch_uncertainty_and_keep_the_methods_settings(tmp_path):
+    """ResNet-18 on CIFAR-100: every job of torch-uncertainty's recipe trains 200 epochs at lr 0.1, x 0.2 at
+    epochs 60, 120, 160 (their cifar100/configs/resnet18/*.yaml), with the CIFAR-10 job's method settings."""
+    _, params = sweep_params("cifar100")
+    jobs = [job for job in params.field.split(",") if job.startswith("resnet18/") and job.endswith("_cifar100")]
+    assert len(jobs) == 10
+    for job in jobs:
+        c100 = compose_config("train", ["experiment=cifar100_field", f"field={job}"], tmp_path)
+        c10 = compose_config("train", ["experiment=cifar10_field", f"field={job.removesuffix('_cifar100')}"], tmp_path)
+        model, model10 = (c.model.member if "deep_ensemble" in job else c.model for c in (c100, c10))
+        optim = model.optim
+        assert (c100.trainer.max_epochs, c100.data.batch_size, optim.lr, optim.momentum, optim.weight_decay) == (
+            200, 128, 0.1, 0.9, 5e-4), job
+        assert optim.nesterov and optim.gamma == 0.2 and optim.warmup_epochs == 0 and optim.grad_clip_norm is None
+        assert [round(m * c100.trainer.max_epochs) for m in optim.milestones] == [60, 120, 160], job
+        settings = {k: v for k, v in model.items() if k not in ("optim", "gp")}
+        assert settings == {k: v for k, v in model10.items() if k not in ("optim", "gp")}, job
+    assert compose_config("train", ["experiment=cifar100_field", "field=resnet18/sngp_cifar100"],
+                          tmp_path).model.gp.mean_field_factor == 12.5
+
+
+def test_ddu_holds_out_its_authors_validation_split(tmp_path):
+    """DDU's authors train on 45,000 of CIFAR's 50,000 training images (val_size=0.1); the same held-out
+    set for every seed, so that its seeds pool into one row; no validation pass while training."""
+    for backbone in ("resnet18", "wrn28_10"):
+        cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/ddu", "seed=2"], tmp_path)
+        assert (cfg.data.val_size, cfg.data.split_seed, cfg.trainer.limit_val_batches) == (5000, 0, 0)
+    assert compose_config("train", ["model=ddu"], tmp_path).data.val_size == 0  # plain model=ddu: every image
+
+
+def test_a_budget_outside_the_field_or_unknown_is_refused_in_one_line(tmp_path):
+    from dbsn.runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match="budget=shared .* names no backbone: it is for the field's jobs"):
+        validate_config(compose_config("train", ["budget=shared"], tmp_path))
+    with pytest.raises(ConfigError, match="budget.recipe=longest: expected authors or shared"):
+        validate_config(compose_config("train", ["experiment=cifar10_field", "field=resnet18/mimo",
+                                                 "budget.recipe=longest"], tmp_path))
+    with pytest.raises(ConfigError, match="no epochs for the backbone resnet18: add budget.epochs.resnet18"):
+        validate_config(compose_config("train", ["experiment=cifar10_field", "field=resnet18/mimo", "budget=shared",
+                                                 "~budget.epochs.resnet18"], tmp_path))

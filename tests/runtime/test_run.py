@@ -133,6 +133,10 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     # the training time adds the resumed epoch to the first four (the Timer's state is in the checkpoint)
     first, total = (json.loads((d / "metrics.json").read_text())["train_seconds"] for d in (out, resumed_dir))
     assert total > first + 0.01
+    # and the budget its steps and images (TrainingBudget's counts are in the checkpoint too); 320 training images
+    first, total = (json.loads((d / "metrics.json").read_text())["budget"] for d in (out, resumed_dir))
+    assert first == {"steps": 4 * steps_per_epoch, "images": 4 * steps_per_epoch * 32, "train_images": 320, "batch_size": 32}
+    assert (total["steps"], total["images"]) == (5 * steps_per_epoch, 5 * steps_per_epoch * 32)
 
 
 def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(cifar_root, tmp_path, monkeypatch):

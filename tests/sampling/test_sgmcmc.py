@@ -230,3 +230,22 @@ def test_the_settings_build_the_sampler_with_the_authors_temperature():
                          (dict(weight_decay=-1), "weight_decay")):
         with pytest.raises(ValueError, match=message):
             CyclicalSampler(**bad)
+
+
+@pytest.mark.parametrize("total, exploration", [(40, 0.5), (37, 0.9), (41, 0.0), (30, 1.0)])
+def test_the_peak_noise_is_the_largest_of_every_step(total, exploration):
+    """`peak_noise_std` (the first sampling step of each cycle) against the loop over every step's noise."""
+    schedule = CyclicalSchedule(cycles=3, exploration=exploration, samples_per_cycle=1)
+    opt = CyclicalSGMCMC([torch.nn.Parameter(torch.zeros(2))], lr=0.4, schedule=schedule, total_steps=total,
+                         dataset_size=1000, friction=0.9, temperature=0.3)
+    group = opt.param_groups[0]
+    assert opt.peak_noise_std() == max(opt.noise_std(group, k) for k in range(total))
+
+
+def test_the_authors_temperature_leaves_about_3e_6_of_noise_a_step():
+    """At T = 1/N on CIFAR (N = 50,000, α₀ 0.5, friction 0.9, noise in the last 10 % of 4 cycles of 50
+    epochs at batch 64) the largest noise is √(2 α₀ (cos(0.9π) + 1) / 2 · 0.9 / N²) ≈ 3.0e-6 a step."""
+    steps = 200 * (50_000 // 64)
+    opt = CyclicalSampler().build([torch.nn.Parameter(torch.zeros(2))], total_steps=steps, dataset_size=50_000)
+    expected = np.sqrt(2 * 0.5 * (np.cos(0.9 * np.pi) + 1) / 2 * 0.9 / 50_000**2)
+    assert opt.peak_noise_std() == pytest.approx(expected, rel=1e-3) and 2.9e-6 < expected < 3.1e-6

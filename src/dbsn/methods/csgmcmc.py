@@ -159,6 +159,9 @@ class ChainMembers:
         facts = {**super().run_facts(), "samples_kept": self.samples.count}
         if self.dataset_size is not None:
             facts["sampler_temperature"] = self.sampler.posterior_temperature(self.dataset_size)
+        opt = self.chain_optimizer()
+        if opt is not None:  # the largest noise a step added (at T = 1/N about 3e-6 on CIFAR: nearly SGD's path)
+            facts["sampler_noise_std_max"] = opt.peak_noise_std()
         return facts
 
 

@@ -38,10 +38,10 @@ RUNTIME_KEYS = {"model": {"member"}}
 #: The top-level keys of train.py's config, each read by the run (`validate_config` refuses any
 #: other): the sections that build its objects, `paths` (read through interpolations), `hydra`,
 #: the run's own settings, `tags` (W&B's, and the run's record), `statistics` (the test pass),
-#: `report` (a sweep's report).
+#: `report` (a sweep's report), `budget` (a field job's: which length it trains, `check_budget`).
 TOP_LEVEL_KEYS = {
     "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "resume", "resume_changes", "statistics", "report",
+    "test", "task_name", "tags", "resume", "resume_changes", "statistics", "report", "budget",
 }
 
 # Top-level keys of train.py and the types they take (None = may be null).
@@ -49,7 +49,11 @@ TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (
                    "resume": (bool,), "task_name": (str,), "resume_changes": (list, None), "tags": (list, None)}
 
 #: The keys of the top-level sections that are settings without a `_target_` (train and evaluate).
-PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"}}
+PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"},
+                  "budget": {"recipe", "backbone", "epochs"}}
+
+#: A field job's budgets (conf/budget/): its authors' recipe, or the epochs every method on its backbone shares.
+BUDGET_RECIPES = ("authors", "shared")
 
 #: The top-level keys of evaluate.py's config, each read by the evaluation
 #: (`dbsn.runtime.evaluation`, `dbsn.runtime.run.evaluate`); `check_evaluate_config` refuses others.
@@ -478,6 +482,29 @@ def check_plain_sections(cfg: DictConfig, sections: dict[str, set[str]]) -> None
                               f"{section} takes {', '.join(sorted(keys))}.")
 
 
+def check_budget(cfg: DictConfig) -> None:
+    """A field job's `budget` (conf/field/, conf/budget/): `recipe` one of `BUDGET_RECIPES`; the
+    shared one needs the job's backbone among its `epochs` (the length it gives `trainer.max_epochs`),
+    refused here in one line before anything reads the trainer's epochs."""
+    node = cfg.get("budget")
+    if not isinstance(node, DictConfig):
+        return
+    recipe = node.get("recipe")
+    if recipe not in BUDGET_RECIPES:
+        raise ConfigError(f"budget.recipe={recipe}: expected {' or '.join(BUDGET_RECIPES)} (budget=authors|shared).")
+    if recipe != "shared":
+        return
+    backbone, epochs = node.get("backbone"), node.get("epochs")
+    if backbone is None:
+        raise ConfigError("budget=shared gives every method on a backbone the same epochs, and this run names no "
+                          "backbone: it is for the field's jobs (field=<backbone>/<method>, e.g. "
+                          "experiment=cifar10_field field=resnet18/map_fixed budget=shared); set trainer.max_epochs "
+                          "for any other run.")
+    if not isinstance(epochs, DictConfig) or backbone not in epochs:
+        raise ConfigError(f"budget=shared has no epochs for the backbone {backbone}: add "
+                          f"budget.epochs.{backbone}=<epochs> (it has {', '.join(map(str, epochs or {})) or 'none'}).")
+
+
 def check_evaluate_config(cfg: DictConfig) -> None:
     """evaluate.py's counterpart of `validate_config`'s first checks: a top-level key, or a key of
     a section of plain settings, that the evaluation does not read is refused, naming where it
@@ -513,6 +540,7 @@ def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
             expected = " or ".join("null" if t is None else t.__name__ for t in allowed)
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
     check_sections(cfg)
+    check_budget(cfg)  # before the trainer's epochs are read: the shared budget sets them
     check_cuda_graph(cfg, on_this_machine)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
     check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):

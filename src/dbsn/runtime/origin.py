@@ -30,7 +30,7 @@ from dbsn.runtime.config_errors import ConfigError, UnknownKeysError, suggest
 __all__ = ["PRESETS", "Origin", "explain_unknown", "group_origin", "malformed", "origin_of", "set_by"]
 
 #: Config groups whose files are presets: `# @package _global_` overlays of a whole run.
-PRESETS = ("experiment", "field", "speed")
+PRESETS = ("experiment", "field", "budget", "speed")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from dbsn.evaluation.base import Subject
+from dbsn.evaluation.budget import TrainingBudget
 from dbsn.evaluation.convergence import TrainingCurve
 from dbsn.evaluation.cost import EpochTimer, reset_peak_memory
 from dbsn.evaluation.pipeline import Evaluator
@@ -148,10 +149,10 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
     if cfg.get("init_from"):
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
-    epoch_timer, curve = EpochTimer(), TrainingCurve()
+    epoch_timer, curve, budget = EpochTimer(), TrainingCurve(), TrainingBudget()
     callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(),
-                                                           epoch_timer, curve, *resume_callbacks(resume_changes),
-                                                           *current_watch()]
+                                                           epoch_timer, curve, budget,
+                                                           *resume_callbacks(resume_changes), *current_watch()]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
@@ -187,7 +188,7 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
     def record() -> dict:
         return {"run_id": run_id, "n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
                 "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
-                "convergence": curve.summary(),
+                "convergence": curve.summary(), "budget": budget.record(datamodule),
                 **model.run_facts(), "slurm": job_facts(),
                 "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)}
 

@@ -85,6 +85,19 @@ class CyclicalSGMCMC(Optimizer):
             return 0.0
         return math.sqrt(2.0 * self.lr(group, step) * group["friction"] * group["temperature"] / self.dataset_size)
 
+    def peak_noise_std(self, group: dict | None = None) -> float:
+        """The largest noise standard deviation of the run (of `group`, default the first): at the
+        first step of a cycle's sampling stage, where the step size is the largest the noise sees;
+        0 when no step samples. At the authors' T = 1/N it is what sets the chain apart from SGD."""
+        group = self.param_groups[0] if group is None else group
+        peak = 0.0
+        for cycle in range(self.schedule.cycles):
+            start, end = self.schedule.bounds(cycle, self.total_steps)
+            first = start + round(self.schedule.exploration * (end - start))
+            if first < end:
+                peak = max(peak, self.noise_std(group, first))
+        return peak
+
     def keeps(self) -> bool:
         """Whether the state after the last step taken is one of the schedule's samples."""
         return self.steps > 0 and self.schedule.keeps(self.steps - 1, self.total_steps)

@@ -18,8 +18,9 @@ folder an earlier report wrote: the report writes only files it made (`report_fi
 them; `folder.ReportFolder`).
 
 Writes into OUT (default outputs/report): report.md, runs.csv, rows.{md,csv} (the runs each row pools), table1_error.{md,csv},
-table2_ece.{md,csv}, table_nll.{md,csv}, calibration.{md,csv} (equal-width, equal-mass and
-classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
+table2_ece.{md,csv}, table_nll.{md,csv}, budget.{md,csv} (every row's epochs, optimiser steps, images seen,
+training split and time, the field's recipe it ran, a held-out split or a sampler's temperature),
+calibration.{md,csv} (equal-width, equal-mass and classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
 have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
 ood_groups.csv (near / far OOD means), ood_scores.{md,csv} (every detection score by method), shift.{md,csv} with Ovadia et al.'s box plots per
 dataset, conformal.{md,csv} (coverage and set sizes), calibrators.{md,csv} (each method after every post-hoc
@@ -45,6 +46,7 @@ from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.sections.ablation import ablation_section
 from dbsn.evaluation.report.sections.accuracy import main_tables
 from dbsn.evaluation.report.sections.adversarial import adversarial_section
+from dbsn.evaluation.report.sections.budget import budget_section
 from dbsn.evaluation.report.sections.calibration import calibration_section, calibrators_section
 from dbsn.evaluation.report.sections.conformal import conformal_section
 from dbsn.evaluation.report.sections.cost import cost_section, time_section
@@ -120,9 +122,11 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing{others}. "
             "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables. A row pools only runs that "
             "differ in their seed alone; a run of another setting is a row of its own, named by what differs "
-            "(see \"Rows and the runs they pool\").\n\n")
+            "(see \"Rows and the runs they pool\"). Every row of every table is a row of \"Training budgets\" "
+            "(`budget.md`): the epochs, optimiser steps, images seen and training time its runs cost.\n\n")
     if ok:
-        text += main_tables(report, ok) + tuning_section(report, ok) + published_section(report, ok)
+        text += main_tables(report, ok) + budget_section(report, ok) + tuning_section(report, ok)
+        text += published_section(report, ok)
         text += paired_section(report, ok, reference, statistics)
         text += calibration_section(report, ok) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok)

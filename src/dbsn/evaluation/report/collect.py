@@ -47,6 +47,7 @@ class Run:
     differences: list = field(default_factory=list)  # `key=value` of its setting that differ from its method's main one
     evaluation_differences: list = field(default_factory=list)  # those of them that are its evaluation's (post-hoc runs)
     stale: str | None = None  # why its evaluation/ is of an earlier checkpoint of the run (`identity.examine`)
+    budget: dict = field(default_factory=dict)  # what its training consumed (`training_budget`; post hoc: its run's)
 
     def __post_init__(self) -> None:
         self.base_method = self.base_method or self.method
@@ -97,7 +98,9 @@ def load_run(folder: Path) -> Run:
             # a posthoc=temperature run of an earlier version names no calibrator
             run.calibrator = record.get("calibrator") or ("temperature" if record.get("posthoc") == "temperature" else None)
             run.evaluation_settings = dict(record.get("settings") or {})
-        except (ValueError, KeyError, TypeError) as err:
+            trained = _json(folder.parent.parent / "metrics.json") if folder.parent.name == "posthoc" else record
+            run.budget = training_budget(trained or {})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             run.note = f"unreadable metrics.json: {err!r}"
     if run.status == "ok":
         disagreement, run.stale = examine(folder)
@@ -108,6 +111,19 @@ def load_run(folder: Path) -> Run:
         if slurm.get("error"):
             run.note += f"; SLURM job {slurm.get('job_id')} failed: {slurm['error'][:300]}"
     return run
+
+
+#: metrics.json's run facts that belong to a row's budget: cSG-MCMC's temperature and its largest noise a step
+BUDGET_FACTS = ("sampler_temperature", "sampler_noise_std_max")
+
+
+def training_budget(record: dict) -> dict:
+    """What a training run's metrics.json says it consumed: `epochs`, `seconds` (the fit's wall
+    time), and where recorded (`dbsn.evaluation.budget`) `steps`, `images` (seen), `train_images`
+    (the training split's size) and `batch_size`, with `BUDGET_FACTS`; a key not recorded is absent."""
+    found = {"epochs": record.get("epochs"), "seconds": record.get("train_seconds"), **(record.get("budget") or {})}
+    found.update({key: record[key] for key in BUDGET_FACTS if key in record})
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _json(path: Path) -> dict | None:
