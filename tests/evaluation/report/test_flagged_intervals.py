@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import wandb
 
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE
 from dbsn.evaluation.recorder import PredictionRecorder
@@ -64,6 +65,7 @@ def test_an_interval_that_misses_its_estimate_is_flagged_on_the_console_in_wandb
     logger = WandbLogger(offline=True, save_dir=str(folder), project="flagged")
     write_results(results, folder, [logger])
     logger.experiment.finish()
+    wandb.teardown()  # the W&B service writes the run's file on its own time: stopped, it has written all of it
 
     # the console: the note on the ECE's row, and on no other
     printed = [line for line in capsys.readouterr().out.splitlines() if OUTSIDE_NOTE.strip("()") in line]
