@@ -5,8 +5,8 @@ An interval [low, high] of a metric's estimate is shown
 - **with a flag where it misses its own estimate** (`OUTSIDE_NOTE`). A percentile interval lies
   where the statistic's resampled values lie; for a statistic biased under resampling they sit
   beside the estimate rather than around it (the plug-in ECE: each resample's bins are noisier, so
-  its resampled ECEs sit above the estimate, and its interval misses the estimate in about a fifth
-  of the test sets of a calibrated model). Such an interval is shown as it is, never stretched to
+  its resampled ECEs sit above the estimate, and for a calibrated model its interval often misses
+  the estimate). Such an interval is shown as it is, never stretched to
   its estimate, and flagged.
 - **with each bound on the right side of the metric's limits** (`METRIC_LIMITS`): an error rate, an
   AUROC or a coverage lies in [0, 1]; an NLL, a CE², a cost, a set size is at least 0. A bound
