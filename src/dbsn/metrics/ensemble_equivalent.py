@@ -190,6 +190,7 @@ def equivalent_interval(method_nll: Tensor, ensemble_nll: Tensor, sizes: Sequenc
     else:
         leaves_out.append(METHOD_RUNS)
     df = torch.where(terms > 0, variance**2 / terms.clamp_min(1e-300), torch.full_like(terms, math.inf))
+    # (df >= r − 1 where the test noise is not correlated with the runs against it; at least 1 always)
     critical = torch.as_tensor(student.ppf((1 + level) / 2, df.clamp_min(1.0).numpy()), dtype=torch.float64)
     reach = critical * variance.sqrt()
     difference = curve @ weights.T - method  # Δ(d): the curve at d less the method's NLL

@@ -239,6 +239,8 @@ def _interval_text(value: float, low: float, high: float) -> str:
 # ---------------------------------------------------------------------- the deep-ensemble equivalent
 #: what the equivalent's interval leaves out where the ensemble's per-example NLLs were not saved
 UNSAVED_CURVE = "the ensemble curve's noise (its per-example NLLs were not saved: evaluate it again)"
+#: ... and where the method was tested on other examples than the ensemble
+OTHER_EXAMPLES = "the ensemble curve's noise (the method was tested on other examples)"
 
 
 def _ensemble_curve(run: Run) -> tuple[list[int], list[float], torch.Tensor | None] | None:
@@ -289,6 +291,7 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
         curve = [float(np.mean([c[1][i] for _, c in found])) for i in range(len(sizes))]
         examples = [c[2] for _, c in found]
         ensemble_targets = [None if (p := load_predictions(r)) is None else p["targets"] for r, _ in found]
+        saved = all(e is not None for e in examples) and all(t is not None for t in ensemble_targets)
         for method in order({r.method for r in ok if r.dataset == dataset and backbone(r.method) == on}, METHOD_ORDER):
             values, bounds, per_example = [], [], []
             for run in (r for r in ok if r.method == method and r.dataset == dataset):
@@ -307,8 +310,7 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
             if method == name:  # the ensemble against its own curve: its size, by definition
                 dee = low = high = float(sizes[-1])
                 leaves_out = ("nothing: the ensemble itself",)
-            elif all(e is not None for e in examples) and all(
-                    t is not None and torch.equal(t, targets) for t in ensemble_targets for targets, _ in per_example):
+            elif saved and all(torch.equal(t, targets) for t in ensemble_targets for targets, _ in per_example):
                 dee, low, high, leaves_out = equivalent_interval(torch.stack([nll for _, nll in per_example]),
                                                                  torch.stack(examples), sizes, statistics.level)
             else:  # the method's NLL interval through the curve, taken as exact
@@ -317,7 +319,8 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
                 dee = deep_ensemble_equivalent(snap(cell.mean), sizes, curve)
                 low, high = ((None, None) if cell.low is None else
                              deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve))
-                leaves_out = (UNSAVED_CURVE, *((METHOD_RUNS,) if len(values) == 1 else ()))
+                leaves_out = (OTHER_EXAMPLES if saved else UNSAVED_CURVE,
+                              *((METHOD_RUNS,) if len(values) == 1 else ()))
             text = shown(dee)
             if low is not None:
                 low, high, misses = shown_interval("deep_ensemble_equivalent", dee, low, high)
