@@ -309,7 +309,7 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
             cell = mean_std(values, bounds)
             if method == name:  # the ensemble against its own curve: its size, by definition
                 dee = low = high = float(sizes[-1])
-                leaves_out = ("nothing: the ensemble itself",)
+                leaves_out = ()
             elif saved and all(torch.equal(t, targets) for t in ensemble_targets for targets, _ in per_example):
                 dee, low, high, leaves_out = equivalent_interval(torch.stack([nll for _, nll in per_example]),
                                                                  torch.stack(examples), sizes, statistics.level)
@@ -325,7 +325,8 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
             if low is not None:
                 low, high, misses = shown_interval("deep_ensemble_equivalent", dee, low, high)
                 text += f" [{shown(low)}, {shown(high)}]" + (f" {OUTSIDE_NOTE}" if misses else "")
-            rows.append([method, dataset, fmt(cell, 4, "calibrated_nll"), text, "; ".join(leaves_out) or "nothing"])
+            left_out = "; ".join(leaves_out) or ("nothing (its own size, by definition)" if method == name else "nothing")
+            rows.append([method, dataset, fmt(cell, 4, "calibrated_nll"), text, left_out])
             csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high, "; ".join(leaves_out)])
     if not rows:
         return ""
