@@ -266,3 +266,24 @@ def test_validation_calibration_without_a_validation_split_is_refused_before_the
             "evaluations=[conformal]", "evaluations.conformal.calibration=validation", f"output_dir={tmp_path / 'out'}"])
     assert "\n" not in str(refused.value) and not (tmp_path / "out" / "metrics.json").exists()
     assert (digits_run / "metrics.json").stat().st_mtime_ns == written
+
+
+def test_the_figure_draws_each_interval_where_it_lies_and_hatches_a_bar_it_misses():
+    """The conformal figure's bars follow the rule of every shown interval: an interval is drawn from
+    its low to its high end (an interval above its bar is not folded back over it), within the metric's
+    limits (a coverage at most 1), and the bar it misses is hatched, with the figure's note."""
+    from dbsn.evaluation.conformal import conformal_figure
+    from dbsn.evaluation.plots import FLAGGED_NOTE, INTERVAL_LABEL
+
+    results = [{"level": 0.9, "score": "thr", "coverage": 0.90, "size": 1.4},
+               {"level": 0.9, "score": "aps", "coverage": 0.93, "size": 2.0}]
+    intervals = {"conformal/90/thr/coverage": [0.91, 0.95], "conformal/90/aps/coverage": [0.91, 1.02],
+                 "conformal/90/thr/size": [1.3, 1.5], "conformal/90/aps/size": [1.8, 2.2]}
+    figure = conformal_figure(results, intervals, "toy")
+    coverage, size = figure.axes
+    bars = [sorted(c.lines[2][0].get_segments()[0][:, 1].tolist()) for c in coverage.containers
+            if c.get_label() == INTERVAL_LABEL]
+    assert np.allclose(bars, [[0.91, 0.95], [0.91, 1.0]])  # np.abs once drew thr's as [0.89, 0.95]
+    assert [bar.get_hatch() for bar in coverage.patches] == ["//", None]
+    assert [bar.get_hatch() for bar in size.patches] == [None, None]
+    assert FLAGGED_NOTE["hatched"] in [t.get_text() for t in figure.texts]

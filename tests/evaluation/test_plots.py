@@ -5,8 +5,12 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE
 from dbsn.evaluation.plots import (
+    FLAGGED_NOTE,
+    INTERVAL_LABEL,
     PARETO_METRICS,
+    front_steps,
     pareto_figure,
     pareto_front,
     reliability_diagram,
@@ -80,12 +84,12 @@ def test_pareto_front_excludes_dominated_points_and_keeps_ties():
 
 
 ROWS = [
-    {"method": "single", "flops": 1e9, "calibrated_nll": 0.30, "ece": 0.020, "error": 0.08},
+    {"method": "single", "flops": 1e9, "calibrated_nll": 0.30, "ce2": 0.0020, "error": 0.08},
     {"method": "ensemble", "flops": 4e9, "calibrated_nll": 0.22, "calibrated_nll_low": 0.20,
-     "calibrated_nll_high": 0.24, "ece": 0.010, "error": 0.06, "error_low": 0.055, "error_high": 0.065},
+     "calibrated_nll_high": 0.24, "ce2": 0.0010, "error": 0.06, "error_low": 0.055, "error_high": 0.065},
     {"method": "dbsn", "flops": 2e9, "calibrated_nll": 0.25, "calibrated_nll_low": 0.23,
-     "calibrated_nll_high": 0.27, "ece": 0.030},  # error not measured
-    {"method": "bad", "flops": 5e9, "calibrated_nll": 0.35, "ece": 0.040, "error": 0.10},
+     "calibrated_nll_high": 0.27, "ce2": 0.0030},  # error not measured
+    {"method": "bad", "flops": 5e9, "calibrated_nll": 0.35, "ce2": 0.0040, "error": 0.10},
 ]
 
 
@@ -94,39 +98,86 @@ def _front_line(ax):
     return line
 
 
+def _markers(ax) -> dict:
+    """method -> its marker's Line2D (the errorbar containers labelled with a method)."""
+    return {c.get_label(): c.lines[0] for c in ax.containers if c.get_label() != INTERVAL_LABEL}
+
+
+def _bars(ax) -> list[float]:
+    """low, high of every interval bar drawn, in drawing order, one flat list."""
+    return [end for c in ax.containers if c.get_label() == INTERVAL_LABEL
+            for end in sorted(c.lines[2][0].get_segments()[0][:, 1].tolist())]
+
+
 def test_pareto_figure_panels_markers_bars_and_front():
     fig = pareto_figure(ROWS, title="toy")
     assert len(fig.axes) == 3
     assert [ax.get_title() for ax in fig.axes] == list(PARETO_METRICS.values())
+    assert list(PARETO_METRICS) == ["calibrated_nll", "ce2", "error"]  # the unbiased CE², not the plug-in ECE
     assert fig.get_suptitle() == "toy"
     assert all(ax.get_xscale() == "log" for ax in fig.axes)
-    # one errorbar container (one marker) per method that has the metric; bars only with an interval
-    assert [len(ax.containers) for ax in fig.axes] == [4, 4, 3]
-    assert [sum(c.has_yerr for c in ax.containers) for ax in fig.axes] == [2, 0, 1]
+    # one marker per method that has the metric; a bar of its own only with an interval
+    assert [len(_markers(ax)) for ax in fig.axes] == [4, 4, 3]
+    assert [len(_bars(ax)) // 2 for ax in fig.axes] == [2, 0, 1]
     nll_ax = fig.axes[0]
-    assert [c.get_label() for c in nll_ax.containers] == ["single", "ensemble", "dbsn", "bad"]
-    # the ensemble's NLL bar spans its interval
-    (bar,) = nll_ax.containers[1].lines[2]
-    assert bar.get_segments()[0][:, 1] == pytest.approx([0.20, 0.24])
-    # NLL front: single (1e9), dbsn (2e9), ensemble (4e9); 'bad' is dominated
-    front = _front_line(nll_ax)
-    assert front.get_drawstyle() == "steps-post"
-    assert list(front.get_xdata()) == [1e9, 2e9, 4e9]
-    assert list(front.get_ydata()) == pytest.approx([0.30, 0.25, 0.22])
-    # ECE front: single and ensemble only
-    assert list(_front_line(fig.axes[1]).get_xdata()) == [1e9, 4e9]
+    assert list(_markers(nll_ax)) == ["single", "ensemble", "dbsn", "bad"]
+    # the ensemble's NLL bar spans its interval, then dbsn's (rows in order)
+    assert _bars(nll_ax) == pytest.approx([0.20, 0.24, 0.23, 0.27])
     legend_labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend_labels == ["single", "ensemble", "dbsn", "bad", "Pareto front"]
 
 
+def test_the_pareto_front_steps_down_at_each_better_costlier_method():
+    """NLL: single (1e9, 0.30), dbsn (2e9, 0.25), ensemble (4e9, 0.22) are the front, 'bad' (5e9) is
+    dominated: the line holds each best value across to the next front point's cost, steps down to
+    it (the last step down included) and runs on to the costliest method drawn."""
+    fig = pareto_figure(ROWS, title="toy")
+    front = _front_line(fig.axes[0])
+    assert list(front.get_xdata()) == [1e9, 2e9, 2e9, 4e9, 4e9, 5e9]
+    assert list(front.get_ydata()) == pytest.approx([0.30, 0.30, 0.25, 0.25, 0.22, 0.22])
+    assert front.get_drawstyle() == "default" and front.get_linestyle() == "--"
+    # CE²: single (1e9, 0.002) then ensemble (4e9, 0.001); dbsn and bad dominated
+    ce2 = _front_line(fig.axes[1])
+    assert list(ce2.get_xdata()) == [1e9, 4e9, 4e9, 5e9]
+    assert list(ce2.get_ydata()) == pytest.approx([0.002, 0.002, 0.001, 0.001])
+    # the front is drawn above the interval bars (a step at a method's cost is not hidden by its bar)
+    assert front.get_zorder() > max(c.lines[2][0].get_zorder() for c in fig.axes[0].containers
+                                    if c.get_label() == INTERVAL_LABEL)
+    assert front_steps([(1.0, 2.0)]) == ([1.0], [2.0])
+
+
+def test_pareto_bars_stay_within_the_metrics_limits_and_are_not_stretched_to_their_marker():
+    """Two seeds' t intervals reach below 0 for an error, a CE² and an NLL: the bars stop at 0. An
+    interval that misses its estimate (as a biased statistic's can) is drawn where it lies, and its
+    marker is hollow with the panel's note; a negative CE² estimate under an interval clipped at 0 is
+    not flagged (the estimate may be negative, the true CE² cannot)."""
+    rows = [{"method": "two seeds", "flops": 1e9, "calibrated_nll": 0.02, "calibrated_nll_low": -0.10,
+             "calibrated_nll_high": 0.14, "ce2": -0.0002, "ce2_low": -0.0010, "ce2_high": 0.0030,
+             "error": 0.01, "error_low": -0.05, "error_high": 0.07},
+            {"method": "biased", "flops": 2e9, "calibrated_nll": 0.30, "calibrated_nll_low": 0.28,
+             "calibrated_nll_high": 0.33, "ce2": 0.001, "error": 0.03, "error_low": 0.035, "error_high": 0.07}]
+    fig = pareto_figure(rows, title="limits")
+    nll_ax, ce2_ax, error_ax = fig.axes
+    assert _bars(nll_ax) == pytest.approx([0.0, 0.14, 0.28, 0.33])
+    assert _bars(ce2_ax) == pytest.approx([0.0, 0.003])
+    assert _bars(error_ax) == pytest.approx([0.0, 0.07, 0.035, 0.07])  # not stretched down to 0.03
+    assert all(min(_bars(ax)) >= 0.0 for ax in fig.axes)
+    hollow = {ax.get_title(): [m for m, line in _markers(ax).items() if line.get_markerfacecolor() == "none"]
+              for ax in fig.axes}
+    assert hollow == {"Calibrated NLL": [], "CE² (unbiased)": [], "Error": ["biased"]}
+    assert [t.get_text() for t in error_ax.texts] == [FLAGGED_NOTE["hollow marker"]]
+    assert not nll_ax.texts and not ce2_ax.texts
+    assert OUTSIDE_NOTE.strip("()") in FLAGGED_NOTE["hollow marker"]
+
+
 def test_pareto_figure_metric_absent_from_every_row_says_not_measured(tmp_path):
-    rows = [{k: v for k, v in row.items() if not k.startswith("ece")} for row in ROWS]
-    rows[0]["ece"] = None  # None counts as absent too
-    fig = pareto_figure(rows, title="no ECE")
-    ece_ax = fig.axes[1]
-    assert len(ece_ax.containers) == 0
-    assert [t.get_text() for t in ece_ax.texts] == ["not measured"]
-    assert ece_ax.get_xscale() == "log"
+    rows = [{k: v for k, v in row.items() if not k.startswith("ce2")} for row in ROWS]
+    rows[0]["ce2"] = None  # None counts as absent too
+    fig = pareto_figure(rows, title="no CE²")
+    ce2_ax = fig.axes[1]
+    assert len(ce2_ax.containers) == 0
+    assert [t.get_text() for t in ce2_ax.texts] == ["not measured"]
+    assert ce2_ax.get_xscale() == "log"
     assert not any(t.get_text() == "not measured" for ax in (fig.axes[0], fig.axes[2]) for t in ax.texts)
     assert save_figure(fig, tmp_path / "pareto.png").read_bytes().startswith(PNG_MAGIC)
 

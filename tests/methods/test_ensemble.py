@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
 from dbsn.methods import DBSN, MAP, DeepEnsemble
 from dbsn.nets import StructureNet
 from dbsn.runtime.build import build_model
@@ -69,6 +71,9 @@ def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
     rows = json.loads((job / "ablation" / "results.json").read_text())  # the deep-ensemble equivalent's curve
     assert [r["n_samples"] for r in rows] == [1, 2] and all(math.isfinite(r["calibrated_nll"]) for r in rows)
+    with np.load(job / CALIBRATED_NLL_FILE) as saved:  # example by example, for the equivalent's interval
+        assert saved["sizes"].tolist() == [1, 2]
+        assert saved["nll"].mean(1) == pytest.approx([r["calibrated_nll"] for r in rows], rel=1e-5)
     record = json.loads((job / "metrics.json").read_text())
     assert record["cost"]["n_samples"] == 2 and rows[-1]["calibrated_nll"] == pytest.approx(
         record["metrics"]["test/calibrated/nll"], abs=0.05)  # the same ensemble, calibrated on the other halves

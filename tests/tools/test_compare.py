@@ -139,7 +139,7 @@ def test_the_table_says_where_an_estimate_lies_outside_its_interval(tmp_path):
                        "intervals": {"test/error": [0.05, 0.15], "test/ce2": [0.005, 0.009]}}}
     table = write_table(results, tmp_path, epochs=10)
     assert "10.00 [5.00, 15.00] |" in table  # inside: the interval alone
-    assert "0.00400 [0.00500, 0.00900] (the estimate lies outside its bootstrap interval" in table
+    assert "0.00400 [0.00500, 0.00900] (the estimate lies outside its interval" in table
 
 
 def test_the_paired_reference_is_named_as_the_report_names_it():

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-__all__ = ["COLUMNS", "ablation_figure"]
+__all__ = ["CALIBRATED_NLL_FILE", "COLUMNS", "ablation_figure"]
 
 COLUMNS = ("n_samples", "error", "nll", "brier", "ece")
+#: each ablation size's calibrated NLL of every test example, where the ablation kept its ensembles
+#: (`sizes` (S,), `nll` (S, N)): what the deep-ensemble equivalent's interval resamples
+CALIBRATED_NLL_FILE = "ablation/calibrated_nll.npz"
 
 
 def ablation_figure(results: dict[str, list[dict[str, float]]], title: str | None = None) -> Figure:

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from dbsn.data.shift import SEVERITIES, check_corrupted_files
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
+from dbsn.evaluation.plots import FLAGGED_NOTE, interval_bar
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
 from dbsn.evaluation.shift import DatasetShift, corrupted_log_probs
@@ -374,25 +375,27 @@ class ConformalPrediction(Evaluation):
 
 def conformal_figure(results: Sequence[dict], intervals: dict[str, list[float]] | None = None,
                      title: str | None = None) -> Figure:
-    """Coverage and mean set size per score, one bar per level (with its interval where given);
-    the nominal coverage of each level drawn as a dashed line in its colour."""
+    """Coverage and mean set size per score, one bar per level (with its interval where given, by the
+    rule of every shown interval: `plots.interval_bar`, a bar whose interval misses it hatched); the
+    nominal coverage of each level drawn as a dashed line in its colour."""
     intervals = intervals or {}
     levels = list(dict.fromkeys(r["level"] for r in results))
     scores = list(dict.fromkeys(r["score"] for r in results))
     figure = Figure(figsize=(max(7.0, 1.6 * len(scores) + 3), 3.8), layout="constrained")
     axes = figure.subplots(1, 2)
-    width = 0.8 / len(levels)
+    width, flagged = 0.8 / len(levels), False
     for ax, metric in zip(axes, ("coverage", "size")):
         for i, level in enumerate(levels):
             at = {r["score"]: r for r in results if r["level"] == level}
             x = np.arange(len(scores)) + (i - (len(levels) - 1) / 2) * width
             values = [at[s][metric] if s in at else math.nan for s in scores]
-            bounds = [intervals.get(f"conformal/{level_name(level)}/{s}/{metric}") for s in scores]
-            error = None
-            if all(b is not None for b in bounds):
-                error = np.abs(np.array([[v - b[0], b[1] - v] for v, b in zip(values, bounds)]).T)
-            ax.bar(x, values, width * 0.9, yerr=error, capsize=2, color=f"C{i}", alpha=0.8,
-                   label=f"1 − α = {level_name(level)} %")
+            bars = ax.bar(x, values, width * 0.9, color=f"C{i}", alpha=0.8, label=f"1 − α = {level_name(level)} %")
+            for at_x, value, bar, score in zip(x, values, bars, scores):
+                bounds = intervals.get(f"conformal/{level_name(level)}/{score}/{metric}")
+                if (bounds is not None and not math.isnan(value)
+                        and interval_bar(ax, at_x, value, *bounds, metric, "black")):
+                    bar.set_hatch("//")
+                    flagged = True
             if metric == "coverage":
                 ax.axhline(level, color=f"C{i}", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(scores)), scores, rotation=20)
@@ -401,6 +404,8 @@ def conformal_figure(results: Sequence[dict], intervals: dict[str, list[float]] 
     low = min([r["coverage"] for r in results] + list(levels))
     axes[0].set_ylim(max(0.0, low - 0.1), 1.0)
     axes[0].legend(loc="lower right", fontsize="small")
+    if flagged:
+        figure.text(0.01, 0.01, FLAGGED_NOTE["hatched"], fontsize="x-small", color="gray")
     if title:
         figure.suptitle(f"{title}: conformal prediction sets")
     return figure

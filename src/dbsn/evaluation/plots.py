@@ -1,5 +1,10 @@
 """Figures: the reliability diagram (Guo et al., 2017, fig. 1) and the cost/quality Pareto
-figure (calibrated NLL, ECE and error against prediction FLOPs per image).
+figure (calibrated NLL, the unbiased CE² and error against prediction FLOPs per image).
+
+Every interval a figure draws follows the rule of every shown interval
+(`dbsn.evaluation.interval_rule`, `interval_bar`): the bar spans the interval within the metric's
+limits, exactly where it lies; an interval that misses its estimate is drawn as it is, not
+stretched to the marker, and the marker says so.
 
 Figures are built with :class:`matplotlib.figure.Figure` directly, not through pyplot, so
 they work on a headless machine and never open a window.
@@ -16,9 +21,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.metrics.classification import expected_calibration_error, reliability_bins
 
-__all__ = ["PARETO_METRICS", "pareto_figure", "pareto_front", "reliability_diagram", "save_figure"]
+__all__ = ["PARETO_METRICS", "interval_bar", "pareto_figure", "pareto_front", "reliability_diagram", "save_figure"]
 
 
 def reliability_diagram(
@@ -74,10 +80,16 @@ def reliability_diagram(
     return fig
 
 
-PARETO_METRICS = {"calibrated_nll": "Calibrated NLL", "ece": "ECE", "error": "Error"}
-"""The metrics of `pareto_figure`, one panel each, left to right: row key -> panel label."""
+PARETO_METRICS = {"calibrated_nll": "Calibrated NLL", "ce2": "CE² (unbiased)", "error": "Error"}
+"""The metrics of `pareto_figure`, one panel each, left to right: row key (the last part of the
+stable metric name) -> panel label. Calibration is the unbiased squared calibration error, the one
+the report's tests compare (the plug-in ECE's bias depends on each method's spread of confidences)."""
 
 _MARKERS = "osD^vP*Xph<>"
+#: what a hollow marker (Pareto figure) or a hatched bar (conformal figure) means
+FLAGGED_NOTE = {mark: f"{mark}: {OUTSIDE_NOTE.strip('()')}" for mark in ("hollow marker", "hatched")}
+#: the label of every interval bar `interval_bar` draws (left out of legends: it starts with "_")
+INTERVAL_LABEL = "_interval"
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -100,6 +112,20 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return sorted((i for i in valid if not dominated(i)), key=lambda i: (*pts[i], i))
 
 
+def front_steps(front: Sequence[tuple[float, float]], right: float | None = None) -> tuple[list[float], list[float]]:
+    """The Pareto front's points (by increasing cost) as the vertices of its step line: the best value
+    reached at or below each cost, so from each point across to the next one's cost and down to it,
+    then across to `right` (the costliest method drawn) where that lies beyond the last point."""
+    xs, ys = [front[0][0]], [front[0][1]]
+    for x, y in front[1:]:
+        xs += [x, x]
+        ys += [ys[-1], y]
+    if right is not None and right > xs[-1]:
+        xs.append(right)
+        ys.append(ys[-1])
+    return xs, ys
+
+
 def _measured(row: Mapping, metric: str) -> float | None:
     """The row's value of `metric`, or None where it is absent, None or nan."""
     value = row.get(metric)
@@ -108,16 +134,27 @@ def _measured(row: Mapping, metric: str) -> float | None:
     return float(value)
 
 
-def _error_bar(row: Mapping, metric: str, value: float) -> list[list[float]] | None:
-    """matplotlib's ``yerr`` ([[below], [above]]) from the row's ``<metric>_low`` and
-    ``<metric>_high``, or None where the row gives no interval. A bar always reaches its
-    marker: were the value outside its interval, the bar would stretch to it."""
+def _bounds(row: Mapping, metric: str) -> tuple[float, float] | None:
+    """The row's ``<metric>_low`` and ``<metric>_high``, or None where it gives no interval."""
     low, high = row.get(f"{metric}_low"), row.get(f"{metric}_high")
     if low is None and high is None:
         return None
     if low is None or high is None:
         raise ValueError(f"{row.get('method')!r}: {metric} needs both {metric}_low and {metric}_high, got one")
-    return [[max(value - float(low), 0.0)], [max(float(high) - value, 0.0)]]
+    return float(low), float(high)
+
+
+def interval_bar(ax, x: float, value: float, low: float, high: float, metric: str | None, color,
+                 zorder: float = 3) -> bool:
+    """Draw the interval [low, high] of `value` (the metric `metric`'s stable name, or its last part)
+    at `x` as a capped vertical bar (an errorbar container labelled `INTERVAL_LABEL`), by the rule of
+    every shown interval: within the metric's limits and exactly where it lies, whether or not it
+    reaches `value`. Returns whether it misses `value` (the caller marks that)."""
+    low, high, misses = shown_interval(metric, value, low, high)
+    middle = (low + high) / 2
+    ax.errorbar([x], [middle], yerr=[[middle - low], [high - middle]], fmt="none", ecolor=color, capsize=3,
+                zorder=zorder, label=INTERVAL_LABEL)
+    return misses
 
 
 def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
@@ -126,11 +163,14 @@ def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
 
     Each row is one method: ``{"method": name, "flops": prediction FLOPs per image, and for each
     metric its value with optional "<metric>_low" / "<metric>_high"}``. In each panel the x axis
-    is the FLOPs (log scale) and every method with that metric is drawn with ``ax.errorbar``
-    (one container per method, with a vertical bar where the row gives an interval; same colour
-    and marker in every panel, named in one figure legend). The Pareto front of the panel
-    (`pareto_front` of (FLOPs, metric)) is joined by a dashed step line: the best value reached
-    at or below each cost. A metric no row has leaves its panel saying "not measured".
+    is the FLOPs (log scale) and every method with that metric is a marker (an ``ax.errorbar``
+    container labelled with the method, same colour and marker in every panel, named in one figure
+    legend), with its interval, where the row gives one, as a bar of its own (`interval_bar`: within
+    the metric's limits; a marker outside its interval is hollow, and the panel says why). The Pareto
+    front of the panel (`pareto_front` of (FLOPs, metric)) is a dashed step line (`front_steps`):
+    the best value reached at or below each cost, stepping down at each better, costlier method and
+    running on to the costliest method drawn. A metric no row has leaves its panel saying "not
+    measured".
     """
     for row in rows:
         flops = row.get("flops")
@@ -149,18 +189,22 @@ def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
         if not drawn:
             ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="gray")
             continue
+        flagged = False
         for i, value in drawn:
-            row = rows[i]
-            container = ax.errorbar(
-                float(row["flops"]), value, yerr=_error_bar(row, metric, value), fmt=markers[i], color=colours[i],
-                markersize=7, capsize=3, label=str(row["method"]), zorder=3,
-            )
+            row, x = rows[i], float(rows[i]["flops"])
+            bounds = _bounds(row, metric)
+            misses = bounds is not None and interval_bar(ax, x, value, *bounds, metric, colours[i])
+            flagged |= misses
+            container = ax.errorbar(x, value, fmt=markers[i], color=colours[i], markersize=7, label=str(row["method"]),
+                                    zorder=4, markerfacecolor="none" if misses else colours[i])
             handles.setdefault(i, container)
         front = pareto_front([(float(rows[i]["flops"]), value) for i, value in drawn])
-        (front_line,) = ax.step(
-            [float(rows[drawn[k][0]]["flops"]) for k in front], [drawn[k][1] for k in front],
-            where="post", linestyle="--", color="gray", zorder=2, label="Pareto front",
-        )
+        xs, ys = front_steps([(float(rows[drawn[k][0]]["flops"]), drawn[k][1]) for k in front],
+                             right=max(float(rows[i]["flops"]) for i, _ in drawn))
+        (front_line,) = ax.plot(xs, ys, linestyle="--", color="gray", zorder=3.5, label="Pareto front")
+        if flagged:
+            ax.text(0.02, 0.02, FLAGGED_NOTE["hollow marker"], transform=ax.transAxes, fontsize="x-small", color="gray",
+                    wrap=True)
         ax.grid(True, which="major", alpha=0.3)
     if handles:
         order = sorted(handles)

@@ -59,7 +59,8 @@ class PredictionRecorder(Callback):
             pass, whose `per_image` rows and `resampled` give the bootstrap intervals (None
             otherwise).
         ablation: the MC-sample ablation updated by the pass (None: none), `ablation_rows` its
-            rows (`SampleAblation.compute`).
+            rows (`SampleAblation.compute`), `calibrated_ablation` each kept size's calibrated NLL
+            of every test example (sizes, N), once `test_pass.add_calibrated_ablation` made it.
     """
 
     def __init__(self, ablation: SampleAblation | None = None) -> None:
@@ -74,6 +75,7 @@ class PredictionRecorder(Callback):
         self.maps: list[dict[str, Tensor]] = []
         self.image_metrics: nn.Module | None = None
         self.ablation_rows: list[dict[str, float]] | None = None
+        self.calibrated_ablation: Tensor | None = None
         self._batches: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
 
     def on_test_epoch_start(self, trainer, pl_module) -> None:

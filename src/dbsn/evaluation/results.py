@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table as RichTable
 
+from dbsn.evaluation.interval_rule import shown_interval
 from dbsn.evaluation.plots import save_figure
 from dbsn.evaluation.tracking import log_to_wandb, wandb_loggers
 
@@ -66,7 +67,8 @@ class Results:
         curves: W&B step metric -> rows: curves against a variable of their own (`log_curve`).
         console: tables printed on the console.
         intervals: flat name -> [low, high], the bootstrap interval of a number of `metrics`
-            (`dbsn.evaluation.statistics`); loggers get them as `<name>/ci_low`, `<name>/ci_high`.
+            (`dbsn.evaluation.statistics`); loggers get them as `<name>/ci_low`, `<name>/ci_high` and
+            `<name>/ci_misses_estimate` (`interval_numbers`).
     """
 
     metrics: dict[str, float] = field(default_factory=dict)
@@ -133,10 +135,20 @@ def write_file(path: Path, content: Any) -> Path:
     return path
 
 
-def interval_numbers(intervals: dict[str, list[float]]) -> dict[str, float]:
-    """`<name>/ci_low` and `<name>/ci_high` of each interval: how loggers receive them."""
-    return {f"{key}/ci_{end}": float(value) for key, (low, high) in intervals.items()
-            for end, value in (("low", low), ("high", high))}
+def interval_numbers(intervals: dict[str, list[float]], metrics: dict[str, float] | None = None) -> dict[str, float]:
+    """How loggers receive each interval, by the rule of every shown interval
+    (`dbsn.evaluation.interval_rule`): `<name>/ci_low` and `<name>/ci_high` within the metric's limits,
+    and, where `metrics` holds the estimate, `<name>/ci_misses_estimate` (1.0 where the interval does
+    not contain it, else 0.0: logged either way, so that a later evaluation into the same W&B run
+    replaces an earlier flag)."""
+    numbers = {}
+    for key, (low, high) in intervals.items():
+        estimate = None if metrics is None else metrics.get(key)
+        shown = shown_interval(key, estimate, low, high)
+        numbers.update({f"{key}/ci_low": shown.low, f"{key}/ci_high": shown.high})
+        if estimate is not None:
+            numbers[f"{key}/ci_misses_estimate"] = float(shown.misses)
+    return numbers
 
 
 @rank_zero_only
@@ -147,7 +159,7 @@ def write_results(results: Results, folder: Path, loggers: list[Logger] | tuple 
         if not isinstance(content, Figure) and Path(relative).suffix == ".png":
             raise TypeError(f"{relative}: a .png file takes a matplotlib Figure")
         write_file(folder / relative, content)
-    numbers = {**results.metrics, **interval_numbers(results.intervals)}
+    numbers = {**results.metrics, **interval_numbers(results.intervals, results.metrics)}
     log_to_wandb(loggers, numbers, images={key: folder / path for key, path in results.images.items()},
                  tables=results.tables, curves=results.curves)
     if numbers:

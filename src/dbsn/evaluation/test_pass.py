@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS, ablation_figure
+from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, COLUMNS as ABLATION_COLUMNS, ablation_figure
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.recorder import PredictionRecorder, sample_ablation
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
@@ -46,15 +47,18 @@ SHOWN_ABLATION_SIZES = {1, 2, 5, 10, 20, 30, 50, 100}
 def add_calibrated_ablation(recorded: PredictionRecorder, seed: int) -> None:
     """Each row of the MC-sample ablation gets the calibrated NLL of its ensemble (temperature by
     test-time 2-fold cross-validation, `seed`ed), where the ablation kept its ensembles (a deep
-    ensemble's 1..M): the curve the deep-ensemble equivalent reads."""
+    ensemble's 1..M): the curve the deep-ensemble equivalent reads; `recorded.calibrated_ablation`
+    keeps it example by example, for the equivalent's interval."""
     ablation, rows = recorded.ablation, recorded.ablation_rows
     kept = None if ablation is None or rows is None or recorded.targets is None else ablation.kept
     if kept is None:
         return
-    targets = recorded.targets
+    targets, per_example = recorded.targets, []
     for row, log_probs in zip(rows, kept):
         calibrated, _ = calibrate(log_probs.double(), targets, seed=seed)
-        row["calibrated_nll"] = float(-calibrated.gather(1, targets[:, None]).mean())
+        per_example.append(-calibrated.gather(1, targets[:, None])[:, 0])
+        row["calibrated_nll"] = float(per_example[-1].mean())
+    recorded.calibrated_ablation = torch.stack(per_example)
 
 
 def run_test_pass(trainer, model, datamodule,
@@ -121,11 +125,12 @@ def risk_coverage_results(recorded: PredictionRecorder, title: str) -> Results:
                    tables={"selective/risk_coverage_curve": (["score", "coverage", "risk"], rows)})
 
 
-def ablation_results(rows: list[dict], title: str) -> Results:
-    """The MC-sample ablation: `ablation/results.{csv,json}`, its plot, a console table."""
+def ablation_results(rows: list[dict], title: str, calibrated_nll: Tensor | None = None) -> Results:
+    """The MC-sample ablation: `ablation/results.{csv,json}`, its plot, a console table; with each
+    size's per-example `calibrated_nll` (sizes, N), `CALIBRATED_NLL_FILE`."""
     shown = [r for r in rows if r["n_samples"] in SHOWN_ABLATION_SIZES or r is rows[-1]]
     columns = [k for k in rows[0] if isinstance(rows[0][k], (int, float))]
-    return Results(
+    results = Results(
         files={"ablation/results.csv": CsvTable(list(ABLATION_COLUMNS), rows), "ablation/results.json": rows,
                "ablation/ablation.png": ablation_figure({title: rows}, title=f"{title}: Monte Carlo samples")},
         images={"test/sample_ablation": "ablation/ablation.png"},
@@ -133,6 +138,10 @@ def ablation_results(rows: list[dict], title: str) -> Results:
         curves={"ablation/n_samples": [{f"ablation/{c}": float(r[c]) for c in columns} for r in rows]},
         console=[ConsoleTable("MC-sample ablation", ["S", "error", "NLL", "ECE"],
                               [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown])])
+    if calibrated_nll is not None:
+        results.files[CALIBRATED_NLL_FILE] = {"sizes": np.array([int(r["n_samples"]) for r in rows]),
+                                              "nll": calibrated_nll.float().numpy()}
+    return results
 
 
 @torch.no_grad()
@@ -167,7 +176,9 @@ def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, f
     metrics.json. A training run has its structure posterior from the `StructurePosteriorMonitor`
     callback already (`structure=False`). With `statistics`, a classifier's metrics get their
     bootstrap intervals and the calibrated metrics (`dbsn.evaluation.statistics`), and
-    `predictions.npz` keeps the per-example predictions the report pairs methods on."""
+    `predictions.npz` keeps the per-example predictions the report pairs methods on. The console shows
+    each interval by the rule of every shown interval (`dbsn.evaluation.interval_rule`): bounds within
+    the metric's limits, a note where it misses its estimate."""
     metrics, intervals, facts, arrays = dict(metrics), {}, {}, None
     found = recorded_statistics(model, recorded, datamodule, statistics) if statistics is not None else None
     if found is not None:
@@ -195,12 +206,14 @@ def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, f
     named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
     rows = []
     for key in named + sorted(set(metrics) - set(named)):
-        low, high = intervals.get(key, ("", ""))
-        rows.append([key, float(metrics[key]), low, high])
+        value, found = float(metrics[key]), intervals.get(key)
+        shown = None if found is None else shown_interval(key, value, *found)  # the one rule of every interval
+        rows.append([key, value, *(("", "") if shown is None else shown[:2]),
+                     OUTSIDE_NOTE.strip("()") if shown is not None and shown.misses else ""])
     level = f"{100 * statistics.level:g} %" if statistics is not None else ""
-    results.console.append(ConsoleTable(title, ["metric", "value", f"{level} low", f"{level} high"], rows))
+    results.console.append(ConsoleTable(title, ["metric", "value", f"{level} low", f"{level} high", "note"], rows))
     if recorded.ablation_rows is not None:
-        results.add(ablation_results(recorded.ablation_rows, title))
+        results.add(ablation_results(recorded.ablation_rows, title, recorded.calibrated_ablation))
     if structure:
         results.add(structure_results(model, title))
     return results

@@ -9,6 +9,10 @@ Names are stable and shared with `metrics.json` and the dashboard (`dbsn.tools.d
   minimum (`<name>.min` on W&B), that of an AUROC, AUPR, mIoU, global or per-class IoU its
   maximum (`<name>.max`), under `val/`, `test/`, `ood/`, `selective/` and `shift/`; everything
   else keeps W&B's default, the last value;
+- a metric's interval is `<name>/ci_low` and `<name>/ci_high`, within the metric's limits, and
+  `<name>/ci_misses_estimate`, 1 where the interval does not contain the metric's value (the rule of
+  every shown interval, `dbsn.evaluation.interval_rule`; `results.interval_numbers`): the summary
+  shows the last of each;
 - curves over another variable get that variable as their own step metric, so W&B draws them
   against it: attacks against `adversarial/epsilon`, the MC-sample ablation against
   `ablation/n_samples` (`log_curve`);

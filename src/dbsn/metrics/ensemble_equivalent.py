@@ -24,6 +24,26 @@ Conventions (the paper leaves the ends open):
   size M) gets ``math.inf``: "beyond the largest ensemble measured (> M)"; no extrapolation.
 
 So the result is 1.0, a float in [1, M], or inf, never nan, and non-increasing in the NLL.
+
+**Its interval** (`equivalent_interval`) carries the noise of both sides: the method's NLL (its
+seeds and the test examples) and the ensemble's curve (the members each ensemble run drew, its
+seeds, and the test examples), the test examples jointly, since both sides are measured on the
+same ones. It inverts a test: a size d belongs to the interval unless the hypothesis "the curve at
+d equals the method's NLL" is rejected at the interval's level. The statistic is
+Δ(d) = mean_j c_j(d) − mean_l m_l over r ensemble runs (c_j: run j's curve, interpolated
+linearly between sizes) and k method runs (m_l); its variance
+
+    Var Δ(d) = σ_c²(d) / r + σ_m² / k + wᵀ Σ(d) w
+
+adds the spread of the runs' population values (σ_c², σ_m²: members and seeds, estimated by the
+runs' sample variances less the part the test examples explain, never below 0) and the test set's
+noise, which the runs share (Σ(d): the covariance of every run's mean over the test examples,
+from the per-example NLLs; w: the weights of Δ). The critical value is Student's t on the
+Welch–Satterthwaite degrees of freedom of the two seed terms. The interval is the smallest one
+holding every size not rejected; it holds 1 where the method may be no better than one network,
+inf where it may beat the largest ensemble. Where one side has a single run its spread over
+runs cannot be estimated and is left out: that interval is a lower bound on the uncertainty,
+and says so (`EquivalentInterval.leaves_out`).
 """
 
 from __future__ import annotations
@@ -31,8 +51,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import NamedTuple
 
-__all__ = ["deep_ensemble_equivalent", "deep_ensemble_equivalent_interval"]
+import torch
+from torch import Tensor
+
+__all__ = ["EquivalentInterval", "deep_ensemble_equivalent", "deep_ensemble_equivalent_interval",
+           "equivalent_interval"]
+
+#: what an interval leaves out with a single ensemble run, or a single run of the method
+ENSEMBLE_RUNS, METHOD_RUNS = "the ensemble's members and seeds (one ensemble run)", "the method's seeds (one run)"
 
 
 def _curve(sizes: Sequence[int], ensemble_nll: Sequence[float]) -> tuple[list[int], list[float]]:
@@ -94,3 +122,82 @@ def deep_ensemble_equivalent_interval(
         deep_ensemble_equivalent(high_nll, sizes, ensemble_nll),
         deep_ensemble_equivalent(low_nll, sizes, ensemble_nll),
     )
+
+
+class EquivalentInterval(NamedTuple):
+    """The deep-ensemble equivalent with its interval (module docstring); `leaves_out`: the sources of
+    noise the interval does not carry (empty: none), which make it a lower bound on the uncertainty."""
+
+    value: float
+    low: float
+    high: float
+    leaves_out: tuple[str, ...]
+
+
+def _seed_variance(means: Tensor, test_cov: Tensor) -> tuple[Tensor, Tensor]:
+    """(population variance between runs, never below 0; the runs' sample variance) of `means` (..., runs)
+    whose test-set noise has covariance `test_cov` (..., runs, runs): E[s²] = σ² + (tr Σ − 1ᵀΣ1 / r) / (r − 1)."""
+    r = means.shape[-1]
+    sample = means.var(-1)
+    shared = (test_cov.diagonal(dim1=-2, dim2=-1).sum(-1) - test_cov.sum((-2, -1)) / r) / (r - 1)
+    return (sample - shared).clamp_min(0.0), sample
+
+
+def equivalent_interval(method_nll: Tensor, ensemble_nll: Tensor, sizes: Sequence[int], level: float = 0.95,
+                        steps: int = 100) -> EquivalentInterval:
+    """The deep-ensemble equivalent of a method and its interval at `level` (module docstring), from
+    per-example (calibrated) NLLs on one test set: `method_nll` (k, n), one row per run of the method;
+    `ensemble_nll` (r, len(sizes), n), each ensemble run's NLL at each of `sizes` (its first s members).
+    The curve between two sizes is searched at `steps` points."""
+    from scipy.stats import t as student
+
+    method_nll, ensemble_nll = torch.as_tensor(method_nll).double(), torch.as_tensor(ensemble_nll).double()
+    k, n = method_nll.shape
+    r, count, n_ensemble = ensemble_nll.shape
+    sizes, _ = _curve(sizes, [0.0] * count)
+    if n_ensemble != n or n < 2:
+        raise ValueError(f"the method and the ensemble need the same test examples (two or more): {n} and {n_ensemble}")
+    curve = ensemble_nll.mean((0, 2))  # (sizes,)
+    method = float(method_nll.mean())
+    value = deep_ensemble_equivalent(method, sizes, curve.tolist())
+    # the grid of sizes d and each one's weights on the measured sizes (linear interpolation)
+    segment = torch.arange(count - 1).repeat_interleave(steps)
+    fraction = torch.arange(steps, dtype=torch.float64).repeat(count - 1) / steps
+    segment, fraction = torch.cat([segment, torch.tensor([count - 2])]), torch.cat([fraction, torch.tensor([1.0])])
+    at = torch.as_tensor(sizes, dtype=torch.float64)
+    grid = at[segment] + fraction * (at[segment + 1] - at[segment])
+    weights = torch.zeros(len(grid), count, dtype=torch.float64)
+    weights[torch.arange(len(grid)), segment] = 1 - fraction
+    weights[torch.arange(len(grid)), segment + 1] = fraction
+    # every run's mean and the covariance of the test set's noise in them, at each d
+    runs = ensemble_nll.mean(2) @ weights.T  # (r, grid)
+    per_example = torch.cat([ensemble_nll.permute(2, 0, 1).reshape(n, r * count), method_nll.T], 1)
+    cov = torch.cov(per_example.T).reshape(r * count + k, r * count + k) / n
+    e_cov = cov[: r * count, : r * count].reshape(r, count, r, count)
+    ensemble_cov = torch.einsum("gs,jslt,gt->gjl", weights, e_cov, weights)  # (grid, r, r)
+    cross = torch.einsum("gs,jsl->gjl", weights, cov[: r * count, r * count:].reshape(r, count, k))  # (grid, r, k)
+    method_cov = cov[r * count:, r * count:]
+    test = ensemble_cov.sum((1, 2)) / r**2 + method_cov.sum() / k**2 - 2 * cross.sum((1, 2)) / (r * k)
+    variance, terms, leaves_out = test.clamp_min(0.0), torch.zeros_like(test), []
+    if r > 1:
+        spread, sample = _seed_variance(runs.T, ensemble_cov)
+        variance, terms = variance + spread / r, terms + (sample / r) ** 2 / (r - 1)
+    else:
+        leaves_out.append(ENSEMBLE_RUNS)
+    if k > 1:
+        spread, sample = _seed_variance(method_nll.mean(1), method_cov)
+        variance, terms = variance + spread / k, terms + (sample / k) ** 2 / (k - 1)
+    else:
+        leaves_out.append(METHOD_RUNS)
+    df = torch.where(terms > 0, variance**2 / terms.clamp_min(1e-300), torch.full_like(terms, math.inf))
+    # (df >= r − 1 where the test noise is not correlated with the runs against it; at least 1 always)
+    critical = torch.as_tensor(student.ppf((1 + level) / 2, df.clamp_min(1.0).numpy()), dtype=torch.float64)
+    reach = critical * variance.sqrt()
+    difference = curve @ weights.T - method  # Δ(d): the curve at d less the method's NLL
+    kept = grid[difference.abs() <= reach].tolist()
+    if difference[0] <= reach[0]:  # the method may be no better than one network
+        kept.append(1.0)
+    if difference[-1] >= -reach[-1]:  # it may beat the largest ensemble measured
+        kept.append(math.inf)
+    low, high = (min(kept), max(kept)) if kept else (value, value)  # (none kept: the grid is too coarse for its width)
+    return EquivalentInterval(value, low, high, tuple(leaves_out))

@@ -89,8 +89,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dbsn import conf_choices
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report import build_report
-from dbsn.evaluation.report.format import OUTSIDE_NOTE
 from dbsn.methods.registry import method_config, method_configs
 from dbsn.runtime.config import CONF_DIR, ConfigError
 from dbsn.structure.schedules import REFERENCE_BATCH
@@ -511,30 +511,35 @@ def print_paired(report, reference: str) -> None:
                   "(same test examples; * the interval excludes 0, † also after Holm's correction)")
     for row in rows:
         mark = ("*" if row["excludes_zero"] == "True" else "") + ("†" if row["holm_rejected"] == "True" else "")
+        low, high, misses = shown_interval(None, float(row["difference"]), float(row["low"]), float(row["high"]),
+                                           difference=True)
         table.add_row(row["method"], row["metric"], f"{float(row['difference']):+.4f}",
-                      f"[{float(row['low']):+.4f}, {float(row['high']):+.4f}]", mark)
+                      f"[{low:+.4f}, {high:+.4f}]" + (f" {OUTSIDE_NOTE}" if misses else ""), mark)
     Console().print(table)
     for line in report.summary:
         Console().print(line)
 
 
-def _with_interval(scale: float, digits: int):
+def _with_interval(key: str, scale: float, digits: int):
     def show(value, interval) -> str:
         if value is None:
             return "–"
         text = f"{scale * value:.{digits}f}"
         if not interval:
             return text
-        text += f" [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
-        return text if interval[0] <= value <= interval[1] else f"{text} {OUTSIDE_NOTE}"
+        low, high, misses = shown_interval(key, scale * value, scale * interval[0], scale * interval[1], scale=scale)
+        text += f" [{low:.{digits}f}, {high:.{digits}f}]"
+        return f"{text} {OUTSIDE_NOTE}" if misses else text
     return show
 
 
 #: (column, metric key, format of (value, its 95 % interval or None))
-COLUMNS = (("error %", "test/error", _with_interval(100, 2)), ("NLL", "test/nll", _with_interval(1, 4)),
-           ("Brier", "test/brier", _with_interval(1, 4)), ("CE²", "test/ce2", _with_interval(1, 5)),
+COLUMNS = (("error %", "test/error", _with_interval("test/error", 100, 2)),
+           ("NLL", "test/nll", _with_interval("test/nll", 1, 4)),
+           ("Brier", "test/brier", _with_interval("test/brier", 1, 4)),
+           ("CE²", "test/ce2", _with_interval("test/ce2", 1, 5)),
            ("ECE (plug-in, biased)", "test/ece", lambda v, _: "–" if v is None else f"{v:.4f}"),
-           ("calibrated NLL", "test/calibrated/nll", _with_interval(1, 4)),
+           ("calibrated NLL", "test/calibrated/nll", _with_interval("test/calibrated/nll", 1, 4)),
            ("train min", "train_seconds", lambda v, _: "–" if v is None else f"{v / 60:.1f}"))
 
 

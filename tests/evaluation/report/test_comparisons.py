@@ -180,6 +180,56 @@ def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_eq
     assert "## Paired differences against map" in (other.out / "report.md").read_text()
 
 
+def _ensemble_run(folder: Path, seed: int, sizes: list[int], statistics: Statistics) -> Path:
+    """A deep-ensemble run whose ablation saved each size's per-example calibrated NLL, as an evaluation
+    writes it: predictions of its last size, a curve falling with its size."""
+    from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
+    from dbsn.evaluation.report.comparisons import _calibrated_nll
+    from dbsn.evaluation.report.collect import Run
+
+    predictions = _predictions(40 + seed, 0.85, 0.75)
+    _run(folder, "deep_ensemble", seed, predictions)
+    _, last = _calibrated_nll(Run(folder, "deep_ensemble", "cifar10", seed, "ok"), statistics)
+    nll = torch.stack([last + 0.3 * (sizes[-1] - s) / sizes[-1] for s in sizes])
+    (folder / "ablation").mkdir()
+    (folder / "ablation" / "results.json").write_text(json.dumps(
+        [{"n_samples": s, "calibrated_nll": float(v.mean())} for s, v in zip(sizes, nll)]))
+    np.savez(folder / CALIBRATED_NLL_FILE, sizes=np.array(sizes), nll=nll.float().numpy())
+    return folder
+
+
+def test_the_ensemble_equivalent_carries_the_curves_noise_and_names_what_it_leaves_out(tmp_path):
+    """With each ensemble run's per-example curve saved, the equivalent's interval is
+    `equivalent_interval` of both sides' per-example NLLs (the same test examples); a method with one
+    run names the seeds it leaves out; the ensemble is its own size; an ensemble without saved
+    per-example NLLs leaves out its curve's noise, and the table says so."""
+    from dbsn.evaluation.report.collect import Run
+    from dbsn.evaluation.report.comparisons import UNSAVED_CURVE, _calibrated_nll
+    from dbsn.metrics.ensemble_equivalent import METHOD_RUNS, equivalent_interval
+
+    statistics, sizes = Statistics(resamples=100), [1, 2, 3, 4]
+    runs = tmp_path / "runs"
+    ensembles = [_ensemble_run(runs / f"de{seed}", seed, sizes, statistics) for seed in (1, 2)]
+    maps = [_run(runs / f"map{seed}", "map", seed, _predictions(20 + seed, 0.83, 0.75)) for seed in (1, 2)]
+    _run(runs / "dbsn1", "dbsn", 1, _predictions(30, 0.83, 0.75))
+    build_report([runs], tmp_path / "report", statistics=statistics)
+    with (tmp_path / "report" / "equivalent.csv").open() as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    curves = torch.stack([torch.from_numpy(np.load(e / "ablation" / "calibrated_nll.npz")["nll"]).double()
+                          for e in ensembles])
+    method = torch.stack([_calibrated_nll(Run(m, "map", "cifar10", 0, "ok"), statistics)[1] for m in maps])
+    expected = equivalent_interval(method, curves, sizes, statistics.level)
+    assert [float(rows["map"][k]) for k in ("dee", "dee_low", "dee_high")] == pytest.approx(expected[:3])
+    assert rows["map"]["leaves_out"] == "" and rows["dbsn"]["leaves_out"] == METHOD_RUNS
+    assert [float(rows["deep_ensemble"][k]) for k in ("dee", "dee_low", "dee_high")] == [4.0, 4.0, 4.0]
+    table = (tmp_path / "report" / "equivalent.md").read_text()
+    assert "| the interval leaves out |" in table and f"| {METHOD_RUNS} |" in table
+    (runs / "de2" / "ablation" / "calibrated_nll.npz").unlink()  # an ensemble evaluated before they were saved
+    build_report([runs], tmp_path / "report")
+    with (tmp_path / "report" / "equivalent.csv").open() as f:
+        assert {r["method"]: r["leaves_out"] for r in csv.DictReader(f)}["map"] == UNSAVED_CURVE
+
+
 def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):
     from dbsn.evaluation.report.collect import Run
     from dbsn.evaluation.report.comparisons import load_predictions

@@ -28,7 +28,11 @@ the same way (on a validation split, or by test-time cross-validation).
 ensemble whose calibrated NLL equals a method's (`dbsn.metrics.ensemble_equivalent`). Both sides
 are calibrated by test-time cross-validation (the paper's protocol; `statistics.calibrate`
 without a validation split): the ensemble's curve from its run's MC-sample ablation
-(`calibrated_nll` of every ensemble size), the method's from its `predictions.npz`.
+(`calibrated_nll` of every ensemble size, and of every test example where the evaluation saved them),
+the method's from its `predictions.npz`. Its interval carries the noise of both sides, the test
+examples jointly (`ensemble_equivalent.equivalent_interval`); the table names what an interval
+leaves out (a single run of either side; an ensemble evaluated before its per-example NLLs were
+saved), which makes it a lower bound on the uncertainty.
 """
 
 from __future__ import annotations
@@ -40,11 +44,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
 from dbsn.evaluation.report.writer import write_section
 from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
-from dbsn.metrics.ensemble_equivalent import deep_ensemble_equivalent, deep_ensemble_equivalent_interval
+from dbsn.metrics.ensemble_equivalent import (METHOD_RUNS, deep_ensemble_equivalent,
+                                             deep_ensemble_equivalent_interval, equivalent_interval)
 from dbsn.methods.registry import METHOD_ORDER
 from dbsn.metrics.intervals import weighted_brier, weighted_error, weighted_nll, weighted_squared_calibration_error
 
@@ -222,19 +229,46 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
 
 
 def _interval_text(value: float, low: float, high: float) -> str:
+    """A difference (no limit at 0) and its interval, flagged where it misses the difference
+    (`dbsn.evaluation.interval_rule`)."""
+    low, high, misses = shown_interval(None, value, low, high, difference=True)
     digits = 4 if max(abs(value), abs(low), abs(high)) < 10 else 2
-    return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+    return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]" + (f" {OUTSIDE_NOTE}" if misses else "")
 
 
 # ---------------------------------------------------------------------- the deep-ensemble equivalent
-def _ensemble_curve(run: Run) -> tuple[list[int], list[float]] | None:
+#: what the equivalent's interval leaves out where the ensemble's per-example NLLs were not saved
+UNSAVED_CURVE = "the ensemble curve's noise (its per-example NLLs were not saved: evaluate it again)"
+#: ... and where the method was tested on other examples than the ensemble
+OTHER_EXAMPLES = "the ensemble curve's noise (the method was tested on other examples)"
+
+
+def _ensemble_curve(run: Run) -> tuple[list[int], list[float], torch.Tensor | None] | None:
+    """(sizes, calibrated NLLs, each size's calibrated NLL of every test example (sizes, N), or None
+    where the evaluation did not save them) of a deep-ensemble run's ablation, or None."""
     path = Path(run.path) / "ablation" / "results.json"
     if not path.is_file():
         return None
     rows = [r for r in json.loads(path.read_text()) if r.get("calibrated_nll") is not None]
     if len(rows) < 2 or rows[0]["n_samples"] != 1:
         return None
-    return [int(r["n_samples"]) for r in rows], [float(r["calibrated_nll"]) for r in rows]
+    sizes, per_example = [int(r["n_samples"]) for r in rows], None
+    if (Path(run.path) / CALIBRATED_NLL_FILE).is_file():
+        with np.load(Path(run.path) / CALIBRATED_NLL_FILE) as arrays:
+            if [int(s) for s in arrays["sizes"]] == sizes:
+                per_example = torch.from_numpy(np.asarray(arrays["nll"])).double()
+    return sizes, [float(r["calibrated_nll"]) for r in rows], per_example
+
+
+def _calibrated_nll(run: Run, statistics: Statistics) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(targets, calibrated NLL of every test example) of a run's predictions (temperature by test-time
+    cross-validation), or None."""
+    predictions = load_predictions(run)
+    if predictions is None:
+        return None
+    targets = predictions["targets"]
+    calibrated, _ = calibrate(predictions["log_probs"], targets, seed=int(statistics.seed))
+    return targets, -calibrated.gather(1, targets[:, None])[:, 0]
 
 
 def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ensemble",
@@ -244,45 +278,69 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
     statistics = statistics or Statistics()
     rows, csv_rows = [], []
     backbone = lambda name: name.partition("@")[2].partition("+")[0]  # noqa: E731 - "" on DBSN's cell network
+    shown = lambda v: "> " + str(sizes[-1]) if v == float("inf") else f"{v:.2f}"  # noqa: E731
     for dataset, on in ((d, b) for d in order({r.dataset for r in ok}, DATASET_ORDER)
                         for b in sorted({backbone(r.method) for r in ok if r.dataset == d})):
         # each backbone's methods against the deep ensemble of the same backbone
         name = f"{ensemble}@{on}" if on else ensemble
-        curves = [c for c in (_ensemble_curve(r) for r in ok if r.method == name and r.dataset == dataset) if c]
-        if not curves:
+        found = [(r, c) for r in ok if r.method == name and r.dataset == dataset if (c := _ensemble_curve(r))]
+        if not found:
             continue
-        sizes = curves[0][0]
-        curve = [float(np.mean([c[1][i] for c in curves if c[0] == sizes])) for i in range(len(sizes))]
+        sizes = found[0][1][0]
+        found = [(r, c) for r, c in found if c[0] == sizes]
+        curve = [float(np.mean([c[1][i] for _, c in found])) for i in range(len(sizes))]
+        examples = [c[2] for _, c in found]
+        ensemble_targets = [None if (p := load_predictions(r)) is None else p["targets"] for r, _ in found]
+        saved = all(e is not None for e in examples) and all(t is not None for t in ensemble_targets)
         for method in order({r.method for r in ok if r.dataset == dataset and backbone(r.method) == on}, METHOD_ORDER):
-            values, bounds = [], []
+            values, bounds, per_example = [], [], []
             for run in (r for r in ok if r.method == method and r.dataset == dataset):
-                predictions = load_predictions(run)
-                if predictions is None:
+                calibrated = _calibrated_nll(run, statistics)
+                if calibrated is None:
                     continue
-                calibrated, _ = calibrate(predictions["log_probs"], predictions["targets"], seed=int(statistics.seed))
-                weights = statistics.weights(len(predictions["targets"]))
-                nll = weighted_nll(calibrated, predictions["targets"], weights)
-                values.append(float(nll[0]))
-                bounds.append(intervals_of({"nll": nll}, statistics.level)["nll"])
+                targets, nll = calibrated
+                weights = statistics.weights(len(targets))
+                resampled = weights @ nll / weights.sum(1)  # row 0: the NLL itself
+                values.append(float(resampled[0]))
+                bounds.append(intervals_of({"nll": resampled}, statistics.level)["nll"])
+                per_example.append((targets, nll))
             if not values:
                 continue
             cell = mean_std(values, bounds)
-            best = min(curve)  # the ensemble's own NLL, recomputed from its float32 predictions, is the curve's end
-            snap = lambda v: best if abs(v - best) <= 1e-6 * max(1.0, abs(best)) else v  # noqa: E731
-            dee = deep_ensemble_equivalent(snap(cell.mean), sizes, curve)
-            low, high = ((None, None) if cell.low is None else
-                         deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve))
-            shown = lambda v: "–" if v is None else ("> " + str(sizes[-1]) if v == float("inf") else f"{v:.2f}")  # noqa: E731
-            rows.append([method, dataset, fmt(cell, 4), shown(dee) + ("" if low is None else f" [{shown(low)}, {shown(high)}]")])
-            csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high])
+            if method == name:  # the ensemble against its own curve: its size, by definition
+                dee = low = high = float(sizes[-1])
+                leaves_out = ()
+            elif saved and all(torch.equal(t, targets) for t in ensemble_targets for targets, _ in per_example):
+                dee, low, high, leaves_out = equivalent_interval(torch.stack([nll for _, nll in per_example]),
+                                                                 torch.stack(examples), sizes, statistics.level)
+            else:  # the method's NLL interval through the curve, taken as exact
+                best = min(curve)  # the ensemble's own NLL, recomputed from its float32 predictions, is the curve's end
+                snap = lambda v: best if abs(v - best) <= 1e-6 * max(1.0, abs(best)) else v  # noqa: E731
+                dee = deep_ensemble_equivalent(snap(cell.mean), sizes, curve)
+                low, high = ((None, None) if cell.low is None else
+                             deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve))
+                leaves_out = (OTHER_EXAMPLES if saved else UNSAVED_CURVE,
+                              *((METHOD_RUNS,) if len(values) == 1 else ()))
+            text = shown(dee)
+            if low is not None:
+                low, high, misses = shown_interval("deep_ensemble_equivalent", dee, low, high)
+                text += f" [{shown(low)}, {shown(high)}]" + (f" {OUTSIDE_NOTE}" if misses else "")
+            left_out = "; ".join(leaves_out) or ("nothing (its own size, by definition)" if method == name else "nothing")
+            rows.append([method, dataset, fmt(cell, 4, "calibrated_nll"), text, left_out])
+            csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high, "; ".join(leaves_out)])
     if not rows:
         return ""
     return write_section(
         report, "equivalent", "Deep-ensemble equivalent",
         "The number of networks a deep ensemble needs to reach each method's calibrated NLL (Ashukha et al. 2020), "
-        "interpolated between ensemble sizes, with the interval the NLL's 95 % interval maps to; 1 means no better "
-        "than one network, `> M` better than the largest ensemble measured. Both NLLs are calibrated by test-time "
-        "2-fold cross-validation. The interval carries the method's NLL's noise only, not the noise of the ensemble's "
-        "curve (one run per ensemble size): read it as a lower bound on the uncertainty.",
-        md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent"], rows) + "\n",
-        ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low", "dee_high"], csv_rows)
+        "interpolated between ensemble sizes; 1 means no better than one network, `> M` better than the largest "
+        "ensemble measured. Both NLLs are calibrated by test-time 2-fold cross-validation. The 95 % interval holds "
+        "every size at which the ensemble's curve is not distinguishable from the method's NLL: it carries the noise "
+        "of both, the method's runs and the ensemble's (their members and seeds) and the test examples they share "
+        "(`dbsn.metrics.ensemble_equivalent`). A side with one run has no spread across runs to measure: the last "
+        "column names what an interval leaves out, and an interval that leaves anything out is a lower bound on the "
+        "uncertainty.",
+        md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent", "the interval leaves out"],
+                 rows) + "\n",
+        ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low", "dee_high", "leaves_out"],
+        csv_rows)

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.collect import Run
 from dbsn.methods.registry import field_backbones
 
@@ -74,22 +75,19 @@ def run_bounds(run: Run, key: str, scale: float = 1.0) -> list[float] | None:
     return None if found is None else [scale * found[0], scale * found[1]]
 
 
-#: appended to an interval that does not contain its estimate, and why
-OUTSIDE_NOTE = "(the estimate lies outside its bootstrap interval: a biased statistic)"
-
-
-def fmt(stats, digits: int) -> str:
-    """`mean ± std [low, high] (n)`; one seed: `value [low, high] (1)`. An interval that does not
-    contain its estimate (the percentile interval of a statistic biased under resampling, as the
-    plug-in ECE) says so (`OUTSIDE_NOTE`)."""
+def fmt(stats, digits: int, metric: str | None = None, scale: float = 1.0) -> str:
+    """`mean ± std [low, high] (n)`; one seed: `value [low, high] (1)`. The interval as the one rule
+    shows every interval (`dbsn.evaluation.interval_rule`): each bound within the limits of `metric`
+    (its stable name, the cell's values `scale` times the metric's; None: no limits), and a note
+    (`OUTSIDE_NOTE`) where it does not contain its estimate (the percentile interval of a statistic
+    biased under resampling, as the plug-in ECE)."""
     if stats is None:
         return "–"
     mean, std, n, *bounds = stats
     text = f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
     if bounds and bounds[0] is not None:
-        text += f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
-        if not bounds[0] <= mean <= bounds[1]:
-            text += " " + OUTSIDE_NOTE
+        low, high, misses = shown_interval(metric, mean, bounds[0], bounds[1], scale=scale)
+        text += f" [{low:.{digits}f}, {high:.{digits}f}]" + (" " + OUTSIDE_NOTE if misses else "")
     return f"{text} ({n})"
 
 

@@ -152,12 +152,14 @@ def published_section(report: Report, ok: list[Run]) -> str:
             shifted = {k: mean_std([s[k] for s in shifts]) for k in ("c_accuracy", "c_nll", "c_ece")} if shifts else {}
             aurocs = [a for a in (_svhn_auroc(r, pub.svhn_score) for r in group) if a]
             auroc = mean_std([a[0] for a in aurocs], [a[1] for a in aurocs]) if aurocs else None
-            rows.append([method, dataset, pub.name, fmt(accuracy, 2), _published(pub.accuracy, 2), fmt(nll, 3),
-                         _published(pub.nll, 3), fmt(ece, 4), _published(pub.ece, 4),
-                         fmt(shifted.get("c_accuracy"), 1), _published(pub.c_accuracy, 1),
-                         fmt(shifted.get("c_nll"), 3), _published(pub.c_nll, 3),
-                         fmt(shifted.get("c_ece"), 3), _published(pub.c_ece, 3),
-                         fmt(auroc, 2) + (f" ({pub.svhn_score})" if auroc else ""), _published(pub.svhn_auroc, 2), pub.source])
+            rows.append([method, dataset, pub.name, fmt(accuracy, 2, "accuracy", 100.0), _published(pub.accuracy, 2),
+                         fmt(nll, 3, "nll"),
+                         _published(pub.nll, 3), fmt(ece, 4, "ece"), _published(pub.ece, 4),
+                         fmt(shifted.get("c_accuracy"), 1, "accuracy", 100.0), _published(pub.c_accuracy, 1),
+                         fmt(shifted.get("c_nll"), 3, "nll"), _published(pub.c_nll, 3),
+                         fmt(shifted.get("c_ece"), 3, "ece"), _published(pub.c_ece, 3),
+                         fmt(auroc, 2, "auroc", 100.0) + (f" ({pub.svhn_score})" if auroc else ""),
+                         _published(pub.svhn_auroc, 2), pub.source])
             csv_rows.append([method, dataset, pub.name, accuracy and accuracy.mean, pub.accuracy, nll and nll.mean, pub.nll,
                              ece and ece.mean, pub.ece, shifted.get("c_accuracy") and shifted["c_accuracy"].mean,
                              pub.c_accuracy, shifted.get("c_nll") and shifted["c_nll"].mean, pub.c_nll,

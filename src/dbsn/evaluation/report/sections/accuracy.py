@@ -40,7 +40,8 @@ def main_tables(report: Report, ok: list[Run]) -> str:
                 values[r.method, r.dataset].append(scale * r.metrics[key])
                 bounds[r.method, r.dataset].append(run_bounds(r, key, scale))
         stats = {cell: mean_std(v, bounds[cell]) for cell, v in values.items()}
-        table = md_table(["method", *datasets], [[m, *(fmt(stats.get((m, d)), digits) for d in datasets)] for m in methods])
+        table = md_table(["method", *datasets], [[m, *(fmt(stats.get((m, d)), digits, key, scale) for d in datasets)]
+                                                   for m in methods])
         text += write_section(
             report, stem, title,
             f"{explanation} {INTERVALS_NOTE} (n) is the number of finished runs averaged ({seeds_note(ok)}); predictions "
@@ -68,7 +69,8 @@ def per_method_table(report: Report, ok: list[Run], stem: str, title: str, expla
     for method, dataset in cells:
         stats = {label: mean_std(values[method, dataset, label], bounds[method, dataset, label])
                  for label, *_ in columns if values[method, dataset, label]}
-        rows.append([method, dataset, *(fmt(stats.get(label), digits) for label, _, _, digits in columns)])
+        rows.append([method, dataset, *(fmt(stats.get(label), digits, key, scale)
+                                        for label, key, scale, digits in columns)])
         csv_rows += [[method, dataset, label, *stats[label]] for label, *_ in columns if label in stats]
     table = md_table(["method", "dataset", *(label for label, *_ in columns)], rows)
     return write_section(report, stem, title, f"{explanation} Mean ± std over seeds [95 % interval] (n).", f"{table}\n",

@@ -39,8 +39,8 @@ def adversarial_section(report: Report, ok: list[Run]) -> str:
                         curves[m].append({"attack": a, "epsilon": e, "accuracy": cell["accuracy"],
                                           "mean_entropy": cell["mean_entropy"], "n_examples": round(cell["n_examples"])})
         for column, label, digits in (("accuracy", "accuracy ↑", 4), ("mean_entropy", "mean predictive entropy (nats)", 4)):
-            table = [[m, a, *(fmt(mean_std(values[dataset, m, a, e][column]), digits) if (dataset, m, a, e) in values
-                             else "–" for e in epsilons)]
+            table = [[m, a, *(fmt(mean_std(values[dataset, m, a, e][column]), digits, column)
+                              if (dataset, m, a, e) in values else "–" for e in epsilons)]
                      for m in methods for a in attacks[m]]
             text += f"### {dataset}: {label}\n\n" + md_table(["method", "attack", *(f"ε={e:g}" for e in epsilons)], table) + "\n"
         name = slug(f"adversarial_{dataset}") + ".png"

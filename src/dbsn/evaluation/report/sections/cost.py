@@ -22,7 +22,8 @@ COST_COLUMNS = (("parameters", "params", 1.0, "{:,.0f}"), ("training MFLOPs / im
 
 def cost_section(report: Report, ok: list[Run]) -> str:
     """Each method's cost (metrics.json's `cost`, mean over seeds) and one Pareto figure per dataset:
-    calibrated NLL, ECE and error against prediction FLOPs per image, with their intervals."""
+    calibrated NLL, the unbiased CE² and error against prediction FLOPs per image, with their intervals
+    (drawn within each metric's limits: `plots.interval_bar`)."""
     cells = defaultdict(list)
     for run in ok:
         if run.cost:
@@ -43,7 +44,7 @@ def cost_section(report: Report, ok: list[Run]) -> str:
             csv_rows.append([method, dataset, *(means[key] for _, key, _, _ in COST_COLUMNS),
                              runs[0].cost.get("peak_memory_of")])
             point = {"method": method, "flops": 1e6 * means["predict_flops_per_image"]} if means["predict_flops_per_image"] else None
-            for label, key in (("calibrated_nll", "test/calibrated/nll"), ("ece", "test/ece"), ("error", "test/error")):
+            for label, key in (("calibrated_nll", "test/calibrated/nll"), ("ce2", "test/ce2"), ("error", "test/error")):
                 values = [r.metrics[key] for r in runs if key in r.metrics]
                 if point is not None and values:
                     cell = mean_std(values, [r.intervals.get(key) for r in runs if key in r.metrics])
@@ -55,9 +56,12 @@ def cost_section(report: Report, ok: list[Run]) -> str:
         if len(points) > 1:
             name = f"pareto_{dataset}.png"
             if write_figure(report, pareto_figure(points, title=f"Quality against prediction cost on {dataset}"), name):
-                figures += (f"![Pareto view]({name})\n\nCalibrated NLL, ECE and error of every method on {dataset} against "
-                            "its prediction FLOPs per image (log scale), with 95 % intervals; the dashed steps join the "
-                            "methods no other method beats on both axes.\n\n")
+                figures += (f"![Pareto view]({name})\n\nCalibrated NLL, the unbiased CE² (the calibration error the "
+                            f"paired tests compare) and error of every method on {dataset} against its prediction "
+                            "FLOPs per image (log scale), with 95 % intervals within each metric's limits (a hollow "
+                            "marker: the estimate lies outside its interval); the dashed steps are the best value "
+                            "reached at or below each cost, stepping down at each method no other beats on both axes."
+                            "\n\n")
     return write_section(
         report, "cost", "Cost",
         "What each method costs (metrics.json's `cost`, mean over seeds): parameters learned, FLOPs of one training "
@@ -86,7 +90,8 @@ def time_section(report: Report, ok: list[Run]) -> str:
             stats = mean_std(values[method, dataset])
             ratio = stats[0] / statistics.fmean(reference) if reference else None
             shown_epochs = ", ".join(str(e) for e in sorted(epochs[method, dataset], key=str))
-            table.append([method, dataset, fmt(stats, 1), shown_epochs, "–" if ratio is None else f"{ratio:.2f}"])
+            table.append([method, dataset, fmt(stats, 1, "train_seconds", 1 / 60), shown_epochs,
+                          "–" if ratio is None else f"{ratio:.2f}"])
             rows.append([method, dataset, *stats, shown_epochs, ratio])
     return write_section(
         report, "time", "Training time",

@@ -63,7 +63,7 @@ def ood_section(report: Report, ok: list[Run]) -> str:
             for score in order({k[3] for k in values if k[:3] == (dataset, ood, method)}, scores_in_order):
                 cell = {metric: mean_std(values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric])
                         for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
-                table.append([method, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
+                table.append([method, score, *(fmt(cell.get(m), 4, m) for m, _ in OOD_METRICS)])
                 rows += [[method, dataset, ood, score, m, *s] for m, s in cell.items()]
         text += f"### {dataset} (in-distribution) vs {ood} (OOD)\n\n"
         text += md_table(["method", "score", *(label for _, label in OOD_METRICS)], table) + "\n"
@@ -105,7 +105,7 @@ def ood_groups_section(report: Report, ok: list[Run]) -> str:
                                                 if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3])):
         cell = {m: mean_std(values[dataset, method, group, score, m], bounds[dataset, method, group, score, m]) for m, _ in OOD_METRICS
                 if values[dataset, method, group, score, m]}
-        table.append([method, dataset, group, score, *(fmt(cell.get(m), 4) for m, _ in OOD_METRICS)])
+        table.append([method, dataset, group, score, *(fmt(cell.get(m), 4, m) for m, _ in OOD_METRICS)])
         csv_rows += [[method, dataset, group, score, m, *st] for m, st in cell.items()]
     described = "; ".join(f"{g}: {', '.join(sets)}" for g, sets in groups_seen.items())
     return write_section(
