@@ -88,11 +88,13 @@ def test_the_combined_interval_holds_its_level_at_three_seeds_where_seed_noise_d
     difference in about 95 % of 1,000 simulations, and its test rejects a null difference in about 5 %
     (a review measured a two-level bootstrap over three seeds at about 81 % and 19 %)."""
     from dbsn.evaluation.report.comparisons import combine_seeds
+    from dbsn.evaluation.report.seeds import resampled_covariance
 
     generator = torch.Generator().manual_seed(0)
     covered, rejected, runs = 0, 0, 1000
     for _ in range(runs):
-        value, low, high, p = combine_seeds(_seed_rows(3, 0.0, 0.05, 0.01, 200, generator), 0.95)
+        rows = _seed_rows(3, 0.0, 0.05, 0.01, 200, generator)
+        value, low, high, p, df = combine_seeds(rows[:, 0], resampled_covariance(rows[:, 1:]), 0.95)
         covered += low <= 0.0 <= high
         rejected += p <= 0.05
     assert 0.93 <= covered / runs <= 0.99, covered
@@ -104,9 +106,12 @@ def test_holm_rejects_a_real_difference_in_a_family_of_thirty():
     small enough for Holm's first step (0.05 / 30); a bootstrap p could not go below 2 / 1,001."""
     from dbsn.evaluation.report.comparisons import combine_seeds
 
+    def p_value(rows: torch.Tensor) -> float:
+        return combine_seeds(rows[:, 0], rows[:, 1:].var().reshape(1, 1), 0.95).p
+
     generator = torch.Generator().manual_seed(1)
-    family = [combine_seeds(_seed_rows(1, 0.0, 0.0, 0.01, 1000, generator), 0.95)[3] for _ in range(29)]
-    real = combine_seeds(_seed_rows(1, 0.08, 0.0, 0.01, 1000, generator), 0.95)[3]
+    family = [p_value(_seed_rows(1, 0.0, 0.0, 0.01, 1000, generator)) for _ in range(29)]
+    real = p_value(_seed_rows(1, 0.08, 0.0, 0.01, 1000, generator))
     assert real < 0.05 / 30 < 2 / 1001
     rejected = holm([real, *family])
     assert rejected[0] and sum(rejected[1:]) <= 1
