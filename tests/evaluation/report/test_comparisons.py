@@ -185,6 +185,25 @@ def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_eq
     assert "## Paired differences against map" in (other.out / "report.md").read_text()
 
 
+def test_a_report_at_three_seeds_says_where_holm_cannot_reach_significance(tmp_path):
+    """Two methods against dbsn at three seeds whose accuracies spread widely: eight comparisons on
+    about 2 degrees of freedom, where Holm's first step needs |t| >= 12.6. The paired table gives
+    that |t| in the p column and says so below the table; its CSV marks them unreachable."""
+    for seed, spread in ((1, -0.1), (2, 0.0), (3, 0.1)):
+        _run(tmp_path / "runs" / f"dbsn{seed}", "dbsn", seed, _predictions(seed, 0.75))
+        _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(10 + seed, 0.75 + spread))
+        _run(tmp_path / "runs" / f"de{seed}", "deep_ensemble", seed, _predictions(20 + seed, 0.8 - spread))
+    build_report([tmp_path / "runs"], tmp_path / "report")
+    text = (tmp_path / "report" / "paired.md").read_text()
+    assert "Holm's correction cannot reach significance for 8 of these 8 comparisons at their few seeds" in text
+    assert "p ≤ 0.0063 (0.05 / 8)" in text and "(Holm needs \\|t\\| ≥ 12." in text
+    assert "against 2.7 with the noise known" in text
+    with (tmp_path / "report" / "paired.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and all(r["holm_reachable"] == "False" and float(r["df"]) < 3 for r in rows)
+    assert all(float(r["holm_needs_p"]) == pytest.approx(0.05 / 8) for r in rows)
+
+
 def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):
     from dbsn.evaluation.report.collect import Run
     from dbsn.evaluation.report.comparisons import load_predictions

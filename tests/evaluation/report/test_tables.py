@@ -41,7 +41,7 @@ def test_table1_means_by_hand_and_fbn_inferred(outputs, tmp_path):
     # mean ± std [mean ± t(0.975, n - 1) std / sqrt(n)] (n): t(0.975, 2) = 4.303, t(0.975, 1) = 12.71; these runs
     # keep neither predictions nor intervals, so the interval is over the seeds alone, marked ¶
     assert rows["dbsn"] == ["6.00 ± 1.00 [3.52, 8.48]¶ (3)", "22.00 ± 2.00 [17.03, 26.97]¶ (3)"]
-    assert rows["map"] == ["9.00 ± 1.41 [-3.71, 21.71]¶ (2)", "30.50 ± 0.71 [24.15, 36.85]¶ (2)"]  # failed seed 2 left out
+    assert rows["map"] == ["9.00 ± 1.41 [-3.71, 21.71]¶ (2)", "30.50 ± 0.71 [24.15, 36.85]¶ (2)"]  # failed seed 2 out
     assert rows["fbn"] == ["4.00 (1)", "–"]  # no std from one run, and this run has no bootstrap interval
     by_cell = {(r["method"], r["dataset"]): r for r in read_csv(tmp_path / "report" / "table1_error.csv")}
     assert float(by_cell["dbsn", "cifar10"]["mean"]) == pytest.approx(6.0)

@@ -126,7 +126,8 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
         cells = PopulationCells(statistics)  # each run scored once, for every table of test-pass metrics
         text += main_tables(report, ok, cells) + tuning_section(report, ok) + published_section(report, ok)
         text += paired_section(report, ok, reference, statistics)
-        text += calibration_section(report, ok, cells) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
+        text += calibration_section(report, ok, cells) + calibrators_section(report, ok) + cost_section(report, ok)
+        text += equivalent_section(report, ok, statistics=statistics)
         text += selective_section(report, ok, cells)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + ood_scores_section(report, ok)
         text += shift_section(report, ok) + conformal_section(report, ok)

@@ -163,7 +163,7 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         if not family:
             continue
         dfs = {key: found[key[0]][key[1]]["df"] for key in family}
-        unreachable = {key: not holm_reachable(len(family), df, statistics.level) for key, df in dfs.items()}
+        unreachable = {key: not holm_reachable(len(family), df) for key, df in dfs.items()}
         seeds = sorted({s for m in found.values() for d in m.values() for s in d["seeds"]}, key=str)
         rows, same = [], []
         for method, metrics in found.items():
@@ -186,7 +186,7 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         line = (f"{dataset}: indistinguishable from {reference} (95 % interval holds 0): "
                 + (", ".join(same) if same else "none") + ".")
         summary.append(line)
-        note = holm_note(len(family), [dfs[key] for key in family if unreachable[key]], statistics.level)
+        note = holm_note(len(family), [dfs[key] for key in family if unreachable[key]])
         text += line + "\n\n" + (note + "\n\n" if note else "")
     if not text:
         return ""
@@ -200,9 +200,8 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         "noise the seeds' differences share, measured on the common resamples). `*`: the 95 % interval excludes 0; "
         "`†`: still rejected after Holm's correction over every (method, metric) of the dataset (family-wise error "
         "0.05); where Holm's first step needs a |t| out of reach at the comparison's few seeds (more than twice the "
-        "|t| its own interval needs), the p column gives that |t| and a note below the table says so. Choose the "
-        "reference with `--reference` "
-        "(`report.reference=<method>` in a sweep).",
+        "|t| it needs with the noise known), the p column gives that |t| and a note below the table says so. Choose "
+        "the reference with `--reference` (`report.reference=<method>` in a sweep).",
         text, ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero", "holm_rejected",
                "per_seed", "df", "holm_needs_p", "holm_needs_t", "holm_reachable"], csv_rows)
     report.summary.extend(summary)

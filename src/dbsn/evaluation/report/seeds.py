@@ -27,7 +27,7 @@ gives the measured coverage.
 
 **Holm at few seeds.** Holm's first step in a family of m needs p <= alpha/m; at the few degrees
 of freedom of three seeds that is a t beyond reach (24.5 at 2 degrees of freedom, m = 30, against
-4.3 for the comparison's own 95 % interval): `holm_threshold`, `holm_reachable`.
+3.1 with the noise known): `holm_threshold`, `holm_reachable`, `holm_note`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = ["HOLM_REACH", "SeedLevel", "bounded_covariance", "combine_seeds", "ho
 
 #: the confidence of the upper bound on s² that the degrees of freedom use (module docstring)
 DF_UPPER_QUANTILE = 0.25
-#: Holm's first step is out of reach where it needs a |t| more than this many times the one that
-#: excludes 0 from the comparison's own interval
+#: Holm's first step is out of reach where, at the comparison's degrees of freedom, it needs a |t| more than
+#: this many times the one it needs with the noise known (normal theory: many seeds)
 HOLM_REACH = 2.0
 
 
@@ -126,13 +126,13 @@ def holm_threshold(m: int, df: float, alpha: float = 0.05) -> float:
     return _quantile(1 - alpha / (2 * m), df)
 
 
-def holm_reachable(m: int, df: float, level: float = 0.95, alpha: float = 0.05) -> bool:
-    """Whether Holm's first step is within reach at `df`: it needs at most `HOLM_REACH` times the |t|
-    that excludes 0 from the comparison's own interval at `level`."""
-    return holm_threshold(m, df, alpha) <= HOLM_REACH * _quantile((1 + level) / 2, df)
+def holm_reachable(m: int, df: float, alpha: float = 0.05) -> bool:
+    """Whether Holm's first step is within reach at `df`: it needs at most `HOLM_REACH` times the |t| it
+    needs with the noise known (at m = 30: up to 4 degrees of freedom it is not; 24.5 at 2 against 3.1)."""
+    return holm_threshold(m, df, alpha) <= HOLM_REACH * holm_threshold(m, math.inf, alpha)
 
 
-def holm_note(m: int, dfs: list[float], level: float = 0.95, alpha: float = 0.05) -> str:
+def holm_note(m: int, dfs: list[float], alpha: float = 0.05) -> str:
     """The report's sentence on the comparisons of a family of `m` that Holm's first step cannot reach
     at their degrees of freedom `dfs` (one per such comparison; "" for none)."""
     if not dfs:
@@ -140,9 +140,8 @@ def holm_note(m: int, dfs: list[float], level: float = 0.95, alpha: float = 0.05
     low, high = min(dfs), max(dfs)
     at = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f}–{high:.1f}"
     needs = sorted({round(holm_threshold(m, df, alpha), 1) for df in (low, high)})
-    own = sorted({round(_quantile((1 + level) / 2, df), 1) for df in (low, high)})
-    span = lambda xs: "–".join(f"{x:.1f}" for x in xs)  # noqa: E731
-    return (f"Holm's correction cannot reach significance for {len(dfs)} of these {m} comparisons at their few seeds: "
-            f"its first step needs p ≤ {alpha / m:.2g} ({alpha:g} / {m}), which at their {at} degrees of freedom "
-            f"means |t| ≥ {span(needs)}, against |t| ≥ {span(own)} for their own {100 * level:g} % interval, so a `†` "
-            f"is out of their reach. Read their `*` one comparison at a time, knowing that {m} were made, or add seeds.")
+    span = "–".join(f"{x:.1f}" for x in needs)
+    return (f"Holm's correction cannot reach significance for {len(dfs)} of these {m} comparisons at their few seeds "
+            f"unless |t| ≥ {span}: its first step needs p ≤ {alpha / m:.2g} ({alpha:g} / {m}), which is that |t| at "
+            f"their {at} degrees of freedom, against {holm_threshold(m, math.inf, alpha):.1f} with the noise known "
+            f"(many seeds). Read their `*` one comparison at a time, knowing that {m} were made, or add seeds.")
