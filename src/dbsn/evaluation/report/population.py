@@ -13,6 +13,7 @@ noise at its bound, marked); one seed shows its run's own interval (the test set
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,17 +24,22 @@ from dbsn.evaluation.report.format import Cell, mean_std, run_bounds, seed_cell
 from dbsn.evaluation.report.seeds import resampled_covariance
 from dbsn.evaluation.statistics import Statistics, classification_statistics
 
-__all__ = ["PopulationCells"]
+__all__ = ["COVARIANCE_RESAMPLES", "PopulationCells"]
 
 _SCORE_PREFIX = "score_"
+#: at most this many resamples measure the covariance (about 4 % relative error at 1,000): a field sweep's
+#: 10,000, kept for the tails of its percentile intervals, would score every run ten times longer for nothing
+COVARIANCE_RESAMPLES = 1000
 
 
 class PopulationCells:
     """The cells of test-pass metrics over runs, each run's metrics on the common resamples computed
-    once (a run's predictions are read and scored at its first use) with `statistics`' bootstrap."""
+    once (a run's predictions are read and scored at its first use) with `statistics`' bootstrap (at
+    most `COVARIANCE_RESAMPLES` resamples) and level."""
 
     def __init__(self, statistics: Statistics | None = None) -> None:
         self.statistics = statistics or Statistics()
+        self._bootstrap = replace(self.statistics, resamples=min(int(self.statistics.resamples), COVARIANCE_RESAMPLES))
         self._found: dict[Path, tuple[torch.Tensor, dict[str, torch.Tensor]] | None] = {}
         self._weights: dict[int, torch.Tensor] = {}
 
@@ -48,7 +54,7 @@ class PopulationCells:
     def _score(self, predictions: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         targets = predictions["targets"]
         if len(targets) not in self._weights:
-            self._weights[len(targets)] = self.statistics.weights(len(targets))  # the same resamples for every run
+            self._weights[len(targets)] = self._bootstrap.weights(len(targets))  # the same resamples for every run
         scores = {k[len(_SCORE_PREFIX):]: v for k, v in predictions.items() if k.startswith(_SCORE_PREFIX)}
         return classification_statistics(predictions["log_probs"], targets, scores,
                                          self._weights[len(targets)], predictions.get("calibrated_log_probs"))
