@@ -38,8 +38,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["HOLM_REACH", "SeedLevel", "bounded_covariance", "combine_seeds", "holm_reachable", "holm_threshold",
-           "resampled_covariance"]
+__all__ = ["HOLM_REACH", "SeedLevel", "bounded_covariance", "combine_seeds", "holm_note", "holm_reachable",
+           "holm_threshold", "resampled_covariance"]
 
 #: the confidence of the upper bound on s² that the degrees of freedom use (module docstring)
 DF_UPPER_QUANTILE = 0.25
