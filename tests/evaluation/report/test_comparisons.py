@@ -88,11 +88,13 @@ def test_the_combined_interval_holds_its_level_at_three_seeds_where_seed_noise_d
     difference in about 95 % of 1,000 simulations, and its test rejects a null difference in about 5 %
     (a review measured a two-level bootstrap over three seeds at about 81 % and 19 %)."""
     from dbsn.evaluation.report.comparisons import combine_seeds
+    from dbsn.evaluation.report.seeds import resampled_covariance
 
     generator = torch.Generator().manual_seed(0)
     covered, rejected, runs = 0, 0, 1000
     for _ in range(runs):
-        value, low, high, p = combine_seeds(_seed_rows(3, 0.0, 0.05, 0.01, 200, generator), 0.95)
+        rows = _seed_rows(3, 0.0, 0.05, 0.01, 200, generator)
+        value, low, high, p, df = combine_seeds(rows[:, 0], resampled_covariance(rows[:, 1:]), 0.95)
         covered += low <= 0.0 <= high
         rejected += p <= 0.05
     assert 0.93 <= covered / runs <= 0.99, covered
@@ -104,9 +106,12 @@ def test_holm_rejects_a_real_difference_in_a_family_of_thirty():
     small enough for Holm's first step (0.05 / 30); a bootstrap p could not go below 2 / 1,001."""
     from dbsn.evaluation.report.comparisons import combine_seeds
 
+    def p_value(rows: torch.Tensor) -> float:
+        return combine_seeds(rows[:, 0], rows[:, 1:].var().reshape(1, 1), 0.95).p
+
     generator = torch.Generator().manual_seed(1)
-    family = [combine_seeds(_seed_rows(1, 0.0, 0.0, 0.01, 1000, generator), 0.95)[3] for _ in range(29)]
-    real = combine_seeds(_seed_rows(1, 0.08, 0.0, 0.01, 1000, generator), 0.95)[3]
+    family = [p_value(_seed_rows(1, 0.0, 0.0, 0.01, 1000, generator)) for _ in range(29)]
+    real = p_value(_seed_rows(1, 0.08, 0.0, 0.01, 1000, generator))
     assert real < 0.05 / 30 < 2 / 1001
     rejected = holm([real, *family])
     assert rejected[0] and sum(rejected[1:]) <= 1
@@ -228,6 +233,25 @@ def test_the_ensemble_equivalent_carries_the_curves_noise_and_names_what_it_leav
     build_report([runs], tmp_path / "report")
     with (tmp_path / "report" / "equivalent.csv").open() as f:
         assert {r["method"]: r["leaves_out"] for r in csv.DictReader(f)}["map"] == UNSAVED_CURVE
+
+
+def test_a_report_at_three_seeds_says_where_holm_cannot_reach_significance(tmp_path):
+    """Two methods against dbsn at three seeds whose accuracies spread widely: eight comparisons on
+    about 2 degrees of freedom, where Holm's first step needs |t| >= 12.6. The paired table gives
+    that |t| in the p column and says so below the table; its CSV marks them unreachable."""
+    for seed, spread in ((1, -0.1), (2, 0.0), (3, 0.1)):
+        _run(tmp_path / "runs" / f"dbsn{seed}", "dbsn", seed, _predictions(seed, 0.75))
+        _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(10 + seed, 0.75 + spread))
+        _run(tmp_path / "runs" / f"de{seed}", "deep_ensemble", seed, _predictions(20 + seed, 0.8 - spread))
+    build_report([tmp_path / "runs"], tmp_path / "report")
+    text = (tmp_path / "report" / "paired.md").read_text()
+    assert "Holm's correction cannot reach significance for 8 of these 8 comparisons at their few seeds" in text
+    assert "p ≤ 0.0063 (0.05 / 8)" in text and "(Holm needs \\|t\\| ≥ 12." in text
+    assert "against 2.7 with the noise known" in text
+    with (tmp_path / "report" / "paired.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and all(r["holm_reachable"] == "False" and float(r["df"]) < 3 for r in rows)
+    assert all(float(r["holm_needs_p"]) == pytest.approx(0.05 / 8) for r in rows)
 
 
 def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):

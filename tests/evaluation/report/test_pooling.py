@@ -53,7 +53,7 @@ def rows_of(path: Path) -> dict[str, list[str]]:
     """A markdown table's rows by their first cell (intervals dropped)."""
     rows = {}
     for line in path.read_text().splitlines():
-        cells = [re.sub(r" \[[-0-9., ]+\]", "", c.strip()) for c in line.split("|")[1:-1]]
+        cells = [re.sub(r" \[[-0-9., ]+\][§¶]?", "", c.strip()) for c in line.split("|")[1:-1]]
         if cells and cells[0] not in ("method", "row") and not set(cells[0]) <= {"-"}:
             rows[cells[0]] = cells[1:]
     return rows

@@ -28,8 +28,8 @@ def section(text: str, heading: str) -> str:
 
 
 def without_intervals(text: str) -> str:
-    """The table text without its cells' [low, high] intervals (checked by hand in table 1)."""
-    return re.sub(r" \[[-0-9., ]+\]", "", text)
+    """The table text without its cells' [low, high] intervals and their marks (checked by hand in table 1)."""
+    return re.sub(r" \[[-0-9., ]+\][§¶]?", "", text)
 
 
 def test_table1_means_by_hand_and_fbn_inferred(outputs, tmp_path):
@@ -38,15 +38,16 @@ def test_table1_means_by_hand_and_fbn_inferred(outputs, tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[4:]}
     assert table.splitlines()[2].startswith("| method | cifar10 | cifar100 |")
     assert list(rows) == ["dbsn", "fbn", "map"]  # canonical order
-    # mean ± std [mean ± t(0.975, n - 1) std / sqrt(n)] (n): t(0.975, 2) = 4.303, t(0.975, 1) = 12.71
-    assert rows["dbsn"] == ["6.00 ± 1.00 [3.52, 8.48] (3)", "22.00 ± 2.00 [17.03, 26.97] (3)"]
-    # the failed seed 2 is not averaged; the t interval stops at 0, the least an error can be
-    assert rows["map"] == ["9.00 ± 1.41 [0.00, 21.71] (2)", "30.50 ± 0.71 [24.15, 36.85] (2)"]
+    # mean ± std [mean ± t(0.975, n - 1) std / sqrt(n)] (n): t(0.975, 2) = 4.303, t(0.975, 1) = 12.71; these runs
+    # keep neither predictions nor intervals, so the interval is over the seeds alone, marked ¶
+    assert rows["dbsn"] == ["6.00 ± 1.00 [3.52, 8.48]¶ (3)", "22.00 ± 2.00 [17.03, 26.97]¶ (3)"]
+    assert rows["map"] == ["9.00 ± 1.41 [0.00, 21.71]¶ (2)", "30.50 ± 0.71 [24.15, 36.85]¶ (2)"]  # failed seed 2 out; an error stops at 0
     assert rows["fbn"] == ["4.00 (1)", "–"]  # no std from one run, and this run has no bootstrap interval
     by_cell = {(r["method"], r["dataset"]): r for r in read_csv(tmp_path / "report" / "table1_error.csv")}
     assert float(by_cell["dbsn", "cifar10"]["mean"]) == pytest.approx(6.0)
     assert float(by_cell["dbsn", "cifar10"]["std"]) == pytest.approx(1.0)
     assert by_cell["dbsn", "cifar10"]["n"] == "3" and by_cell["fbn", "cifar10"]["std"] == ""
+    assert by_cell["dbsn", "cifar10"]["interval"] == "seeds only" and by_cell["fbn", "cifar10"]["interval"] == ""
     ece = without_intervals((tmp_path / "report" / "table2_ece.md").read_text())
     assert "| dbsn | 0.0120 ± 0.0020 (3) | 0.0120 ± 0.0020 (3) |" in ece
     assert "| map | 0.0120 ± 0.0028 (2) |" in ece  # seeds 1 and 3

@@ -42,6 +42,7 @@ from dbsn.evaluation.report.pooling import REPEAT, pool_runs
 from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.evaluation.report.comparisons import equivalent_section, paired_section
 from dbsn.evaluation.report.format import UNCONVERGED_MARK, show
+from dbsn.evaluation.report.population import PopulationCells
 from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.sections.ablation import ablation_section
 from dbsn.evaluation.report.sections.accuracy import main_tables
@@ -125,11 +126,13 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             "(see \"Rows and the runs they pool\"). Every row of every table is a row of \"Training budgets\" "
             "(`budget.md`): the epochs, optimiser steps, images seen and training time its runs cost.\n\n")
     if ok:
-        text += main_tables(report, ok) + budget_section(report, ok) + tuning_section(report, ok)
+        cells = PopulationCells(statistics)  # each run scored once, for every table of test-pass metrics
+        text += main_tables(report, ok, cells) + budget_section(report, ok) + tuning_section(report, ok)
         text += published_section(report, ok)
         text += paired_section(report, ok, reference, statistics)
-        text += calibration_section(report, ok) + calibrators_section(report, ok) + cost_section(report, ok) + equivalent_section(report, ok, statistics=statistics)
-        text += selective_section(report, ok)
+        text += calibration_section(report, ok, cells) + calibrators_section(report, ok) + cost_section(report, ok)
+        text += equivalent_section(report, ok, statistics=statistics)
+        text += selective_section(report, ok, cells)
         text += ood_section(report, ok) + ood_groups_section(report, ok) + ood_scores_section(report, ok)
         text += shift_section(report, ok) + conformal_section(report, ok)
         text += adversarial_section(report, ok) + other_evaluations_section(report, ok) + ablation_section(report, ok)

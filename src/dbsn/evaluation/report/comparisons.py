@@ -5,18 +5,18 @@ the deep-ensemble equivalent (each method's cost with the Pareto view: `sections
 both are scored on the same bootstrap resamples of the test examples (`predictions.npz` of each
 run, `dbsn.evaluation.statistics`), so the noise of the test set they share cancels in the
 difference. For each seed present for both methods, the difference (method − reference) of every
-metric with its 95 % percentile interval. Combined over k seeds (`combine_seeds`): the mean of the
-per-seed differences, with a Student's t interval on k − 1 degrees of freedom whose variance adds
-the seeds' (their sample variance / k) and the test set's they share (the bootstrap variance of
-the mean difference over the common resamples); with one seed, the bootstrap interval. A t
-interval holds its level at three seeds where seed noise dominates (tested; the two-level bootstrap
-used before, which resampled the three seeds, covered the truth in about 81 % of such cases and
-gave p <= 0.05 in 19 % under the null, as a review measured). A difference whose interval excludes zero is marked `*`. Multiple comparisons: the
-family is every (method, metric) of one dataset; its p-values (the same t statistic; with one
-seed, normal theory on the bootstrap's standard error: no floor of 2 / (B + 1), which with 1,000
-resamples would stop Holm from rejecting anything in a family of 30) are adjusted by Holm's
-step-down procedure at 0.05, marked `†`. An interval without `*` is indistinguishable from noise
-at this size of test set and number of seeds.
+metric with its 95 % percentile interval. Combined over k seeds (`seeds.combine_seeds`): the mean
+of the per-seed differences, with a Student's t interval whose variance is the seeds' sample
+variance / k plus the test noise the k differences share (the mean covariance between two seeds'
+differences over the common resamples), on Welch–Satterthwaite's degrees of freedom; with one
+seed, the bootstrap interval. A difference whose interval excludes zero is marked `*`. Multiple
+comparisons: the family is every (method, metric) of one dataset; its p-values (the same t test;
+with one seed, normal theory on the bootstrap's standard error: no floor of 2 / (B + 1), which
+with 1,000 resamples would stop Holm from rejecting anything in a family of 30) are adjusted by
+Holm's step-down procedure at 0.05, marked `†`. At few seeds Holm's first step needs a t out of
+reach (`seeds.holm_reachable`): the table says so, with the p and the |t| it would need, instead
+of a `†` that cannot appear. An interval without `*` is indistinguishable from noise at this size
+of test set and number of seeds.
 
 Calibration is compared with the unbiased squared calibration error (`CE²`,
 `metrics.calibration.squared_calibration_error`), not the plug-in ECE, which is biased upward by an
@@ -48,6 +48,8 @@ from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
+from dbsn.evaluation.report.seeds import (SeedLevel, combine_seeds, holm_note, holm_reachable, holm_threshold,
+                                         resampled_covariance)
 from dbsn.evaluation.report.writer import write_section
 from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
 from dbsn.metrics.ensemble_equivalent import (METHOD_RUNS, deep_ensemble_equivalent,
@@ -55,7 +57,7 @@ from dbsn.metrics.ensemble_equivalent import (METHOD_RUNS, deep_ensemble_equival
 from dbsn.methods.registry import METHOD_ORDER
 from dbsn.metrics.intervals import weighted_brier, weighted_error, weighted_nll, weighted_squared_calibration_error
 
-__all__ = ["PAIRED_METRICS", "combine_seeds", "equivalent_section", "holm", "paired_differences",
+__all__ = ["PAIRED_METRICS", "SeedLevel", "combine_seeds", "equivalent_section", "holm", "paired_differences",
            "paired_section"]
 
 #: (label, statistic of (log-probabilities, calibrated log-probabilities or None, targets, weights))
@@ -90,31 +92,6 @@ def _metric_rows(predictions: dict[str, torch.Tensor], weights: torch.Tensor) ->
     return {k: v for k, v in rows.items() if v is not None}
 
 
-def combine_seeds(rows: torch.Tensor, level: float) -> tuple[float, float, float, float]:
-    """(value, low, high, p) of a difference measured on k seeds, `rows` (k, 1 + resamples): row s
-    holds seed s's difference then its values on the resamples of the test examples, which are the
-    same resamples for every seed (module docstring). k >= 2: the mean, its Student's t interval on
-    k − 1 degrees of freedom with variance s² / k + V (s²: the per-seed differences' sample
-    variance; V: the bootstrap variance of their mean), and the t test's p; k = 1: the percentile
-    interval, and the p of normal theory on the bootstrap's standard error."""
-    from scipy.stats import norm, t
-
-    k = rows.shape[0]
-    values, resampled = rows[:, 0].double(), rows[:, 1:].double()
-    value = float(values.mean())
-    shared = float(resampled.mean(0).var()) if resampled.shape[1] > 1 else 0.0
-    if k == 1:
-        low, high = np.quantile(resampled[0].numpy(), [(1 - level) / 2, (1 + level) / 2])
-        se = shared ** 0.5
-        p = 1.0 if se == 0 else float(2 * norm.sf(abs(value) / se))
-        return value, float(low), float(high), p
-    se = (float(values.var()) / k + shared) ** 0.5
-    if se == 0:
-        return value, value, value, 1.0 if value == 0 else 0.0
-    half = float(t.ppf((1 + level) / 2, k - 1)) * se
-    return value, value - half, value + half, float(2 * t.sf(abs(value) / se, k - 1))
-
-
 def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
     """Holm's step-down rejections of the family: sorted p-values p_(i) are rejected while
     p_(i) <= alpha / (m - i + 1), i = 1..m."""
@@ -128,8 +105,9 @@ def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
 
 
 def paired_differences(method: dict[int, dict], reference: dict[int, dict], statistics: Statistics) -> dict[str, dict]:
-    """{metric: {"seeds": {seed: (value, low, high)}, "combined": (value, low, high), "p": p}} of
-    method − reference, from each seed's predictions (see the module docstring)."""
+    """{metric: {"seeds": {seed: (value, low, high)}, "combined": (value, low, high), "p": p, "df": df}} of
+    method − reference, from each seed's predictions (see the module docstring; df: the t test's degrees
+    of freedom, inf for normal theory at one seed)."""
     seeds = sorted(set(method) & set(reference), key=str)
     per_seed: dict[str, list[torch.Tensor]] = defaultdict(list)
     out: dict[str, dict] = defaultdict(lambda: {"seeds": {}})
@@ -143,9 +121,11 @@ def paired_differences(method: dict[int, dict], reference: dict[int, dict], stat
             out[name]["seeds"][seed] = (float(difference[0]), low, high)
             per_seed[name].append(difference)
     for name, differences in per_seed.items():
-        value, low, high, p = combine_seeds(torch.stack(differences), statistics.level)  # (seeds, 1 + resamples)
-        out[name]["combined"] = (value, low, high)
-        out[name]["p"] = p
+        rows = torch.stack(differences)  # (seeds, 1 + resamples), the same resamples for every seed
+        found = combine_seeds(rows[:, 0], resampled_covariance(rows[:, 1:]), statistics.level)
+        low, high = (found.low, found.high) if len(rows) > 1 else next(iter(out[name]["seeds"].values()))[1:]
+        out[name]["combined"] = (found.value, low, high)
+        out[name]["p"], out[name]["df"] = found.p, found.df
     return {name: out[name] for name in PAIRED_METRICS if name in out and "combined" in out[name]}
 
 
@@ -189,6 +169,8 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         rejected = dict(zip(family, holm([found[m][name]["p"] for m, name in family])))
         if not family:
             continue
+        dfs = {key: found[key[0]][key[1]]["df"] for key in family}
+        unreachable = {key: not holm_reachable(len(family), df) for key, df in dfs.items()}
         seeds = sorted({s for m in found.values() for d in m.values() for s in d["seeds"]}, key=str)
         rows, same = [], []
         for method, metrics in found.items():
@@ -197,10 +179,12 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
                 excludes = not low <= 0 <= high
                 mark = ("*" if excludes else "") + ("†" if rejected[method, name] else "")
                 per_seed = [_interval_text(*d["seeds"][s]) if s in d["seeds"] else "–" for s in seeds]
-                rows.append([method, name, f"{_interval_text(value, low, high)} {mark}".strip(), *per_seed,
-                             f"{d['p']:.3f}"])
+                needs = holm_threshold(len(family), d["df"])
+                p_text = f"{d['p']:.3f}" + (f" (Holm needs \\|t\\| ≥ {needs:.1f})" if unreachable[method, name] else "")
+                rows.append([method, name, f"{_interval_text(value, low, high)} {mark}".strip(), *per_seed, p_text])
                 csv_rows.append([dataset, method, name, value, low, high, d["p"], excludes, rejected[method, name],
-                                 json.dumps({str(s): v for s, v in d["seeds"].items()})])
+                                 json.dumps({str(s): v for s, v in d["seeds"].items()}), d["df"], 0.05 / len(family),
+                                 needs, not unreachable[method, name]])
                 if not excludes:
                     same.append(f"{method} {name}")
         text += (f"### {dataset}: method − {reference}\n\n"
@@ -209,7 +193,8 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         line = (f"{dataset}: indistinguishable from {reference} (95 % interval holds 0): "
                 + (", ".join(same) if same else "none") + ".")
         summary.append(line)
-        text += line + "\n\n"
+        note = holm_note(len(family), [dfs[key] for key in family if unreachable[key]])
+        text += line + "\n\n" + (note + "\n\n" if note else "")
     if not text:
         return ""
     text = write_section(
@@ -218,12 +203,14 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         "resamples), method − reference, so a negative difference in error, NLL, Brier or CE² favours the method. CE² "
         "is the unbiased squared calibration error: the plug-in ECE, biased by each method's spread of confidences, is "
         "not tested. Calibrated metrics are paired only where both runs fitted their temperature the same way. Per "
-        "seed (bootstrap over the test examples), and over all seeds (Student's t on the seeds, with the test set's "
-        "shared variance). `*`: the 95 % interval excludes 0; `†`: still rejected after Holm's correction over every "
-        "(method, metric) of the dataset (family-wise error 0.05). Choose the reference with `--reference` "
-        "(`report.reference=<method>` in a sweep).",
+        "seed (bootstrap over the test examples), and over all seeds (Student's t on the seeds' spread plus the test "
+        "noise the seeds' differences share, measured on the common resamples). `*`: the 95 % interval excludes 0; "
+        "`†`: still rejected after Holm's correction over every (method, metric) of the dataset (family-wise error "
+        "0.05); where Holm's first step needs a |t| out of reach at the comparison's few seeds (more than twice the "
+        "|t| it needs with the noise known), the p column gives that |t| and a note below the table says so. Choose "
+        "the reference with `--reference` (`report.reference=<method>` in a sweep).",
         text, ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero", "holm_rejected",
-               "per_seed"], csv_rows)
+               "per_seed", "df", "holm_needs_p", "holm_needs_t", "holm_reachable"], csv_rows)
     report.summary.extend(summary)
     return text
 

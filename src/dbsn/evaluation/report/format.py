@@ -1,6 +1,6 @@
 """The report's numbers as text: the order of methods and datasets, a cell's mean, spread and
-interval over seeds (`Cell`, `mean_std`), and how cells, tables and paths are written (`fmt`,
-`short`, `md_table`, `mark_unconverged`). Shared by every section; it writes no file."""
+interval over seeds (`Cell`, `mean_std`, `seed_cell`), and how cells, tables and paths are written
+(`fmt`, `short`, `md_table`, `mark_unconverged`). Shared by every section; it writes no file."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.collect import Run
+from dbsn.evaluation.report.seeds import bounded_covariance, combine_seeds
 from dbsn.methods.registry import field_backbones
 
 DATASET_ORDER = ("cifar10", "cifar100")
@@ -35,20 +38,35 @@ def order(names, canonical) -> list[str]:
     return sorted(set(names), key=key)
 
 
+#: what a cell's interval covers (`Cell.interval`): the seeds and the test set's noise they share, measured on
+#: common resamples of the runs' test examples (`predictions.npz`); the same with that noise at its upper bound,
+#: from each run's interval alone; one run's test set alone; the seeds alone (no test-set noise known)
+SEEDS_AND_TEST, SEEDS_AND_TEST_BOUND, TEST_ONLY, SEEDS_ONLY = (
+    "seeds and test set", "seeds and test set (bound)", "test set only", "seeds only")
+#: the mark `fmt` puts after an interval that is not measured over the seeds and the test set, and what it means
+INTERVAL_MARKS = {SEEDS_AND_TEST_BOUND: "§", SEEDS_ONLY: "¶"}
+INTERVAL_MARKS_NOTE = ("§: the test set's noise the seeds share is at its upper bound (each run's interval, "
+                       "the seeds' noises taken as fully correlated: no per-example data), a conservative interval; "
+                       "¶: over the seeds alone, leaving out any noise of a test set they share.")
+
+
 class Cell(NamedTuple):
     """A table cell: the mean over seeds, their sample std (ddof = 1; None for one seed), the number
-    of seeds, and the 95 % interval: Student's t over the seeds for two or more, the run's own
-    bootstrap interval over test examples for one (None where the run has none)."""
+    of seeds, the 95 % interval of the method's population metric (its mean over seeds and test
+    sets) and what that interval covers (`interval`): for two or more seeds, Student's t with the
+    seeds' variance and the test noise they share (`seeds.combine_seeds`), measured or bounded;
+    for one, the run's own bootstrap interval over test examples (None where the run has none)."""
 
     mean: float
     std: float | None
     n: int
     low: float | None = None
     high: float | None = None
+    interval: str = ""
 
 
 #: the CSV columns of a `Cell`
-STATS = ["mean", "std", "n", "low", "high"]
+STATS = ["mean", "std", "n", "low", "high", "interval"]
 
 
 def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -60,13 +78,30 @@ def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     return mean - half, mean + half
 
 
-def mean_std(values, intervals=None) -> Cell:
-    """The `Cell` of one value per seed; `intervals`: each run's [low, high] (or None), in the same order."""
+def seed_cell(values, test_cov, level: float = 0.95, interval: str = SEEDS_AND_TEST) -> Cell:
+    """The `Cell` of one value per seed (two or more) whose test-set noise has covariance `test_cov`
+    (k, k): the interval of `seeds.combine_seeds`."""
+    values = [float(v) for v in values]
+    found = combine_seeds(torch.tensor(values, dtype=torch.float64), torch.as_tensor(test_cov), level)
+    return Cell(found.value, statistics.stdev(values), len(values), found.low, found.high, interval)
+
+
+def mean_std(values, intervals=None, level: float = 0.95) -> Cell:
+    """The `Cell` of one value per seed; `intervals`: each run's [low, high] at `level` (or None), in the
+    same order, given for a metric measured on a test set. Two or more seeds, each with an interval: the
+    test noise they share at its bound (`seeds.bounded_covariance`); some without: Student's t over the
+    seeds alone, labelled so; no `intervals` at all (a quantity without a test set, as a training time):
+    Student's t over the seeds, unlabelled. One seed: its interval."""
     values = [float(v) for v in values]
     if len(values) > 1:
-        return Cell(statistics.fmean(values), statistics.stdev(values), len(values), *t_interval(values))
+        if intervals is not None and len(intervals) == len(values) and all(b is not None for b in intervals):
+            return seed_cell(values, bounded_covariance(intervals, level), level, SEEDS_AND_TEST_BOUND)
+        return Cell(statistics.fmean(values), statistics.stdev(values), len(values), *t_interval(values, level),
+                    "" if intervals is None else SEEDS_ONLY)
     bounds = (intervals or [None])[0]
-    return Cell(values[0], None, 1, *(bounds if bounds is not None else (None, None)))
+    if bounds is None:
+        return Cell(values[0], None, 1)
+    return Cell(values[0], None, 1, *bounds, TEST_ONLY)
 
 
 def run_bounds(run: Run, key: str, scale: float = 1.0) -> list[float] | None:
@@ -87,7 +122,9 @@ def fmt(stats, digits: int, metric: str | None = None, scale: float = 1.0) -> st
     text = f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
     if bounds and bounds[0] is not None:
         low, high, misses = shown_interval(metric, mean, bounds[0], bounds[1], scale=scale)
-        text += f" [{low:.{digits}f}, {high:.{digits}f}]" + (" " + OUTSIDE_NOTE if misses else "")
+        text += f" [{low:.{digits}f}, {high:.{digits}f}]"
+        text += INTERVAL_MARKS.get(bounds[2] if len(bounds) > 2 else "", "")
+        text += " " + OUTSIDE_NOTE if misses else ""
     return f"{text} ({n})"
 
 

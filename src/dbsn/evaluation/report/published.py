@@ -28,7 +28,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order, run_bounds
+from dbsn.evaluation.report.format import (DATASET_ORDER, INTERVAL_MARKS_NOTE, fmt, md_table, mean_std, order,
+                                          run_bounds)
 from dbsn.evaluation.report.writer import write_csv
 
 
@@ -171,7 +172,7 @@ def published_section(report: Report, ok: list[Run]) -> str:
             "Runs on the field's backbones next to the figures their authors published for the same method and "
             "backbone (uncertainty-baselines' WideResNet-28-10 table, ensembles of 4; ResNet-18: the deterministic "
             "200-epoch figures; the methods' own papers for cSG-MCMC and DDU; each row's source). Ours: mean ± std "
-            "[95 % interval] (seeds). Corrupted-data columns: means over every corruption and severity of the run's "
-            "shift evaluation. SVHN AUROC: the AUROC of the score in brackets (DDU's feature density `gda`) in the "
-            "run's OOD evaluation with ood=svhn. Set-ups differ between sources; a gap is a question to ask, not a "
-            "verdict.\n\n" + md_table(header, rows) + "\n")
+            "[95 % interval] (seeds). " + INTERVAL_MARKS_NOTE + " Corrupted-data columns: means over every corruption "
+            "and severity of the run's shift evaluation. SVHN AUROC: the AUROC of the score in brackets (DDU's "
+            "feature density `gda`) in the run's OOD evaluation with ood=svhn. Set-ups differ between sources; a gap "
+            "is a question to ask, not a verdict.\n\n" + md_table(header, rows) + "\n")

@@ -8,12 +8,13 @@ from collections import defaultdict
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import STATS, md_table, mean_std, order, short
 from dbsn.evaluation.report.pooling import row_name
+from dbsn.evaluation.report.population import PopulationCells
 from dbsn.evaluation.report.sections.accuracy import per_method_table
 from dbsn.evaluation.report.writer import write_section
 from dbsn.methods.registry import METHOD_ORDER
 
 
-def calibration_section(report: Report, ok: list[Run]) -> str:
+def calibration_section(report: Report, ok: list[Run], cells: PopulationCells | None = None) -> str:
     return per_method_table(
         report, ok, "calibration", "Calibration beyond equal-width ECE",
         "The unbiased squared calibration error (CE², the one to compare: its interval covers the truth), then "
@@ -26,7 +27,7 @@ def calibration_section(report: Report, ok: list[Run]) -> str:
         [("CE² (unbiased)", "test/ce2", 1.0, 5), ("ECE", "test/ece", 1.0, 4), ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
          ("classwise ECE", "test/classwise_ece", 1.0, 4), ("calibrated NLL", "test/calibrated/nll", 1.0, 4),
          ("calibrated Brier", "test/calibrated/brier", 1.0, 4), ("calibrated CE²", "test/calibrated/ce2", 1.0, 5),
-         ("calibrated ECE", "test/calibrated/ece", 1.0, 4)])
+         ("calibrated ECE", "test/calibrated/ece", 1.0, 4)], cells)
 
 
 def calibrators_section(report: Report, ok: list[Run]) -> str:

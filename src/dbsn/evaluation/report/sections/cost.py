@@ -98,5 +98,6 @@ def time_section(report: Report, ok: list[Run]) -> str:
         "Wall time of training (the fit, validation included, resumed parts added up), in minutes, mean ± std [95 % t "
         "interval] (n runs), and its ratio to DBSN's mean on the same data. Only comparable between runs on the same "
         "hardware.", md_table(["method", "dataset", "minutes", "epochs", "× DBSN"], table) + "\n",
-        ["method", "dataset", "mean_minutes", "std_minutes", "n", "low_minutes", "high_minutes", "epochs", "ratio_to_dbsn"],
+        ["method", "dataset", "mean_minutes", "std_minutes", "n", "low_minutes", "high_minutes", "interval", "epochs",
+         "ratio_to_dbsn"],
         rows)

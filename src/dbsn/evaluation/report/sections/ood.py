@@ -11,7 +11,8 @@ import numpy as np
 
 from dbsn.evaluation.ood import entropy_cdf_figure
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import NUM_CLASSES, OOD_METRICS, STATS, fmt, md_table, mean_std, order, short, slug
+from dbsn.evaluation.report.format import (INTERVAL_MARKS_NOTE, NUM_CLASSES, OOD_METRICS, STATS, fmt, md_table,
+                                          mean_std, order, short, slug)
 from dbsn.evaluation.report.writer import write_figure, write_section
 from dbsn.methods.registry import METHOD_ORDER
 
@@ -81,7 +82,8 @@ def ood_section(report: Report, ok: list[Run]) -> str:
         "Each score (the predictive's entropy, mutual information and max probability; OpenOOD's max-logit, energy, "
         "Mahalanobis, KNN, ViM and ODIN where evaluated) separates in-distribution test data from the OOD set; AUROC "
         "and AUPR (OOD as positive) higher is better, FPR95 (false-positive rate at 95% true-positive rate) lower is "
-        "better; fractions, mean ± std [95 % interval] (n seeds): one seed's interval resamples both test sets.",
+        "better; fractions, mean ± std [95 % interval] (n seeds): one seed's interval resamples both test sets; over "
+        "seeds, the interval adds the test sets' noise the seeds share at its upper bound. " + INTERVAL_MARKS_NOTE,
         text, ["method", "dataset", "ood", "score", "metric", *STATS], rows)
 
 
@@ -111,7 +113,7 @@ def ood_groups_section(report: Report, ok: list[Run]) -> str:
     return write_section(
         report, "ood_groups", "Near and far OOD",
         f"Means over the OOD sets of each group ({described}), as OpenOOD v1.5 reports them; OOD is the positive class "
-        "of AUROC, AUPR and FPR95.",
+        "of AUROC, AUPR and FPR95. " + INTERVAL_MARKS_NOTE,
         md_table(["method", "dataset", "group", "score", *(label for _, label in OOD_METRICS)], table) + "\n",
         ["method", "dataset", "group", "score", "metric", *STATS], csv_rows, markdown=False)
 
