@@ -193,8 +193,8 @@ def _within_sampling_error(formula: torch.Tensor, monte_carlo: torch.Tensor, run
 def test_the_variance_formula_is_the_monte_carlo_variance():
     """4,000 test sets of 1,000 examples, three predictors sharing some errors: the Monte Carlo
     covariance of their CE² estimates is Σ1 (at the true bin gaps, and at the true levels in the
-    estimated shape) + Σ2 (estimated; means over 300 of the sets) to within sampling error, calibrated (only Σ2) and miscalibrated (CE² = 0.0025, 0,
-    0.0016), and the estimates are unbiased; the seeds' covariance (two predictors of one method
+    estimated shape) + Σ2 (estimated; means over 300 of the sets) to within sampling error,
+    calibrated (only Σ2) and miscalibrated (CE² = 0.0025, 0, 0.0016), and the estimates are unbiased; the seeds' covariance (two predictors of one method
     against one of another, at their common level) is the Monte Carlo covariance of the two
     differences where both methods are equally miscalibrated (CE² = 9e-4)."""
     n, runs, formulas = 1000, 4000, 300
