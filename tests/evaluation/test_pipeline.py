@@ -21,6 +21,7 @@ import yaml
 from hydra.errors import MissingConfigException
 
 from dbsn.evaluation.runs import CONFIG_FILE
+from dbsn.evaluation.statistics import CE2_INTERVAL
 from dbsn.posthoc.base import PosthocError
 from dbsn.runtime.checkpoint import AtomicCheckpointIO
 from dbsn.runtime.config import ConfigError
@@ -326,12 +327,16 @@ def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_s
     record = json.loads((out / "metrics.json").read_text())
     assert record["calibration"]["fitted_on"] == "validation"
     assert record["statistics"] == {"seed": 0, "resamples": 1000, "level": 0.95,
-                                    "interval": "percentile bootstrap over the test examples"}
+                                    "interval": "percentile bootstrap over the test examples",
+                                    "ce2_interval": CE2_INTERVAL}
     for key in ("test/error", "test/nll", "test/brier", "test/ece", "test/adaptive_ece", "test/classwise_ece",
                 "test/calibrated/nll", "test/calibrated/brier", "test/calibrated/ece", "selective/predictive_entropy/aurc",
                 "selective/max_probability/risk@80"):
         low, high = record["intervals"][key]
         assert low <= record["metrics"][key] + 1e-6 and record["metrics"][key] <= high + 1e-6 and low < high, key
+    for key in ("test/ce2", "test/calibrated/ce2"):  # a CE² >= 0; its estimate may be below
+        low, high = record["intervals"][key]
+        assert 0 <= low <= high, key
     assert record["metrics"]["test/calibrated/nll"] <= record["metrics"]["test/nll"] + 0.05
     cost = record["cost"]
     assert cost["params"] > 0 and cost["train_flops_per_image"] > cost["predict_flops_per_image"] > 0

@@ -197,51 +197,37 @@ def _interval(metric, n: int, seed: int, resamples: int = 400):
     return bootstrap(metric, n, resamples=resamples, seed=seed)
 
 
-@pytest.mark.parametrize("gap", [0.0, 0.1], ids=["calibrated", "CE2=0.01"])
-def test_the_squared_calibration_error_is_unbiased_and_its_interval_covers_the_truth(gap):
-    """A model of known calibration (CE² = gap²), 200 test sets of 2,000: the estimate's mean is the
-    truth, and its 95 % interval covers the truth in about 95 % of them (at 0, conservatively, more);
-    the plug-in ECE's interval covers its own truth (the ECE, gap) far less often at gap 0."""
+def test_the_plug_in_eces_interval_misses_a_calibrated_models_zero():
+    """A calibrated model (the confidence is the chance of being right), 200 test sets of 2,000: the
+    plug-in ECE's percentile interval holds its true value, 0, in few of them (its bias, which grows
+    with the confidences' spread, is why CE² is compared instead; CE²'s own interval and paired test
+    are `metrics.ce2_inference`'s, simulated in tests/metrics/test_ce2_inference.py)."""
     generator = torch.Generator().manual_seed(0)
-    truth, runs, n = gap ** 2, 200, 2000
-    estimates, covered, ece_covered = [], 0, 0
+    runs, n, covered = 200, 2000, 0
     for run in range(runs):
-        probs, target = _known_model(n, generator, gap)
-        found = _interval(lambda w: weighted_squared_calibration_error(probs, target, w), n, run)
-        estimates.append(found.value)
-        covered += found.low <= truth <= found.high
+        probs, target = _known_model(n, generator)
         ece = _interval(lambda w: weighted_ece(probs, target, w), n, run)
-        ece_covered += ece.low <= gap <= ece.high
-    mean, se = torch.tensor(estimates).mean(), torch.tensor(estimates).std() / runs ** 0.5
-    assert abs(float(mean) - truth) < 3 * float(se) + 1e-6, (float(mean), truth)
-    # at 0 the estimate is a degenerate U-statistic and its interval is conservative (covers more)
-    assert (0.9 if gap == 0.0 else 0.88) <= covered / runs <= (1.0 if gap == 0.0 else 0.99), covered
-    if gap == 0.0:
-        assert ece_covered / runs < 0.2, ece_covered  # the biased ECE's interval misses a calibrated model's 0
+        covered += ece.low <= 0.0 <= ece.high
+    assert covered / runs < 0.2, covered
 
 
-def test_two_calibrated_models_of_different_confidence_differ_by_chance_only():
+def test_two_calibrated_models_of_different_confidence_differ_in_the_plug_in_ece():
     """Both calibrated, one confident (c in [0.8, 1]), one not (c in [0.2, 1]), on the same 2,000 test
-    examples, 100 times: the paired interval of the squared calibration error's difference excludes 0
-    in about 5 % of runs; the plug-in ECE's, which the confidence spread biases, in most."""
+    examples, 100 times: the paired interval of the plug-in ECE's difference, which the confidence
+    spread biases, excludes 0 in most runs (the paired CE² test: tests/metrics/test_ce2_inference.py)."""
     generator = torch.Generator().manual_seed(1)
-    n, runs, ce2_false, ece_false = 2000, 100, 0, 0
+    n, runs, ece_false = 2000, 100, 0
     for run in range(runs):
         a_probs, target = _known_model(n, generator, low=0.8)
         b_probs, b_target = _known_model(n, generator, low=0.2)
         # the same test examples: model b's correctness re-expressed against model a's labels
         b_right = b_target == 0
-        b_probs = b_probs[:, torch.arange(10)]
         b_pred = torch.where(b_right, target, (target + 1) % 10)
         b_full = torch.full_like(b_probs, 0.0)
         b_full.scatter_(1, b_pred[:, None], b_probs[:, :1])
         rest = ((1 - b_probs[:, 0]) / 9)[:, None]
         b_full = torch.where(b_full == 0, rest.expand_as(b_full), b_full)
-        ce2 = paired_interval(lambda w: weighted_squared_calibration_error(a_probs, target, w),
-                              lambda w: weighted_squared_calibration_error(b_full, target, w), n, resamples=400, seed=run)
         ece = paired_interval(lambda w: weighted_ece(a_probs, target, w), lambda w: weighted_ece(b_full, target, w),
                               n, resamples=400, seed=run)
-        ce2_false += ce2.excludes(0.0)
         ece_false += ece.excludes(0.0)
-    assert ce2_false / runs <= 0.12, ce2_false
     assert ece_false / runs >= 0.5, ece_false

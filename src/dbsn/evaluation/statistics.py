@@ -14,6 +14,12 @@ cross-validation: the test set is split in two halves at random (seeded), the te
 on each half calibrates the other. Either way the test examples' calibrated log-probabilities
 are fixed before resampling: the intervals hold the temperature fixed.
 
+The unbiased squared calibration error (`test/ce2`, `test/calibrated/ce2`) is the exception: a
+percentile bootstrap of this U-statistic is too wide where the truth is near 0, so its interval is
+`metrics.ce2_inference.score_interval` (the values θ0 >= 0 that |CE² − θ0| <= z √Var(θ0) does not
+reject, Var(θ0) its variance if the truth were θ0; lower end at 0, below a negative estimate).
+`"statistics"` in metrics.json says so (`CE2_INTERVAL`).
+
 `prediction_arrays` is what `predictions.npz` keeps for the report's paired bootstrap.
 """
 
@@ -28,6 +34,7 @@ from torch import Tensor
 
 from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.methods.temperature import TemperatureScaler
+from dbsn.metrics.ce2_inference import score_interval
 from dbsn.metrics.intervals import (
     percentile_interval,
     resample_counts,
@@ -42,14 +49,18 @@ from dbsn.metrics.intervals import (
 )
 from dbsn.metrics.selective import score_as_uncertainty
 
-__all__ = ["PREDICTIONS_FILE", "RecordedStatistics", "Statistics", "calibrate", "classification_statistics",
-           "intervals_of", "prediction_arrays", "recorded_statistics", "validation_predictions"]
+__all__ = ["CE2_INTERVAL", "PREDICTIONS_FILE", "RecordedStatistics", "Statistics", "calibrate", "ce2_intervals",
+           "classification_statistics", "intervals_of", "prediction_arrays", "recorded_statistics",
+           "validation_predictions"]
 
 #: the per-example test predictions of an evaluation (log-probabilities, targets, calibrated
 #: log-probabilities, uncertainty scores): what the report pairs methods on
 PREDICTIONS_FILE = "predictions.npz"
 #: the uncertainty scores whose ranking of errors selective prediction measures (and whose metrics get intervals)
 SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
+#: how metrics.json's `test/ce2` and `test/calibrated/ce2` intervals are made
+CE2_INTERVAL = ("score interval of the U-statistic's variance at each hypothesised CE² "
+                "(dbsn.metrics.ce2_inference.score_interval), lower end clipped at 0")
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,7 @@ def classification_statistics(log_probs: Tensor, targets: Tensor, scores: dict[s
     `test/calibrated/{nll,brier,ce2,ece}` (given the calibrated log-probabilities) and
     `selective/<score>/{aurc,eaurc,augrc,risk@80}` with `selective/optimal_aurc`. `ce2` is the
     unbiased squared calibration error (`metrics.calibration.squared_calibration_error`), the one
-    whose interval covers the truth; the ECEs are the familiar plug-in numbers, biased upward."""
+    to compare (its interval: `ce2_intervals`); the ECEs are the familiar plug-in numbers, biased upward."""
     log_probs = log_probs.double()
     probs = log_probs.exp()
     out = {"test/error": weighted_error(probs, targets, weights), "test/nll": weighted_nll(log_probs, targets, weights),
@@ -150,6 +161,14 @@ def intervals_of(statistics: dict[str, Tensor], level: float) -> dict[str, list[
         interval = percentile_interval(float(rows[0]), rows[1:], level)
         out[key] = [interval.low, interval.high]
     return out
+
+
+def ce2_intervals(log_probs: Tensor, targets: Tensor, calibrated: Tensor | None,
+                  level: float) -> dict[str, list[float]]:
+    """[low, high] of `test/ce2` (and `test/calibrated/ce2` given calibrated log-probabilities): the
+    score interval of `metrics.ce2_inference` (module docstring), not the percentile bootstrap."""
+    found = {"test/ce2": log_probs, **({} if calibrated is None else {"test/calibrated/ce2": calibrated})}
+    return {key: list(score_interval(value.double().exp(), targets, level)[1:3]) for key, value in found.items()}
 
 
 def prediction_arrays(log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor],
@@ -211,6 +230,9 @@ def recorded_statistics(model, recorded: PredictionRecorder, datamodule,
     calibrated, calibration = calibrate(log_probs, targets, validation_predictions(model, datamodule), statistics.seed)
     found = classification_statistics(log_probs, targets, scores, statistics.weights(len(targets)), calibrated)
     metrics = {key: float(found[key][0]) for key in found if key.startswith("test/calibrated/") or key == "test/ce2"}
-    return RecordedStatistics(metrics=metrics, intervals=intervals_of(found, statistics.level),
-                              record={"statistics": statistics.record(), "calibration": calibration},
+    intervals = intervals_of(found, statistics.level)
+    intervals.update(ce2_intervals(log_probs, targets, calibrated, statistics.level))
+    return RecordedStatistics(metrics=metrics, intervals=intervals,
+                              record={"statistics": {**statistics.record(), "ce2_interval": CE2_INTERVAL},
+                                      "calibration": calibration},
                               arrays=prediction_arrays(log_probs, targets, scores, calibrated))

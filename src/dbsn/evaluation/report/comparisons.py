@@ -21,8 +21,11 @@ of test set and number of seeds.
 Calibration is compared with the unbiased squared calibration error (`CE²`,
 `metrics.calibration.squared_calibration_error`), not the plug-in ECE, which is biased upward by an
 amount that depends on each method's spread of confidences (two calibrated methods "differ" in
-almost every test set). Calibrated metrics are paired only where both runs fitted their temperature
-the same way (on a validation split, or by test-time cross-validation).
+almost every test set). CE²'s rows are not bootstrapped: the percentile bootstrap of this
+U-statistic is far too wide near 0, so each seed's difference, interval and p come from
+`metrics.ce2_inference.paired_test`, and over seeds the covariance of the differences' shared test
+noise from `ce2_difference_covariance` (`report.ce2_pairs`). Calibrated metrics are paired only
+where both runs fitted their temperature the same way (on a validation split, or by test-time cross-validation).
 
 **The deep-ensemble equivalent** (Ashukha et al., ICLR 2020): the number of members of a deep
 ensemble whose calibrated NLL equals a method's (`dbsn.metrics.ensemble_equivalent`). Both sides
@@ -38,6 +41,7 @@ saved), which makes it a lower bound on the uncertainty.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,6 +50,7 @@ import torch
 
 from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
+from dbsn.evaluation.report.ce2_pairs import ce2_differences
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
 from dbsn.evaluation.report.seeds import (SeedLevel, combine_seeds, holm_note, holm_reachable, holm_threshold,
@@ -126,6 +131,13 @@ def paired_differences(method: dict[int, dict], reference: dict[int, dict], stat
         low, high = (found.low, found.high) if len(rows) > 1 else next(iter(out[name]["seeds"].values()))[1:]
         out[name]["combined"] = (found.value, low, high)
         out[name]["p"], out[name]["df"] = found.p, found.df
+    for name, found in ce2_differences(method, reference, seeds, statistics.level).items():
+        out[name]["seeds"] = found.seeds  # CE²'s own test, not the bootstrap (ce2_pairs)
+        if found.single is not None:
+            out[name]["combined"], out[name]["p"], out[name]["df"] = tuple(found.single[:3]), found.single.p, math.inf
+        else:  # k >= 2 seeds: the seeds' spread plus the analytic covariance of their shared test noise
+            level = combine_seeds(found.values, found.test_cov, statistics.level)
+            out[name]["combined"], out[name]["p"], out[name]["df"] = level[:3], level.p, level.df
     return {name: out[name] for name in PAIRED_METRICS if name in out and "combined" in out[name]}
 
 
