@@ -99,3 +99,16 @@ def test_the_samplers_and_ddu_are_set_beside_their_papers_figures(tmp_path):
     for name in (name for rows in PUBLISHED.values() for name in rows):
         base, _, posthoc = name.partition("+")
         assert base in methods and (not posthoc or posthoc in posteriors), name
+
+
+def test_a_run_without_nll_or_ece_leaves_those_cells_empty(tmp_path):
+    """A run on a published backbone that recorded its error alone: '–' for NLL and ECE, no crash."""
+    folder = write_run(tmp_path / "runs" / "det", {"_target_": "dbsn.methods.MAP", "learn_structure": False, "net": WRN},
+                       "dbsn.data.CIFAR10DataModule", 1, 0.04)
+    record = json.loads((folder / "metrics.json").read_text())
+    record["metrics"] = {"test/error": 0.04}
+    (folder / "metrics.json").write_text(json.dumps(record))
+    report = build_report([tmp_path / "runs"], tmp_path / "report")
+    with (report.out / "published.csv").open() as f:
+        row = next(csv.DictReader(f))
+    assert float(row["accuracy (%)"]) == pytest.approx(96.0) and row["NLL"] == "" and row["ECE"] == ""

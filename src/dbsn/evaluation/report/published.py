@@ -127,6 +127,12 @@ def _published(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _cell(group: list[Run], key: str):
+    """The cell of `key` over the runs of `group` that have it, or None where none does."""
+    found = [r for r in group if key in r.metrics]
+    return mean_std([r.metrics[key] for r in found], [run_bounds(r, key) for r in found]) if found else None
+
+
 def published_section(report: Report, ok: list[Run]) -> str:
     """Each run on a field backbone that has a published figure, beside it (module docstring)."""
     runs = defaultdict(list)
@@ -145,10 +151,7 @@ def published_section(report: Report, ok: list[Run]) -> str:
             accuracy = mean_std([100.0 * (1.0 - r.metrics["test/error"]) for r in error],
                                 [None if (b := run_bounds(r, "test/error", 100.0)) is None else [100.0 - b[1], 100.0 - b[0]]
                                  for r in error]) if error else None
-            nll = mean_std([r.metrics["test/nll"] for r in group if "test/nll" in r.metrics],
-                           [run_bounds(r, "test/nll") for r in group if "test/nll" in r.metrics]) if group else None
-            ece = mean_std([r.metrics["test/ece"] for r in group if "test/ece" in r.metrics],
-                           [run_bounds(r, "test/ece") for r in group if "test/ece" in r.metrics]) if group else None
+            nll, ece = (_cell(group, key) for key in ("test/nll", "test/ece"))
             shifts = [s for s in (_shift_means(r) for r in group) if s]
             shifted = {k: mean_std([s[k] for s in shifts]) for k in ("c_accuracy", "c_nll", "c_ece")} if shifts else {}
             aurocs = [a for a in (_svhn_auroc(r, pub.svhn_score) for r in group) if a]
