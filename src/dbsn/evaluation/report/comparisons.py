@@ -50,7 +50,7 @@ import torch
 
 from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
-from dbsn.evaluation.report.ce2_pairs import ce2_differences
+from dbsn.evaluation.report.ce2_pairs import CE2_ROWS, ce2_differences
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
 from dbsn.evaluation.report.seeds import (SeedLevel, combine_seeds, holm_note, holm_reachable, holm_threshold,
@@ -93,7 +93,8 @@ def load_predictions(run: Run) -> dict[str, torch.Tensor] | None:
 def _metric_rows(predictions: dict[str, torch.Tensor], weights: torch.Tensor) -> dict[str, torch.Tensor]:
     log_probs, targets = predictions["log_probs"], predictions["targets"]
     calibrated = predictions.get("calibrated_log_probs")
-    rows = {name: f(log_probs, calibrated, targets, weights) for name, f in PAIRED_METRICS.items()}
+    rows = {name: f(log_probs, calibrated, targets, weights) for name, f in PAIRED_METRICS.items()
+            if name not in CE2_ROWS}  # CE² is paired by its own test (`ce2_differences`), not resampled
     return {k: v for k, v in rows.items() if v is not None}
 
 
