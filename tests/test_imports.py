@@ -69,7 +69,7 @@ def test_no_import_cycles_in_the_package():
 #: The floors of the house, bottom first: a module imports only from its own package and from
 #: packages on lower floors (packages on one floor may use each other, without cycles).
 FLOORS = (
-    ("precision",),                                                    # the float32 islands every layer uses
+    ("precision", "conf"),                                             # float32 islands; the Hydra configs (no code)
     ("structure", "nets", "bayes", "natgrad", "sampling", "metrics", "data"),  # distributions, networks, optimisers, measures, data
     ("methods",),                                                      # a network joined with a distribution
     ("posthoc",),                                                      # fitted on a finished method

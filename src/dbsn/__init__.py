@@ -4,9 +4,10 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-#: The Hydra config tree (conf/ at the checkout's root): the method registry reads conf/model/,
-#: entry points and tools compose configs from it.
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+#: The Hydra config tree, shipped inside the package (`dbsn/conf/`, also `pkg://dbsn.conf` for Hydra), so a
+#: checkout and an installed wheel read the same files: the method registry reads its model/ group, entry
+#: points and tools compose configs from it.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def conf_choices(group: str, conf_dir: Path = CONF_DIR) -> list[str]:

@@ -191,3 +191,15 @@ def test_a_cuda_graph_is_refused_before_training_where_it_cannot_run(tmp_path):
     ensemble = compose_config("train", ["data=digits", "trainer=cpu", "model=deep_ensemble", "speed=fast"], tmp_path)
     validate_config(ensemble)
     assert "execution" not in ensemble.model
+
+
+def test_the_package_config_tree_is_found_as_pkg_dbsn_conf(tmp_path):
+    """Hydra finds dbsn's configs through the package (`pkg://dbsn.conf`), as an installed wheel's user would;
+    they are the same files as `dbsn.CONF_DIR`'s."""
+    from hydra import compose, initialize_config_module
+
+    overrides = ["experiment=quick", f"paths.output_dir={tmp_path}"]
+    with initialize_config_module(config_module="dbsn.conf", version_base="1.3"):
+        from_package = compose(config_name="train", overrides=overrides)
+    assert from_package.model._target_ == "dbsn.methods.DBSN"
+    assert from_package == compose_config("train", ["experiment=quick"], tmp_path)

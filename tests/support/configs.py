@@ -8,8 +8,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py, evaluate.py, conf/
-CONF = ROOT / "conf"
+from dbsn import CONF_DIR
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: train.py, evaluate.py
+CONF = CONF_DIR  # the package's config tree (src/dbsn/conf/)
 
 # A tiny DBSN that trains in seconds on CPU.
 TINY = [
