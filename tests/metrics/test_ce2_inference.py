@@ -64,7 +64,8 @@ def _draw(n: int, generator: torch.Generator, kinds: tuple[str, ...], gaps: tupl
 def _batched_ce2(confidence: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """(R,) CE² of R test sets at once ((R, n) confidences and rightness): the oracle's statistic."""
     r, n = confidence.shape
-    bins = torch.bucketize(confidence, torch.linspace(0, 1, BINS + 1, dtype=torch.float64), right=True) - 1
+    edges = torch.linspace(0, 1, BINS + 1, dtype=torch.float64)
+    bins = (torch.bucketize(confidence, edges, right=True) - 1).clamp(max=BINS - 1)  # 1.0 in the last bin
     index = (bins + (BINS + 1) * torch.arange(r)[:, None]).flatten()
     d = (right.double() - confidence).flatten()
 
@@ -202,7 +203,7 @@ def test_the_variance_formula_is_the_monte_carlo_variance():
     for gaps in ((0.0, 0.0, 0.0), (0.05, 0.0, 0.04)):
         sets, estimates = _sets(n, torch.Generator().manual_seed(5), ("spread", "confident", "spread"), gaps, 0.6,
                                 runs)
-        truth = [torch.full((BINS + 1,), -gap, dtype=torch.float64) for gap in gaps]
+        truth = [torch.full((BINS,), -gap, dtype=torch.float64) for gap in gaps]  # one per bin
         theta = torch.tensor(gaps, dtype=torch.float64) ** 2
         found, shaped = [], []
         for pairs, target in sets[:formulas]:
@@ -269,7 +270,8 @@ def _tempered_truth(temperature: float, draws: int = 2_000_000) -> float:
         logits = 2 * torch.randn(200_000, CLASSES, generator=generator, dtype=torch.float64)
         confidence, top = torch.softmax(logits, 1).max(1)
         true = torch.softmax(logits / temperature, 1).gather(1, top[:, None]).squeeze(1)
-        bins = torch.bucketize(confidence, torch.linspace(0, 1, BINS + 1, dtype=torch.float64), right=True) - 1
+        edges = torch.linspace(0, 1, BINS + 1, dtype=torch.float64)
+        bins = (torch.bucketize(confidence, edges, right=True) - 1).clamp(max=BINS - 1)
         sums.index_add_(0, bins, true - confidence)
         counts.index_add_(0, bins, torch.ones_like(confidence))
     return float((counts / counts.sum() * (sums / counts.clamp_min(1)) ** 2).sum())

@@ -183,7 +183,8 @@ def test_ece_with_confidences_of_one_equals_its_reliability_diagram(n_bins):
     bins = reliability_bins(probs, target, n_bins)
     assert bins["count"].sum() == 400  # every prediction, 1.0 included, is in one of the diagram's bars
     filled = bins["count"] > 0
-    from_diagram = (bins["count"][filled].double() / 400 * (bins["accuracy"][filled] - bins["confidence"][filled]).abs()).sum()
+    share = bins["count"][filled].double() / 400
+    from_diagram = (share * (bins["accuracy"][filled] - bins["confidence"][filled]).abs()).sum()
     ece = expected_calibration_error(probs, target, n_bins)
     assert ece.item() == pytest.approx(from_diagram.item(), abs=1e-12)
     metrics = ClassificationMetrics(num_classes=5, ece_bins=n_bins)
