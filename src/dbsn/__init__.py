@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+#: The one source of the version: pyproject.toml reads it, checkpoints and metrics.json record it.
 __version__ = "0.1.0"
 
 #: The Hydra config tree, shipped inside the package (`dbsn/conf/`, also `pkg://dbsn.conf` for Hydra), so a

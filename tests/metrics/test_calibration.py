@@ -34,13 +34,13 @@ def reference_adaptive_ece(probs, target, n_bins):
 
 def reference_binary_ece(p, y, n_bins):
     """ECE of probabilities p against 0/1 outcomes y over equal-width bins [b/M, (b+1)/M),
-    with p = 1 in a bin of its own (the convention of the logged ECE). The edges are the
+    the last bin closed so that p = 1 falls in it (the convention of the logged ECE). The edges are the
     float64 values of torch.linspace(0, 1, M + 1), as there: with M = 10 the 0.3 edge is
     0.30000000000000004, so p = 0.3 falls in the bin below."""
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64).tolist()
     bins = {}
     for p_i, y_i in zip(p, y):
-        b = sum(1 for edge in edges if edge <= p_i) - 1  # the last edge at or below p_i
+        b = min(sum(1 for edge in edges if edge <= p_i) - 1, n_bins - 1)  # the last edge at or below p_i
         bins.setdefault(b, []).append((p_i, y_i))
     return sum(abs(sum(y_i - p_i for p_i, y_i in members)) for members in bins.values()) / len(p)
 

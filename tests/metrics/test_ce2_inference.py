@@ -64,7 +64,8 @@ def _draw(n: int, generator: torch.Generator, kinds: tuple[str, ...], gaps: tupl
 def _batched_ce2(confidence: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """(R,) CE² of R test sets at once ((R, n) confidences and rightness): the oracle's statistic."""
     r, n = confidence.shape
-    bins = torch.bucketize(confidence, torch.linspace(0, 1, BINS + 1, dtype=torch.float64), right=True) - 1
+    edges = torch.linspace(0, 1, BINS + 1, dtype=torch.float64)
+    bins = (torch.bucketize(confidence, edges, right=True) - 1).clamp(max=BINS - 1)  # 1.0 in the last bin
     index = (bins + (BINS + 1) * torch.arange(r)[:, None]).flatten()
     d = (right.double() - confidence).flatten()
 
@@ -91,7 +92,7 @@ def _oracle_bounds(n: int, kinds, gaps, coupling: float, draws: int, seed: int) 
 def test_the_gaps_give_the_plain_estimate():
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(3 * torch.randn(300, 4, generator=g, dtype=torch.float64), 1)
-    probs[:5] = torch.eye(4, dtype=torch.float64)[torch.arange(5) % 4]  # confidence exactly 1: a bin of its own
+    probs[:5] = torch.eye(4, dtype=torch.float64)[torch.arange(5) % 4]  # confidence exactly 1: in the last bin
     target = torch.randint(4, (300,), generator=g)
     for n_bins in (15, 40):  # 40 bins: some hold one example, which counts nothing
         found = top_label_gaps(probs, target, n_bins).ce2
@@ -159,8 +160,9 @@ def test_the_evaluation_and_the_report_use_these_intervals_and_tests():
     (a, b, c), target = _draw(600, g, ("spread", "confident", "spread"), (0.05, 0.0, 0.02), coupling=0.5)
     pa, pb, pc = (_probs(*x, target) for x in (a, b, c))
     found = ce2_intervals(pa.log(), target, pc.log(), 0.95)
-    assert found == {"test/ce2": list(score_interval(pa, target)[1:3]),
-                     "test/calibrated/ce2": list(score_interval(pc, target)[1:3])}
+    # Equal up to rounding: the evaluation passes log-probabilities, exp(log(p)) is p to an ulp.
+    assert found == {"test/ce2": pytest.approx(list(score_interval(pa, target)[1:3]), rel=1e-12, abs=1e-15),
+                     "test/calibrated/ce2": pytest.approx(list(score_interval(pc, target)[1:3]), rel=1e-12, abs=1e-15)}
     method = {0: {"log_probs": pa.log(), "calibrated_log_probs": pc.log(), "targets": target}}
     reference = {0: {"log_probs": pb.log(), "calibrated_log_probs": pb.log(), "targets": target}}
     rows = paired_differences(method, reference, Statistics(resamples=20))
@@ -201,7 +203,7 @@ def test_the_variance_formula_is_the_monte_carlo_variance():
     for gaps in ((0.0, 0.0, 0.0), (0.05, 0.0, 0.04)):
         sets, estimates = _sets(n, torch.Generator().manual_seed(5), ("spread", "confident", "spread"), gaps, 0.6,
                                 runs)
-        truth = [torch.full((BINS + 1,), -gap, dtype=torch.float64) for gap in gaps]
+        truth = [torch.full((BINS,), -gap, dtype=torch.float64) for gap in gaps]  # one per bin
         theta = torch.tensor(gaps, dtype=torch.float64) ** 2
         found, shaped = [], []
         for pairs, target in sets[:formulas]:
@@ -268,7 +270,8 @@ def _tempered_truth(temperature: float, draws: int = 2_000_000) -> float:
         logits = 2 * torch.randn(200_000, CLASSES, generator=generator, dtype=torch.float64)
         confidence, top = torch.softmax(logits, 1).max(1)
         true = torch.softmax(logits / temperature, 1).gather(1, top[:, None]).squeeze(1)
-        bins = torch.bucketize(confidence, torch.linspace(0, 1, BINS + 1, dtype=torch.float64), right=True) - 1
+        edges = torch.linspace(0, 1, BINS + 1, dtype=torch.float64)
+        bins = (torch.bucketize(confidence, edges, right=True) - 1).clamp(max=BINS - 1)
         sums.index_add_(0, bins, true - confidence)
         counts.index_add_(0, bins, torch.ones_like(confidence))
     return float((counts / counts.sum() * (sums / counts.clamp_min(1)) ** 2).sum())

@@ -89,8 +89,8 @@ def _numpy_reference(log_probs, target, n_bins):
         nll += -lp[i, y[i]]
         brier += sum((p[i, k] - (1.0 if k == y[i] else 0.0)) ** 2 for k in range(c))
     ece = 0.0
-    for b in range(n_bins + 1):  # bins [b/M, (b+1)/M), plus {1} as bin M
-        in_bin = (conf >= b / n_bins) & (conf < (b + 1) / n_bins) if b < n_bins else conf >= 1.0
+    for b in range(n_bins):  # bins [b/M, (b+1)/M), the last one [(M-1)/M, 1]
+        in_bin = (conf >= b / n_bins) & (conf < (b + 1) / n_bins) if b < n_bins - 1 else conf >= b / n_bins
         if in_bin.any():
             ece += in_bin.sum() / n * abs(correct[in_bin].mean() - conf[in_bin].mean())
     return {"error": err / n, "nll": nll / n, "brier": brier / n, "ece": ece}
@@ -140,7 +140,7 @@ def test_ece_perfectly_calibrated_is_near_zero():
 
 def test_ece_confidence_on_bin_edge_goes_to_upper_bin():
     # 4 bins. Confidence 0.5 (right) lies on the edge between [.25, .5) and [.5, .75).
-    # Upper bin (our convention, torchmetrics'): one bin with acc 0.5, conf 0.6 -> ECE 0.1.
+    # Upper bin (our convention, torchmetrics' away from 1.0): one bin with acc 0.5, conf 0.6 -> ECE 0.1.
     # Lower bin (Guo et al.'s right-closed bins) would give 1/2 * 0.5 + 1/2 * 0.7 = 0.6.
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.7, 0.2, 0.1]])
     target = torch.tensor([0, 1])
@@ -150,18 +150,56 @@ def test_ece_confidence_on_bin_edge_goes_to_upper_bin():
     assert reliability_bins(probs, target, n_bins=4)["count"].tolist() == [0, 0, 2, 0]
 
 
-def test_ece_confidence_one_has_its_own_bin():
-    # Confidence 1 (wrong) and 0.8 (right), 4 bins. As in torchmetrics, 1 gets its own bin:
-    # 1/2 * |0 - 1| + 1/2 * |1 - 0.8| = 0.6 (merged into [.75, 1] it would be |0.5 - 0.9| = 0.4).
+def test_ece_confidence_one_falls_in_the_last_bin():
+    # Confidence 1 (wrong) and 0.8 (right), 4 bins. Both fall in the last bin [.75, 1]:
+    # |0.5 - 0.9| = 0.4. torchmetrics gives 1.0 a bin of its own (its issue #3510):
+    # 1/2 * |0 - 1| + 1/2 * |1 - 0.8| = 0.6. The convention changed from torchmetrics' to the
+    # reliability diagram's, hence 0.4 here where this test once expected 0.6.
     probs = torch.tensor([[1.0, 0.0, 0.0], [0.8, 0.1, 0.1]])
     target = torch.tensor([1, 0])
-    assert expected_calibration_error(probs, target, n_bins=4).item() == pytest.approx(0.6)
+    assert expected_calibration_error(probs, target, n_bins=4).item() == pytest.approx(0.4)
     tm = multiclass_calibration_error(probs, target, num_classes=3, n_bins=4)
-    assert tm.item() == pytest.approx(0.6)
-    # For drawing, reliability_bins keeps n_bins bins and puts it in the last one.
+    assert tm.item() == pytest.approx(0.6)  # torchmetrics' own bin for 1.0
     bins = reliability_bins(probs, target, n_bins=4)
     assert bins["count"].tolist() == [0, 0, 0, 2]
     assert bins["accuracy"][3].item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("n_bins", [4, 10, 15])
+def test_ece_with_confidences_of_one_equals_its_reliability_diagram(n_bins):
+    """The ECE of predictions with confidences of exactly 1.0 is the count-weighted gap of the
+    reliability diagram's bins: the diagram's own bars (reliability_bins, which plots.py draws),
+    the logged ECE of ClassificationMetrics and the resampled ECE at unit weights all agree."""
+    from dbsn.metrics.intervals import weighted_ece
+
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.softmax(4 * torch.randn(400, 5, generator=gen, dtype=torch.float64), 1)
+    # Always right, so under-confident (gaps above 0), except the certain ones (confidence exactly 1.0,
+    # gaps at most 0): it matters which bin the 1.0s share.
+    target = probs.argmax(1)
+    ones = torch.arange(0, 400, 7)  # every 7th example certain: confidence exactly 1.0, mostly wrong
+    probs[ones] = torch.nn.functional.one_hot(torch.randint(5, (len(ones),), generator=gen), 5).double()
+    assert (probs.max(1).values == 1.0).sum() == len(ones)
+    bins = reliability_bins(probs, target, n_bins)
+    assert bins["count"].sum() == 400  # every prediction, 1.0 included, is in one of the diagram's bars
+    filled = bins["count"] > 0
+    share = bins["count"][filled].double() / 400
+    from_diagram = (share * (bins["accuracy"][filled] - bins["confidence"][filled]).abs()).sum()
+    ece = expected_calibration_error(probs, target, n_bins)
+    assert ece.item() == pytest.approx(from_diagram.item(), abs=1e-12)
+    metrics = ClassificationMetrics(num_classes=5, ece_bins=n_bins)
+    metrics.update(probs[:150].log(), target[:150])
+    metrics.update(probs[150:].log(), target[150:])
+    assert metrics.compute()["ece"].item() == pytest.approx(ece.item(), abs=1e-6)
+    assert weighted_ece(probs, target, torch.ones(400), n_bins)[0].item() == pytest.approx(ece.item(), abs=1e-12)
+    # torchmetrics bins 1.0 on its own (issue #3510), so it differs here...
+    tm = multiclass_calibration_error(probs, target, num_classes=5, n_bins=n_bins, norm="l1")
+    assert abs(tm.item() - ece.item()) > 1e-4
+    # ... and agrees where no confidence is exactly 1.0.
+    rest = probs.max(1).values < 1
+    tm_rest = multiclass_calibration_error(probs[rest].float(), target[rest], num_classes=5, n_bins=n_bins, norm="l1")
+    ours = expected_calibration_error(probs[rest].float(), target[rest], n_bins).item()
+    assert tm_rest.item() == pytest.approx(ours, abs=1e-5)  # float32 rounding; a moved example shifts it by ~1e-3
 
 
 def test_ece_all_right_with_confidence_one_is_zero():

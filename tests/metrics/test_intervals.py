@@ -180,7 +180,7 @@ def test_the_resampled_squared_calibration_error_averages_over_pairs_of_distinct
     counts = resample_counts(n, resamples=3, seed=2)
     confidence, prediction = probs.max(1)
     d = (prediction == target).double() - confidence
-    bins = torch.bucketize(confidence, torch.linspace(0, 1, 16, dtype=torch.float64), right=True) - 1
+    bins = (torch.bucketize(confidence, torch.linspace(0, 1, 16, dtype=torch.float64), right=True) - 1).clamp(max=14)
     for row, value in zip(counts.long(), weighted_squared_calibration_error(probs, target, counts)):
         copies = torch.repeat_interleave(torch.arange(n), row)  # the original example of each copy
         total = 0.0

@@ -185,14 +185,13 @@ def test_streaming_ece_on_bin_edges_and_confidence_one():
     valid = target != 2
     reference = expected_calibration_error(log_probs[valid].exp(), target[valid], n_bins=15).item()
     assert ece == pytest.approx(reference, abs=1e-6)
-    # By hand (8 non-void pixels), bins closed on the left and [1, 1] on its own:
+    # By hand (8 non-void pixels), bins closed on the left, the last one [14/15, 1] closed:
     #   bin 7  [7/15, 8/15): below (wrong)         -> |0 - e8|        = 8/15
     #   bin 8  [8/15, 9/15): e8, above (both right) -> |2 - 2 e8|      = 14/15
     #   bin 12 [12/15, 13/15): e12 right and wrong -> |1 - 2 * 0.8|   = 0.6
-    #   bin 14: 0.95 right                         -> 0.05
-    #   [1, 1]: 1.0 wrong and right                 -> |1 - 2|         = 1
-    # ECE = (8/15 + 14/15 + 0.6 + 0.05 + 1) / 8 = (22/15 + 1.65) / 8
-    assert ece == pytest.approx((22 / 15 + 1.65) / 8, abs=1e-6)
+    #   bin 14: 0.95 right, 1.0 wrong and right    -> |2 - 2.95|      = 0.95
+    # ECE = (8/15 + 14/15 + 0.6 + 0.95) / 8 = (22/15 + 1.55) / 8
+    assert ece == pytest.approx((22 / 15 + 1.55) / 8, abs=1e-6)
 
 
 def test_metric_names_are_stable():

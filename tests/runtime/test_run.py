@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import dbsn
 from dbsn.methods import DBSN, NonFiniteLossError
 from dbsn.runtime.build import build_model
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
@@ -57,13 +58,16 @@ def test_training_decreases_loss_and_moves_theta(trained_run):
     # theta at initialisation: same seed, same build order as train()
     pl.seed_everything(cfg.seed)
     initial = build_model(cfg.model, num_classes=10).structure.theta.detach()
-    final = load_checkpoint(out / "checkpoints" / "last.ckpt")["state_dict"]["structure.theta"]
+    checkpoint = load_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert checkpoint["dbsn_version"] == dbsn.__version__  # every checkpoint records its writer
+    final = checkpoint["state_dict"]["structure.theta"]
     assert (final - initial).abs().max() > 0.02
 
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
     record = json.loads((out / "metrics.json").read_text())
     assert record["metrics"]["test/ece"] == pytest.approx(metrics["test/ece"])
     assert record["n_samples"] == 4
+    assert record["dbsn_version"] == dbsn.__version__
     assert 0 < record["train_seconds"] < 600  # the fit's wall time (Timer callback)
     assert (out / "reliability_diagram.png").stat().st_size > 1000
     # schedules are logged every epoch
@@ -85,6 +89,7 @@ def test_evaluate_reloads_checkpoint_and_overrides_samples(trained_run, tmp_path
     folder = out / "evaluation"  # next to the run it evaluates, where the report looks
     record = json.loads((folder / "metrics.json").read_text())
     assert record["n_samples"] == 3 and record["metrics"]["test/error"] == pytest.approx(metrics["test/error"])
+    assert record["dbsn_version"] == dbsn.__version__
     assert (folder / "reliability_diagram.png").exists()
     # written where asked when output_dir is given
     evaluate(compose_config("evaluate", [*cfg_overrides(out), "output_dir=" + str(eval_dir)], eval_dir), eval_dir)

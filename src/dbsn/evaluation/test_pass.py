@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dbsn import __version__
 from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, COLUMNS as ABLATION_COLUMNS, ablation_figure
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.plots import reliability_diagram
@@ -187,6 +188,7 @@ def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, f
         facts, arrays = found.record, found.arrays
     results = Results(metrics=metrics, intervals=intervals,
                       files={"metrics.json": {"metrics": metrics, **({"intervals": intervals} if intervals else {}),
+                                              "dbsn_version": __version__,
                                               **facts, **(record or {})}})
     if arrays is not None:
         results.files[PREDICTIONS_FILE] = arrays

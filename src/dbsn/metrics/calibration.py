@@ -29,18 +29,18 @@ Libraries. torchmetrics (1.9) has only equal-width bins. TorchUncertainty 0.13
 confidences with ``tensor_split`` after a sort, so which of the tied examples go to which
 bin, and the value, depend on the order they are stored in; it casts to float32; and installing it would
 add seaborn, pandas and einops to the environment. The equal-mass ECE is therefore
-implemented here (sort + ``index_add``). The classwise ECE is one torchmetrics
-``binary_calibration_error`` per class,
-with the binning convention of the logged ``ece`` (bins ``[b/M, (b+1)/M)`` with the float
-edges of ``torch.linspace``, a probability of exactly 1 in a bin of its own).
+implemented here (sort + ``index_add``). The classwise ECE and the CE² use the bins of the
+logged ``ece`` (`dbsn.metrics.binning`: ``[b/M, (b+1)/M)``, the last bin closed so that a
+probability of exactly 1 falls in it); torchmetrics' ``binary_calibration_error`` would give a
+probability of exactly 1 a bin of its own.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchmetrics.functional.classification import binary_calibration_error
 
+from dbsn.metrics.binning import bin_index
 from dbsn.metrics.classification import (
     _confidence_and_correct,
     expected_calibration_error,
@@ -105,11 +105,11 @@ def squared_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -
     probs, target = _check_probs(probs, target)
     confidence, correct = _confidence_and_correct(probs, target)
     d = correct.double() - confidence.double()
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    index = torch.bucketize(confidence, edges, right=True) - 1
-    size = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, torch.ones_like(d))
-    sums = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, d)
-    squares = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, d ** 2)
+    index = bin_index(confidence, n_bins).cpu()
+    d = d.cpu()
+    size = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(d))
+    sums = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, d)
+    squares = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, d ** 2)
     per_bin = torch.where(size > 1, (sums ** 2 - squares) / (size - 1).clamp_min(1), torch.zeros_like(size))
     return per_bin.sum() / d.numel()
 
@@ -118,17 +118,18 @@ def classwise_expected_calibration_error(probs: Tensor, target: Tensor, n_bins: 
     """Classwise ECE (Kull et al., 2019): the mean over classes ``k`` of the ECE of ``p_k``.
 
     ``1/C sum_k sum_b |B_kb| / N · |freq_k(B_kb) - mean p_k(B_kb)|``, where ``B_kb`` are the
-    examples whose ``p_k`` falls in equal-width bin ``b`` and ``freq_k`` the share of them
-    whose label is ``k``. Every class counts, whether or not it is ever predicted.
-    ``probs`` (N, C), ``target`` (N,).
+    examples whose ``p_k`` falls in equal-width bin ``b`` (`dbsn.metrics.binning`) and ``freq_k``
+    the share of them whose label is ``k``. Every class counts, whether or not it is ever
+    predicted. ``probs`` (N, C), ``target`` (N,).
     """
     probs, target = _check_probs(probs, target)
     columns = probs.T.contiguous()  # one contiguous row per class, as bucketize prefers
-    per_class = [
-        binary_calibration_error(columns[k], (target == k).long(), n_bins=n_bins, norm="l1")
-        for k in range(probs.shape[1])
-    ]
-    return torch.stack(per_class).mean()
+    per_class = []
+    for k in range(probs.shape[1]):
+        gap = torch.zeros(n_bins, dtype=torch.float64, device=probs.device)
+        gap.index_add_(0, bin_index(columns[k], n_bins), (target == k).double() - columns[k].double())
+        per_class.append(gap.abs().sum() / len(target))
+    return torch.stack(per_class).mean().to(probs.dtype)
 
 
 def calibration_metrics(probs: Tensor, target: Tensor, n_bins: int = 15) -> dict[str, float]:

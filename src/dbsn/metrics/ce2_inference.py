@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dbsn.metrics.binning import bin_index
 from dbsn.metrics.classification import _confidence_and_correct
 
 __all__ = ["Gaps", "TestResult", "ce2_difference_covariance", "covariance", "first_order_covariance",
@@ -52,8 +53,8 @@ __all__ = ["Gaps", "TestResult", "ce2_difference_covariance", "covariance", "fir
 @dataclass(frozen=True)
 class Gaps:
     """One predictor on n test examples: ``d`` (n,) correct − confidence of the top label, ``bins``
-    (n,) its equal-width confidence bin (as `calibration.squared_calibration_error`: [b/M, (b+1)/M),
-    a confidence of exactly 1 in a bin of its own), ``slots`` the number of bins (M + 1)."""
+    (n,) its equal-width confidence bin (`dbsn.metrics.binning`, as `calibration.squared_calibration_error`:
+    [b/M, (b+1)/M), the last bin also holding a confidence of exactly 1), ``slots`` the number of bins M."""
 
     d: Tensor
     bins: Tensor
@@ -91,7 +92,7 @@ class Gaps:
         used = counts > 1
         weight = torch.where(used, counts, torch.zeros_like(counts))
         mean = torch.where(used, self.per_bin(self.d) / counts.clamp_min(1), torch.zeros_like(counts))
-        centre = (torch.arange(self.slots, dtype=torch.float64) + 0.5) / (self.slots - 1)
+        centre = (torch.arange(self.slots, dtype=torch.float64) + 0.5) / self.slots  # (b + 1/2) / M
         design = torch.stack([torch.ones_like(centre), centre], 1) * weight.sqrt()[:, None]
         line = torch.linalg.lstsq(design, (mean * weight.sqrt())[:, None]).solution
         shape = torch.where(used, (torch.stack([torch.ones_like(centre), centre], 1) @ line).squeeze(1), 0.0)
@@ -105,9 +106,8 @@ def top_label_gaps(probs: Tensor, target: Tensor, n_bins: int = 15) -> Gaps:
     """The `Gaps` of probabilities `probs` (N, C) against `target` (N,) over `n_bins` equal-width bins."""
     probs, target = torch.as_tensor(probs).detach(), torch.as_tensor(target).detach()
     confidence, correct = _confidence_and_correct(probs, target)
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    bins = torch.bucketize(confidence, edges, right=True) - 1
-    return Gaps(correct.double().cpu() - confidence.double().cpu(), bins.cpu(), n_bins + 1)
+    bins = bin_index(confidence, n_bins)
+    return Gaps(correct.double().cpu() - confidence.double().cpu(), bins.cpu(), n_bins)
 
 
 def second_order_covariance(gaps: list[Gaps]) -> Tensor:

@@ -4,26 +4,25 @@ The functions are plain reference implementations on a whole tensor of predictio
 :class:`ClassificationMetrics` accumulates the same four numbers over batches with
 torchmetrics states, so they are synchronised across processes under DDP.
 
-Binning convention (ECE and reliability bins). Bins have equal width on [0, 1] and are
-closed on the left, open on the right: bin ``b`` holds confidences in
-``[b / M, (b + 1) / M)``, so a confidence exactly on an edge goes to the bin above it.
-This is what torchmetrics does (``torch.bucketize(..., right=True)``). Guo et al. (2017)
-write the bins as ``((b - 1) / M, b / M]``; the two only differ for confidences exactly on
-an edge. A confidence of exactly 1 has no bin above it:
-
-* :func:`expected_calibration_error` follows torchmetrics and gives it a bin of its own,
-  ``[1, 1]``, so the reference value and the logged ``ece`` are always the same number;
-* :func:`reliability_bins`, which is for drawing ``M`` bars, puts it in the last bin.
+Binning convention (ECE and reliability bins): :func:`dbsn.metrics.binning.bin_index`. Bins
+have equal width on [0, 1] and are closed on the left, ``[b / M, (b + 1) / M)``, the last one
+closed on both sides so that a confidence of exactly 1 falls in it (Guo et al., 2017). The ECE
+and the reliability diagram use the same bins, so the ECE is the diagram's count-weighted gap.
+torchmetrics' ``MulticlassCalibrationError`` gives a confidence of exactly 1 a bin of its own;
+the logged ``ece`` is therefore computed here, not by torchmetrics.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
+
+from dbsn.metrics.binning import bin_edges, bin_index
 
 __all__ = [
+    "BinnedCalibrationError",
     "ClassificationMetrics",
     "UncertaintyMetrics",
     "brier_score",
@@ -74,16 +73,14 @@ def _confidence_and_correct(probs: Tensor, target: Tensor) -> tuple[Tensor, Tens
 def expected_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -> Tensor:
     """Expected calibration error (Guo et al., 2017, eq. 3) of the top-label confidence.
 
-    ``ECE = sum_b |B_b| / N * |acc(B_b) - conf(B_b)|`` over ``n_bins`` equal-width bins,
-    each closed on the left (see the module docstring; a confidence of exactly 1 forms its
-    own bin, matching ``torchmetrics.classification.MulticlassCalibrationError``).
+    ``ECE = sum_b |B_b| / N * |acc(B_b) - conf(B_b)|`` over ``n_bins`` equal-width bins
+    ``[b / M, (b + 1) / M)``, the last one ``[(M - 1) / M, 1]`` holding a confidence of exactly 1
+    (`dbsn.metrics.binning`): the bins of :func:`reliability_bins` and the reliability diagram.
     """
     confidence, correct = _confidence_and_correct(probs, target)
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    # Index in 0..n_bins; n_bins only for a confidence of exactly 1.
-    index = torch.bucketize(confidence, edges, right=True) - 1
+    index = bin_index(confidence, n_bins)
     # |B_b|/N * |acc(B_b) - conf(B_b)| = |sum over B_b of (correct - confidence)| / N
-    gap = torch.zeros(n_bins + 1, dtype=confidence.dtype, device=confidence.device)
+    gap = torch.zeros(n_bins, dtype=confidence.dtype, device=confidence.device)
     gap.index_add_(0, index, correct - confidence)
     return gap.abs().sum() / confidence.numel()
 
@@ -94,11 +91,11 @@ def reliability_bins(probs: Tensor, target: Tensor, n_bins: int = 10) -> dict[st
     Returns a dict of tensors of shape (n_bins,): ``lower`` and ``upper`` bin edges, the
     mean ``confidence`` and the ``accuracy`` of the examples in each bin (``nan`` where a
     bin is empty) and their ``count`` (int64, summing to N). Bins are ``[lower, upper)``;
-    the last one also holds confidences of exactly 1.
+    the last one also holds confidences of exactly 1: the bins of :func:`expected_calibration_error`.
     """
     confidence, correct = _confidence_and_correct(probs, target)
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    index = (torch.bucketize(confidence, edges, right=True) - 1).clamp(max=n_bins - 1)
+    edges = bin_edges(n_bins, confidence)
+    index = bin_index(confidence, n_bins)
     count = torch.zeros(n_bins, dtype=torch.long, device=confidence.device)
     count.index_add_(0, index, torch.ones_like(index))
     sum_conf = torch.zeros(n_bins, dtype=confidence.dtype, device=confidence.device)
@@ -115,6 +112,31 @@ def reliability_bins(probs: Tensor, target: Tensor, n_bins: int = 10) -> dict[st
     }
 
 
+class BinnedCalibrationError(Metric):
+    """The top-label ECE of :func:`expected_calibration_error` accumulated over batches.
+
+    States: the sum of ``correct - confidence`` in each bin and the number of examples, both
+    summed across processes; ``compute()`` is ``sum_b |gap_b| / N``.
+    """
+
+    full_state_update = False
+
+    def __init__(self, n_bins: int = 15, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.n_bins = n_bins
+        self.add_state("gap", default=torch.zeros(n_bins, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, probs: Tensor, target: Tensor) -> None:
+        """Add a batch of probabilities (N, C) and targets (N,)."""
+        confidence, correct = _confidence_and_correct(probs, target)
+        self.gap.index_add_(0, bin_index(confidence, self.n_bins), (correct - confidence).double())
+        self.total += confidence.numel()
+
+    def compute(self) -> Tensor:
+        return (self.gap.abs().sum() / self.total).float()
+
+
 class ClassificationMetrics(nn.Module):
     """Stable-named metrics of a predictive distribution, accumulated over batches.
 
@@ -126,7 +148,8 @@ class ClassificationMetrics(nn.Module):
 
     * ``error`` is ``1 - MulticlassAccuracy(average="micro")``;
     * ``nll`` and ``brier`` are ``MeanMetric`` of the per-example values;
-    * ``ece`` is ``MulticlassCalibrationError(norm="l1")`` with ``ece_bins`` bins.
+    * ``ece`` is :class:`BinnedCalibrationError` with ``ece_bins`` bins (the bins of
+      :func:`expected_calibration_error`).
 
     They agree with the functions of this module on the concatenated batches.
     """
@@ -137,7 +160,7 @@ class ClassificationMetrics(nn.Module):
         # nan_strategy="disable": a NaN prediction should show up in the result, not be dropped.
         self.nll = MeanMetric(nan_strategy="disable")
         self.brier = MeanMetric(nan_strategy="disable")
-        self.ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=ece_bins, norm="l1")
+        self.ece = BinnedCalibrationError(n_bins=ece_bins)
 
     def update(self, log_probs: Tensor, target: Tensor) -> None:
         """Add a batch of predictive log-probabilities (N, C) and targets (N,)."""

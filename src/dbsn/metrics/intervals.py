@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dbsn.metrics.binning import bin_index
+
 __all__ = [
     "Interval",
     "resample_counts",
@@ -137,10 +139,9 @@ def _group_sums(weights: Tensor, group: Tensor, groups: int) -> Tensor:
 
 def _binned_gap(confidence: Tensor, correct: Tensor, weights: Tensor, n_bins: int) -> Tensor:
     """Σ_b |Σ_{i in b} w_i (correct_i - confidence_i)| / Σ w over equal-width bins closed on
-    the left, a confidence of exactly 1 in a bin of its own (as `expected_calibration_error`)."""
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    index = torch.bucketize(confidence, edges, right=True) - 1
-    members = torch.nn.functional.one_hot(index, n_bins + 1).double()  # (n, bins)
+    the left, the last closed so that a confidence of exactly 1 falls in it (`dbsn.metrics.binning`,
+    the bins of `expected_calibration_error` and of the reliability diagram)."""
+    members = torch.nn.functional.one_hot(bin_index(confidence, n_bins), n_bins).double()  # (n, bins)
     gap = weights @ (members * (correct - confidence).double()[:, None])  # (B, bins)
     return gap.abs().sum(1) / weights.sum(1)
 
@@ -164,9 +165,7 @@ def weighted_squared_calibration_error(probs: Tensor, target: Tensor, weights: T
     confidence, prediction = probs.max(1)
     weights = _weights(weights, len(target))
     d = ((prediction == target).double() - confidence.double())
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-    index = torch.bucketize(confidence, edges, right=True) - 1
-    members = torch.nn.functional.one_hot(index, n_bins + 1).double()  # (n, bins)
+    members = torch.nn.functional.one_hot(bin_index(confidence, n_bins), n_bins).double()  # (n, bins)
     squared = weights ** 2
     n_b, s_b = weights @ members, weights @ (members * d[:, None])
     t_b, m_b = squared @ (members * (d ** 2)[:, None]), squared @ members

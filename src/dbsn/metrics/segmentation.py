@@ -11,8 +11,9 @@ Conventions (CamVid: 11 classes, void label 11):
   A class present in the target but never predicted has IoU 0 and does count.
 * Log-probabilities keep the class dimension LAST, ``(B, H, W, C)`` or ``(N, C)``, as the
   rest of the method code (Bayes ensembles over ``(S, N, C)``) does.
-* The pixel ECE uses the binning of :func:`dbsn.metrics.expected_calibration_error`: equal
-  bins closed on the left, a confidence of exactly 1 in a bin of its own.
+* The pixel ECE uses the binning of :func:`dbsn.metrics.expected_calibration_error`
+  (`dbsn.metrics.binning`): equal bins closed on the left, the last one closed so that a
+  confidence of exactly 1 falls in it.
 
 The functions are reference implementations on whole tensors; :class:`SegmentationMetrics`
 accumulates the same numbers over batches with torchmetrics states (summed across
@@ -32,6 +33,8 @@ from matplotlib.patches import Patch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassConfusionMatrix
+
+from dbsn.metrics.binning import bin_index
 
 __all__ = [
     "SegmentationMetrics",
@@ -106,7 +109,7 @@ class StreamingCalibrationError(Metric):
     count, the sum of confidences and the number right (float64, summed under DDP), and
     ``compute()`` returns ``sum_b |right_b - confidence_b| / N``, the same number as
     :func:`dbsn.metrics.expected_calibration_error` on all those pixels at once (bins
-    ``[b/M, (b+1)/M)``, plus ``[1, 1]`` for a confidence of exactly 1).
+    ``[b/M, (b+1)/M)``, the last one also holding a confidence of exactly 1).
     """
 
     is_differentiable = False
@@ -116,17 +119,14 @@ class StreamingCalibrationError(Metric):
     def __init__(self, n_bins: int = 15, **kwargs) -> None:
         super().__init__(**kwargs)
         self.n_bins = n_bins
-        zeros = torch.zeros(n_bins + 1, dtype=torch.float64)  # the extra bin holds confidence 1
+        zeros = torch.zeros(n_bins, dtype=torch.float64)
         self.add_state("count", default=zeros.clone(), dist_reduce_fx="sum")
         self.add_state("sum_confidence", default=zeros.clone(), dist_reduce_fx="sum")
         self.add_state("sum_correct", default=zeros.clone(), dist_reduce_fx="sum")
 
     def update(self, confidence: Tensor, correct: Tensor) -> None:
         confidence = confidence.reshape(-1)
-        # Edges in the confidence's own dtype, as in expected_calibration_error, so that a
-        # confidence exactly on an edge lands in the same bin.
-        edges = torch.linspace(0, 1, self.n_bins + 1, dtype=confidence.dtype, device=confidence.device)
-        index = torch.bucketize(confidence, edges, right=True) - 1
+        index = bin_index(confidence, self.n_bins)  # the bins of expected_calibration_error
         self.count.index_add_(0, index, torch.ones_like(confidence, dtype=torch.float64))
         self.sum_confidence.index_add_(0, index, confidence.double())
         self.sum_correct.index_add_(0, index, correct.reshape(-1).double())
@@ -203,16 +203,15 @@ class SegmentationMetrics(nn.Module):
 
     def _image_rows(self, images: int, prediction: Tensor, target: Tensor, valid: Tensor, confidence: Tensor,
                     nll: Tensor) -> Tensor:
-        """(images, C² + 2 (bins + 1) + 2) float64 sums of each image's valid pixels: its confusion
+        """(images, C² + 2 bins + 2) float64 sums of each image's valid pixels: its confusion
         matrix (row-major, target by prediction), per ECE bin the count and the sum of
         (correct - confidence), the NLL sum and the pixel count."""
-        c, slots = self.num_classes, self.ece_bins + 1
+        c, slots = self.num_classes, self.ece_bins
         image = torch.arange(images, device=target.device).repeat_interleave(target.numel() // images)[valid]
         target, prediction, confidence, nll = target[valid], prediction[valid], confidence[valid], nll[valid]
         confusion = torch.zeros(images * c * c, dtype=torch.float64, device=target.device)
         confusion.index_add_(0, image * c * c + target * c + prediction, torch.ones_like(nll, dtype=torch.float64))
-        edges = torch.linspace(0, 1, self.ece_bins + 1, dtype=confidence.dtype, device=confidence.device)
-        index = image * slots + torch.bucketize(confidence, edges, right=True) - 1
+        index = image * slots + bin_index(confidence, self.ece_bins)
         counts = torch.zeros(images * slots, dtype=torch.float64, device=target.device)
         counts.index_add_(0, index, torch.ones_like(nll, dtype=torch.float64))
         gaps = torch.zeros(images * slots, dtype=torch.float64, device=target.device)
@@ -232,7 +231,7 @@ class SegmentationMetrics(nn.Module):
         metrics of the data set that repeats image i w_i times (row 0 at unit weights equals
         `compute`)."""
         rows = (self.per_image() if per_image is None else per_image).double()
-        c, slots = self.num_classes, self.ece_bins + 1
+        c, slots = self.num_classes, self.ece_bins
         sums = weights.double() @ rows  # (B, columns)
         confusion = sums[:, : c * c].view(-1, c, c)
         tp = confusion.diagonal(dim1=1, dim2=2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from dbsn.runtime.disk import OutputError, disk_problem
 from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
 
 __all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
-           "RunConfigCallback", "check_resume_checkpoint", "checkpoint_digest", "load_checkpoint", "upgrade_config"]
+           "RunConfigCallback", "check_resume_checkpoint", "checkpoint_digest", "load_checkpoint", "upgrade_config",
+           "version_note"]
 
 CONFIG_KEY = "dbsn_config"
 
@@ -216,7 +218,25 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"'{CONFIG_KEY}' (the run config needed to rebuild data and model)."
         )
     checkpoint[CONFIG_KEY] = upgrade_config(checkpoint[CONFIG_KEY])
+    note = version_note(path, checkpoint)
+    if note is not None and DIGEST_KEY in checkpoint and str(path) not in _VERSION_SAID:  # else integrity said it
+        _VERSION_SAID.add(str(path))
+        print(note, file=sys.stderr, flush=True)
     return checkpoint
+
+
+_VERSION_SAID: set[str] = set()
+
+
+def version_note(path: str | os.PathLike, checkpoint: dict[str, Any]) -> str | None:
+    """The one Note line for a checkpoint written by another version of dbsn (or by one that did not
+    record its version), None when this version wrote it. Such a checkpoint still loads: its config
+    is upgraded (`upgrade_config`) and its weights are the same modules'."""
+    version = checkpoint.get(VERSION_KEY)
+    if version == __version__:
+        return None
+    writer = f"dbsn {version}" if version else "a version of dbsn that did not record its version"
+    return f"Note: {path} was written by {writer}; this is dbsn {__version__}."
 
 
 def check_resume_checkpoint(path: str | os.PathLike, config: dict[str, Any]) -> Path:
