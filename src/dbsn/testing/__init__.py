@@ -1,0 +1,1 @@
+"""Checks for an extension of dbsn, in one call each."""
