@@ -68,6 +68,12 @@ def test_metric_intervals_are_evaluate_s_statistics_and_logits_equal_log_probs()
     assert set(found) == set(rows) and "test/calibrated/nll" in found
     for key, (value, low, high) in found.items():
         assert value == pytest.approx(float(rows[key][0])) and [low, high] == pytest.approx(intervals[key])
+    confidence = log_probs.exp().amax(-1)
+    selective = api.metric_intervals(logits, y, statistics, calibrated=False, scores={"max_probability": confidence})
+    rows = classification_statistics(log_probs, y, {"max_probability": confidence}, statistics.weights(len(y)))
+    assert "test/calibrated/nll" not in selective and "selective/max_probability/aurc" in selective
+    key = "selective/max_probability/aurc"
+    assert selective[key].value == pytest.approx(float(rows[key][0]))
     again = api.metric_intervals(log_probs, y, statistics)
     assert all(again[k] == pytest.approx(found[k], rel=1e-12) for k in found)
 
@@ -98,7 +104,8 @@ def test_ce2_and_the_seed_level_are_the_underlying_functions():
     other = logits * 1.7
     probs, other_probs = logits.log_softmax(-1).exp(), other.log_softmax(-1).exp()  # exp of log-probs, as the wrapper
     assert api.ce2_interval(logits, y) == pytest.approx(score_interval(probs, y, 0.95), rel=1e-12)
-    assert api.ce2_paired_test(logits, other, y, 0.9) == pytest.approx(paired_test(probs, other_probs, y, 0.9), rel=1e-12)
+    expected = paired_test(probs, other_probs, y, 0.9)
+    assert api.ce2_paired_test(logits, other, y, 0.9) == pytest.approx(expected, rel=1e-12)
     values, cov = [0.1, 0.3, 0.2], np.eye(3) * 1e-3
     assert api.seed_level(values, cov) == combine_seeds(torch.tensor(values, dtype=torch.float64),
                                                         torch.eye(3, dtype=torch.float64) * 1e-3, 0.95)

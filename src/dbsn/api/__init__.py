@@ -41,7 +41,8 @@ HOOKS = {
     "OODScore": ("fit", "score"),
 }
 
-__all__ = ["DBSN", "HOOKS", "MAP", "Backbone", "Calibrator", "ConsoleTable", "Estimate", "Evaluation", "EvaluationError",
+__all__ = ["DBSN", "HOOKS", "MAP", "Backbone", "Calibrator", "ConsoleTable", "Estimate", "Evaluation",
+           "EvaluationError",
            "FixedStructurePosterior", "GroupBatchNorm2d", "GroupedSequential", "ImageClassificationDataModule",
            "Members", "Method", "OODScore", "PosthocCalibration", "PosthocError", "PosthocPosterior", "PredictedBatch",
            "Prediction", "Results", "ScoreUnavailable", "Statistics", "Subject", "Training", "ce2_interval",

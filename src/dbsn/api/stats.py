@@ -47,17 +47,21 @@ def _targets(targets) -> Tensor:
     return torch.as_tensor(np.asarray(targets) if not isinstance(targets, Tensor) else targets).long()
 
 
-def metric_intervals(predictions, targets, statistics: Statistics | None = None,
-                     calibrated: bool = True, validation: tuple | None = None) -> dict[str, Estimate]:
+def metric_intervals(predictions, targets, statistics: Statistics | None = None, calibrated: bool = True,
+                     validation: tuple | None = None, scores: dict | None = None) -> dict[str, Estimate]:
     """Every test metric of one predictor (`test/{error,nll,brier,ce2,ece,adaptive_ece,classwise_ece}`,
     with `calibrated`: `test/calibrated/{nll,brier,ce2,ece}`) with its interval at `statistics.level`:
     the percentile bootstrap over the test examples, CE²'s score interval. The temperature is fitted
-    on `validation` = (predictions, targets) where given, else by test-time 2-fold cross-validation."""
+    on `validation` = (predictions, targets) where given, else by test-time 2-fold cross-validation.
+    `scores`: per-example uncertainty scores (N,) by name (`max_probability`, `predictive_entropy`,
+    `mutual_information`, as `Method.uncertainty_scores` gives them) add the selective-prediction
+    metrics `selective/<score>/{aurc,eaurc,augrc,risk@80}` of how well each ranks the errors."""
     statistics = statistics or Statistics()
     log_probs, y = to_log_probs(predictions), _targets(targets)
     held_out = None if validation is None else (to_log_probs(validation[0]), _targets(validation[1]))
     cal = calibrate(log_probs, y, held_out, statistics.seed)[0] if calibrated else None
-    found = classification_statistics(log_probs, y, {}, statistics.weights(len(y)), cal)
+    scores = {k: torch.as_tensor(np.asarray(v) if not isinstance(v, Tensor) else v) for k, v in (scores or {}).items()}
+    found = classification_statistics(log_probs, y, scores, statistics.weights(len(y)), cal)
     intervals = intervals_of(found, statistics.level)
     intervals.update(ce2_intervals(log_probs, y, cal, statistics.level))
     return {key: Estimate(float(found[key][0]), *intervals[key]) for key in found}
