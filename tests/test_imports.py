@@ -76,6 +76,7 @@ FLOORS = (
     ("evaluation",),                                                   # evaluations, their pipeline, the report
     ("runtime",),                                                      # entry points, launching, checkpoints, config checks
     ("tools",),                                                        # command-line tools built on the runtime
+    ("api", "testing"),                                                # the public surface and its checks
 )
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dbsn.methods import (DBSN, DDU, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, Masksembles, MCDropoutWeights,
                           PackedEnsemble, Prediction, Rank1BNN)
 from dbsn.nets import ResNet18
+from dbsn.testing import check_method
 from tests.support.netutil import tiny_structure_net
 
 METHODS = {
@@ -33,20 +33,10 @@ METHODS = {
 
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_each_members_linear_head_on_its_features_gives_its_logits(name):
-    torch.manual_seed(0)
-    method = METHODS[name]().eval()
-    method.enable_test_noise()
-    x = torch.randn(4, 3, 32, 32)
-    n = method.num_members + 1  # one beyond: members counted on (modulo M, or draws of network j mod M)
-    with torch.no_grad(), method.fixed_members(n):
-        logits, features = method.member_outputs(x, n)
-        heads = method.member_heads(n)
-        members = method.predict_members(x)  # the members the prediction averages, held alike
-    assert logits.shape[:2] == (n, 4) and features.shape[:2] == (n, 4) and len(heads) == n
-    for s, (weight, bias) in enumerate(heads):
-        torch.testing.assert_close(F.linear(features[s], weight, bias), logits[s], atol=1e-5, rtol=1e-4)
-    if name != "mc_dropout":  # (dropout draws afresh at every call)
-        torch.testing.assert_close(logits[:method.num_members].log_softmax(-1), members, atol=1e-5, rtol=1e-4)
+    """`dbsn.testing.check_method`: each member's head on its features gives its logits, which are the
+    members the prediction averages (held alike), and the training loss reaches the weights."""
+    checked = check_method(METHODS[name]())
+    assert checked["features"] and checked["members"] == (name != "mc_dropout")  # dropout draws at every call
 
 
 def test_dbsn_holds_its_members_while_asked_and_draws_afresh_after():

@@ -251,6 +251,14 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         """Whether prediction needs S > 1 Monte Carlo members."""
         return self.structure_is_stochastic or self.weights.stochastic
 
+    def data_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The loss hook: the data term of the training loss, a scalar, from the logits of every
+        (example, structure) row (class dimension 1) and its target; by default the task's mean
+        cross-entropy (`task.loss`: the NLL of the loss, Eq. 3). A method with another data term (label
+        smoothing, a focal loss, a proper scoring rule) overrides this one method: the KL terms,
+        the T structures, chunking, several devices and the logged `train/nll` stay as they are."""
+        return self.task.loss(logits, targets)
+
     def training_loss(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Mean NLL over this rank's T structures (one grouped forward) + (structure KL +
         weight KL) / N."""
@@ -276,7 +284,7 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         when the loss carries another one)."""
         logits = self.network(x, alpha)  # = net(x.repeat_interleave(G), alpha)
         targets = y.repeat_interleave(alpha.shape[0], dim=0)
-        nll = self.task.loss(logits, targets)  # = mean over structures of each one's mean NLL
+        nll = self.data_loss(logits, targets)  # = mean over structures of each one's mean NLL
         structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
         out = {"nll": nll, "logits": logits, "targets": targets}
         if self.structure_is_stochastic:  # a number (0: no posterior over structures) logs as a tensor too

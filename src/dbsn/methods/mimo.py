@@ -100,7 +100,7 @@ class MIMO(SinglePassEnsemble):
         the mean NLL over members. Logits and targets: rows j · M + m."""
         inputs, targets = self.mimo_batch(x, y)
         logits = self.heads(inputs, self.alpha().unsqueeze(0))
-        nll = self.task.loss(logits, targets)  # mean over the n·M rows = mean over members
+        nll = self.data_loss(logits, targets)  # mean over the n·M rows = mean over members
         out = {"nll": nll, "logits": logits, "targets": targets, "loss": (self.size if self.member_loss == "sum" else 1) * nll}
         if self.weights.stochastic:  # as `Method.structures_loss`
             kl = self.weights.kl(self.net, self.current_epoch)
