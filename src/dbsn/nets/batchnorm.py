@@ -293,6 +293,36 @@ def accumulated_running_statistics(net: nn.Module, enabled: bool = True,
     collector.apply(keep)
 
 
+@contextmanager
+def statistics_apart(modules: Iterable[GroupBatchNorm2d]) -> Iterator[None]:
+    """Within the block, what `modules` hand over -- their `RunningStatistics`' calls
+    (``pending``), their ``collected`` statistics -- goes to fresh empty lists, appended to the
+    real ones on exit, in order: the same lists as without the block.
+
+    For a compiled region (`dbsn.nets.fused_cell.FusedCell.nodes`): dynamo guards a list's length,
+    and a training step's list of calls grows cell by cell (``collected`` batch by batch), so each
+    cell would compile a graph of its own although cells of a stage have the same shapes. Seen
+    from inside the block every list is empty, every time."""
+    modules = list(modules)
+    collectors = list({id(m.pending): m.pending for m in modules if m.pending is not None}.values())
+    collecting = [m for m in modules if m.collected is not None]
+    calls = [c.calls for c in collectors]
+    collected = [m.collected for m in collecting]
+    for c in collectors:
+        c.calls = []
+    for m in collecting:
+        m.collected = []
+    try:
+        yield
+    finally:
+        for c, saved in zip(collectors, calls):
+            saved.extend(c.calls)
+            c.calls = saved
+        for m, saved in zip(collecting, collected):
+            saved.extend(m.collected)
+            m.collected = saved
+
+
 @torch.no_grad()
 def structure_statistics(forward, net: nn.Module, batches: Iterable[Tensor], num_structures: int) -> Statistics:
     """BatchNorm statistics of each structure of one grouped forward.
