@@ -34,8 +34,8 @@ from dbsn.nets.cell import Cell, CellBase
 from dbsn.nets.cell_state import CHAINS, fused_state, per_edge_state
 from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
 
-__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "compiled_nodes", "fused_state",
-           "per_edge_state", "unfuse"]
+__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "compiled_nodes",
+           "fused_state", "per_edge_state", "unfuse"]
 
 #: the ops a `FusedCell` computes; any other op name needs the per-edge `Cell`
 FUSABLE_OPS = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
