@@ -127,12 +127,10 @@ def _equals_eager(train_samples: int, chunk: int | None) -> None:
     torch._dynamo.reset()
 
 
-def test_the_nodes_compiled_step_equals_eager_in_float64_with_t_grouped():
-    _equals_eager(train_samples=2, chunk=None)
-
-
 def test_the_nodes_compiled_step_equals_eager_in_float64_with_t_in_chunks():
-    _equals_eager(train_samples=3, chunk=2)  # chunks of 2 and 1 structures
+    # chunks of 2 and 1 structures: the first a grouped forward under a detached leaf, the last under α
+    # itself, as the grouped step runs (whose graph count the paper network's test checks)
+    _equals_eager(train_samples=3, chunk=2)
 
 
 def test_nodes_compile_refuses_a_network_of_per_edge_cells():
@@ -141,3 +139,40 @@ def test_nodes_compile_refuses_a_network_of_per_edge_cells():
     net = StructureNet(**TINY, cell="per_edge")
     with pytest.raises(ValueError, match="compile.scope=nodes compiles the fused cell's nodes.*model.net.cell=fused"):
         Compilation(enabled=True, scope="nodes", backend="eager").apply(net)
+
+
+def test_nodes_compiled_prediction_and_per_structure_statistics_equal_eager_and_compile_once():
+    # eval mode (running statistics), and the statistics of each structure, which every BatchNorm
+    # collects into a list of its own that grows batch by batch
+    from dbsn.nets.batchnorm import structure_statistics, using_statistics
+    from tests.support.steputil import prediction
+
+    stats = _counted()
+    method = _nodes_method(TINY, backend="aot_eager", dtype=torch.float64, train_samples=2)
+    eager = _nodes_method(TINY, dtype=torch.float64, train_samples=2)
+    for cell in eager.net.modules():
+        if hasattr(cell, "nodes_compile"):
+            cell.nodes_compile = None
+    eager.load_state_dict(method.state_dict())
+    x = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    alpha = torch.softmax(torch.randn(2, len(method.net.edges), len(method.net.op_names), dtype=torch.float64), -1)
+    torch.testing.assert_close(prediction(method, x, 4), prediction(eager, x, 4), rtol=1e-10, atol=1e-12)
+    graphs = stats["unique_graphs"]
+    try:
+        torch.compiler.set_stance("fail_on_recompile")
+        torch.testing.assert_close(prediction(method, x * 0.5, 4), prediction(eager, x * 0.5, 4), rtol=1e-10, atol=1e-12)
+    finally:
+        torch.compiler.set_stance("default")
+    batches = [x, x.flip(0)]
+    per_structure = [structure_statistics(lambda b, m=m: m.net(b, alpha, replicate=True), m.net, batches, 2)
+                     for m in (method, eager)]
+    assert per_structure[0].keys() == per_structure[1].keys()
+    for name, (mean, var) in per_structure[1].items():
+        torch.testing.assert_close(per_structure[0][name][0], mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(per_structure[0][name][1], var, rtol=1e-10, atol=1e-12)
+    with torch.no_grad(), using_statistics(method.net, per_structure[0]), using_statistics(eager.net, per_structure[1]):
+        torch.testing.assert_close(method.net(x, alpha, replicate=True), eager.net(x, alpha, replicate=True),
+                                   rtol=1e-10, atol=1e-12)
+    # at most one set of graphs each for prediction, collecting statistics (whatever the batch) and using them
+    assert stats["unique_graphs"] <= graphs * 3
+    torch._dynamo.reset()
