@@ -143,12 +143,13 @@ def test_nodes_compile_refuses_a_network_of_per_edge_cells():
 
 def test_nodes_compiled_prediction_and_per_structure_statistics_equal_eager_and_compile_once():
     # eval mode (running statistics), and the statistics of each structure, which every BatchNorm
-    # collects into a list of its own that grows batch by batch
+    # collects into a list of its own that grows batch by batch (dynamo's graphs run as traced: what is
+    # checked is what the region sees and hands back; the step's test checks aot_eager's functional graphs)
     from dbsn.nets.batchnorm import structure_statistics, using_statistics
     from tests.support.steputil import prediction
 
     stats = _counted()
-    method = _nodes_method(TINY, backend="aot_eager", dtype=torch.float64, train_samples=2)
+    method = _nodes_method(TINY, dtype=torch.float64, train_samples=2)
     eager = _nodes_method(TINY, dtype=torch.float64, train_samples=2)
     for cell in eager.net.modules():
         if hasattr(cell, "nodes_compile"):
