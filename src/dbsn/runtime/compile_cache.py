@@ -60,6 +60,9 @@ def save_compile_cache(path: Path, larger_than: int = 0) -> int | None:
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # a run's file like its others (mkstemp makes it private)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
