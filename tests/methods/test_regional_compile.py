@@ -4,6 +4,7 @@ so this runs in seconds)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dbsn.methods import DBSN, Compilation, Execution
@@ -134,8 +135,6 @@ def test_the_nodes_compiled_step_equals_eager_in_float64_with_t_in_chunks():
 
 
 def test_nodes_compile_refuses_a_network_of_per_edge_cells():
-    import pytest
-
     net = StructureNet(**TINY, cell="per_edge")
     with pytest.raises(ValueError, match="compile.scope=nodes compiles the fused cell's nodes.*model.net.cell=fused"):
         Compilation(enabled=True, scope="nodes", backend="eager").apply(net)
@@ -161,7 +160,8 @@ def test_nodes_compiled_prediction_and_per_structure_statistics_equal_eager_and_
     graphs = stats["unique_graphs"]
     try:
         torch.compiler.set_stance("fail_on_recompile")
-        torch.testing.assert_close(prediction(method, x * 0.5, 4), prediction(eager, x * 0.5, 4), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(prediction(method, x * 0.5, 4), prediction(eager, x * 0.5, 4),
+                                   rtol=1e-10, atol=1e-12)
     finally:
         torch.compiler.set_stance("default")
     batches = [x, x.flip(0)]
@@ -176,4 +176,48 @@ def test_nodes_compiled_prediction_and_per_structure_statistics_equal_eager_and_
                                    rtol=1e-10, atol=1e-12)
     # at most one set of graphs each for prediction, collecting statistics (whatever the batch) and using them
     assert stats["unique_graphs"] <= graphs * 3
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nodes_compiled_step_in_a_cuda_graph_compiles_nothing_after_the_first_warm_up_step(precision):
+    # GraphedStep under Lightning's autocast (cache on): three warm-up steps, the capture, replays; from
+    # the second step on nothing may compile, and the losses follow the eager step's
+    from dbsn.methods.step import GraphedStep
+
+    def steps(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = StructureNet(**TINY)
+        compile = Compilation(enabled=compiled, scope="nodes", backend="aot_eager", fullgraph=True)
+        execution = Execution(compile=compile, cuda_graph=True)
+        method = DBSN(net, train_samples=4, dataset_size=100, execution=execution).cuda()
+        weights = [method.optim.build(method.weight_parameters(), 10, capturable=True)[0]]
+        opts = weights + [method.structure_optimizer().build(method.structure_parameters(), capturable=True)]
+        method.attach_guard(opts)
+        method.train()
+        run = GraphedStep(lambda x, y: method.step_body(x, y, opts, weights, lambda loss, last: loss.backward()),
+                          lambda: [opt.zero_grad(set_to_none=True) for opt in opts])
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        torch.manual_seed(2)
+        losses = []
+        try:
+            for step in range(7):
+                if compiled and step == 1:
+                    torch.compiler.set_stance("fail_on_recompile")
+                x = torch.randn(6, 3, 16, 16, device="cuda", generator=generator)
+                y = torch.randint(0, 5, (6,), device="cuda", generator=generator)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    losses.append(run(x, y)["loss"].float())
+                method.on_after_optimizer_step(6)
+        finally:
+            torch.compiler.set_stance("default")
+        assert run.graph is not None
+        return torch.stack(losses)
+
+    stats = _counted()
+    compiled = steps(True)
+    assert stats["unique_graphs"] > 0
+    tolerance = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(compiled, steps(False), **tolerance)
     torch._dynamo.reset()
