@@ -100,6 +100,9 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
     samples_structure: ClassVar[bool] = False
     #: It draws weights from a posterior of its own, not its config's `weights` (VOGN, NEK-FAC).
     samples_weights: ClassVar[bool] = False
+    #: It draws its S prediction members in a way of its own, neither of the two above (an
+    #: extension's structures drawn at random): S applies to it.
+    samples_members: ClassVar[bool] = False
     #: The networks it trains: "cells" (DBSN's cell network only), "any" (the cell network or a
     #: residual backbone, e.g. ResNet-18, WideResNet), "own" (its own network only).
     networks: ClassVar[Networks] = "any"
