@@ -12,9 +12,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.errors import InstantiationException
 
 from dbsn.methods import Execution
-from dbsn.nets import FusedCell, StructureNet
+from dbsn.nets import FusedCell, StructureNet, conv_forms
 from dbsn.nets.batchnorm import accumulated_running_statistics
 from dbsn.nets.conv_forms import StackedConv2d, set_conv_forms
 from dbsn.nets.fused_cell import unfuse
@@ -31,12 +32,14 @@ def _assert_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") 
     actual, expected = actual.detach(), expected.detach()
     scale = max(1.0, float(expected.abs().max()))
     error = float((actual - expected).abs().max())
-    assert actual.shape == expected.shape and error <= 1e-12 * scale, f"{name}: max error {error:.3g} at scale {scale:.3g}"
+    assert actual.shape == expected.shape, name
+    assert error <= 1e-12 * scale, f"{name}: max error {error:.3g} at scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("form, kernel, dilation", [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 1),
-                                                    ("stencil", 3, 2)], ids=["bmm", "mulsum", "stencil-d1", "stencil-d2"])
+@pytest.mark.parametrize("form, kernel, dilation",
+                         [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 1), ("stencil", 3, 2)],
+                         ids=["bmm", "mulsum", "stencil-d1", "stencil-d2"])
 def test_each_form_equals_f_conv2d_with_its_gradients(form, kernel, dilation, layout):
     """A stacked convolution of 3 edges × 5 channels (the fused cell's shapes) in `form` against
     `F.conv2d` with the same weight: output, input gradient, weight gradient, and the output's layout."""
@@ -154,6 +157,15 @@ def test_forms_are_refused_in_one_line_where_they_would_not_apply():
         Execution(depthwise="stencil").apply_conv_forms(torch.nn.Conv2d(3, 3, 3))
 
 
+def test_a_method_on_the_per_edge_cell_refuses_the_forms(tmp_path):
+    cfg = compose_config("train", small_model("map", "model.net.cell=per_edge", "model.execution.conv_1x1=mulsum"),
+                         tmp_path)
+    refusal = "conv_1x1=mulsum: StructureNet has no stacked convolutions"
+    with pytest.raises(InstantiationException, match=refusal) as caught:
+        build_model(cfg.model, num_classes=5)
+    assert isinstance(caught.value.__cause__, ValueError)  # the runtime prints it as one line
+
+
 #: the methods on the fused cell (VOGN and Packed-Ensembles run the per-edge one), with their overrides;
 #: BBB's and FBN's Gaussian weights sample on, the same draws in either form
 METHODS = {
@@ -177,18 +189,37 @@ def _method(model: str, tmp_path, **execution: str):
     return method
 
 
+def _counting(monkeypatch) -> dict[str, int]:
+    """Calls of the two forms' functions from `convolve` (the layers' forward), counted."""
+    calls = {"grouped_1x1": 0, "depthwise_stencil": 0}
+    for name in calls:
+        def counted(*args, _name=name, _function=getattr(conv_forms, name), **kwargs):
+            calls[_name] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(conv_forms, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("model", list(METHODS))
-def test_every_fused_method_steps_the_same_in_the_fused_forms(model, tmp_path):
+def test_every_fused_method_steps_the_same_in_the_fused_forms(model, tmp_path, monkeypatch):
     """One training step with ``conv_1x1=bmm depthwise=stencil`` against the default: loss, every
-    weight's gradient, θ's gradient (DBSN, FBN, MAP), running statistics."""
+    weight's gradient, θ's gradient (DBSN, FBN, MAP), running statistics; the forms do compute
+    (Gaussian weights' layers and BatchEnsemble's wrapped ones too)."""
     reference = _method(model, tmp_path)
     formed = _method(model, tmp_path, conv_1x1="bmm", depthwise="stencil")
     formed.load_state_dict(reference.state_dict())
     forms = {m.form for m in formed.modules() if hasattr(m, "stacked_edges")}
     assert forms == {"bmm", "stencil"}, forms
     generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64), torch.randint(0, 5, (6,), generator=generator)
-    kinds = assert_same(step_state(reference, x, y), step_state(formed, x, y), rtol=1e-10, atol=1e-12)
+    x = torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,), generator=generator)
+    calls = _counting(monkeypatch)
+    expected = step_state(reference, x, y)
+    assert calls == {"grouped_1x1": 0, "depthwise_stencil": 0}
+    actual = step_state(formed, x, y)
+    assert calls["grouped_1x1"] > 0 and calls["depthwise_stencil"] > 0, calls
+    kinds = assert_same(expected, actual, rtol=1e-10, atol=1e-12)
     assert kinds["weight gradients"] > 0 and kinds["running statistics"] > 0
     learns_structure = any(name.endswith("theta") for name, _ in formed.named_parameters())
     assert kinds["theta gradient"] == learns_structure and (learns_structure or model not in ("dbsn", "fbn", "map"))

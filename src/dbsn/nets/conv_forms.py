@@ -19,14 +19,14 @@ as tensor operations is something a compiler fuses:
 
 ``"conv"`` (the default) is `F.conv2d`. Each form keeps the input's memory layout
 (contiguous or channels-last) in its output, as `F.conv2d` does, and equals it in float64 to
-round-off, outputs and every gradient (tests/nets/test_conv_forms.py). Which one is fastest
-is a measurement on the device (`dbsn.tools.bench`), not a rule: eagerly, on a CPU, `F.conv2d`
-is the fastest; the other forms are for a compiled step.
+round-off, outputs and every gradient (tests/nets/test_conv_forms.py). They are meant for a
+compiled step; which form is fastest is for a measurement on the device to say (the bench).
 
 `StackedConv2d` is the fused cell's `nn.Conv2d` with a ``form`` that its forward dispatches on
 (the weight stays the same `nn.Parameter` under the same state-dict key, so checkpoints and
 `dbsn.nets.fused_cell.unfuse` do not see the form); `set_conv_forms` sets the forms of a
-network's stacked convolutions.
+network's stacked convolutions (the one way to set them: it checks that each layer can take its
+form). A Bayesian twin of a stacked convolution (`dbsn.bayes.BayesConv2d`) keeps its form.
 """
 
 from __future__ import annotations
@@ -107,15 +107,6 @@ def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = N
     return out if bias is None else out + bias.view(1, -1, 1, 1)
 
 
-def check_form(conv: nn.Module, form: str) -> None:
-    """Refuses, in one line, a form that ``conv``'s kind of convolution has not."""
-    kind = _kind(conv)
-    forms = CONV_1X1_FORMS if kind == "1x1" else DEPTHWISE_FORMS if kind == "depthwise" else ("conv",)
-    if form not in forms:
-        raise ValueError(f"a {kind or 'general'} convolution ({type(conv).__name__}, kernel {tuple(conv.kernel_size)}, "
-                         f"groups {conv.groups}) computes in the forms {list(forms)}, not {form!r}")
-
-
 class StackedConv2d(nn.Conv2d):
     """The convolutions of n edges as one `nn.Conv2d` (``stacked_edges`` = n, which the
     initialisation reads), computed in ``form`` (see the module docstring; "conv" by default)."""
@@ -147,8 +138,8 @@ def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "con
     if depthwise not in DEPTHWISE_FORMS:
         raise ValueError(f"model.execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {depthwise!r}")
     stacked = [m for m in net.modules() if hasattr(m, "stacked_edges") and _kind(m) is not None]
-    asked = ", ".join(f"model.execution.{key}={value}" for key, value in (("conv_1x1", conv_1x1), ("depthwise", depthwise))
-                      if value != "conv")
+    settings = {"conv_1x1": conv_1x1, "depthwise": depthwise}
+    asked = ", ".join(f"model.execution.{key}={value}" for key, value in settings.items() if value != "conv")
     if not asked:
         for m in stacked:
             if hasattr(m, "form"):
@@ -162,7 +153,5 @@ def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "con
         raise ValueError(f"{asked}: the fused cell's convolutions here are {', '.join(fixed)} layers, which compute "
                          "with F.conv2d only; leave it at conv")
     for m in stacked:
-        form = conv_1x1 if _kind(m) == "1x1" else depthwise
-        check_form(m, form)
-        m.form = form
+        m.form = conv_1x1 if _kind(m) == "1x1" else depthwise
     return len(stacked)
