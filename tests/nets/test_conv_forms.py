@@ -64,6 +64,49 @@ def test_each_form_equals_f_conv2d_with_its_gradients(form, kernel, dilation, la
         _assert_exact(grad, reference, name)
 
 
+@pytest.mark.parametrize("form, kernel, dilation", [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 2)],
+                         ids=["bmm", "mulsum", "stencil-d2"])
+def test_each_form_computes_in_autocast_s_dtype_as_f_conv2d(form, kernel, dilation):
+    """Under bfloat16 autocast a form takes its operands in bfloat16 and returns bfloat16, as
+    `F.conv2d` does, and both are near the float32 result (bfloat16's rounding of the operands)."""
+    edges, channels = 2, 8
+    width = edges * channels
+    conv = StackedConv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
+                         groups=width if kernel > 1 else edges, bias=False, stacked_edges=edges)
+    formed = copy.deepcopy(conv)
+    set_conv_forms(formed, **{"conv_1x1" if kernel == 1 else "depthwise": form})
+    x = torch.randn(2, width, 6, 6, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = conv(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected, out = conv(x), formed(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    scale = float(exact.abs().max())
+    for name, value in (("form", out), ("F.conv2d", expected)):
+        assert float((value.float() - exact).abs().max()) <= 2e-2 * scale, name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_forms_compile_without_a_graph_break(layout):
+    """Each form traced whole by dynamo (``fullgraph``, the aot_eager backend: the same graphs as
+    inductor's, without code generation), forward and backward, equal to eager."""
+    torch._dynamo.reset()
+    for kernel, dilation, setting in ((1, 1, {"conv_1x1": "bmm"}), (1, 1, {"conv_1x1": "mulsum"}),
+                                      (3, 2, {"depthwise": "stencil"})):
+        conv = StackedConv2d(12, 12, kernel, padding=dilation * (kernel // 2), dilation=dilation,
+                             groups=12 if kernel > 1 else 3, bias=False, stacked_edges=3).double()
+        conv.to(memory_format=LAYOUTS[layout])
+        set_conv_forms(conv, **setting)
+        x = torch.randn(2, 12, 5, 5, dtype=torch.float64).contiguous(memory_format=LAYOUTS[layout]).requires_grad_()
+        compiled = torch.compile(conv, backend="aot_eager", fullgraph=True)
+        outputs = [net(x) for net in (compiled, conv)]
+        grads = [torch.autograd.grad(out.square().sum(), (x, conv.weight)) for out in outputs]
+        _assert_exact(outputs[0], outputs[1], f"{setting}: output")
+        for name, ours, theirs in zip(("input", "weight"), *grads):
+            _assert_exact(ours, theirs, f"{setting}: {name} gradient")
+    torch._dynamo.reset()
+
+
 def _net(cell: str = "fused") -> StructureNet:
     """4 nodes (source nodes of 3, 2 and 1 out-edges), two stages: a few cell shapes in float64, with
     the ops with both dilations and random weights."""

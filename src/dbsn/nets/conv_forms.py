@@ -17,10 +17,13 @@ as tensor operations is something a compiler fuses:
   input (padding = dilation, the fused cell's "same" padding), each tap one channel-wise
   weight: elementwise work a compiler fuses with the ReLU before it and the 1×1 after it.
 
-``"conv"`` (the default) is `F.conv2d`. Each form keeps the input's memory layout
-(contiguous or channels-last) in its output, as `F.conv2d` does, and equals it in float64 to
-round-off, outputs and every gradient (tests/nets/test_conv_forms.py). They are meant for a
-compiled step; which form is fastest is for a measurement on the device to say (the bench).
+``"conv"`` (the default) is `F.conv2d`. Under autocast the forms take their operands in
+autocast's dtype, as `F.conv2d` does; the multiply-adds accumulate in float32 at least (as a
+convolution does) and store the result in the operands' dtype. Each form keeps the input's
+memory layout (contiguous or channels-last) in its output, as `F.conv2d` does, and equals it in
+float64 to round-off, outputs and every gradient (tests/nets/test_conv_forms.py). They are
+meant for a compiled step; which form is fastest is for a measurement on the device to say (the
+bench).
 
 `StackedConv2d` is the fused cell's `nn.Conv2d` with a ``form`` that its forward dispatches on
 (the weight stays the same `nn.Parameter` under the same state-dict key, so checkpoints and
@@ -51,7 +54,9 @@ def grouped_1x1(x: Tensor, weight: Tensor, groups: int, form: str = "bmm") -> Te
     ``x``'s layout."""
     b, width, h, w = x.shape
     n, c_in, c_out = groups, width // groups, weight.shape[0] // groups
-    matrices = weight.reshape(n, c_out, c_in)
+    matrices, dtype = weight.reshape(n, c_out, c_in), x.dtype
+    if form == "mulsum":  # products and sums in float32 at least, as a convolution accumulates
+        x, matrices = x.to(_accumulation(x)), matrices.to(_accumulation(x))
     if memory_format(x) == torch.channels_last:
         # (b, H, W, n, C_in) in memory: a view as n batches of (b·H·W, C_in) rows, no copy of the input
         rows = x.permute(0, 2, 3, 1).reshape(b * h * w, n, c_in)
@@ -59,10 +64,11 @@ def grouped_1x1(x: Tensor, weight: Tensor, groups: int, form: str = "bmm") -> Te
             out = torch.bmm(rows.transpose(0, 1), matrices.transpose(1, 2)).transpose(0, 1)  # (b·H·W, n, C_out)
         else:
             out = (rows.view(b * h * w, n, 1, c_in) * matrices).sum(-1)
-        return out.reshape(b, h, w, n * c_out).permute(0, 3, 1, 2)
+        return out.to(dtype).reshape(b, h, w, n * c_out).permute(0, 3, 1, 2)
     if form == "bmm":
         return torch.matmul(matrices, x.reshape(b, n, c_in, h * w)).view(b, n * c_out, h, w)
-    return (x.reshape(b, n, 1, c_in, h, w) * matrices.view(1, n, c_out, c_in, 1, 1)).sum(3).view(b, n * c_out, h, w)
+    out = (x.reshape(b, n, 1, c_in, h, w) * matrices.view(1, n, c_out, c_in, 1, 1)).sum(3)
+    return out.to(dtype).view(b, n * c_out, h, w)
 
 
 def depthwise_stencil(x: Tensor, weight: Tensor, dilation: int = 1) -> Tensor:
@@ -71,15 +77,20 @@ def depthwise_stencil(x: Tensor, weight: Tensor, dilation: int = 1) -> Tensor:
     ``x``'s layout."""
     d = dilation
     _, c, h, w = x.shape
-    padded = F.pad(x, (d, d, d, d))
-    taps = weight.reshape(c, 9).unbind(1)
+    accumulation = _accumulation(x)  # products and sums in float32 at least, as a convolution accumulates
+    padded = F.pad(x.to(accumulation), (d, d, d, d))
+    taps = weight.to(accumulation).reshape(c, 9).unbind(1)
     out = None
     for k, tap in enumerate(taps):
         i, j = divmod(k, 3)
         shifted = padded[:, :, i * d:i * d + h, j * d:j * d + w]
         tap = tap.view(1, c, 1, 1)
         out = shifted * tap if out is None else torch.addcmul(out, shifted, tap)
-    return out.contiguous(memory_format=memory_format(x))
+    return out.to(x.dtype).contiguous(memory_format=memory_format(x))
+
+
+def _accumulation(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _kind(conv: nn.Module) -> str | None:
@@ -102,6 +113,9 @@ def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = N
     form = conv.form
     if form == "conv":
         return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    if torch.is_autocast_enabled(x.device.type):  # the operands' dtype that autocast gives F.conv2d
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
     out = grouped_1x1(x, weight, conv.groups, form) if form in ("bmm", "mulsum") \
         else depthwise_stencil(x, weight, conv.dilation[0])
     return out if bias is None else out + bias.view(1, -1, 1, 1)
