@@ -68,7 +68,7 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         optim: settings of the weights' optimiser.
         weights: the weight posterior (default: point estimate).
         prediction: S and how the ensemble is evaluated (`Prediction`).
-        execution: memory layout and compilation of the network (`Execution`).
+        execution: memory layout, convolution forms and compilation of the network (`Execution`).
         task: classification (default) or `Segmentation` (per-pixel labels with a void
             label); see `dbsn.methods.tasks`.
         dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
@@ -138,6 +138,7 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         self.execution = execution if execution is not None else Execution()
         if self.execution.uses_channels_last:
             self.net.to(memory_format=torch.channels_last)
+        self.execution.apply_conv_forms(self.net)
         if self.execution.compile.enabled:
             self.execution.compile.apply(self.net)
         self.optim = optim if optim is not None else WeightOptimizer()
