@@ -12,6 +12,9 @@ training, so one grouped forward equals G separate forwards. Three tools build o
   `momentum=None` does), from grouped forwards;
 - `using_statistics(net, statistics)`: prediction where group g is normalised with the
   statistics of its own structure instead of the shared running statistics.
+
+`statistics_apart(modules)` keeps the lists these tools fill out of sight of a compiled region
+(`dbsn.nets.fused_cell.FusedCell.nodes`), which would otherwise compile anew as they grow.
 """
 
 from __future__ import annotations
