@@ -34,6 +34,9 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path):
     for name in ("metric_intervals", "ce2_paired_test", "seed_level"):  # rendered from dbsn.api.stats' docstrings
         assert f'id="dbsn.api.stats.{name}"' in page
     assert 'id="dbsn.testing.check_method"' in (tmp_path / "site" / "reference" / "testing" / "index.html").read_text()
+    extending = (tmp_path / "site" / "extending" / "index.html").read_text()
+    assert '<span class="filename">myext/random_structures.py</span>' in extending  # a file= fence, titled
+    assert "<p>```" not in extending
     for tutorial in ("reproduce", "compare-a-method", "score-predictions"):
         assert (tmp_path / "site" / "tutorials" / tutorial / "index.html").is_file()
 
@@ -57,7 +60,8 @@ def test_a_strict_build_fails_on(fault, tmp_path):
                                            '    return a + b\n')
     settings = CONFIG.read_text().split("\nnav:")[0]
     settings = settings.replace("paths: [src]", f"paths: [{ROOT / 'src'}, {tmp_path}]")
-    assert str(tmp_path) in settings
+    settings = settings.replace("- docs/hooks/", f"- {ROOT / 'docs' / 'hooks'}/")
+    assert str(tmp_path) in settings and str(ROOT / "docs" / "hooks") in settings
     config = tmp_path / "mkdocs.yml"
     config.write_text(settings)
     done = _build(config, tmp_path / "site")
