@@ -41,6 +41,11 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path):
         assert (tmp_path / "site" / "tutorials" / tutorial / "index.html").is_file()
 
 
+def test_make_docs_builds_strict():
+    target = (ROOT / "Makefile").read_text().split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "$(STAMP)" in target and "mkdocs build --strict" in target
+
+
 BROKEN = {
     "link": "See [a page that is not there](missing.md).\n",
     "anchor": "## A heading\n\nSee [a heading that is not there](#no-such-heading).\n",
