@@ -74,7 +74,8 @@ def test_member_treatments_are_pytorch_ood_of_the_mean_logits_or_the_mean_over_m
         mean = ours(members="mean_logits", **kwargs).score(batch)
         torch.testing.assert_close(mean, theirs.predict_logits(members.mean(0)), **EXACT)
         per_member = ours(members="per_member", **kwargs).score(batch)
-        torch.testing.assert_close(per_member, torch.stack([theirs.predict_logits(z) for z in members]).mean(0), **EXACT)
+        each = torch.stack([theirs.predict_logits(z) for z in members])
+        torch.testing.assert_close(per_member, each.mean(0), **EXACT)
 
 
 def test_predictive_scores_equal_pytorch_ood_max_softmax_and_entropy():
