@@ -25,7 +25,9 @@ to what tolerance:
   exactly 1 in the last bin) against netcal's ECE: netcal clips confidences to [eps, 1 − eps], so
   a confidence of 1 falls in its last bin too (at 1 − eps: a difference of eps per example);
   its edges are np.linspace's, which differ from torch.linspace's by an ulp at some edges, so
-  confidences exactly on an edge are compared with M = 16 (dyadic edges, exact in both).
+  confidences exactly on an edge are compared with M = 16 (dyadic edges, exact in both);
+- the equal-mass (adaptive) ECE against netcal's ECE with equal_intervals=False, where N is a
+  multiple of M and no confidences tie (then both bin the same examples together).
 
 Dirichlet calibration's ``full`` map has no oracle here: dirichletcal, its authors' package, is
 not on the package mirror, and its one PyPI release (0.3.dev4, an sdist) does not build
@@ -48,6 +50,7 @@ from netcal.binning import IsotonicRegression as NetcalIsotonic  # noqa: E402
 from netcal.metrics import ECE  # noqa: E402
 from netcal.scaling import LogisticCalibration, TemperatureScaling  # noqa: E402
 
+from dbsn.metrics.calibration import adaptive_expected_calibration_error  # noqa: E402
 from dbsn.metrics.classification import BinnedCalibrationError, expected_calibration_error  # noqa: E402
 from dbsn.posthoc.calibrators.base import FLOOR, floored_log  # noqa: E402
 from dbsn.posthoc.calibrators.dirichlet import DirichletCalibration  # noqa: E402
@@ -159,3 +162,19 @@ def test_ece_equals_netcal_with_confidences_of_one(bins):
     own_bin = (expected_calibration_error(probs[~ones], labels[~ones], n_bins=bins).item() * (~ones).sum().item()
                + ones.sum().item()) / N  # the 10 wrong ones' gap |Σ (0 − 1)| = 10 in a bin of their own
     assert abs(own_bin - theirs) > 1e-3
+
+
+@pytest.mark.parametrize("bins", [10, 16])
+def test_adaptive_ece_equals_netcal_equal_mass_ece(bins):
+    """Equal-mass bins (`adaptive_expected_calibration_error`) against netcal's ECE with
+    ``equal_intervals=False`` (edges at np.quantile of the confidences). With N a multiple of M
+    and no ties both put exactly N / M examples, the same ones, in each bin; otherwise netcal's
+    interpolated edges can move one example to the neighbouring bin (and dbsn spreads ties, see
+    its docstring), so only that case is compared."""
+    log_probs, labels = _predictions(scale=2.0, temperature=0.7)
+    probs = log_probs.exp()
+    assert N % bins == 0 and probs.amax(1).unique().numel() == N
+    theirs = ECE(bins=bins, equal_intervals=False).measure(probs.numpy(), labels.numpy())
+    ours = adaptive_expected_calibration_error(probs, labels, n_bins=bins).item()
+    assert math.isclose(ours, theirs, rel_tol=0, abs_tol=1e-12), (ours, theirs)
+    assert not math.isclose(ours, expected_calibration_error(probs, labels, n_bins=bins).item(), abs_tol=1e-4)

@@ -6,7 +6,8 @@ where pytorch-ood allows it, and compared to a stated tolerance. Both orient sco
 = more OOD). Where a definition differs on purpose, the test says how and compares the part that
 agrees:
 
-- max softmax: dbsn scores ``1 - max_c p_c``, pytorch-ood ``-max_c p_c`` (an offset of 1);
+- max softmax: dbsn scores ``1 - max_c p_c``, pytorch-ood ``-max_c p_c`` (an offset of 1); over
+  several members, ``max_c`` of the members' mean softmax, pytorch-ood's MC-dropout mean;
 - entropy: pytorch-ood clips p at 1e-7 before the log; the logits here keep every p above it;
 - Mahalanobis: pytorch-ood's covariance is the class-centred scatter NOT divided by N, plus
   1e-6 I, and its score is half the squared distance, so dbsn's (OpenOOD's, Σ/N) is
@@ -31,7 +32,7 @@ from torch import nn
 
 pytest.importorskip("pytorch_ood", reason="pytorch-ood is not installed (pip install -e '.[oracles]')")
 
-from pytorch_ood.detector import GMM, KNN, ODIN, EnergyBased, Entropy, MaxLogit, MaxSoftmax  # noqa: E402
+from pytorch_ood.detector import GMM, KNN, MCD, ODIN, EnergyBased, Entropy, MaxLogit, MaxSoftmax  # noqa: E402
 from pytorch_ood.detector import Mahalanobis as PoodMahalanobis  # noqa: E402
 from pytorch_ood.detector import ViM as PoodViM  # noqa: E402
 
@@ -87,6 +88,29 @@ def test_predictive_scores_equal_pytorch_ood_max_softmax_and_entropy():
     torch.testing.assert_close(ours["max_probability"] - 1, MaxSoftmax(None).predict_logits(z), **EXACT)
     torch.testing.assert_close(ours["entropy"], Entropy(None).predict_logits(z), **EXACT)
     torch.testing.assert_close(ours["mutual_information"], torch.zeros(len(z), dtype=z.dtype), rtol=0, atol=1e-12)
+
+
+def test_max_probability_of_members_equals_pytorch_ood_mc_dropout_mean():
+    """Several members: dbsn's ``max_probability`` (1 − max_c of the members' mean softmax) against
+    pytorch-ood's MC-dropout detector, whose N forward passes here return the members' logits in
+    turn. ``MCD.run`` keeps float64 (1e-12); ``predict`` accumulates in float32 (float32's rounding)."""
+    members = _logits(n=120, seed=8).unsqueeze(0) + 2 * torch.randn(5, 120, 10, generator=torch.Generator()
+                                                                      .manual_seed(9), dtype=torch.float64)
+
+    class Cycle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return members[(self.calls - 1) % len(members)]
+
+    ours = predictive_scores(torch.log_softmax(members, -1))["max_probability"]
+    x = torch.zeros(120, 1)
+    torch.testing.assert_close(1 - ours, MCD.run(Cycle(), x, samples=5)[0], **EXACT)
+    theirs = MCD(Cycle(), samples=5, mode="mean").predict(x)
+    torch.testing.assert_close(ours - 1, theirs.double(), rtol=0, atol=1e-6)
 
 
 # -------------------------------------------------------------------------------- of the features
