@@ -36,7 +36,7 @@ from pytorch_ood.detector import GMM, KNN, MCD, ODIN, EnergyBased, Entropy, MaxL
 from pytorch_ood.detector import Mahalanobis as PoodMahalanobis  # noqa: E402
 from pytorch_ood.detector import ViM as PoodViM  # noqa: E402
 
-from dbsn.evaluation.detection import EnergyScore, MaxLogitScore, Members  # noqa: E402
+from dbsn.evaluation.detection import EnergyScore, KNNScore, MaxLogitScore, Members, Training  # noqa: E402
 from dbsn.metrics import ood_scores  # noqa: E402
 from dbsn.metrics.uncertainty import ood_scores as predictive_scores  # noqa: E402
 
@@ -145,6 +145,26 @@ def test_knn_equals_pytorch_ood():
         ours = ood_scores.KNN(k=k).fit(z).score(queries)
         theirs = KNN(None, k=k).fit_features(z, y).predict_features(queries)
         torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-7)
+
+
+def test_feature_score_treatments_are_pytorch_ood_per_member_or_of_the_mean_feature():
+    """`KNNScore` of a posterior (`dbsn.evaluation.detection`): ``per_member`` fits each member on
+    its own training features and averages the members' scores; ``pooled`` fits and scores the
+    members' mean feature. Both are pytorch-ood's KNN on those features."""
+    train = torch.stack([_features(300, 8, 4, seed=s)[0] for s in range(3)])  # (S, N, D)
+    labels = _features(300, 8, 4)[1]
+    queries = torch.stack([_features(60, 8, 4, seed=10 + s)[0] for s in range(3)])
+    training = Training(logits=torch.empty(3, 300, 4), features=train, labels=labels, num_classes=4, heads=None,
+                        method="test")
+    batch = Members(n=3, images=torch.empty(0), logits=None, features=queries, logits_of=None, per_forward=3)
+    theirs = [KNN(None, k=5).fit_features(f, labels).predict_features(q) for f, q in zip(train, queries)]
+    score = KNNScore(members="per_member", k=5)
+    score.fit(training)
+    torch.testing.assert_close(score.score(batch), torch.stack(theirs).mean(0), rtol=0, atol=1e-7)
+    score = KNNScore(members="pooled", k=5)
+    score.fit(training)
+    pooled = KNN(None, k=5).fit_features(train.mean(0), labels).predict_features(queries.mean(0))
+    torch.testing.assert_close(score.score(batch), pooled, rtol=0, atol=1e-7)
 
 
 def test_vim_equals_pytorch_ood_to_float32():
