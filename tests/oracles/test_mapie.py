@@ -19,7 +19,10 @@ float64 rounding, the sets label for label):
 - RAPS's penalised score at a given k_reg, λ and u. How k_reg and λ are tuned differs on
   purpose: MAPIE holds out a stratified 20 % and takes k* as the split-conformal order statistic
   of the true labels' ranks; dbsn follows the authors' code (a random 30 %, numpy's 'higher'
-  quantile of the ranks). Only the score is compared.
+  quantile of the ranks). The score is compared, and the sets at given k_reg, λ and q̂:
+  non-randomised exactly; randomised where MAPIE's crossing label L has rank ≤ k_reg + 1, since
+  MAPIE divides its tie-breaking V by p_L − λ(L − k)⁺ + λ·1[L > k] where dbsn (the level set of
+  its score, as the authors' ``gcq``) divides by p_L.
 
 MAPIE includes a label when its score is within 1e-8 above q̂ (its EPSILON); with continuous
 random probabilities no test score falls in that band, which the tests assert.
@@ -176,3 +179,33 @@ def test_raps_score_equals_mapie_at_given_k_reg_and_lambda(data):
         np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=1e-15)
         _, ranks = cf.label_ranks(p_cal)
         np.testing.assert_array_equal(ranks.gather(1, y_cal[:, None]).squeeze(1).numpy(), aps.cutoff)
+
+
+@pytest.mark.parametrize(("k_reg", "lam", "qhat"), [(1, 0.01, 0.9), (2, 0.1, 0.95), (1, 0.05, 0.8)])
+def test_raps_sets_at_given_parameters_equal_mapie(data, k_reg, lam, qhat):
+    """RAPS sets at a given k_reg, λ and q̂ (MAPIE's `RAPSConformityScore` with those set).
+    Non-randomised: MAPIE's ``include_last_label=False`` is dbsn's default set, exactly.
+    Randomised (u = 1 − U as for APS): MAPIE keeps the label L whose penalised mass crosses q̂
+    where (mass to L + λ(L − k)⁺ − q̂) / d ≤ U with d = p_L − λ(L − k)⁺ + λ·1[L > k]; dbsn's set,
+    the level set of its calibration score as in the authors' code (`gcq`), divides by p_L. The
+    two d agree where L ≤ k_reg + 1, and the sets are compared on those rows; elsewhere they differ
+    on purpose (dbsn keeps the authors' rule)."""
+    probs, _, _ = data
+    p_test = torch.from_numpy(probs[N_CAL:])
+    score = RAPSConformityScore()
+    score.random_state, score.classes = SEED, np.arange(C)
+    score.k_star, score.lambda_star, score.quantiles_ = np.array([k_reg]), lam, np.array([qhat])
+
+    def mapie_sets(include_last_label):
+        return score.get_prediction_sets(probs[N_CAL:, :, None], np.zeros((1, 1)), np.array([0.1]), "prefit",
+                                         include_last_label=include_last_label)[:, :, 0]
+
+    fixed = cf.conformity_scores(p_test, "raps", None, k_reg, lam)
+    _clear_of_epsilon(fixed, qhat)
+    np.testing.assert_array_equal(cf.prediction_sets(fixed, qhat, cf.top_labels(p_test)).numpy(), mapie_sets(False))
+    u = torch.from_numpy(1 - np.random.RandomState(SEED).uniform(size=N_TEST))
+    ours = cf.prediction_sets(cf.conformity_scores(p_test, "raps_randomized", u, k_reg, lam), qhat).numpy()
+    last = (fixed < qhat).sum(1).numpy() + 1  # MAPIE's L: the first rank whose penalised mass reaches q̂
+    agree = last <= k_reg + 1
+    assert agree.sum() > 50
+    np.testing.assert_array_equal(ours[agree], mapie_sets("randomized")[agree])
