@@ -273,9 +273,10 @@ class Execution:
 
     Args:
         channels_last: keep the network's weights and activations in the channels-last (NHWC)
-            layout, which CPU convolutions and GPU convolutions in bfloat16 prefer; "auto" (the
-            configs' default, which the runtime resolves for the trainer's device and precision)
-            means on where no GPU is available.
+            layout; "auto" (the configs' default, which the runtime resolves for the trainer's
+            device and precision) means on where the network is compiled and no GPU is available:
+            with the fused cell, eager steps run faster contiguous on CPUs and GPUs alike, and a
+            compiled CPU step fastest in channels-last (docs/performance.md).
         compile: compile the network's forward (`Compilation`); off by default.
         cuda_graph: capture the whole training step (forward, backward, optimisers) in a CUDA
             graph after three eager steps and replay it (`dbsn.methods.step.GraphedStep`): one
@@ -327,5 +328,8 @@ class Execution:
 
     @property
     def uses_channels_last(self) -> bool:
-        """Whether the network runs in the channels-last layout ("auto": where no GPU is available)."""
-        return not torch.cuda.is_available() if self.channels_last == "auto" else bool(self.channels_last)
+        """Whether the network runs in the channels-last layout ("auto": compiled where no GPU is
+        available)."""
+        if self.channels_last == "auto":
+            return self.compile.enabled and not torch.cuda.is_available()
+        return bool(self.channels_last)
