@@ -12,12 +12,16 @@
 # part: `tools/gpu_window.sh --device cpu --tiny --compile-backend eager` is the CPU smoke test.
 # PARTS="forms streams" runs only those (default: all; compile_warm is its own name).
 set -u
-cd "$(dirname "$0")/.."
 OUT=${OUT:-./bench_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python
-export PYTHONUNBUFFERED=1
+"$PY" -c "import torch" > /dev/null 2>&1 || PY=python3
+# this checkout's code, wherever the environment's editable install points (a copied .venv)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+timeout 60 "$PY" -c "import dbsn, torch; print('dbsn from', dbsn.__file__, '| torch', torch.__version__, '| CUDA', torch.cuda.is_available())" \
+  > "$OUT/environment.txt" 2>&1
 : > "$OUT/rc.txt"
 if command -v nvidia-smi > /dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia_smi.txt" 2>&1
