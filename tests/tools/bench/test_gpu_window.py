@@ -73,3 +73,21 @@ def test_the_window_script_runs_every_part_on_a_cpu(tmp_path):
         assert "done" in (tmp_path / f"{name}.log").read_text()
     assert "## Convolution forms" in (tmp_path / "summary.md").read_text()
     assert "streams: skipped: no CUDA" in done.stdout
+
+
+def test_kernels_count_under_the_range_that_encloses_their_operation():
+    """`kernels_by_category` on a profiler's event tree: a kernel counts for the nearest enclosing
+    ``bench::`` range; one outside every range is unattributed."""
+    from types import SimpleNamespace as Event
+
+    from dbsn.tools.bench.categories import kernels_by_category
+
+    def kernel(us):
+        return Event(name="k", device=0, duration=us)
+
+    outer = Event(name="bench::casts", kernels=[], cpu_parent=None)
+    op = Event(name="aten::_to_copy", kernels=[kernel(1000), kernel(500)], cpu_parent=outer)
+    inner = Event(name="aten::copy_", kernels=[kernel(250)], cpu_parent=op)
+    stray = Event(name="aten::add", kernels=[kernel(100)], cpu_parent=None)
+    table = kernels_by_category([outer, op, inner, stray])
+    assert table == {"casts": {"count": 3, "ms": 1.75}, "unattributed": {"count": 1, "ms": 0.1}}
