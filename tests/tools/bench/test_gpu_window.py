@@ -23,7 +23,8 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     for part in window.PARTS:
         bench.main([*TINY, *out, "--part", part])
     bench.main([*TINY, *out, "--part", "compile", "--cache", str(tmp_path / "compile_cache.bin")])
-    results = {name: json.loads((tmp_path / f"gpu_{name}.json").read_text()) for name in (*window.PARTS, "compile_warm")}
+    results = {name: json.loads((tmp_path / f"gpu_{name}.json").read_text())
+               for name in (*window.PARTS, "compile_warm")}
     assert results["profile"]["skipped"] == results["streams"]["skipped"] == "no CUDA"
     forms = results["forms"]
     assert set(forms["eager"]) == set(forms["compiled"]) == set(window.micro_cases(2, 4))
@@ -31,7 +32,8 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     steps = forms["steps"]
     assert len(steps) == len(window.STEP_FORMS) and steps["conv_1x1=conv depthwise=conv"]["ms_per_step"] > 0
     available = window.forms_available() is None
-    assert all(("ms_per_step" in row) == available or key.endswith("=conv depthwise=conv") for key, row in steps.items())
+    assert all(("ms_per_step" in row) == available or key.endswith("=conv depthwise=conv")
+               for key, row in steps.items())
     compiled = results["compile"]
     if window.nodes_compile_available() is None:
         assert compiled["graphs"] >= 1 and compiled["recompiles"] == 0 and compiled["ms_per_step"] > 0
@@ -50,7 +52,8 @@ def test_the_fastest_forms_come_from_the_forms_part(tmp_path):
                         "conv_1x1=mulsum depthwise=conv": {"error": "x"}},
               "compiled": {"1x1 conv NCHW": {"ms_fwd_bwd": 2.0}, "1x1 bmm": {"ms_fwd_bwd": 3.0},
                            "1x1 mulsum": {"ms_fwd_bwd": 1.0}, "depthwise dil 1 conv NCHW": {"ms_fwd_bwd": 1.0},
-                           "depthwise dil 2 conv NCHW": {"ms_fwd_bwd": 1.0}, "depthwise dil 1 stencil": {"ms_fwd_bwd": 0.5},
+                           "depthwise dil 2 conv NCHW": {"ms_fwd_bwd": 1.0},
+                           "depthwise dil 1 stencil": {"ms_fwd_bwd": 0.5},
                            "depthwise dil 2 stencil": {"ms_fwd_bwd": 2.0}}}
     assert window.fastest_forms(tmp_path, compiled=False) is None
     (tmp_path / "gpu_forms.json").write_text(json.dumps(result))

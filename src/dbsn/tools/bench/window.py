@@ -39,6 +39,7 @@ import json
 import os
 import re
 import statistics
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -83,6 +84,7 @@ class Part:
         self.name, self.out, self.device, self.tiny = name, out, device, tiny
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / f"gpu_{name}.json"
+        self._lock = threading.Lock()
         self.result: dict = {"part": name, "date": date.today().isoformat(), "device": _device_name(device),
                              "torch": torch.__version__, "tiny": tiny, "started": time.strftime("%H:%M:%S")}
         self.save()
@@ -92,9 +94,34 @@ class Part:
         return self.device.type == "cuda"
 
     def save(self) -> None:
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(self.result, indent=1, default=str))
-        temporary.replace(self.path)  # a part stopped mid-write keeps the last whole file
+        with self._lock:
+            text = json.dumps(self.result, indent=1, default=str)
+            temporary = self.path.with_suffix(".tmp")
+            temporary.write_text(text)
+            temporary.replace(self.path)  # a part stopped mid-write keeps the last whole file
+
+    @contextmanager
+    def progress(self, key: str, every: float = 5.0, **counts):
+        """Within the block, ``result[key]`` holds the seconds so far and the values of `counts`'
+        callables, saved every `every` seconds (what a part stopped inside one long call had done)."""
+        stop, start = threading.Event(), time.perf_counter()
+
+        def watch():
+            while not stop.wait(every):
+                try:
+                    self.result[key] = {"seconds_so_far": round(time.perf_counter() - start, 1),
+                                        **{name: count() for name, count in counts.items()}}
+                    self.save()
+                except Exception:  # noqa: BLE001 - the main thread changed the result meanwhile: next time
+                    pass
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.result.pop(key, None)
 
     def log(self, message: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {self.name}: {message}"
@@ -448,8 +475,9 @@ def part_compile(part: Part, args) -> None:
     warmups = part.result.setdefault("warmup_steps_s", [])
     for i in range(4 if part.cuda else 2):  # three eager warm-ups (the first compiles), then the capture
         start = time.perf_counter()
-        step()
-        _sync(part.device)
+        with part.progress(f"step {i} running", graphs_so_far=lambda: counters["stats"]["unique_graphs"]):
+            step()
+            _sync(part.device)
         warmups.append(round(time.perf_counter() - start, 3))
         part.result["graphs_after_step"] = part.result.get("graphs_after_step", []) + [
             counters["stats"]["unique_graphs"]]
@@ -688,7 +716,8 @@ def short_summary(out: Path) -> str:
         if row:
             lines.append(f"{name}: " + ("error: " + row["error"] if "error" in row else
                                          f"first step {row.get('compile_s', '?')} s, graphs {row.get('graphs', '?')}, "
-                                         f"recompiled {row.get('recompiles', '?')}, {row.get('ms_per_step', '?')} ms/step"))
+                                         f"recompiled {row.get('recompiles', '?')}, "
+                                         f"{row.get('ms_per_step', '?')} ms/step"))
     for runs, row in parts["streams"].get("runs", {}).items():
         lines.append(f"streams R={runs}: {_cell(row, 'serial_ms_per_step_per_run', '{:.1f}')} serial / "
                      f"{_cell(row, 'streams_ms_per_step_per_run', '{:.1f}')} on streams ms per step per run")
