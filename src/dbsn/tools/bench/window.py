@@ -608,6 +608,34 @@ def _row(name: str, row, cells: list[str]) -> str:
     return "| " + " | ".join([name, *cells]) + " |"
 
 
+def headline(parts: dict) -> list[str]:
+    """The step's ms per step with each change that was measured, the fastest of each kind."""
+    rows = []
+    graphed = parts["profile"].get("steps", {}).get("bf16 fused + CUDA graph", {})
+    if "ms_per_step" in graphed:
+        rows.append(("fused cell + CUDA graph, bf16 (speed=fast)", graphed["ms_per_step"], graphed.get("kernels")))
+    steps = {k: v for k, v in parts["forms"].get("steps", {}).items() if "ms_per_step" in v}
+    if steps:
+        best = min(steps, key=lambda k: steps[k]["ms_per_step"])
+        rows.append((f"+ the fastest forms, eager in the graph ({best})", steps[best]["ms_per_step"],
+                     steps[best].get("kernels")))
+    for name, label in (("compile", "nodes-only compile in the graph"), ("compile_warm", "the same, warm start")):
+        row = parts[name]
+        if "ms_per_step" in row:
+            rows.append((f"{label} (conv_1x1={row.get('conv_1x1')} depthwise={row.get('depthwise')}; first step "
+                         f"{row.get('compile_s', 0):.0f} s)", row["ms_per_step"], row.get("kernels")))
+    runs = {k: v for k, v in parts["streams"].get("runs", {}).items() if "streams_ms_per_step_per_run" in v}
+    if runs:
+        best = min(runs, key=lambda k: runs[k]["streams_ms_per_step_per_run"])
+        rows.append((f"{best} runs, each graph on its own stream (per run)", runs[best]["streams_ms_per_step_per_run"],
+                     None))
+    if not rows:
+        return []
+    lines = ["| the paper step (T = 4, batch 64, bf16) | ms per step | kernels per step |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.1f} | {'-' if kernels is None else f'{kernels:,}'} |" for name, ms, kernels in rows]
+    return lines + [""]
+
+
 def summary(out: Path) -> str:
     """The parts' results in `out` as markdown (docs/performance.md's tables)."""
     parts = {name: _load(out, name) for name in (*PARTS, "compile_warm")}
@@ -619,6 +647,7 @@ def summary(out: Path) -> str:
              "T = 4, batch 64, bf16" + (" (tiny smoke test)" if first.get("tiny") else "") + ".", ""]
     if smi:
         lines += ["```", smi, "```", ""]
+    lines += headline(parts)
     rc = (out / "rc.txt").read_text().split() if (out / "rc.txt").is_file() else []
     if rc:
         lines += ["Exit status of each part (124: stopped by its time limit): " + ", ".join(rc), ""]
@@ -674,6 +703,13 @@ def summary(out: Path) -> str:
         if "error" in row and "ms_per_step" not in row:
             lines.append(_row(name, row, [""] * 6))
             continue
+        running = next((key for key in row if key.endswith(" running")), None)
+        if running and "ms_per_step" not in row:
+            where = row[running]
+            lines.append(_row(name, {"error": f"stopped while {running}: {where.get('seconds_so_far')} s, "
+                                              f"{where.get('graphs_so_far')} graphs so far; warm-up steps "
+                                              f"{row.get('warmup_steps_s', [])} s"}, [""] * 6))
+            continue
         lines.append(_row(name, {}, [f"{row.get('conv_1x1', '?')}, {row.get('depthwise', '?')}",
                                      f"{row.get('compile_s', '-')}", f"{row.get('graphs', '-')}",
                                      f"{row.get('recompiles', '-')}", _cell(row, "ms_per_step", "{:.1f}"),
@@ -713,12 +749,18 @@ def short_summary(out: Path) -> str:
                                                   f"{_cell(row, 'kernels', '{}')} kernels"))
     for name in ("compile", "compile_warm"):
         row = parts[name]
-        if row:
+        running = next((key for key in row if key.endswith(" running")), None)
+        if running and "ms_per_step" not in row:
+            lines.append(f"{name}: stopped while {running}: {row[running]}")
+        elif row:
             lines.append(f"{name}: " + ("error: " + row["error"] if "error" in row else
                                          f"first step {row.get('compile_s', '?')} s, graphs {row.get('graphs', '?')}, "
                                          f"recompiled {row.get('recompiles', '?')}, "
                                          f"{row.get('ms_per_step', '?')} ms/step"))
     for runs, row in parts["streams"].get("runs", {}).items():
+        if "error" in row:
+            lines.append(f"streams R={runs}: {row['error'][:100]}")
+            continue
         lines.append(f"streams R={runs}: {_cell(row, 'serial_ms_per_step_per_run', '{:.1f}')} serial / "
                      f"{_cell(row, 'streams_ms_per_step_per_run', '{:.1f}')} on streams ms per step per run")
     if parts["streams"].get("skipped"):
