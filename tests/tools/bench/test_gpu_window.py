@@ -94,3 +94,35 @@ def test_kernels_count_under_the_range_that_encloses_their_operation():
     stray = Event(name="aten::add", kernels=[kernel(100)], cpu_parent=None)
     table = kernels_by_category([outer, op, inner, stray])
     assert table == {"casts": {"count": 3, "ms": 1.75}, "unattributed": {"count": 1, "ms": 0.1}}
+
+
+def test_the_summary_of_a_gpu_window_has_its_headline_and_says_where_a_part_stopped(tmp_path):
+    """The summary of results shaped as a GPU writes them (what a CPU cannot produce): the headline's
+    fastest rows, each table, a row's error, and a compile stopped by its limit inside a step."""
+    def write(name, result):
+        (tmp_path / f"gpu_{name}.json").write_text(json.dumps({"date": "2026-12-04", "torch": "t", **result}))
+    graphed = {"ms_per_step": 197.0, "kernels": 15109, "kernel_ms": 180.0, "by_category": {"cuDNN conv": {"count": 8000,
+                                                                                                          "ms": 90.0}}}
+    attributed = {"kernels": 15000, "kernel_ms": 170.0, "by_category": {"casts": {"count": 1291, "ms": 10.0}},
+                  "ops_by_category": {"casts": 1291}}
+    write("profile", {"steps": {"bf16 fused + CUDA graph": graphed, "eager, kernels by what launched them": attributed}})
+    write("forms", {"steps": {"conv_1x1=conv depthwise=conv": {"ms_per_step": 197.0, "kernels": 15109},
+                              "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 150.0, "kernels": 9000}}})
+    write("compile", {"conv_1x1": "bmm", "depthwise": "stencil", "warmup_steps_s": [],
+                      "step 0 running": {"seconds_so_far": 165.0, "graphs_so_far": 3}})
+    write("streams", {"copies": {"run 0": {"generator": "own"}}, "conv_1x1": "conv", "depthwise": "conv",
+                      "runs": {"1": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 196.0,
+                                     "speedup": 1.0},
+                               "2": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 120.0,
+                                     "speedup": 1.64},
+                               "3": {"error": "OutOfMemoryError: out"}}})
+    (tmp_path / "nvidia_smi.txt").write_text("name, driver_version\nNVIDIA H200, 580\n")
+    text = window.summary(tmp_path)
+    assert text.startswith("# GPU window: 2026-12-04 on NVIDIA H200")
+    assert "| fused cell + CUDA graph, bf16 (speed=fast) | 197.0 | 15,109 |" in text
+    assert "| + the fastest forms, eager in the graph (conv_1x1=bmm depthwise=stencil) | 150.0 | 9,000 |" in text
+    assert "| 2 runs, each graph on its own stream (per run) | 120.0 | - |" in text
+    assert "| cold | stopped while step 0 running: 165.0 s, 3 graphs so far" in text
+    assert "| 3 | OutOfMemoryError: out |" in text and "| casts | 1,291 | 10.00 | 1291 |" in text
+    short = window.short_summary(tmp_path)
+    assert "compile: stopped while step 0 running" in short and "streams R=3: OutOfMemoryError" in short
