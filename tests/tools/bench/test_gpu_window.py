@@ -105,7 +105,8 @@ def test_the_summary_of_a_gpu_window_has_its_headline_and_says_where_a_part_stop
                                                                                                           "ms": 90.0}}}
     attributed = {"kernels": 15000, "kernel_ms": 170.0, "by_category": {"casts": {"count": 1291, "ms": 10.0}},
                   "ops_by_category": {"casts": 1291}}
-    write("profile", {"steps": {"bf16 fused + CUDA graph": graphed, "eager, kernels by what launched them": attributed}})
+    write("profile", {"steps": {"bf16 fused + CUDA graph": graphed,
+                                "eager, kernels by what launched them": attributed}})
     write("forms", {"steps": {"conv_1x1=conv depthwise=conv": {"ms_per_step": 197.0, "kernels": 15109},
                               "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 150.0, "kernels": 9000}}})
     write("compile", {"conv_1x1": "bmm", "depthwise": "stencil", "warmup_steps_s": [],
