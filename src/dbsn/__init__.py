@@ -11,6 +11,10 @@ __version__ = "0.1.0"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-def conf_choices(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
-    """The options of a config group of conf/ (`posthoc`, `evaluations`, `ood`, `model`...), sorted."""
-    return sorted(path.stem for path in (conf_dir / group).glob("*.yaml"))
+def conf_choices(group: str, conf_dir: Path | None = None) -> list[str]:
+    """The options of a config group (`posthoc`, `evaluations`, `ood`, `model`...), sorted: of
+    `conf_dir` alone, or by default of dbsn's conf/ and every extension's (`dbsn.extensions`)."""
+    from dbsn.extensions import config_dirs
+
+    folders = [conf_dir] if conf_dir is not None else config_dirs()
+    return sorted({path.stem for folder in folders for path in (Path(folder) / group).glob("*.yaml")})

@@ -68,7 +68,7 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         optim: settings of the weights' optimiser.
         weights: the weight posterior (default: point estimate).
         prediction: S and how the ensemble is evaluated (`Prediction`).
-        execution: memory layout and compilation of the network (`Execution`).
+        execution: memory layout, convolution forms and compilation of the network (`Execution`).
         task: classification (default) or `Segmentation` (per-pixel labels with a void
             label); see `dbsn.methods.tasks`.
         dataset_size: N in the per-example loss `NLL + KL / N`; `None` reads it from the
@@ -100,6 +100,9 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
     samples_structure: ClassVar[bool] = False
     #: It draws weights from a posterior of its own, not its config's `weights` (VOGN, NEK-FAC).
     samples_weights: ClassVar[bool] = False
+    #: It draws its S prediction members in a way of its own, neither of the two above (an
+    #: extension's structures drawn at random): S applies to it.
+    samples_members: ClassVar[bool] = False
     #: The networks it trains: "cells" (DBSN's cell network only), "any" (the cell network or a
     #: residual backbone, e.g. ResNet-18, WideResNet), "own" (its own network only).
     networks: ClassVar[Networks] = "any"
@@ -135,6 +138,7 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         self.execution = execution if execution is not None else Execution()
         if self.execution.uses_channels_last:
             self.net.to(memory_format=torch.channels_last)
+        self.execution.apply_conv_forms(self.net)
         if self.execution.compile.enabled:
             self.execution.compile.apply(self.net)
         self.optim = optim if optim is not None else WeightOptimizer()

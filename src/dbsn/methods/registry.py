@@ -10,7 +10,8 @@ them without another edit; only the report's order of the methods is written dow
 (`REPORT_ORDER`), and a config it does not name follows the named ones.
 
 It sits with the methods, below the evaluation (the report, the run folders) and the tools that
-ask it, and reads the config tree from the package (`dbsn.CONF_DIR`).
+ask it, and reads the config tree from the package (`dbsn.CONF_DIR`) and every extension's
+(`dbsn.extensions`): an extension's method is a method like dbsn's own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
-import dbsn
 from dbsn.methods.settings import WeightOptimizer
 from dbsn.methods.tasks import Classification
 from dbsn.nets.backbone import Backbone
@@ -83,7 +83,7 @@ class MethodConfig:
         """Whether its members are fixed by its network (one network, or M members inside it), so
         that S does not apply; otherwise it draws S members (structures, weights, or its members'
         draws)."""
-        return not (self.samples_structure or self.cls.samples_weights or self.weights_sample
+        return not (self.samples_structure or self.cls.samples_weights or self.cls.samples_members or self.weights_sample
                     or (self.member is not None and not self.member.fixed_members))
 
     @property
@@ -108,7 +108,14 @@ class MethodConfig:
         return target is not None and get_object(target) is WeightOptimizer
 
 
-def _model_configs(conf_dir: Path) -> dict[str, dict]:
+def _folders(conf_dir: Path | None) -> tuple[Path, ...]:
+    """`conf_dir` alone, or dbsn's config tree and every extension's."""
+    from dbsn.extensions import config_dirs
+
+    return (Path(conf_dir),) if conf_dir is not None else tuple(config_dirs())
+
+
+def _model_configs(folders: tuple[Path, ...]) -> dict[str, dict]:
     """Every conf/model/<name>.yaml composed by Hydra (parents, groups, overrides) into a plain
     `model:` node, by name. Hydra's config loader, not `hydra.compose`: that needs the global
     Hydra instance, which a running Hydra app (an evaluation sweep building its report) holds."""
@@ -116,16 +123,22 @@ def _model_configs(conf_dir: Path) -> dict[str, dict]:
     from hydra._internal.utils import create_config_search_path
     from hydra.types import RunMode
 
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(conf_dir)))
-    names = sorted(path.stem for path in (conf_dir / "model").glob("*.yaml"))
+    from hydra.core.config_search_path import SearchPathQuery
+
+    search_path = create_config_search_path(str(folders[0]))  # with the extensions' (dbsn's search-path plugin)
+    for folder in folders[1:]:
+        if f"file://{folder}" not in {element.path for element in search_path.get_path()}:
+            search_path.prepend("dbsn-extension", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    loader = ConfigLoaderImpl(config_search_path=search_path)
+    names = sorted({path.stem for folder in folders for path in (folder / "model").glob("*.yaml")})
     order = [n for n in REPORT_ORDER if n in names] + [n for n in names if n not in REPORT_ORDER]
     return {name: OmegaConf.to_container(loader.load_configuration(
         config_name=None, overrides=[f"+model={name}"], run_mode=RunMode.RUN).model) for name in order}
 
 
 @functools.cache
-def _registry(conf_dir: Path) -> tuple[MethodConfig, ...]:
-    methods = [MethodConfig(name, config, built_class(config)) for name, config in _model_configs(conf_dir).items()]
+def _registry(folders: tuple[Path, ...]) -> tuple[MethodConfig, ...]:
+    methods = [MethodConfig(name, config, built_class(config)) for name, config in _model_configs(folders).items()]
     return tuple(MethodConfig(m.name, m.config, m.cls,
                               None if m.config.get("member") is None else _member(m.config["member"], methods))
                  for m in methods)
@@ -136,8 +149,9 @@ def _member(node: dict, methods) -> MethodConfig:
 
 
 def method_configs(conf_dir: Path | None = None) -> tuple[MethodConfig, ...]:
-    """Every method of `conf_dir`/model/ (default: the package's conf/), in the report's order."""
-    return _registry(Path(conf_dir or dbsn.CONF_DIR))
+    """Every method of `conf_dir`/model/ (default: the package's conf/ and every extension's), in
+    the report's order."""
+    return _registry(_folders(conf_dir))
 
 
 def method_config(name: str, conf_dir: Path | None = None) -> MethodConfig:
@@ -201,9 +215,10 @@ def method_name(model: Mapping, conf_dir: Path | None = None) -> str:
 
 
 @functools.cache
-def _backbones(conf_dir: Path) -> dict[str, str]:
-    own = {_short((m.config.get("net") or {}).get("_target_")) for m in _registry(conf_dir) if m.networks == "own"}
-    nets = sorted((conf_dir / "model" / "net").glob("*.yaml"))
+def _backbones(folders: tuple[Path, ...]) -> dict[str, str]:
+    own = {_short((m.config.get("net") or {}).get("_target_")) for m in _registry(folders) if m.networks == "own"}
+    nets = sorted((path for folder in folders for path in (folder / "model" / "net").glob("*.yaml")),
+                  key=lambda path: path.stem)
     targets = {path.stem: OmegaConf.load(path).get("_target_") for path in nets}
     return {name: _short(target) for name, target in targets.items()
             if issubclass(get_object(target), Backbone) and _short(target) not in own}
@@ -226,4 +241,4 @@ def field_backbones(conf_dir: Path | None = None) -> dict[str, str]:
     """The field's backbones, {config name of conf/model/net/: class name}, by name: the networks
     without structure (`Backbone`) that a method of any network trains, not a method's own
     network (NEK-FAC's VGG16-BN)."""
-    return dict(_backbones(Path(conf_dir or dbsn.CONF_DIR)))
+    return dict(_backbones(_folders(conf_dir)))

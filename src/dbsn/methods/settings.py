@@ -1,7 +1,8 @@
 """The settings a method is built with, each group as one object (a dataclass that the configs
 build with `_target_`): how its weights are optimised (`WeightOptimizer`) and its structure
 (`StructureOptimizer`), how it predicts (`Prediction`: S, the validation S, members per forward,
-temperature scaling) and how its network runs (`Execution`: memory layout, `Compilation`)."""
+temperature scaling) and how its network runs (`Execution`: memory layout, convolution forms,
+`Compilation`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from dbsn.nets.cell import CellBase
+from dbsn.nets.conv_forms import CONV_1X1_FORMS, DEPTHWISE_FORMS, set_conv_forms
 
 __all__ = ["Compilation", "Execution", "Prediction", "StructureOptimizer", "WeightOptimizer"]
 
@@ -225,7 +227,8 @@ class Prediction:
 
 @dataclass
 class Execution:
-    """How the network runs; neither setting changes what it computes (tested).
+    """How the network runs; no setting changes what it computes (the convolution forms change
+    only the order of its sums: equal to round-off; tested).
 
     Args:
         channels_last: keep the network's weights and activations in the channels-last (NHWC)
@@ -243,18 +246,43 @@ class Execution:
             (`dbsn.methods.step.GraphedForward`), where the members use the modules' own BatchNorm
             statistics; on a GPU, without gradients. Off by default: on an H200 it predicted 3 % more
             images/s than eager prediction (docs/performance.md).
+        conv_1x1: how the fused cell's grouped 1×1 convolutions compute (`dbsn.nets.conv_forms`):
+            "conv" (`F.conv2d`: cuDNN on a GPU, which runs several kernels of its own for every
+            grouped convolution and which a compiler calls as they are), "bmm" (a batched matrix
+            product over (example, edge)) or "mulsum" (a multiply and a sum over the input
+            channels): the same sums as tensor arithmetic that a compiler fuses with the work
+            around them. Refused on a network without fused cells (the per-edge cell, backbones).
+        depthwise: how the fused cell's depthwise 3×3 convolutions (dilation 1 and 2) compute:
+            "conv" (`F.conv2d`) or "stencil" (9 shifted multiply-adds on the zero-padded input,
+            elementwise work a compiler fuses). Refused like `conv_1x1`.
     """
 
     channels_last: bool | Literal["auto"] = False
     compile: Compilation = field(default_factory=Compilation)
     cuda_graph: bool | Literal["auto"] = False
     cuda_graph_prediction: bool = False
+    conv_1x1: str = "conv"
+    depthwise: str = "conv"
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):
             raise ValueError(f"execution.channels_last must be true, false or auto, got {self.channels_last!r}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"execution.cuda_graph must be true, false or auto, got {self.cuda_graph!r}")
+        if self.conv_1x1 not in CONV_1X1_FORMS:
+            raise ValueError(f"execution.conv_1x1 must be one of {list(CONV_1X1_FORMS)}, got {self.conv_1x1!r}")
+        if self.depthwise not in DEPTHWISE_FORMS:
+            raise ValueError(f"execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {self.depthwise!r}")
+
+    def apply_conv_forms(self, net: nn.Module) -> int:
+        """Set the forms of `net`'s fused-cell convolutions (`dbsn.nets.conv_forms.set_conv_forms`:
+        a form other than "conv" is refused on a network that has none); how many were set. Both
+        at "conv" leave `net` as it is: a network is built in that form, and one that a method
+        shares with the method that built it (a deep ensemble's first member, a fixed-structure
+        posthoc method) keeps the forms that method set."""
+        if (self.conv_1x1, self.depthwise) == ("conv", "conv"):
+            return 0
+        return set_conv_forms(net, conv_1x1=self.conv_1x1, depthwise=self.depthwise)
 
     @property
     def uses_channels_last(self) -> bool:

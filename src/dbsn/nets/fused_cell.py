@@ -11,7 +11,12 @@ source node (`SourceOps`):
 - each op's chain (ReLU, depthwise and 1×1 convolutions, BatchNorm) runs once on the n_i
   out-edges' n_i·C channels: depthwise convolutions with n_i·C groups, 1×1 convolutions with
   n_i groups (edge t's block of channels is edge t's own convolution), one BatchNorm over all
-  of them;
+  of them; each convolution computes in a form of its own (`dbsn.nets.conv_forms`, the
+  ``model.execution`` settings ``conv_1x1`` and ``depthwise``): `F.conv2d` (cuDNN on a GPU,
+  several kernels per grouped convolution, which a compiler calls as they are), or the same sums
+  as tensor arithmetic a compiler fuses with the work around them: the 1×1 as a batched matmul
+  (``bmm``) or a multiply and a sum over the input channels (``mulsum``), the depthwise 3×3 as
+  9 shifted multiply-adds (``stencil``);
 - the α-weighted sum of the ops of all out-edges is one multiply-add per op on a
   (b, G, n_i, C, H, W) view, and node j gathers its incoming edges with ``unbind``.
 
@@ -32,6 +37,7 @@ from torch import Tensor, nn
 from dbsn.nets.batchnorm import GroupBatchNorm2d
 from dbsn.nets.cell import Cell, CellBase
 from dbsn.nets.cell_state import CHAINS, fused_state, per_edge_state
+from dbsn.nets.conv_forms import StackedConv2d
 from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
 
 __all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "fused_state", "per_edge_state",
@@ -68,14 +74,13 @@ class EdgeAffine(nn.Module):
         return f"chains={self.chains}, edges={self.edges}, channels={self.channels}"
 
 
-def _stacked_conv(edges: int, channels: int, kernel: int, dilation: int = 1) -> nn.Conv2d:
+def _stacked_conv(edges: int, channels: int, kernel: int, dilation: int = 1) -> StackedConv2d:
     """n edges' convolutions of C channels as one: depthwise (kernel 3) or 1×1 (edge t's block
-    of channels to itself). ``stacked_edges`` tells the initialisation each edge's own fan-out."""
+    of channels to itself). ``stacked_edges`` tells the initialisation each edge's own fan-out;
+    ``form`` how it computes (`dbsn.nets.conv_forms`: `F.conv2d` unless set otherwise)."""
     width = edges * channels
-    conv = nn.Conv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
-                     groups=width if kernel > 1 else edges, bias=False)
-    conv.stacked_edges = edges
-    return conv
+    return StackedConv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
+                         groups=width if kernel > 1 else edges, bias=False, stacked_edges=edges)
 
 
 def _chain(name: str, edges: int, channels: int) -> GroupedSequential:

@@ -35,10 +35,13 @@ _STARTED = time.time()  # before Hydra makes the run folder
 STARTUP_FILES = frozenset({".hydra", "train.log", "resolved_config.yaml", "slurm.json", "run.json", ".dbsn.lock"})
 
 
-def _ood_sets(choice: str, conf_dir: Path) -> set[str]:
+def _ood_sets(choice: str, conf_dir: Path | None) -> set[str]:
     """The sets an `ood=` choice selects: the set itself, or a bundle's sets (e.g. openood_cifar10)."""
-    path = conf_dir / "ood" / f"{choice}.yaml"
-    config = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {}
+    from dbsn.extensions import config_dirs
+
+    paths = [folder / "ood" / f"{choice}.yaml" for folder in ([conf_dir] if conf_dir is not None else config_dirs())]
+    path = next((path for path in paths if path.is_file()), None)
+    config = (yaml.safe_load(path.read_text()) if path is not None else None) or {}
     bundle = [d for d in config.get("defaults", []) if isinstance(d, str) and d != "_self_"]
     return set(bundle) if bundle else {choice}
 
@@ -53,9 +56,10 @@ def _values(override) -> list[str]:
     return [] if value is None else [str(value)]
 
 
-def unchosen_option(arguments: Sequence[str], conf_dir: Path = CONF_DIR) -> str | None:
+def unchosen_option(arguments: Sequence[str], conf_dir: Path | None = None) -> str | None:
     """The one-line problem with the first option of an OOD set, an evaluation or a post-hoc
-    posterior that `arguments` (evaluate.py's command line) do not choose; None if there is none."""
+    posterior that `arguments` (evaluate.py's command line) do not choose; None if there is none.
+    `conf_dir`: one config tree (default: dbsn's and every extension's)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
 
@@ -124,7 +128,13 @@ def _hydra_main(config_name: str, task: Callable) -> None:
     """Run `task(cfg)` as Hydra's main of conf/<config_name>.yaml (evaluate: after `unchosen_option`)."""
     import hydra
 
-    problem = renamed_option(sys.argv[1:]) or (unchosen_option(sys.argv[1:]) if config_name == "evaluate" else None)
+    from dbsn.extensions import ExtensionError, extension_dirs
+
+    try:
+        extension_dirs()  # an extension that cannot be read is refused here, in one line, not inside Hydra
+        problem = renamed_option(sys.argv[1:]) or (unchosen_option(sys.argv[1:]) if config_name == "evaluate" else None)
+    except ExtensionError as error:
+        problem = str(error)
     if problem:
         print(f"Error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)

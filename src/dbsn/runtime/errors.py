@@ -85,10 +85,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
+    from hydra.errors import ConfigCompositionException  # a tool's compose of a mistaken override
+
+    from dbsn.extensions import ExtensionError
     from dbsn.runtime.disk import OutputError
 
     return (ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError,
-            NonFiniteLossError, EvaluationError, PosthocError, OutputError)
+            NonFiniteLossError, EvaluationError, PosthocError, OutputError, ExtensionError,
+            ConfigCompositionException)
 
 
 def one_line(error: BaseException) -> str:

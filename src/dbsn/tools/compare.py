@@ -129,7 +129,7 @@ PUBLISHED_SHIFT = ("cifar10", "cifar100")
 #: The validation split every method trains with when post-hoc calibrators are fitted (`--posthoc`).
 POSTHOC_VAL_SIZE = 0.15
 #: evaluate.py's settings that belong to the evaluations pass alone, and to the post-hoc passes alone.
-EVALUATION_KEYS, POSTHOC_KEYS = ("evaluations", "ood"), ("posthoc",)
+EVALUATION_KEYS, POSTHOC_KEYS = ("evaluations", "ood", "ood_score"), ("posthoc",)
 #: The training's settings every evaluation reuses: the trainer (device, precision) and the intervals.
 SHARED_WITH_EVALUATION = ("trainer", "statistics")
 
@@ -141,14 +141,24 @@ def compared_methods() -> list[str]:
     return [m.name for m in method_configs() if m.classifies and m.networks != "own"]
 
 
+def backbone_choices() -> list[str]:
+    """`--backbone`'s choices: the cell network and every backbone of conf/model/net/ (dbsn's and
+    the extensions', `dbsn.methods.registry.field_backbones`)."""
+    from dbsn.methods.registry import field_backbones
+
+    return sorted({*BACKBONES, *field_backbones()})
+
+
 def data_choices() -> list[str]:
     """The classification datasets of conf/data/ (CamVid is segmentation: these methods classify)."""
     from hydra.utils import get_class
 
     from dbsn.data import ImageClassificationDataModule
 
-    return sorted(path.stem for path in (CONF_DIR / "data").glob("*.yaml")
-                  if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule))
+    from dbsn.extensions import config_dirs
+
+    return sorted({path.stem for folder in config_dirs() for path in (folder / "data").glob("*.yaml")
+                   if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule)})
 
 
 def override_key(override: str) -> str:
@@ -299,7 +309,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     net = "structure_net" if entry.networks == "cells" else backbone
     choice = "model/net@model.member.net" if entry.member else "model/net"  # the members' network
     overrides = [f"model={method}", f"{choice}={net}", f"trainer.max_epochs={epochs}",
-                 "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES[net]],
+                 "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES.get(net, ())],
                  *[f"{model}.net.{o}" for o in net_overrides]]
     if entry.member:  # an ensemble of networks trained side by side: three of them
         overrides.append("model.size=3")
@@ -326,7 +336,7 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
             overrides.append("model.train_samples=1")
     if "kl_warmup_steps" in entry.optimizer:  # VOGN's KL warm-up: the first tenth of the run
         overrides.append(f"{optim}.kl_warmup_steps={max(1, total // 10)}")
-    if entry.samples_structure or entry.weights_sample:  # S draws of its config's posteriors, four per forward
+    if entry.samples_structure or entry.weights_sample or entry.cls.samples_members:  # S draws, four per forward
         overrides.append("model.prediction.samples_per_forward=4")
     return overrides
 
@@ -591,15 +601,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=100,
                         help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
                              "of the whole test set: fewer on a large test set on CPU)")
-    parser.add_argument("--backbone", choices=sorted(BACKBONES), default="structure_net",
+    parser.add_argument("--backbone", choices=backbone_choices(), default="structure_net",
                         help="the network of the methods that do not need DBSN's cells, at CPU size: the small cell "
-                             "network (default), ResNet-18 of width 16, WideResNet-16-2")
+                             "network (default), ResNet-18 of width 16, WideResNet-16-2, or a backbone of an "
+                             "extension (model/net/<name>.yaml, at its config's size)")
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"))
     parser.add_argument("--evaluations", type=names, default=[],
                         help="after each method's training, these evaluations of conf/evaluations/ (comma-separated: "
                              "ood,shift,conformal,adversarial) into <method>/evaluation")
     parser.add_argument("--ood", type=names, default=None,
                         help="the OOD evaluation's sets of conf/ood/ (default on digits: photos,noise)")
+    parser.add_argument("--ood-scores", type=names, default=[],
+                        help="post-hoc OOD scores of conf/ood_score/ (dbsn's or an extension's) for --evaluations ood, "
+                             "instead of its default list, e.g. energy,knn")
     parser.add_argument("--posthoc", type=names, default=[],
                         help="then each of these post-hoc posteriors of conf/posthoc/ (comma-separated: temperature,"
                              "histogram_binning,isotonic,dirichlet,...) into <method>/posthoc/<name>/")
@@ -630,14 +644,19 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
     if any(o.startswith("data=") for o in args.overrides):
         parser.error("choose the dataset with --data, not a data=... override")
-    for option, group in (("evaluations", "evaluations"), ("ood", "ood"), ("posthoc", "posthoc")):
+    for option, group in (("evaluations", "evaluations"), ("ood", "ood"), ("ood_scores", "ood_score"),
+                          ("posthoc", "posthoc")):
         unknown = sorted(set(getattr(args, option) or ()) - set(conf_choices(group)))
         if unknown:
             parser.error(f"unknown --{option} {unknown}; choose from {', '.join(conf_choices(group))}")
+    if args.ood_scores and "ood" not in args.evaluations:
+        parser.error("--ood-scores chooses the scores of the OOD evaluation: add --evaluations ood")
     try:
         ood_sets(args.evaluations, args.ood, args.data)
     except ConfigError as err:
         parser.error(str(err))
+    if args.ood_scores:
+        args.evaluate_overrides.append([f"ood_score=[{','.join(args.ood_scores)}]"])
     return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
                           data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
                           evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,

@@ -91,8 +91,11 @@ def posthoc_names() -> list[str]:
     `name`, else the file's name."""
     import yaml
 
+    from dbsn.extensions import config_dirs
+
     names = []
-    for path in sorted((CONF_DIR / "posthoc").glob("*.yaml")):
+    for path in sorted((path for folder in config_dirs() for path in (folder / "posthoc").glob("*.yaml")),
+                       key=lambda path: path.stem):
         names.append(str((yaml.safe_load(path.read_text()) or {}).get("name") or path.stem))
     return names
 

@@ -1,0 +1,171 @@
+"""The fused cell's convolutions in forms a compiler can fuse: the same function as `F.conv2d`,
+summed in another order.
+
+`dbsn.nets.fused_cell` stacks the convolutions of a node's n out-edges into one layer each: a
+depthwise 3×3 (dilation 1 or 2) with n·C groups and a 1×1 with n groups. `F.conv2d` runs them
+through the convolution library (cuDNN on a GPU), which launches several kernels of its own for
+each grouped convolution, forward and backward, and which a compiler (inductor) calls as they
+are, without fusing them with the elementwise work around them. The same arithmetic written
+as tensor operations is something a compiler fuses:
+
+- ``conv_1x1="bmm"``: the n-group 1×1 as a batched matrix product, W_g (C_out × C_in) times
+  X_bg (C_in × HW) for every (example, group); one matmul, forward and backward;
+- ``conv_1x1="mulsum"``: the same as a multiply and a sum over the C_in input channels, an
+  elementwise product and a reduction (eagerly it materialises C_in times the output; a
+  compiler fuses it into one reduction kernel);
+- ``depthwise="stencil"``: the depthwise 3×3 as 9 shifted multiply-adds on the zero-padded
+  input (padding = dilation, the fused cell's "same" padding), each tap one channel-wise
+  weight: elementwise work a compiler fuses with the ReLU before it and the 1×1 after it.
+
+``"conv"`` (the default) is `F.conv2d`. Under autocast the forms take their operands in
+autocast's dtype, as `F.conv2d` does; the multiply-adds accumulate in float32 at least (as a
+convolution does) and store the result in the operands' dtype. Each form keeps the input's
+memory layout (contiguous or channels-last) in its output, as `F.conv2d` does, and equals it in
+float64 to round-off, outputs and every gradient (tests/nets/test_conv_forms.py). They are
+meant for a compiled step; which form is fastest is for a measurement on the device to say (the
+bench).
+
+`StackedConv2d` is the fused cell's `nn.Conv2d` with a ``form`` that its forward dispatches on
+(the weight stays the same `nn.Parameter` under the same state-dict key, so checkpoints and
+`dbsn.nets.fused_cell.unfuse` do not see the form); `set_conv_forms` sets the forms of a
+network's stacked convolutions (the one way to set them: it checks that each layer can take its
+form). A Bayesian twin of a stacked convolution (`dbsn.bayes.BayesConv2d`) keeps its form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dbsn.nets.ops import memory_format
+
+__all__ = ["CONV_1X1_FORMS", "DEPTHWISE_FORMS", "StackedConv2d", "convolve", "depthwise_stencil", "grouped_1x1",
+           "set_conv_forms"]
+
+#: the forms of a grouped 1×1 convolution and of a depthwise 3×3 ("conv": `F.conv2d`)
+CONV_1X1_FORMS = ("conv", "bmm", "mulsum")
+DEPTHWISE_FORMS = ("conv", "stencil")
+
+
+def grouped_1x1(x: Tensor, weight: Tensor, groups: int, form: str = "bmm") -> Tensor:
+    """``F.conv2d(x, weight, groups=groups)`` for a 1×1 ``weight`` (groups·C_out, C_in, 1, 1), as a
+    batched matmul (``form="bmm"``) or a multiply and a sum over C_in (``"mulsum"``); the output in
+    ``x``'s layout."""
+    b, width, h, w = x.shape
+    n, c_in, c_out = groups, width // groups, weight.shape[0] // groups
+    matrices, dtype = weight.reshape(n, c_out, c_in), x.dtype
+    if form == "mulsum":  # products and sums in float32 at least, as a convolution accumulates
+        x, matrices = x.to(_accumulation(x)), matrices.to(_accumulation(x))
+    if memory_format(x) == torch.channels_last:
+        # (b, H, W, n, C_in) in memory: a view as n batches of (b·H·W, C_in) rows, no copy of the input
+        rows = x.permute(0, 2, 3, 1).reshape(b * h * w, n, c_in)
+        if form == "bmm":
+            out = torch.bmm(rows.transpose(0, 1), matrices.transpose(1, 2)).transpose(0, 1)  # (b·H·W, n, C_out)
+        else:
+            out = (rows.view(b * h * w, n, 1, c_in) * matrices).sum(-1)
+        return out.to(dtype).reshape(b, h, w, n * c_out).permute(0, 3, 1, 2)
+    if form == "bmm":
+        return torch.matmul(matrices, x.reshape(b, n, c_in, h * w)).view(b, n * c_out, h, w)
+    out = (x.reshape(b, n, 1, c_in, h, w) * matrices.view(1, n, c_out, c_in, 1, 1)).sum(3)
+    return out.to(dtype).view(b, n * c_out, h, w)
+
+
+def depthwise_stencil(x: Tensor, weight: Tensor, dilation: int = 1) -> Tensor:
+    """``F.conv2d(x, weight, padding=dilation, dilation=dilation, groups=C)`` for a depthwise 3×3
+    ``weight`` (C, 1, 3, 3), as 9 shifted multiply-adds on the zero-padded input; the output in
+    ``x``'s layout."""
+    d = dilation
+    _, c, h, w = x.shape
+    accumulation = _accumulation(x)  # products and sums in float32 at least, as a convolution accumulates
+    padded = F.pad(x.to(accumulation), (d, d, d, d))
+    taps = weight.to(accumulation).reshape(c, 9).unbind(1)
+    out = None
+    for k, tap in enumerate(taps):
+        i, j = divmod(k, 3)
+        shifted = padded[:, :, i * d:i * d + h, j * d:j * d + w]
+        tap = tap.view(1, c, 1, 1)
+        out = shifted * tap if out is None else torch.addcmul(out, shifted, tap)
+    return out.to(x.dtype).contiguous(memory_format=memory_format(x))
+
+
+def _accumulation(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _kind(conv: nn.Module) -> str | None:
+    """"1x1" for a (grouped) 1×1 convolution, "depthwise" for a depthwise 3×3 with 'same' padding,
+    None for any other (neither has a form other than `F.conv2d`)."""
+    stride, padding, dilation = (tuple(getattr(conv, key)) for key in ("stride", "padding", "dilation"))
+    if stride != (1, 1):
+        return None
+    if tuple(conv.kernel_size) == (1, 1) and padding == (0, 0):
+        return "1x1"
+    if tuple(conv.kernel_size) == (3, 3) and conv.groups == conv.in_channels == conv.out_channels \
+            and padding == dilation and dilation[0] == dilation[1]:
+        return "depthwise"
+    return None
+
+
+def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``conv``'s convolution of ``x`` with ``weight`` and ``bias`` in ``conv.form`` (a layer with
+    the attributes of an `nn.Conv2d`: zero padding)."""
+    form = conv.form
+    if form == "conv":
+        return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    if torch.is_autocast_enabled(x.device.type):  # the operands' dtype that autocast gives F.conv2d
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    out = grouped_1x1(x, weight, conv.groups, form) if form in ("bmm", "mulsum") \
+        else depthwise_stencil(x, weight, conv.dilation[0])
+    return out if bias is None else out + bias.view(1, -1, 1, 1)
+
+
+class StackedConv2d(nn.Conv2d):
+    """The convolutions of n edges as one `nn.Conv2d` (``stacked_edges`` = n, which the
+    initialisation reads), computed in ``form`` (see the module docstring; "conv" by default)."""
+
+    def __init__(self, *args, stacked_edges: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.padding_mode != "zeros":
+            raise ValueError(f"a stacked convolution pads with zeros, not {self.padding_mode!r}")
+        self.stacked_edges = stacked_edges
+        self.form = "conv"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return convolve(self, x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", stacked_edges={self.stacked_edges}, form={self.form}"
+
+
+def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "conv") -> int:
+    """Set the form of every stacked convolution of `net` (the fused cells' layers with
+    ``stacked_edges``; a layer that replaced one, e.g. a Bayesian twin, keeps the attributes):
+    the 1×1s to `conv_1x1`, the depthwise 3×3s to `depthwise`. Returns how many were set.
+
+    A form other than "conv" is refused in one line where `net` has no stacked convolutions (the
+    per-edge cell, a backbone) or where one of them cannot take it (a layer without ``form``),
+    rather than recorded and ignored."""
+    if conv_1x1 not in CONV_1X1_FORMS:
+        raise ValueError(f"model.execution.conv_1x1 must be one of {list(CONV_1X1_FORMS)}, got {conv_1x1!r}")
+    if depthwise not in DEPTHWISE_FORMS:
+        raise ValueError(f"model.execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {depthwise!r}")
+    stacked = [m for m in net.modules() if hasattr(m, "stacked_edges") and _kind(m) is not None]
+    settings = {"conv_1x1": conv_1x1, "depthwise": depthwise}
+    asked = ", ".join(f"model.execution.{key}={value}" for key, value in settings.items() if value != "conv")
+    if not asked:
+        for m in stacked:
+            if hasattr(m, "form"):
+                m.form = "conv"
+        return sum(hasattr(m, "form") for m in stacked)
+    if not stacked:
+        raise ValueError(f"{asked}: {type(net).__name__} has no stacked convolutions of a fused cell (model.net.cell="
+                         "fused on DBSN's cell network) for it to apply to; leave it at conv")
+    fixed = sorted({type(m).__name__ for m in stacked if not hasattr(m, "form")})
+    if fixed:
+        raise ValueError(f"{asked}: the fused cell's convolutions here are {', '.join(fixed)} layers, which compute "
+                         "with F.conv2d only; leave it at conv")
+    for m in stacked:
+        m.form = conv_1x1 if _kind(m) == "1x1" else depthwise
+    return len(stacked)
