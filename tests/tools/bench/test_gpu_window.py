@@ -34,6 +34,9 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     available = window.forms_available() is None
     assert all(("ms_per_step" in row) == available or key.endswith("=conv depthwise=conv")
                for key, row in steps.items())
+    if available:
+        used = steps["conv_1x1=bmm depthwise=stencil"]["forms"]  # every stacked 1x1 has its depthwise
+        assert set(used) == {"bmm", "stencil"} and used["bmm"] == used["stencil"] > 0
     compiled = results["compile"]
     if window.nodes_compile_available() is None:
         assert compiled["graphs"] >= 1 and compiled["recompiles"] == 0 and compiled["ms_per_step"] > 0

@@ -395,10 +395,19 @@ def part_forms(part: Part, args) -> None:
         part.row("compiled", name, lambda: micro(part, fn, shape, layout, rows, n * c, hw, True, args.compile_backend))
 
 
+def forms_in(method) -> dict[str, int]:
+    """How many of the network's convolutions compute in each form (`dbsn.nets.conv_forms`)."""
+    counts: dict[str, int] = {}
+    for module in method.modules():
+        if hasattr(module, "form"):
+            counts[module.form] = counts.get(module.form, 0) + 1
+    return counts
+
+
 def form_step(part: Part, conv_1x1: str, depthwise: str) -> dict:
-    _, step = build(part, conv_1x1, depthwise)
+    method, step = build(part, conv_1x1, depthwise)
     row = {"ms_per_step": median_ms(step, part.device, reps=3 if part.tiny else 10, warm=2 if part.tiny else 5),
-           "graphed": part.cuda}
+           "graphed": part.cuda, "forms": forms_in(method)}
     if part.cuda:
         table = kernel_table(step, part.device, top=0)
         row.update(kernels=table["kernels"], kernel_ms=table["kernel_ms"])
@@ -471,7 +480,8 @@ def part_compile(part: Part, args) -> None:
     compile = Compilation(enabled=True, scope="nodes", backend=args.compile_backend, cache=False) \
         if "cache" in getattr(Compilation, "__dataclass_fields__", {}) else \
         Compilation(enabled=True, scope="nodes", backend=args.compile_backend)
-    _, step = build(part, conv_1x1, depthwise, compile=compile)
+    method, step = build(part, conv_1x1, depthwise, compile=compile)
+    part.result["forms"] = forms_in(method)
     warmups = part.result.setdefault("warmup_steps_s", [])
     for i in range(4 if part.cuda else 2):  # three eager warm-ups (the first compiles), then the capture
         start = time.perf_counter()
