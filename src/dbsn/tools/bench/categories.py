@@ -14,8 +14,9 @@ into one of `CATEGORIES`:
 - ``BatchNorm``: the batch-norm operations and what BatchNorm modules run around them (the
   per-group repeat of γ and β, the running-statistics update's glue);
 - ``EdgeAffine``: the fused cell's first affine transform and ReLU of every chain;
-- ``α sums``: the rest of the fused cell's own work (`SourceOps`, `FusedCell`): the α-weighted
-  sums of the ops, each node's sum of its incoming edges, the gather of α;
+- ``α sums``: the rest of a cell's own work (`SourceOps`, the cell's forward, fused or per-edge):
+  the α-weighted sums of the ops, each node's sum of its incoming edges, the gather of α, the
+  output's concatenation;
 - ``other``: the stem, head, loss, optimisers, the structure draw, the chains' ReLUs.
 
 A backward operation belongs where its forward ran: a `TorchFunctionMode` writes the module
@@ -48,13 +49,14 @@ PREFIX = "bench::"
 
 def module_category(module: nn.Module) -> str | None:
     """The category of the operations a module runs itself (not its children's); None: its parent's."""
-    from dbsn.nets.fused_cell import EdgeAffine, FusedCell, SourceOps
+    from dbsn.nets.cell import CellBase
+    from dbsn.nets.fused_cell import EdgeAffine, SourceOps
 
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return BATCHNORM
     if isinstance(module, EdgeAffine):
         return EDGE_AFFINE
-    if isinstance(module, (SourceOps, FusedCell)):
+    if isinstance(module, (SourceOps, CellBase)):
         return ALPHA_SUMS
     if isinstance(module, nn.Conv2d):
         depthwise = module.groups > 1 and module.groups == module.in_channels and module.kernel_size[0] > 1
