@@ -7,7 +7,7 @@
 #   nvidia_smi.txt    the GPU; rc.txt each part's exit status (124: stopped by its limit)
 #   compile_cache.bin the nodes-only compile's cache (the warm start loads it in a fresh process)
 # The parts, in order of priority, each under its own `timeout` (seconds; 480 in all):
-#   profile 75, forms 95, compile 170, compile (warm) 50, streams 75, summary 15
+#   profile 75, forms 95, compile 165, compile (warm) 50, streams 75, summary 15 (+ 5 to start)
 # and what a part leaves unused goes to the next of compile, compile (warm) and streams.
 # (see `python -m dbsn.tools.bench --help` and dbsn.tools.bench.window). Extra arguments go to every
 # part: `tools/gpu_window.sh --device cpu --tiny --compile-backend eager` is the CPU smoke test.
@@ -21,7 +21,7 @@ PY=${PY:-.venv/bin/python}
 "$PY" -c "import torch" > /dev/null 2>&1 || PY=python3
 # this checkout's code, wherever the environment's editable install points (a copied .venv)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 60 "$PY" -c "import dbsn, torch; print('dbsn from', dbsn.__file__, '| torch', torch.__version__,
+timeout 20 "$PY" -c "import dbsn, torch; print('dbsn from', dbsn.__file__, '| torch', torch.__version__,
   '| CUDA', torch.cuda.is_available())" \
   > "$OUT/environment.txt" 2>&1
 : > "$OUT/rc.txt"
@@ -49,7 +49,7 @@ part() {  # part NAME SECONDS TAKES_SPARE ARGUMENTS...: one part in a fresh proc
 : > "$OUT/timing.txt"
 part profile 75 0 --part profile "$@"
 part forms 95 0 --part forms "$@"
-part compile 170 1 --part compile "$@"
+part compile 165 1 --part compile "$@"
 part compile_warm 50 1 --part compile --cache "$OUT/compile_cache.bin" "$@"
 part streams 75 1 --part streams "$@"
 timeout -k 5 15 "$PY" -m dbsn.tools.bench --suite gpu --part summary --out "$OUT"
