@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env train evaluate test test-fast bench bench-gpu bench-gpu-smoke clean
+.PHONY: env train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
 ## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
@@ -62,5 +62,10 @@ bench-gpu: $(STAMP)
 bench-gpu-smoke: $(STAMP)
 	PY=$(PY) tools/gpu_window.sh --device cpu --tiny --compile-backend eager
 
+## The documentation site into site/: the docs/ pages and the API reference from the docstrings (mkdocs.yml),
+## offline; --strict: a warning (a broken link or anchor, a docstring that does not parse) fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache site

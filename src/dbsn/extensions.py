@@ -34,6 +34,8 @@ __all__ = ["ENTRY_POINT_GROUP", "SEARCH_PATH_VARIABLE", "ExtensionError", "confi
 ENTRY_POINT_GROUP = "dbsn.extensions"
 #: the environment variable naming extension config folders without installing them
 SEARCH_PATH_VARIABLE = "DBSN_CONFIG_PATH"
+#: dbsn's own config tree (`dbsn.CONF_DIR` is this folder)
+DBSN_CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class ExtensionError(ValueError):
@@ -83,8 +85,7 @@ def extension_dirs(conf_dir: Path | None = None) -> list[Path]:
     """The config folders of the installed extensions (entry points, by name) and of
     `DBSN_CONFIG_PATH` (in its order), each once. Refuses a config that has the relative path
     of one in `conf_dir` (dbsn's own, by default) or in an earlier extension."""
-    if conf_dir is None:
-        from dbsn import CONF_DIR as conf_dir
+    conf_dir = DBSN_CONF_DIR if conf_dir is None else conf_dir
     seen = {path: "dbsn" for path in _configs(Path(conf_dir))}
     dirs: list[Path] = []
     for owner, folder in _entry_point_dirs() + _variable_dirs():
@@ -101,6 +102,4 @@ def extension_dirs(conf_dir: Path | None = None) -> list[Path]:
 
 def config_dirs() -> list[Path]:
     """Every folder of config groups: dbsn's own (`dbsn.CONF_DIR`), then the extensions'."""
-    from dbsn import CONF_DIR
-
-    return [CONF_DIR, *extension_dirs(CONF_DIR)]
+    return [DBSN_CONF_DIR, *extension_dirs(DBSN_CONF_DIR)]

@@ -103,7 +103,7 @@ class OODSetDataModule(ImageClassificationDataModule):
         size: keep a random subset of this many images (in file order), drawn with `seed`;
             None = all of them.
         seed: seed of the permutation that picks the subset.
-        Others as `ImageClassificationDataModule` (only the test loader is ever used).
+        **kwargs: as `ImageClassificationDataModule` (only the test loader is ever used).
     """
 
     #: The set's file in conf/ood/ (and its key under `ood`), for the error messages.
@@ -174,7 +174,7 @@ class ImageFileOODSetDataModule(OODSetDataModule):
             whitespace-separated token of each line, compared by file name (so a bare name, a
             path, or an image-list line "path label" all work); blank lines and lines starting
             with '#' are skipped. Applied before `size`.
-        Others as `OODSetDataModule`.
+        **kwargs: as `OODSetDataModule`.
     """
 
     def __init__(self, root: str = "./data", exclude: str | None = None, **kwargs) -> None:
@@ -271,7 +271,7 @@ class MNISTDataModule(OODSetDataModule):
 
     Args:
         split: "test" (10,000 images, the default), "train" (60,000) or "all" (both, 70,000).
-        Others as `OODSetDataModule`.
+        **kwargs: as `OODSetDataModule`.
     """
 
     name = "MNIST"
@@ -337,7 +337,7 @@ class TexturesDataModule(ImageFileOODSetDataModule):
         split: "all" (the default: train + val + test of the partition, all 5,640 images, as
             OpenOOD), or one of "train", "val", "test" (1,880 images each).
         partition: which of DTD's ten splits, 1..10 (any gives the same 5,640 for "all").
-        Others as `ImageFileOODSetDataModule`.
+        **kwargs: as `ImageFileOODSetDataModule`.
     """
 
     name = "Textures"

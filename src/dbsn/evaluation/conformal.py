@@ -125,8 +125,9 @@ class ConformalPrediction(Evaluation):
         scores: conformity scores (`dbsn.metrics.conformal.SCORES`).
         calibration: `auto`, `validation` or `test` (see the module docstring).
         calibration_fraction: with test calibration, the share of the test examples that calibrates.
-        raps_k_reg, raps_lambda: RAPS's k_reg and λ; None (default): tuned on `TUNING_FRACTION` of
-            the calibration examples, as the authors' code.
+        raps_k_reg: RAPS's k_reg; None (default): tuned on `TUNING_FRACTION` of the calibration
+            examples, as the authors' code.
+        raps_lambda: RAPS's λ; None (default): tuned as `raps_k_reg` is.
         allow_empty_sets: False (default): a set that s ≤ q̂ leaves empty gets the top label alone
             (the authors' `allow_zero_sets=False`); True: the bare rule, empty sets kept.
         shift: the dataset-shift settings (a `DatasetShift`; the yaml hands over

@@ -243,7 +243,8 @@ class OODDetection(Evaluation):
         available: the post-hoc scores chosen with `ood_score=[...]`, by name (built from
             `conf/ood_score/<name>.yaml`, or your package's).
         scores: which of `available` to compute, by name, in table order (None: all; []: none).
-        members, fit_images: how many members and training images they use (`DetectionScores`).
+        members: how many members they use (`DetectionScores`).
+        fit_images: how many training images they use (`DetectionScores`).
     """
 
     name = "ood"

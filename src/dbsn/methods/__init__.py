@@ -2,15 +2,15 @@
 
 | config        | class                         | structure            | weights                    |
 |---------------|-------------------------------|----------------------|----------------------------|
-| dbsn          | DBSN                          | q(α|θ), sampled       | point                      |
-| fbn           | DBSN(weights=GaussianWeights) | q(α|θ), sampled       | Gaussian (BBB)             |
+| dbsn          | DBSN                          | q(α ∣ θ), sampled     | point                      |
+| fbn           | DBSN(weights=GaussianWeights) | q(α ∣ θ), sampled     | Gaussian (BBB)             |
 | map           | MAP(learn_structure=True)     | softmax(θ)            | point                      |
 | map_fixed     | MAP(learn_structure=False)    | uniform 1/K           | point                      |
 | mc_dropout    | MAP(weights=MCDropoutWeights) | softmax(θ)            | dropout 0.2, on at test    |
 | bbb           | MAP(weights=GaussianWeights)  | softmax(θ)            | Gaussian (BBB)             |
 | deep_ensemble | DeepEnsemble(members)         | each member's         | each member's              |
 | vogn          | VOGNMethod(structure="map")   | softmax(θ)            | VOGN (diagonal GGN)        |
-| vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α|θ), sampled       | VOGN (diagonal GGN)        |
+| vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α ∣ θ), sampled     | VOGN (diagonal GGN)        |
 | nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
 | sngp          | SNGP (spectral norm, GP head) | softmax(θ)            | point; GP output layer (Laplace) |
 | mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |

@@ -85,8 +85,8 @@ class DBSN(Method):
     Args:
         net: a structure-learnable network with `forward(x, alpha)`, `num_edges`, `num_ops`.
         structure_optim: Adam settings for θ.
-        tau, beta: the temperature (per 64 training examples, see `dbsn.structure.schedules`) and
-            sharpening (per epoch) schedules.
+        tau: the temperature schedule (per 64 training examples, see `dbsn.structure.schedules`).
+        beta: the sharpening schedule (per epoch).
         test_tau: temperature of the structures drawn for prediction.
         theta_init_std: θ ~ theta_init_std · N(0, 1) (DARTS' 1e-3).
         bn_recalibration: per-structure BatchNorm statistics at prediction (see

@@ -364,7 +364,8 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
             ``stat_decay``); its defaults are the paper's CIFAR settings. N is ``dataset_size``.
         prediction: S weight draws at test; None: `prediction_defaults` (the paper's comparison's S,
             fewer for validation).
-        lr_milestones, lr_gamma: lr × gamma at these fractions of training.
+        lr_milestones: the fractions of training at which the lr is multiplied by `lr_gamma`.
+        lr_gamma: that factor.
     """
 
     networks = "own"  # VGG16-BN, the network it is defined on

@@ -54,7 +54,8 @@ class Rank1BNN(MAP):
     Args:
         size: M, the mixture's components (the authors' `ensemble_size` 4).
         prior: "normal" or "cauchy", the family of the factors' prior and posterior.
-        prior_mean, prior_stddev: the prior's location and scale (the authors' 1 and 0.1).
+        prior_mean: the prior's location (the authors' 1).
+        prior_stddev: the prior's scale (the authors' 0.1).
         dropout_rate: p of the posterior scales' initial value sqrt(p / (1 − p)) (the authors' 1e-3).
         random_sign_init: initialisation of the factors' locations, BatchEnsemble's flag: p > 0
             random signs with P(+1) = p (the authors' 0.5), p < 0 N(1, p²), 0 every location 1.

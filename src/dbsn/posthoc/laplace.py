@@ -375,7 +375,8 @@ class LastLayerLaplace(PosthocPosterior):
     the marginal likelihood, or given), S last layers drawn and kept (`fit_laplace_on`).
 
     Args:
-        name, n_samples: see `PosthocPosterior` (S: 30).
+        name: see `PosthocPosterior`.
+        n_samples: S, see `PosthocPosterior` (default 30).
         hessian: "kron" (default), "full" or "diag".
         prior_precision: "gridsearch" (the validation split), "marglik" (the training split), a
             positive number, or None: gridsearch where the run has a validation split, else marglik.

@@ -359,7 +359,8 @@ class SWAG(PosthocPosterior):
     (`callbacks=swag`) and S members drawn from them, each with its own BatchNorm statistics.
 
     Args:
-        name, n_samples: see `PosthocPosterior` (S: the paper's 30).
+        name: see `PosthocPosterior`.
+        n_samples: S, see `PosthocPosterior` (default: the paper's 30).
         scale: the covariance factor (½: the paper's sampler).
     """
 

@@ -125,7 +125,8 @@ def kl_estimate(alpha: Tensor, posterior: SharpenedConcrete, prior: SharpenedCon
 
     Args:
         alpha: samples from the posterior (rsample), shape (n, E, K).
-        posterior, prior: distributions with batch shape (E,).
+        posterior: q, a distribution with batch shape (E,).
+        prior: p, a distribution with batch shape (E,).
 
     Returns:
         Shape (n,): the estimate for each row, summed over the E edges, since both q and p
