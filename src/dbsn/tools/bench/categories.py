@@ -2,7 +2,7 @@
 
 A GPU step of the fused cell is bound by executing many small kernels, so the question for each
 change is which part of the cell launches them. `Categories` is a `TorchDispatchMode` that sorts
-every aten operation that launches a kernel on a GPU (`dbsn.tools.bench.step.VIEWS` do not)
+every aten operation that launches a kernel on a GPU (`dbsn.tools.bench.common.VIEWS` do not)
 into one of `CATEGORIES`:
 
 - ``1x1 and dense conv``: convolutions that are not depthwise (cuDNN or another library on a
@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dbsn.tools.bench.common import VIEWS
 
 CONV, DEPTHWISE, CASTS, BATCHNORM, EDGE_AFFINE, ALPHA_SUMS, OTHER = (
     "1x1 and dense conv", "depthwise", "casts", "BatchNorm", "EdgeAffine", "α sums", "other")
@@ -119,8 +121,6 @@ class Categories(TorchDispatchMode):
 
     def __init__(self, annotate: bool = False) -> None:
         super().__init__()
-        from dbsn.tools.bench.step import VIEWS
-
         self.views = VIEWS
         self.annotate = annotate
         self.counts: dict[str, int] = dict.fromkeys(CATEGORIES, 0)

@@ -32,16 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dbsn.methods import DBSN, Compilation, Execution, Prediction
 from dbsn.nets import StructureNet
 from dbsn.tools.bench.categories import CATEGORIES
-from dbsn.tools.bench.common import NETS
+from dbsn.tools.bench.common import NETS, VIEWS
 
-#: aten operations that do not launch a kernel on a GPU (views, metadata, profiler marks)
-VIEWS = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.detach", "aten.alias", "aten.select", "aten.slice", "aten.unsqueeze",
-    "aten.squeeze", "aten.permute", "aten.expand", "aten.t", "aten.transpose", "aten.unbind", "aten.split",
-    "aten.split_with_sizes", "aten.as_strided", "aten._reshape_alias", "aten.narrow", "aten.lift_fresh",
-    "aten.promote_types", "aten.chunk", "aten.unflatten", "aten.movedim", "aten.result_type",
-    "profiler._record_function_enter_new", "profiler._record_function_exit",
-})
 #: operations that read a device value on the host, or copy host data to the device
 HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
                         "aten.equal", "aten.allclose", "aten.unique", "aten._unique2", "aten.lift_fresh"})
