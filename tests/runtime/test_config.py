@@ -167,9 +167,12 @@ def test_the_fast_preset_turns_on_bf16_not_compile_and_leaves_the_layout_to_auto
     assert cfg.model.execution.channels_last is False  # contiguous on a GPU
     plain = compose_config("train", ["experiment=quick"], tmp_path)
     resolve_channels_last(plain)
-    assert plain.model.execution.channels_last is True  # float32 on a CPU: channels-last
+    assert plain.model.execution.channels_last is False  # eager on a CPU: contiguous (measured faster)
+    compiled = compose_config("train", ["experiment=quick", "model.execution.compile.enabled=true"], tmp_path)
+    resolve_channels_last(compiled)
+    assert compiled.model.execution.channels_last is True  # compiled on a CPU: channels-last
     monkeypatch.setattr(config, "cpu_bf16_channels_last_is_wrong", lambda: True)
-    cpu = compose_config("train", ["experiment=quick", "speed=fast"], tmp_path)
+    cpu = compose_config("train", ["experiment=quick", "speed=fast", "model.execution.compile.enabled=true"], tmp_path)
     resolve_channels_last(cpu)
     assert cpu.model.execution.channels_last is False  # auto avoids the wrong gradients
     forced = compose_config("train", ["experiment=quick", "speed=fast", "model.execution.channels_last=true"], tmp_path)

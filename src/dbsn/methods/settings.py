@@ -124,16 +124,32 @@ class Compilation:
 
     Args:
         enabled: compile (off by default).
-        scope: "network" (the whole forward) or "cells" (regional compilation: each cell's
+        scope: "network" (the whole forward), "cells" (regional compilation: each cell's
             forward on its own, every cell shape compiled once, so a compiler sees one cell at a
-            time instead of the whole network; tested: nothing recompiles after the first step).
+            time instead of the whole network; tested: nothing recompiles after the first step) or
+            "nodes" (the fused cell's nodes, everything after its input projection
+            (`FusedCell.nodes`), with static shapes and the running-statistics bookkeeping outside
+            the graph: one graph per distinct cell shape, 4 for the paper's network, where "cells"
+            makes one per cell; the projection, the stem and the head run eagerly. Only for a
+            network of fused cells (``model.net.cell=fused``). Its graphs are the same under a CUDA
+            graph's capture: `GraphedStep` warms up with the capture's autocast settings).
         mode: inductor's mode: "default", "reduce-overhead" (CUDA graphs: least launch
             overhead, fixed input shapes), "max-autotune", "max-autotune-no-cudagraphs".
         backend: "inductor" (needs a C++ compiler on a CPU, Triton on a GPU), or "aot_eager"
             / "eager" to check that a problem lies in code generation.
         dynamic: torch.compile's `dynamic` (None: specialise, then generalise a dimension
-            that changes).
+            that changes; with scope "nodes", None means static shapes: a shared first cell's
+            fewer rows would otherwise turn dynamic shapes on, which trace several times slower).
         fullgraph: refuse graph breaks (an error instead of a slower split graph).
+        cache: keep the compiler's work for the next start (on by default; nothing without
+            ``enabled``): a training run writes `torch.compiler.save_cache_artifacts()` to
+            ``compile_cache.bin`` in its folder after its first steps (and again when later
+            phases compiled more), and loads it when it starts again there (``resume=true``), so
+            the compiler finds its graphs and kernels instead of generating them (on a GPU the
+            Triton binaries too: valid for the same torch, Triton and GPU model). A file that
+            cannot be read is noted and the run compiles cold.
+        cache_from: an earlier run's ``compile_cache.bin`` to load when this run's folder holds
+            none (a new run, a fresh machine), so that it too starts warm.
     """
 
     enabled: bool = False
@@ -142,21 +158,27 @@ class Compilation:
     backend: str = "inductor"
     dynamic: bool | None = None
     fullgraph: bool = False
+    cache: bool = True
+    cache_from: str | None = None
 
     MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    SCOPES = ("network", "cells", "nodes")
 
     def __post_init__(self) -> None:
         if self.mode not in self.MODES:
             raise ValueError(f"compile.mode must be one of {self.MODES}, got {self.mode!r}")
-        if self.scope not in ("network", "cells"):
-            raise ValueError(f"compile.scope must be 'network' or 'cells', got {self.scope!r}")
+        if self.scope not in self.SCOPES:
+            raise ValueError(f"compile.scope must be one of {self.SCOPES}, got {self.scope!r}")
         if self.backend != "inductor" and self.mode != "default":
             raise ValueError(f"compile.mode={self.mode!r} is an inductor mode; backend {self.backend!r} takes none")
 
     def apply(self, net: nn.Module) -> None:
-        """Compile `net`'s forward, or each of its cells' (`scope`), in place (the state dict keeps
-        its keys)."""
+        """Compile `net`'s forward, each of its cells', or each fused cell's nodes (`scope`), in place
+        (the state dict keeps its keys)."""
         options = {"mode": self.mode} if self.backend == "inductor" else {}
+        if self.scope == "nodes":
+            self._apply_to_nodes(net, options)
+            return
         targets = [net] if self.scope == "network" else [m for m in net.modules() if isinstance(m, CellBase)]
         if not targets:
             raise ValueError(f"compile.scope=cells: {type(net).__name__} has no cells; use compile.scope=network")
@@ -164,11 +186,30 @@ class Compilation:
             # every cell's forward is one code object to dynamo: each cell shape (a dense cell's width grows
             # cell by cell), in training and evaluation, is one entry of its cache, whose default of 8 entries
             # would send the later cells back to eager
-            import torch._dynamo.config as dynamo
-
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(targets))
+            _raise_recompile_limit(8 * len(targets))
         for module in targets:
             module.compile(backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph, **options)
+
+    def _apply_to_nodes(self, net: nn.Module, options: dict) -> None:
+        from dbsn.nets.fused_cell import FusedCell
+
+        cells = [m for m in net.modules() if isinstance(m, CellBase)]
+        if not cells or not all(isinstance(m, FusedCell) for m in cells):
+            kind = "no cells" if not cells else "per-edge cells"
+            raise ValueError(f"compile.scope=nodes compiles the fused cell's nodes, and this {type(net).__name__} has "
+                             f"{kind}: set model.net.cell=fused, or compile.scope=cells or network")
+        # one code object (`FusedCell.nodes`) for all cells: an entry per shape, mode and autocast state
+        _raise_recompile_limit(8 * len(cells))
+        for cell in cells:
+            cell.compile_nodes(backend=self.backend, dynamic=False if self.dynamic is None else self.dynamic,
+                               fullgraph=self.fullgraph, **options)
+
+
+def _raise_recompile_limit(entries: int) -> None:
+    """Let dynamo keep at least `entries` graphs per code object before it runs one eagerly."""
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, entries)
 
 
 @dataclass
@@ -232,9 +273,10 @@ class Execution:
 
     Args:
         channels_last: keep the network's weights and activations in the channels-last (NHWC)
-            layout, which CPU convolutions and GPU convolutions in bfloat16 prefer; "auto" (the
-            configs' default, which the runtime resolves for the trainer's device and precision)
-            means on where no GPU is available.
+            layout; "auto" (the configs' default, which the runtime resolves for the trainer's
+            device and precision) means on where the network is compiled and no GPU is available:
+            with the fused cell, eager steps run faster contiguous on CPUs and GPUs alike, and a
+            compiled CPU step fastest in channels-last (docs/performance.md).
         compile: compile the network's forward (`Compilation`); off by default.
         cuda_graph: capture the whole training step (forward, backward, optimisers) in a CUDA
             graph after three eager steps and replay it (`dbsn.methods.step.GraphedStep`): one
@@ -286,5 +328,8 @@ class Execution:
 
     @property
     def uses_channels_last(self) -> bool:
-        """Whether the network runs in the channels-last layout ("auto": where no GPU is available)."""
-        return not torch.cuda.is_available() if self.channels_last == "auto" else bool(self.channels_last)
+        """Whether the network runs in the channels-last layout ("auto": compiled where no GPU is
+        available)."""
+        if self.channels_last == "auto":
+            return self.compile.enabled and not torch.cuda.is_available()
+        return bool(self.channels_last)

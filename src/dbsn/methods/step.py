@@ -120,10 +120,14 @@ class FiniteGuard:
         )
 
 
-def _autocast_for_capture():
-    """The autocast state in force, with its cast cache off (cached casts and CUDA graphs do not mix)."""
-    if torch.is_autocast_enabled("cuda"):
-        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+def _autocast_for_capture(device_type: str = "cuda"):
+    """The autocast state in force on `device_type`, with its cast cache off (cached casts and CUDA
+    graphs do not mix).
+    The warm-up before a capture runs under it too: the same function (the cache only saves
+    re-casting a weight), and compiled regions see one autocast state, since dynamo guards the
+    cache flag: warmed up with the cache on, every region would compile again inside the capture."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
     return nullcontext()
 
 
@@ -133,9 +137,11 @@ class GraphedStep:
     ``body(x, y) -> dict of tensors`` is the step without zeroing the gradients (the graph's
     backward writes them afresh); ``zero()`` sets them to None. The first `warmup` calls run eagerly
     on a side stream (lazy initialisation: optimiser state, cuDNN's algorithm search, the
-    BatchNorm update's index tensors); the next is captured, then replayed; every later call with
-    inputs of the same shape, dtype and autocast state copies them into the static buffers and
-    replays. A call with other inputs (a last, shorter batch) runs eagerly: the same function.
+    BatchNorm update's index tensors, a compiled region's graphs); the next is captured, then
+    replayed; every later call with inputs of the same shape, dtype and autocast state copies them
+    into the static buffers and replays. A call with other inputs (a last, shorter batch) runs
+    eagerly: the same function. Every call that is not a replay runs under the capture's autocast
+    settings (`_autocast_for_capture`), so a compiled step compiles nothing in the capture.
     Returns the body's outputs, cloned (the static outputs are overwritten by the next replay)."""
 
     warmup = 3
@@ -154,8 +160,9 @@ class GraphedStep:
         return x.shape, x.dtype, x.device, y.shape, y.dtype, autocast
 
     def eager(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        self.zero()
-        return self.body(x, y)
+        with _autocast_for_capture():
+            self.zero()
+            return self.body(x, y)
 
     def __call__(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         key = self._signature(x, y)
@@ -233,8 +240,8 @@ class GraphedForward:
         static = [t.clone() for t in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.forward(*static)  # lazy initialisation, cuDNN's algorithm search
+        with torch.cuda.stream(side), _autocast_for_capture():
+            self.forward(*static)  # lazy initialisation, cuDNN's algorithm search, compiled graphs
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with _autocast_for_capture(), torch.cuda.graph(graph):

@@ -12,6 +12,9 @@ training, so one grouped forward equals G separate forwards. Three tools build o
   `momentum=None` does), from grouped forwards;
 - `using_statistics(net, statistics)`: prediction where group g is normalised with the
   statistics of its own structure instead of the shared running statistics.
+
+`statistics_apart(modules)` keeps the lists these tools fill out of sight of a compiled region
+(`dbsn.nets.fused_cell.FusedCell.nodes`), which would otherwise compile anew as they grow.
 """
 
 from __future__ import annotations
@@ -291,6 +294,36 @@ def accumulated_running_statistics(net: nn.Module, enabled: bool = True,
         for m in norms:
             m.pending = None
     collector.apply(keep)
+
+
+@contextmanager
+def statistics_apart(modules: Iterable[GroupBatchNorm2d]) -> Iterator[None]:
+    """Within the block, what `modules` hand over -- their `RunningStatistics`' calls
+    (``pending``), their ``collected`` statistics -- goes to fresh empty lists, appended to the
+    real ones on exit, in order: the same lists as without the block.
+
+    For a compiled region (`dbsn.nets.fused_cell.FusedCell.nodes`): dynamo guards a list's length,
+    and a training step's list of calls grows cell by cell (``collected`` batch by batch), so each
+    cell would compile a graph of its own although cells of a stage have the same shapes. Seen
+    from inside the block every list is empty, every time."""
+    modules = list(modules)
+    collectors = list({id(m.pending): m.pending for m in modules if m.pending is not None}.values())
+    collecting = [m for m in modules if m.collected is not None]
+    calls = [c.calls for c in collectors]
+    collected = [m.collected for m in collecting]
+    for c in collectors:
+        c.calls = []
+    for m in collecting:
+        m.collected = []
+    try:
+        yield
+    finally:
+        for c, saved in zip(collectors, calls):
+            saved.extend(c.calls)
+            c.calls = saved
+        for m, saved in zip(collecting, collected):
+            saved.extend(m.collected)
+            m.collected = saved
 
 
 @torch.no_grad()

@@ -29,19 +29,19 @@ cell's layers in ways that need an op per edge (`refuse_fused`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from dbsn.nets.batchnorm import GroupBatchNorm2d
+from dbsn.nets.batchnorm import GroupBatchNorm2d, statistics_apart
 from dbsn.nets.cell import Cell, CellBase
 from dbsn.nets.cell_state import CHAINS, fused_state, per_edge_state
 from dbsn.nets.conv_forms import StackedConv2d
 from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
 
-__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "fused_state", "per_edge_state",
-           "unfuse"]
+__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "compiled_nodes",
+           "fused_state", "per_edge_state", "unfuse"]
 
 #: the ops a `FusedCell` computes; any other op name needs the per-edge `Cell`
 FUSABLE_OPS = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
@@ -154,12 +154,31 @@ class FusedCell(CellBase):
         self.num_present = len(present)
         self.register_buffer("source_order", torch.tensor(order, dtype=torch.long), persistent=False)
         self._register_load_state_dict_pre_hook(_from_per_edge_state, with_module=True)
+        #: `compile_nodes`'s options (sorted items), None: `nodes` runs eagerly
+        self.nodes_compile: tuple | None = None
 
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
         """As `Cell.forward`: ``x`` (b*G, C, H, W) or, with ``expand``, (b, C, H, W) shared by all
-        G structures; ``alpha`` (G, E, K)."""
+        G structures; ``alpha`` (G, E, K). The input projection, then the nodes (`nodes`), compiled
+        where `compile_nodes` asked for it."""
         groups = alpha.shape[0]
         projected = self.preprocess(x, 1 if expand else groups)
+        if self.nodes_compile is None:
+            nodes = self.nodes(projected, alpha, expand)
+        else:
+            # the step's statistics lists stay out of the compiled region: dynamo guards a list's
+            # length, and the step's grows cell by cell (one graph per cell instead of per shape)
+            with statistics_apart(self._norms()):
+                nodes = compiled_nodes(self.nodes_compile)(self, projected, alpha, expand)
+        return self._output(x, nodes, groups, expand)
+
+    def nodes(self, projected: Tensor, alpha: Tensor, expand: bool = False) -> list[Tensor]:
+        """The cell's nodes from its input projection ``projected`` (b·G rows, or b shared rows with
+        ``expand``, of ``num_nodes · growth`` channels): everything `forward` computes after the
+        projection, up to the concatenation. The part that ``compile.scope=nodes`` compiles: its
+        shapes are the same in every cell of a stage (the projection absorbs the growing input
+        width), so the paper network's 12 cells make 4 graphs."""
+        groups = alpha.shape[0]
         layout = memory_format(projected)
         slices = self._split_nodes(projected)
         rows, c, h, w = slices[0].shape
@@ -188,7 +207,30 @@ class FusedCell(CellBase):
                 for t, edge in enumerate(self.sources[j](node, by_source[j], groups, shared).unbind(2)):
                     incoming[j + 1 + t].append(edge)
             nodes.append(expand_groups(node, groups) if shared else node)
-        return self._output(x, nodes, groups, expand)
+        return nodes
+
+    def compile_nodes(self, **options) -> None:
+        """Compile `nodes` from now on with `torch.compile(**options)` (``nodes_compile = None`` runs it
+        eagerly again). Every cell with the same options shares one compiled function, so cells of
+        one shape share a graph. The options are kept, not the compiled function: the cell still
+        pickles and copies."""
+        self.nodes_compile = tuple(sorted(options.items()))
+
+    def _norms(self) -> list[GroupBatchNorm2d]:
+        return [m for m in self.modules() if isinstance(m, GroupBatchNorm2d)]
+
+
+_COMPILED_NODES: dict[tuple, Callable] = {}
+
+
+def compiled_nodes(options: tuple) -> Callable:
+    """`FusedCell.nodes` compiled with `options` (sorted items of `torch.compile`'s keywords), one
+    compiled function per set of options in the process: dynamo then keeps one cache of graphs for
+    all cells, a graph per distinct cell shape (and mode, autocast state)."""
+    compiled = _COMPILED_NODES.get(options)
+    if compiled is None:
+        compiled = _COMPILED_NODES[options] = torch.compile(FusedCell.nodes, **dict(options))
+    return compiled
 
 
 #: the networks' ``cell`` choice: the fused cell (the default) or the per-edge reference

@@ -312,19 +312,22 @@ def check_channels_last(cfg: DictConfig) -> None:
 
 
 def resolve_channels_last(cfg: DictConfig) -> None:
-    """`model.execution.channels_last=auto` (the default) becomes true where the network trains on
-    a CPU (measured: `make train` trains in 0.86 of the time and predicts its S = 100 ensemble in
-    about 0.9; the layout changes no number beyond float rounding, tested), except under
-    bf16-mixed on a CPU whose channels-last bfloat16 gradients are wrong; false on a GPU (measured:
-    the paper network's eager step took 2.3 times as long on an H200, docs/performance.md). The
-    run's saved config holds the resolved value."""
+    """`model.execution.channels_last=auto` (the default) becomes true where the network trains
+    compiled on a CPU, and false elsewhere. The layout changes no number beyond float rounding
+    (tested); it is chosen by measurement (docs/performance.md, "The CPU layout"): with the fused
+    cell, an eager step in channels-last is slower than the contiguous one on CPUs with and
+    without native bfloat16, in float32 and in bf16-mixed, and on a GPU; compiled on a CPU,
+    channels-last is the fastest. Under bf16-mixed on a CPU whose channels-last bfloat16 gradients
+    are wrong it stays false. The run's saved config holds the resolved value."""
     trainer = cfg.get("trainer") or {}
     on_cpu = _on_cpu(trainer)
     precision = _PRECISION_ALIASES.get(str(trainer.get("precision")), str(trainer.get("precision")))
     for node in (cfg.get("model"), (cfg.get("model") or {}).get("member")):
         execution = (node or {}).get("execution")
         if execution is not None and execution.get("channels_last") == "auto":
-            execution.channels_last = bool(on_cpu and not (precision == "bf16-mixed" and cpu_bf16_channels_last_is_wrong()))
+            compiled = bool((execution.get("compile") or {}).get("enabled"))
+            execution.channels_last = bool(on_cpu and compiled
+                                           and not (precision == "bf16-mixed" and cpu_bf16_channels_last_is_wrong()))
 
 
 def _check_finite(node: DictConfig | ListConfig, where: str) -> None:

@@ -33,6 +33,7 @@ from dbsn.runtime.build import (build_model, build_trainer, count_parameters, de
 from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigCallback, check_resume_checkpoint,
                                      load_checkpoint)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
+from dbsn.runtime.compile_cache import compile_cache_callbacks
 from dbsn.runtime.config import ConfigError, check_evaluate_config, check_trainer, to_plain, validate_config
 from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
 from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior,
@@ -152,7 +153,8 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
     epoch_timer, curve, budget = EpochTimer(), TrainingCurve(), TrainingBudget()
     callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(),
                                                            epoch_timer, curve, budget,
-                                                           *resume_callbacks(resume_changes), *current_watch()]
+                                                           *resume_callbacks(resume_changes), *current_watch(),
+                                                           *compile_cache_callbacks(model, output_dir)]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
