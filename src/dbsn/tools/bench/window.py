@@ -766,7 +766,7 @@ def short_summary(out: Path) -> str:
             lines.append(f"{name}: " + ("error: " + row["error"] if "error" in row else
                                          f"first step {row.get('compile_s', '?')} s, graphs {row.get('graphs', '?')}, "
                                          f"recompiled {row.get('recompiles', '?')}, "
-                                         f"{row.get('ms_per_step', '?')} ms/step"))
+                                         f"{_cell(row, 'ms_per_step', '{:.1f}')} ms/step"))
     for runs, row in parts["streams"].get("runs", {}).items():
         if "error" in row:
             lines.append(f"streams R={runs}: {row['error'][:100]}")
