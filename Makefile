@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env train evaluate test test-fast bench docs clean
+.PHONY: env train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
 ## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
@@ -52,6 +52,15 @@ bench: $(STAMP)
 	$(PY) -m dbsn.tools.bench --suite step
 	$(PY) -m dbsn.tools.bench
 	$(PY) -m dbsn.tools.bench --suite field --backbone resnet18
+
+## The GPU window: what only a GPU shows about the paper step (kernel profile, convolution forms, the
+## nodes-only compile cold and warm, CUDA graphs on streams), at most 8 minutes, results and summary.md
+## under $$OUT (default bench_out); bench-gpu-smoke runs the same script on this CPU, tiny, in seconds.
+bench-gpu: $(STAMP)
+	PY=$(PY) tools/gpu_window.sh
+
+bench-gpu-smoke: $(STAMP)
+	PY=$(PY) tools/gpu_window.sh --device cpu --tiny --compile-backend eager
 
 ## The documentation site into site/: the docs/ pages and the API reference from the docstrings (mkdocs.yml),
 ## offline; --strict: a warning (a broken link or anchor, a docstring that does not parse) fails the build.

@@ -2,7 +2,9 @@
 
     --suite cpu (default)  ratios of DBSN's hot paths on any device (`dbsn.tools.bench.cpu`)
     --suite gpu            the paper network's training configurations on one GPU
-                           (`dbsn.tools.bench.gpu`)
+                           (`dbsn.tools.bench.gpu`); with --part profile | forms | compile |
+                           streams | summary, one part of the GPU window (`dbsn.tools.bench.window`,
+                           tools/gpu_window.sh runs them all)
     --suite field          each field method's training step and prediction over one network's
                            on the same backbone (`dbsn.tools.bench.field`)
     --suite step           the paper step's operations per cell (aten, kernel-launching, host
@@ -56,8 +58,24 @@ def main(argv: list[str] | None = None) -> dict:
                         "structures one after another")
     parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
     parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
+    parser.add_argument("--part", choices=("table", "profile", "forms", "compile", "streams", "summary"),
+                        default="table", help="gpu suite: table (the configurations above) or one part of the GPU "
+                        "window (dbsn.tools.bench.window), each writing OUT/gpu_<part>.json as it goes")
+    parser.add_argument("--out", default=None, help="gpu suite parts: the results folder (default: $OUT or bench_out)")
+    parser.add_argument("--tiny", action="store_true", help="gpu suite parts: the tiny network, batch 4 (a smoke test)")
+    parser.add_argument("--cache", default=None, help="gpu suite, compile part: load this compile cache first "
+                        "(a warm start)")
+    parser.add_argument("--conv-1x1", default="auto", help="gpu suite, compile and streams parts: "
+                        "model.execution.conv_1x1 (auto: the forms part's fastest)")
+    parser.add_argument("--depthwise", default="auto", help="gpu suite, compile and streams parts: "
+                        "model.execution.depthwise (auto: the forms part's fastest)")
+    parser.add_argument("--runs", type=int, default=4, help="gpu suite, streams part: up to this many runs at once")
     parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")
     args = parser.parse_args(argv)
+    if args.suite == "gpu" and args.part != "table":
+        from dbsn.tools.bench import window
+
+        return window.main(args)
     if args.suite == "gpu":
         from dbsn.tools.bench import gpu
 

@@ -64,9 +64,11 @@ EPOCHS, TRAIN_IMAGES, TEST_IMAGES, TEST_SAMPLES = 100, 50_000, 10_000, 100
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-def _autocast(device: torch.device, precision: str):
+def _autocast(device: torch.device, precision: str, cache: bool = True):
+    """bf16 autocast (`cache`: autocast's cast cache, which a CUDA graph's capture turns off; warm-ups
+    of a graphed step run without it too, so that a compiled region sees one autocast state)."""
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 
@@ -110,7 +112,7 @@ def training_step(method: DBSN, batch: int, device: torch.device, precision: str
         x = to_unit_range(images)  # the paper's augmentation, batched on the device
         x = random_hflip(random_crop(x, 4, crop_offsets(batch, 4, device)), flip_draws(batch, device))
         x = normalize(x, mean, std)
-        with _autocast(device, precision):
+        with _autocast(device, precision, cache=run is None):
             if run is not None:
                 run(x, labels)
             else:

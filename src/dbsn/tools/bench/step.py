@@ -9,8 +9,14 @@ fused optimisers, the NaN guard attached; forward, backward and optimisers):
 - aten operations (`TorchDispatchMode`), and those that launch a kernel on a GPU (all but views);
 - host synchronisations: operations that read a device value on the host (``.item()``,
   ``if tensor``, boolean indexing, ...) or copy host data to the device (target: 0);
+- the kernel-launching operations of the fused step by what they compute (convolutions, depthwise,
+  casts, BatchNorm, EdgeAffine, α sums, other; `dbsn.tools.bench.categories`): they add up to
+  the total;
 - the traced graph of one cell (dynamo + AOTAutograd: call nodes of its forward and backward
   graphs), what a compiler of the cell has to handle, and how long tracing it took;
+- the nodes-only regional compile (``compile.scope=nodes``, dynamo with the eager backend: the
+  graphs any backend gets): graphs in the first step (4 for the paper network), graphs compiled
+  again in a second step (0), and the seconds of the first step;
 - CPU seconds of a training step and of the S = 100 Bayes ensemble's prediction (the small
   network at the bench's batch), fused over per-edge.
 """
@@ -23,18 +29,11 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dbsn.methods import DBSN, Execution, Prediction
+from dbsn.methods import DBSN, Compilation, Execution, Prediction
 from dbsn.nets import StructureNet
-from dbsn.tools.bench.common import NETS
+from dbsn.tools.bench.categories import CATEGORIES
+from dbsn.tools.bench.common import NETS, VIEWS
 
-#: aten operations that do not launch a kernel on a GPU (views, metadata, profiler marks)
-VIEWS = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.detach", "aten.alias", "aten.select", "aten.slice", "aten.unsqueeze",
-    "aten.squeeze", "aten.permute", "aten.expand", "aten.t", "aten.transpose", "aten.unbind", "aten.split",
-    "aten.split_with_sizes", "aten.as_strided", "aten._reshape_alias", "aten.narrow", "aten.lift_fresh",
-    "aten.promote_types", "aten.chunk", "aten.unflatten", "aten.movedim", "aten.result_type",
-    "profiler._record_function_enter_new", "profiler._record_function_exit",
-})
 #: operations that read a device value on the host, or copy host data to the device
 HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
                         "aten.equal", "aten.allclose", "aten.unique", "aten._unique2", "aten.lift_fresh"})
@@ -66,10 +65,11 @@ class OpCounter(TorchDispatchMode):
         return sum(n for name, n in self.counts.items() if name in HOST_READS)
 
 
-def build(cell: str, net: str = "paper", train_samples: int = 4) -> DBSN:
+def build(cell: str, net: str = "paper", train_samples: int = 4, compile: Compilation | None = None) -> DBSN:
     torch.manual_seed(0)
+    execution = Execution(channels_last=False, compile=compile or Compilation())
     return DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net]), train_samples=train_samples, dataset_size=50_000,
-                prediction=Prediction(n_samples=100, samples_per_forward=25), execution=Execution(channels_last=False))
+                prediction=Prediction(n_samples=100, samples_per_forward=25), execution=execution)
 
 
 def training_step(method: DBSN, batch: int):
@@ -95,6 +95,43 @@ def count_step(cell: str, batch: int = 2, net: str = "paper") -> dict[str, int]:
     with OpCounter() as counter:
         step()
     return {"aten_ops": counter.total, "launching_ops": counter.launching, "host_syncs": counter.host_reads}
+
+
+def count_categories(cell: str = "fused", batch: int = 2, net: str = "paper") -> dict[str, int]:
+    """Kernel-launching operations of one step by category (`dbsn.tools.bench.categories`), and
+    their total."""
+    from dbsn.tools.bench.categories import Categories
+
+    step = training_step(build(cell, net), batch)
+    step()
+    with Categories() as categories:
+        step()
+    return {**categories.counts, "total": categories.launching}
+
+
+def nodes_compile(batch: int = 2, net: str = "paper", backend: str = "eager") -> dict:
+    """The nodes-only regional compile of the fused cell (``compile.scope=nodes``): graphs dynamo
+    makes in a first training step, graphs made again in a second (recompiles) and the first
+    step's seconds; ``{"error": ...}`` where the option is not available."""
+    from torch._dynamo.utils import counters
+
+    try:
+        compile = Compilation(enabled=True, scope="nodes", backend=backend)
+    except (TypeError, ValueError) as error:
+        return {"error": f"not available: {error}"}
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        step = training_step(build("fused", net, compile=compile), batch)
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        graphs = counters["stats"]["unique_graphs"]
+        step()
+        return {"graphs": graphs, "recompiles": counters["stats"]["unique_graphs"] - graphs,
+                "first_step_seconds": seconds, "backend": backend}
+    finally:
+        torch._dynamo.reset()
 
 
 def traced_cell(cell: str, groups: int = 4, batch: int = 2, net: str = "paper") -> dict[str, float]:
@@ -153,9 +190,11 @@ def timings(batch: int, repeats: int, net: str = "quick") -> dict[str, dict[str,
 
 def run(batch: int = 64, repeats: int = 3, trace: bool = True, net: str = "paper", timed_net: str = "quick") -> dict:
     """The rows of the module docstring: counts and the traced cell on `net`, seconds on `timed_net`."""
-    result = {"counts": {cell: count_step(cell, net=net) for cell in CELLS}}
+    result = {"counts": {cell: count_step(cell, net=net) for cell in CELLS},
+              "categories": {cell: count_categories(cell, net=net) for cell in CELLS}}
     if trace:
         result["traced_cell"] = {cell: traced_cell(cell, net=net) for cell in CELLS}
+        result["nodes_compile"] = nodes_compile(net=net)
     result["seconds"] = timings(batch, repeats, timed_net)
     return result
 
@@ -179,6 +218,17 @@ def markdown(result: dict, batch: int) -> str:
             a, b = traced["per_edge"][key], traced["fused"][key]
             fmt = "{:.1f}" if key == "trace_seconds" else "{:,}"
             lines.append(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {b / a:.3f} | |")
+    if "categories" in result:
+        for key in (*CATEGORIES, "total"):
+            a, b = result["categories"]["per_edge"][key], result["categories"]["fused"][key]
+            ratio = f"{b / a:.3f}" if a else "-"
+            lines.append(f"| kernel-launching operations: {key} | {a:,} | {b:,} | {ratio} | |")
+    compiled = result.get("nodes_compile")
+    if compiled is not None:
+        text = compiled["error"] if "error" in compiled else (
+            f"{compiled['graphs']} graphs, {compiled['recompiles']} recompiled in a second step, "
+            f"first step {compiled['first_step_seconds']:.1f} s ({compiled['backend']} backend)")
+        lines.append(f"| nodes-only compile (compile.scope=nodes) | | {text} | | 4 graphs, 0 recompiled |")
     seconds = result["seconds"]
     for kind, name in (("step", f"CPU seconds, T = 4 step of the small network, batch {batch}"),
                        ("prediction", f"CPU seconds, S = 100 prediction of {batch} images")):
