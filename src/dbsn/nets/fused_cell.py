@@ -52,7 +52,16 @@ class EdgeAffine(nn.Module):
     weights) on n edges at once: from the (b, C, H, W) normalised input x̂ to M inputs of the
     chains' convolutions, each (b, n·C, H, W), edge t's block ``relu(x̂ · γ + β)`` with edge t's
     own γ and β of that op. ``weight`` and ``bias`` are (M·n, C, 1, 1), chain by chain, edge by
-    edge (4-D, as `nn.Module.to(memory_format=...)` wants a network's parameters to be)."""
+    edge (4-D, as `nn.Module.to(memory_format=...)` wants a network's parameters to be).
+
+    Precision. With a 16-bit x̂ (under autocast the normalisation returns the activations' dtype)
+    and float32 γ, β, the product and sum are computed in float32 and rounded once to x̂'s dtype,
+    before the ReLU: the output equals ``relu(x̂.float() · γ + β)`` rounded to bfloat16, the value
+    the convolutions' autocast cast would give, but the ReLU, its backward and everything the
+    chains save run in the 16-bit dtype (type promotion alone would keep all of it in float32,
+    and leave autocast one cast per chain). Casting γ and β down instead would round them to 8
+    bits before the product: other values. The gradients of γ and β are reduced in float32
+    (the backward of the float32 product) and land in the float32 parameters."""
 
     def __init__(self, chains: int, edges: int, channels: int):
         super().__init__()
@@ -66,12 +75,18 @@ class EdgeAffine(nn.Module):
         if memory_format(x) == torch.channels_last:  # (b, H, W, C) in memory: keep channels innermost
             y = torch.addcmul(self.bias.view(m, 1, 1, 1, n, c), x.permute(0, 2, 3, 1).view(1, b, h, w, 1, c),
                               self.weight.view(m, 1, 1, 1, n, c))
-            return [part.view(b, h, w, n * c).permute(0, 3, 1, 2) for part in torch.relu(y).unbind(0)]
+            return [part.view(b, h, w, n * c).permute(0, 3, 1, 2) for part in torch.relu(_stored(y, x)).unbind(0)]
         y = torch.addcmul(self.bias.view(m, 1, n, c, 1, 1), x.view(1, b, 1, c, h, w), self.weight.view(m, 1, n, c, 1, 1))
-        return [part.view(b, n * c, h, w) for part in torch.relu(y).unbind(0)]
+        return [part.view(b, n * c, h, w) for part in torch.relu(_stored(y, x)).unbind(0)]
 
     def extra_repr(self) -> str:
         return f"chains={self.chains}, edges={self.edges}, channels={self.channels}"
+
+
+def _stored(y: Tensor, x: Tensor) -> Tensor:
+    """`y`, computed from the 16-bit activations `x` with float32 parameters, rounded to `x`'s
+    dtype; unchanged when `x` is not 16-bit (float32 and float64 runs compute in their own dtype)."""
+    return y.to(x.dtype) if x.dtype in (torch.float16, torch.bfloat16) and y.dtype != x.dtype else y
 
 
 def _stacked_conv(edges: int, channels: int, kernel: int, dilation: int = 1) -> StackedConv2d:
@@ -102,7 +117,11 @@ class SourceOps(nn.Module):
     ``forward(node, weights, groups, shared)``: ``node`` (b·g, C, H, W) with g = 1 when ``shared``
     (b rows common to all G structures) else G; ``weights``, one (1, G, n, 1, 1, 1) tensor per op
     that is not ``zero`` (`present`, in the op list's order): α of this node's out-edges. Returns
-    the weighted sums Σ_k α[g, t, k] op_k^(t)(node) as (b, G, n, C, H, W)."""
+    the weighted sums Σ_k α[g, t, k] op_k^(t)(node) as (b, G, n, C, H, W).
+
+    Precision. The sums stay in the ops' dtype (bfloat16 under autocast): α is taken in that dtype,
+    and each multiply-add computes in float32 and rounds once, k by k (a float32 accumulator would
+    double the traffic of the largest tensors of the cell for one rounding less)."""
 
     def __init__(self, channels: int, edges: int, op_names: Sequence[str]):
         super().__init__()
@@ -126,6 +145,7 @@ class SourceOps(nn.Module):
                 term = normalised.view(b, g, 1, c, h, w)
             else:
                 term = self.chains[name](inputs[name], g).view(b, g, n, c, h, w)
+            weight = weight.to(term.dtype)  # the cell hands α over in the activations' dtype already
             out = term * weight if out is None else torch.addcmul(out, term, weight)
         if out is None:  # every op is zero
             return node.new_zeros(b, groups, n, c, h, w)
