@@ -275,3 +275,24 @@ def test_dbsn_steps_the_same_with_mulsum_in_the_contiguous_layout(tmp_path):
     x, y = torch.randn(6, 3, 16, 16, dtype=torch.float64), torch.randint(0, 5, (6,))
     kinds = assert_same(step_state(reference, x, y), step_state(formed, x, y), rtol=1e-10, atol=1e-12)
     assert kinds["theta gradient"] == 1
+
+
+def test_auto_is_the_measured_fastest_form_where_a_layer_runs_and_no_refusal_elsewhere():
+    """`auto` (speed=fast's conv_1x1): the batched matmul for a 1×1 on a GPU, F.conv2d for it on a
+    CPU and for every depthwise; on a network without fused cells it sets nothing and refuses nothing."""
+    from dbsn.nets import ResNet18
+    from dbsn.nets.conv_forms import StackedConv2d, resolved_form, set_conv_forms
+
+    one = StackedConv2d(8, 8, 1, groups=2, bias=False, stacked_edges=2)
+    depthwise = StackedConv2d(8, 8, 3, padding=2, dilation=2, groups=8, bias=False, stacked_edges=2)
+    one.form = depthwise.form = "auto"
+    assert (resolved_form(one, "cuda"), resolved_form(one, "cpu")) == ("bmm", "conv")
+    assert (resolved_form(depthwise, "cuda"), resolved_form(depthwise, "cpu")) == ("conv", "conv")
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    one.double(), depthwise.double()
+    for layer in (one, depthwise):  # on this CPU: F.conv2d itself, bit for bit
+        assert torch.equal(layer(x), torch.nn.functional.conv2d(x, layer.weight, None, layer.stride, layer.padding,
+                                                                  layer.dilation, layer.groups))
+    assert set_conv_forms(ResNet18(num_classes=10, width=8), conv_1x1="auto", depthwise="auto") == 0
+    with pytest.raises(ValueError, match="no stacked convolutions"):
+        set_conv_forms(ResNet18(num_classes=10, width=8), conv_1x1="bmm")

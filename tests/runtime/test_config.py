@@ -161,6 +161,7 @@ def test_the_fast_preset_turns_on_bf16_not_compile_and_leaves_the_layout_to_auto
 
     cfg = compose_config("train", ["experiment=cifar10_paper", "trainer=gpu", "speed=fast"], tmp_path)
     assert cfg.trainer.precision == "bf16-mixed" and not cfg.model.execution.compile.enabled
+    assert (cfg.model.execution.conv_1x1, cfg.model.execution.depthwise) == ("auto", "conv")  # measured fastest
     assert cfg.model.execution.channels_last == "auto"
     assert cfg.model.net.num_nodes == 7 and cfg.trainer.accelerator == "gpu"  # the experiment is kept
     resolve_channels_last(cfg)

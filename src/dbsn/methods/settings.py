@@ -296,7 +296,9 @@ class Execution:
             around them. Refused on a network without fused cells (the per-edge cell, backbones).
         depthwise: how the fused cell's depthwise 3×3 convolutions (dilation 1 and 2) compute:
             "conv" (`F.conv2d`) or "stencil" (9 shifted multiply-adds on the zero-padded input,
-            elementwise work a compiler fuses). Refused like `conv_1x1`.
+            elementwise work a compiler fuses). Refused like `conv_1x1`. "auto" (either): the form
+            measured fastest where the layer runs (`dbsn.nets.conv_forms.AUTO_FORMS`: the 1×1s as
+            a batched matmul on a GPU, `F.conv2d` elsewhere), never refused (`speed=fast` sets it).
     """
 
     channels_last: bool | Literal["auto"] = False

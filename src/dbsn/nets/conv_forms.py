@@ -40,12 +40,17 @@ from torch import Tensor, nn
 
 from dbsn.nets.ops import memory_format
 
-__all__ = ["CONV_1X1_FORMS", "DEPTHWISE_FORMS", "StackedConv2d", "convolve", "depthwise_stencil", "grouped_1x1",
-           "set_conv_forms"]
+__all__ = ["AUTO_FORMS", "CONV_1X1_FORMS", "DEPTHWISE_FORMS", "StackedConv2d", "convolve", "depthwise_stencil",
+           "grouped_1x1", "resolved_form", "set_conv_forms"]
 
 #: the forms of a grouped 1×1 convolution and of a depthwise 3×3 ("conv": `F.conv2d`)
-CONV_1X1_FORMS = ("conv", "bmm", "mulsum")
-DEPTHWISE_FORMS = ("conv", "stencil")
+CONV_1X1_FORMS = ("conv", "bmm", "mulsum", "auto")
+DEPTHWISE_FORMS = ("conv", "stencil", "auto")
+#: "auto": the form measured fastest where the layer runs, by (kind, device type); any other pair
+#: computes with F.conv2d. On an H200 the paper's bf16 graphed step took 164.7 ms with the 1×1s as
+#: a batched matmul against 192.6 ms with cuDNN's grouped convolutions, and the depthwise stencil
+#: was slower than the native kernel eagerly (docs/performance.md, the GPU window).
+AUTO_FORMS = {("1x1", "cuda"): "bmm"}
 
 
 def grouped_1x1(x: Tensor, weight: Tensor, groups: int, form: str = "bmm") -> Tensor:
@@ -107,10 +112,16 @@ def _kind(conv: nn.Module) -> str | None:
     return None
 
 
+def resolved_form(conv: nn.Module, device_type: str) -> str:
+    """``conv.form``, with "auto" resolved for a layer running on `device_type` (`AUTO_FORMS`)."""
+    form = conv.form
+    return AUTO_FORMS.get((_kind(conv), device_type), "conv") if form == "auto" else form
+
+
 def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``conv``'s convolution of ``x`` with ``weight`` and ``bias`` in ``conv.form`` (a layer with
     the attributes of an `nn.Conv2d`: zero padding)."""
-    form = conv.form
+    form = resolved_form(conv, x.device.type)
     if form == "conv":
         return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
     if torch.is_autocast_enabled(x.device.type):  # the operands' dtype that autocast gives F.conv2d
@@ -153,11 +164,12 @@ def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "con
         raise ValueError(f"model.execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {depthwise!r}")
     stacked = [m for m in net.modules() if hasattr(m, "stacked_edges") and _kind(m) is not None]
     settings = {"conv_1x1": conv_1x1, "depthwise": depthwise}
-    asked = ", ".join(f"model.execution.{key}={value}" for key, value in settings.items() if value != "conv")
-    if not asked:
+    asked = ", ".join(f"model.execution.{key}={value}" for key, value in settings.items()
+                      if value not in ("conv", "auto"))
+    if not asked:  # conv, or auto: the fastest form wherever there is a layer that takes one, nothing elsewhere
         for m in stacked:
             if hasattr(m, "form"):
-                m.form = "conv"
+                m.form = conv_1x1 if _kind(m) == "1x1" else depthwise
         return sum(hasattr(m, "form") for m in stacked)
     if not stacked:
         raise ValueError(f"{asked}: {type(net).__name__} has no stacked convolutions of a fused cell (model.net.cell="
