@@ -10,6 +10,8 @@
     --suite step           the paper step's operations per cell (aten, kernel-launching, host
                            synchronisations), one cell's traced graph, fused over per-edge
                            (`dbsn.tools.bench.step`)
+    --suite layout         DBSN's eager step contiguous and channels-last, fp32 and bf16: the
+                           measurement behind `channels_last=auto` (`dbsn.tools.bench.layout`)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dbsn.tools.bench import cpu
 
     parser = argparse.ArgumentParser(description=cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("cpu", "gpu", "field", "step"), default="cpu",
+    parser.add_argument("--suite", choices=("cpu", "gpu", "field", "step", "layout"), default="cpu",
                         help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
                              "on one GPU (dbsn.tools.bench.gpu); field: the field's methods over one network on a "
                              "backbone (dbsn.tools.bench.field)")
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "model.execution.conv_1x1 (auto: the forms part's fastest)")
     parser.add_argument("--depthwise", default="auto", help="gpu suite, compile and streams parts: "
                         "model.execution.depthwise (auto: the forms part's fastest)")
+    parser.add_argument("--train-samples", type=int, default=1, help="layout suite: DBSN's T")
     parser.add_argument("--runs", type=int, default=4, help="gpu suite, streams part: up to this many runs at once")
     parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")
     args = parser.parse_args(argv)
@@ -85,6 +88,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         result = step.run(args.batch, args.repeats, trace=not args.no_compile)
         print(step.markdown(result, args.batch))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
+    if args.suite == "layout":
+        from dbsn.tools.bench import layout
+
+        result = layout.run(args.net or "quick", args.train_samples, args.batch, args.repeats)
+        print(layout.markdown(result))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
