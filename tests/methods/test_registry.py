@@ -98,6 +98,7 @@ def test_a_new_config_and_class_appear_in_compare_and_the_report_without_other_e
     assert (mine.cls, mine.fixed_members, mine.networks) == (Mine, False, "any")  # its class's declarations
 
     monkeypatch.setattr(dbsn, "CONF_DIR", conf)  # the registry's conf/ (the configs compose from the real one)
+    monkeypatch.setattr(dbsn.extensions, "DBSN_CONF_DIR", conf)  # where `config_dirs` finds dbsn's own
     assert compare.compared_methods()[-1] == "mine"
     calls = []
     monkeypatch.setattr(compare, "run_comparison", lambda methods, *args, **kwargs: calls.append(methods))
