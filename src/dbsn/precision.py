@@ -18,8 +18,8 @@ The code that owns each of these enters `float32()` and upcasts its inputs with 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import Tensor

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import dbsn.api as api
 from dbsn.evaluation.report.comparisons import paired_differences
 from dbsn.evaluation.report.seeds import combine_seeds
-from dbsn.evaluation.statistics import (Statistics, calibrate, ce2_intervals, classification_statistics,
-                                        intervals_of)
+from dbsn.evaluation.statistics import Statistics, calibrate, ce2_intervals, classification_statistics, intervals_of
 from dbsn.metrics.ce2_inference import paired_test, score_interval
 from tests.support.configs import ROOT
 from tests.support.netutil import tiny_structure_net

@@ -12,9 +12,9 @@ from torch.nn import functional as F
 
 from dbsn.evaluation.attacks import (
     ATTACKS,
-    ExampleChunkedNLL,
     PAPER_EPSILONS,
     RESULT_COLUMNS,
+    ExampleChunkedNLL,
     adversarial_evaluation,
     adversarial_figure,
     bim,

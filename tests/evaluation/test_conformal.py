@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dbsn.evaluation.base import EvaluationError, Subject
-from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.conformal import ConformalPrediction, calibration_split, level_name
+from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.report import build_report
 from dbsn.runtime.evaluation import build_evaluator
 from dbsn.runtime.run import train

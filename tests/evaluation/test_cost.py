@@ -13,7 +13,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dbsn.evaluation.cost import (
-    Cost, EpochTimer, measure_cost, parameter_count, prediction_flops_per_image, training_flops_per_image,
+    Cost,
+    EpochTimer,
+    measure_cost,
+    parameter_count,
+    prediction_flops_per_image,
+    training_flops_per_image,
 )
 from dbsn.methods import DBSN, MAP, DeepEnsemble, MCDropoutWeights, Prediction
 from tests.support.netutil import tiny_structure_net

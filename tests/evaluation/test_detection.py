@@ -17,8 +17,15 @@ from dbsn.data.augment import normalize, to_unit_range
 from dbsn.data.base import in_memory_loader
 from dbsn.data.digits import DigitsDataModule
 from dbsn.evaluation.base import EvaluationError
-from dbsn.evaluation.detection import (DetectionScores, EnergyScore, KNNScore, MahalanobisScore, MaxLogitScore,
-                                       ODINScore, ViMScore)
+from dbsn.evaluation.detection import (
+    DetectionScores,
+    EnergyScore,
+    KNNScore,
+    MahalanobisScore,
+    MaxLogitScore,
+    ODINScore,
+    ViMScore,
+)
 from dbsn.evaluation.ood import OODDetection, detection_metrics
 from dbsn.methods import DBSN, MAP, SNGP, Prediction
 from dbsn.metrics.ood_scores import KNN, Mahalanobis, ViM, energy, max_logit, odin

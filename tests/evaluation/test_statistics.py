@@ -15,8 +15,8 @@ from dbsn.metrics.calibration import (
     classwise_expected_calibration_error,
     squared_calibration_error,
 )
-from dbsn.metrics.intervals import weighted_ece, weighted_error
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
+from dbsn.metrics.intervals import weighted_ece, weighted_error
 from dbsn.metrics.selective import selective_metrics
 
 

@@ -132,7 +132,7 @@ def test_a_flipped_byte_in_the_pickle_is_refused(run, tmp_path):
     position = ckpt.read_bytes()[start:start + size].index(b"G" + struct.pack(">d", lr))  # BINFLOAT, big-endian
     damaged = flip_byte(ckpt, start + position + 8, tmp_path / "copy.ckpt")  # the mantissa's last byte
     loaded = torch.load(damaged, weights_only=False)
-    assert checkpoint_digest(loaded) == original[DIGEST_KEY]["tensors"] 
+    assert checkpoint_digest(loaded) == original[DIGEST_KEY]["tensors"]
     assert loaded["optimizer_states"][0]["param_groups"] != original["optimizer_states"][0]["param_groups"]
     with pytest.raises(CheckpointError, match=r"data\.pkl fails its CRC-32 check"):
         load_checkpoint(damaged)

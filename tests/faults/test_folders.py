@@ -11,20 +11,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-
 from omegaconf import OmegaConf
 
-from dbsn.evaluation.runs import RUN_ID_KEY, RUN_FILE, read_run_record
+from dbsn.evaluation.runs import RUN_ID_KEY, read_run_record
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.folder import LOCK_FILE, check_run_folder, claim_run_folder, config_digest
 from dbsn.runtime.run import train
 from dbsn.tools.compare import main as compare
 from tests.support.configs import ROOT, compose_config
-from tests.support.scripts import assert_one_line, digests as all_digests, run_python
+from tests.support.scripts import assert_one_line, run_python
+from tests.support.scripts import digests as all_digests
 
 
 def digests(folder) -> dict[str, str]:

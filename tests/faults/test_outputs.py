@@ -29,7 +29,7 @@ from dbsn.runtime.config import ConfigError
 from dbsn.runtime.evaluation_folder import identify
 from dbsn.tools.report import cli as report_cli
 from tests.support.configs import ROOT, evaluate_quietly
-from tests.support.fakeruns import write_run, MODELS, DATA, write_trained_run
+from tests.support.fakeruns import DATA, MODELS, write_run, write_trained_run
 from tests.support.scripts import run_python
 
 A, B = "a" * 32, "b" * 32

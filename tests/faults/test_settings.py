@@ -23,8 +23,13 @@ from omegaconf import OmegaConf
 
 import dbsn.runtime.run as run
 from dbsn.runtime.checkpoint import load_checkpoint
-from dbsn.runtime.config import (EVALUATE_TOP_LEVEL_KEYS, TOP_LEVEL_KEYS, ConfigError, check_evaluate_config,
-                                 validate_config)
+from dbsn.runtime.config import (
+    EVALUATE_TOP_LEVEL_KEYS,
+    TOP_LEVEL_KEYS,
+    ConfigError,
+    check_evaluate_config,
+    validate_config,
+)
 from dbsn.runtime.preflight import check_job, check_trained
 from dbsn.runtime.resume import ApplyResumeChanges, check_resume, resume_callbacks
 from tests.support.configs import CONF, ROOT, compose_config

@@ -13,8 +13,8 @@ from torch import nn
 
 from dbsn.methods import MAP, BatchEnsemble, MCDropoutWeights
 from dbsn.nets import VGG16BN, StructureNet
-from dbsn.nets.batch_ensemble import (BatchEnsembleConv2d, BatchEnsembleLinear, batch_ensemble, fast_parameters,
-                                      member_biases as biases)
+from dbsn.nets.batch_ensemble import BatchEnsembleConv2d, BatchEnsembleLinear, batch_ensemble, fast_parameters
+from dbsn.nets.batch_ensemble import member_biases as biases
 from tests.support.configs import TINY, compose_config, configured_optimizers
 from tests.support.netutil import set_random_affine
 

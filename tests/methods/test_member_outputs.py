@@ -8,8 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbsn.methods import (DBSN, DDU, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, Masksembles, MCDropoutWeights,
-                          PackedEnsemble, Prediction, Rank1BNN)
+from dbsn.methods import (
+    DBSN,
+    DDU,
+    MAP,
+    MIMO,
+    SNGP,
+    BatchEnsemble,
+    DeepEnsemble,
+    Masksembles,
+    MCDropoutWeights,
+    PackedEnsemble,
+    Prediction,
+    Rank1BNN,
+)
 from dbsn.nets import ResNet18
 from dbsn.testing import check_method
 from tests.support.netutil import tiny_structure_net

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.methods import MIMO
-from dbsn.nets import Backbone, StructureNet, VGG16BN
+from dbsn.nets import VGG16BN, Backbone, StructureNet
 from dbsn.nets.mimo import mimo, stem_of
 from dbsn.nets.resnet import ResNet18
 from dbsn.nets.wideresnet import WideResNet

@@ -18,7 +18,14 @@ from dbsn.methods import MAP, BatchEnsemble, Prediction, Rank1BNN
 from dbsn.nets import StructureNet
 from dbsn.nets.batch_ensemble import fast_parameters, member_biases
 from dbsn.nets.rank1 import rank1_layers, scale_parameters
-from tests.support.configs import ROOT, TINY, compose_config, configured_optimizers, evaluate_quietly, evaluate_the_whole_suite
+from tests.support.configs import (
+    ROOT,
+    TINY,
+    compose_config,
+    configured_optimizers,
+    evaluate_quietly,
+    evaluate_the_whole_suite,
+)
 from tests.support.netutil import set_random_affine
 from tests.support.scripts import run_python
 

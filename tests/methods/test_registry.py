@@ -9,8 +9,15 @@ import pytest
 
 import dbsn
 from dbsn.methods import MAP
-from dbsn.methods.registry import (REPORT_ORDER, METHOD_ORDER, field_backbones, method_config, method_configs,
-                                   method_name, method_order)
+from dbsn.methods.registry import (
+    METHOD_ORDER,
+    REPORT_ORDER,
+    field_backbones,
+    method_config,
+    method_configs,
+    method_name,
+    method_order,
+)
 
 # What each method is, as the hand-kept lists the registry replaced said it (compare's METHODS,
 # STRUCTURE_SAMPLING, FIXED_MEMBERS, VOGN_METHODS' learning-rate key, the deep ensemble's members):

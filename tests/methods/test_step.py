@@ -13,11 +13,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dbsn.methods.base
 import dbsn.methods.training
-from dbsn.methods import DBSN, Execution, MAP, WeightOptimizer
+from dbsn.methods import DBSN, MAP, Execution, WeightOptimizer
 from dbsn.methods.step import FiniteGuard, NonFiniteLossError
 from dbsn.nets import StructureNet
 from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.tools.bench.step import HOST_READS, OpCounter
+
 
 class _CountInSteps(pl.Callback):
     """Counts the host reads (`dbsn.tools.bench.step.HOST_READS`) within every training step,
@@ -77,7 +78,7 @@ def test_the_count_sees_the_immediate_nan_check(monkeypatch):
 class _EagerGraph:
     """Stands in for `GraphedStep` on the CPU: runs the step eagerly, as a replay would run it."""
 
-    instances: list["_EagerGraph"] = []
+    instances: list[_EagerGraph] = []
 
     def __init__(self, body, zero) -> None:
         self.body, self.zero, self.calls = body, zero, 0

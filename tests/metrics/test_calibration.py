@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from dbsn.metrics.calibration import (
-    squared_calibration_error,
     adaptive_expected_calibration_error,
     calibration_metrics,
     classwise_expected_calibration_error,
+    squared_calibration_error,
 )
 from dbsn.metrics.classification import expected_calibration_error
 from tests.support.fakedata import CRAFTED_PROBS, CRAFTED_TARGET

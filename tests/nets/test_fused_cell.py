@@ -17,6 +17,7 @@ from dbsn.nets.batchnorm import accumulated_running_statistics, structure_statis
 from dbsn.nets.fused_cell import unfuse
 from tests.support.netutil import soft_alpha
 
+
 def _assert_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
     """Equal to 1e-12 of the tensor's scale (float64 round-off of sums taken in another order)."""
     scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0

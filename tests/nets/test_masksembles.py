@@ -14,8 +14,17 @@ import torch
 from torch import nn
 
 from dbsn.nets import ResNet18, StructureNet
-from dbsn.nets.masksembles import (MaskedConv2d, MaskedLinear, draw_masks, generate_masks, mask_overlap, masked_layers,
-                                   masks_for_channels, masksembles, union_size)
+from dbsn.nets.masksembles import (
+    MaskedConv2d,
+    MaskedLinear,
+    draw_masks,
+    generate_masks,
+    mask_overlap,
+    masked_layers,
+    masks_for_channels,
+    masksembles,
+    union_size,
+)
 
 
 def _pairwise(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

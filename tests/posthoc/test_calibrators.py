@@ -12,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from dbsn.methods.temperature import TemperatureScaler
-from dbsn.posthoc.calibrators import (FLOOR, DirichletCalibration, HistogramBinning, IsotonicCalibration,
-                                      TemperatureScaling, floored_log)
+from dbsn.posthoc.calibrators import (
+    FLOOR,
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    TemperatureScaling,
+    floored_log,
+)
 from dbsn.posthoc.calibrators.dirichlet import LOG_EPS, ODIR_GRID, dirichlet_objective
 
 C = 5

@@ -36,8 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.functional import hessian, jacobian
 
-from dbsn.posthoc.calibrators import (DirichletCalibration, HistogramBinning, IsotonicCalibration, PosthocCalibration,
-                                      TemperatureScaling, validation_predictive)
+from dbsn.posthoc.calibrators import (
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    PosthocCalibration,
+    TemperatureScaling,
+    validation_predictive,
+)
 from dbsn.posthoc.calibrators.dirichlet import ODIR_GRID
 from dbsn.posthoc.laplace import LastLayerLaplace
 from tests.posthoc.test_calibrators import C, miscalibrated

@@ -16,8 +16,14 @@ import torch
 import dbsn.runtime.run
 from dbsn.methods import DBSN, MAP, DeepEnsemble, Prediction
 from dbsn.posthoc.base import PosthocError
-from dbsn.posthoc.snapshot_ensemble import (STATE_KEY, SnapshotCollector, SnapshotEnsemble, SnapshotEnsembleMethod,
-                                            SnapshotSchedule, load_snapshot_state)
+from dbsn.posthoc.snapshot_ensemble import (
+    STATE_KEY,
+    SnapshotCollector,
+    SnapshotEnsemble,
+    SnapshotEnsembleMethod,
+    SnapshotSchedule,
+    load_snapshot_state,
+)
 from dbsn.runtime.checkpoint import load_checkpoint
 from dbsn.sampling import CyclicalSchedule
 from tests.support.configs import TINY, compose_config, evaluate_quietly, evaluate_the_whole_suite

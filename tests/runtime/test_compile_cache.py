@@ -10,8 +10,13 @@ import torch
 
 from dbsn.methods import DBSN, Compilation, Execution
 from dbsn.nets import StructureNet
-from dbsn.runtime.compile_cache import (CACHE_FILE, CompileCache, compile_cache_callbacks, load_compile_cache,
-                                        save_compile_cache)
+from dbsn.runtime.compile_cache import (
+    CACHE_FILE,
+    CompileCache,
+    compile_cache_callbacks,
+    load_compile_cache,
+    save_compile_cache,
+)
 
 
 def _serialised(monkeypatch, data: bytes | None) -> None:

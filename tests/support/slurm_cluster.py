@@ -128,7 +128,7 @@ class LocalSlurmCluster:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr}{self.logs()}")
         return done
 
-    def start(self) -> "LocalSlurmCluster":
+    def start(self) -> LocalSlurmCluster:
         self._write_files()
         f = self.folder
         try:

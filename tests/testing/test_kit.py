@@ -7,12 +7,16 @@ import importlib
 import sys
 
 import pytest
-import torch
 
 from dbsn.evaluation.detection import EnergyScore, KNNScore, MahalanobisScore, MaxLogitScore, ODINScore, ViMScore
 from dbsn.methods import DBSN, MAP, DeepEnsemble, Prediction
-from dbsn.posthoc.calibrators import (Calibrator, DirichletCalibration, HistogramBinning, IsotonicCalibration,
-                                      TemperatureScaling)
+from dbsn.posthoc.calibrators import (
+    Calibrator,
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    TemperatureScaling,
+)
 from dbsn.testing import check_calibrator, check_evaluation, check_method, check_ood_score, make_subject, tiny_net
 from tests.docs.test_extending import page_files
 

@@ -15,8 +15,14 @@ import torch
 from torch import Tensor
 
 from dbsn.data.augment import normalize, to_unit_range
-from dbsn.evaluation.attacks import (ATTACKS, PAPER_EPSILONS, RESULT_COLUMNS, ExampleChunkedNLL, adversarial_evaluation,
-                                    adversarial_figure)
+from dbsn.evaluation.attacks import (
+    ATTACKS,
+    PAPER_EPSILONS,
+    RESULT_COLUMNS,
+    ExampleChunkedNLL,
+    adversarial_evaluation,
+    adversarial_figure,
+)
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from lightning.pytorch.callbacks import Callback
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from dbsn.methods.predictive import PredictedBatch

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from dbsn.methods.registry import builds_backbone, field_backbones, method_name as infer_method
+from dbsn.methods.registry import builds_backbone, field_backbones
+from dbsn.methods.registry import method_name as infer_method
 
 CONFIG_FILE = "resolved_config.yaml"   # the resolved run config; DDP children and the report read it
 CHECKPOINT_DIR = "checkpoints"

@@ -22,16 +22,23 @@ in the subject's `cache`, so that the conformal sets under shift (`dbsn.evaluati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from rich.console import Console
 
-from dbsn.data.shift import (CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, check_corrupted_files, corrupted_split,
-                             is_generated, write_generated_set)
+from dbsn.data.shift import (
+    CORRUPTIONS,
+    GENERATED_STANDARD,
+    SEVERITIES,
+    check_corrupted_files,
+    corrupted_split,
+    is_generated,
+    write_generated_set,
+)
 from dbsn.evaluation.base import Evaluation, Subject
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results

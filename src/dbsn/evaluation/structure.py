@@ -16,8 +16,8 @@ methods without a learned structure (MAP-fixed α, ensembles) silently.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import lightning.pytorch as pl
 import torch

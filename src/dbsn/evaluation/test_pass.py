@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from dbsn import __version__
-from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, COLUMNS as ABLATION_COLUMNS, ablation_figure
+from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, ablation_figure
+from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.recorder import PredictionRecorder, sample_ablation

@@ -40,15 +40,15 @@ import torch
 from torch import Tensor, nn
 
 from dbsn.methods.features import MemberFeatures
-from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
 from dbsn.methods.predictive import BayesEnsemble, EnsembleStream, PredictedBatch
 from dbsn.methods.settings import Execution, Prediction, WeightOptimizer
+from dbsn.methods.step import GraphedForward
+from dbsn.methods.tasks import Classification
+from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
 from dbsn.methods.training import TrainingLoop
 from dbsn.methods.weights import WeightPosterior
-from dbsn.metrics.uncertainty import uncertainty_decomposition
-from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
-from dbsn.methods.step import GraphedForward
+from dbsn.metrics.uncertainty import uncertainty_decomposition
 
 #: How several devices share a training step (see `Method`'s `parallel`).
 Parallel = Literal["data", "structure"]

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from dbsn.methods.base import Method, Parallel
 from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
-from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
+from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 
 
 @dataclass

@@ -11,9 +11,9 @@ p(y|x) = 1/M Σ_m p_m(y|x), where each p_m is itself a Bayes ensemble for stocha
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn

@@ -37,7 +37,6 @@ from dbsn.methods.single_pass import SinglePassEnsemble
 from dbsn.methods.tasks import Segmentation
 from dbsn.nets.mimo import mimo
 
-
 #: How the members' NLLs make the loss: "sum" (uncertainty-baselines' mimo.py: their lr and L2 apply
 #: unchanged) or "mean" (torch-uncertainty's routine, the mean over all rows; an optimiser recipe written
 #: for one network's mean NLL, e.g. the DBSN paper's, then gives the same step).

@@ -42,7 +42,7 @@ bf16 precision (16-bit mixed precision steps the optimiser without a closure).
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -50,9 +50,9 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
-from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
+from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss
 from dbsn.natgrad.nekfac import _split, kfac_layers
 from dbsn.nets.fused_cell import unfuse

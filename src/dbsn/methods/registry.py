@@ -121,9 +121,8 @@ def _model_configs(folders: tuple[Path, ...]) -> dict[str, dict]:
     Hydra instance, which a running Hydra app (an evaluation sweep building its report) holds."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
-    from hydra.types import RunMode
-
     from hydra.core.config_search_path import SearchPathQuery
+    from hydra.types import RunMode
 
     search_path = create_config_search_path(str(folders[0]))  # with the extensions' (dbsn's search-path plugin)
     for folder in folders[1:]:

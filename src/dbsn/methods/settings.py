@@ -7,8 +7,9 @@ temperature scaling) and how its network runs (`Execution`: memory layout, convo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import nn

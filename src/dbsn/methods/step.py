@@ -23,8 +23,8 @@ pieces of the step that used to do so or that a graph needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 from torch import Tensor

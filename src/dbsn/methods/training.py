@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 
-from lightning.pytorch.utilities import rank_zero_info
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dbsn.methods.step import FiniteGuard, GraphedStep, NonFiniteLossError

@@ -84,8 +84,8 @@ from ``dbsn.natgrad.per_example``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F

@@ -19,8 +19,8 @@ training, so one grouped forward equals G separate forwards. Three tools build o
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F

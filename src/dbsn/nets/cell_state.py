@@ -11,7 +11,7 @@ transformed layers (Gaussian weights' μ and ρ, BatchEnsemble's fast weights) c
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

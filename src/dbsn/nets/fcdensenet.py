@@ -17,7 +17,7 @@ reflect) and the logits are cropped back, so the output has the input's spatial 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

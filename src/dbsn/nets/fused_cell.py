@@ -29,7 +29,7 @@ cell's layers in ways that need an op per edge (`refuse_fused`).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn

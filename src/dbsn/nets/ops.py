@@ -15,7 +15,7 @@ per structure. Modules therefore take ``forward(x, groups)``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from dbsn.methods.base import Method
-from dbsn.methods.settings import Execution, Prediction
 from dbsn.methods.map import MAP
+from dbsn.methods.settings import Execution, Prediction
 from dbsn.methods.tasks import Segmentation
 
 __all__ = ["FixedStructureNetwork", "FixedStructurePosterior", "point_estimate_structure"]

@@ -31,7 +31,14 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from dbsn import __version__
 from dbsn.evaluation.runs import RUN_ID_KEY
 from dbsn.runtime.disk import OutputError, disk_problem
-from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
+from dbsn.runtime.integrity import (
+    DIGEST_KEY,
+    VERSION_KEY,
+    CheckpointError,
+    checkpoint_digest,
+    read_checkpoint,
+    with_digest,
+)
 
 __all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
            "RunConfigCallback", "check_resume_checkpoint", "checkpoint_digest", "load_checkpoint", "upgrade_config",

@@ -31,14 +31,15 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from dbsn.runtime.config import ConfigError
 from dbsn.evaluation.runs import SLURM_FILE
+from dbsn.runtime.config import ConfigError
 
 GPU_ACCELERATORS = ("auto", "gpu", "cuda")  # on a GPU cluster, "auto" means the GPUs
 
@@ -411,7 +412,7 @@ class PreemptionRequeue(pl.Callback):
     """Requeue the job at the next epoch boundary after submitit's preemption/time-out signal (see
     the module docstring), or when the grace period runs out, whichever comes first."""
 
-    active: "PreemptionRequeue | None" = None  # the one installed in this process
+    active: PreemptionRequeue | None = None  # the one installed in this process
 
     def __init__(self, requeue: Callable[[], None], grace_s: float) -> None:
         self.requeue, self.grace_s = requeue, grace_s

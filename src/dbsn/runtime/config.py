@@ -19,7 +19,8 @@ import os
 import shutil
 import types
 import typing
-from typing import Any, Iterable, Literal, Union
+from collections.abc import Iterable
+from typing import Any, Literal, Union
 
 import torch
 from hydra.utils import get_object, instantiate
@@ -436,7 +437,7 @@ def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", 
     and `callbacks` a mapping of named objects (each with `_target_`, or null), `statistics` and
     `report` their settings only. A malformed file of a user's extension (a YAML list or string)
     is named here, not met later as an AttributeError."""
-    from dbsn.runtime.origin import malformed, set_by
+    from dbsn.runtime.origin import malformed
 
     for section in sections:
         if section in cfg:

@@ -5,7 +5,7 @@ origins, the trainer's settings): a `ConfigError` says what is wrong and what wo
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["ConfigError", "UnknownKeysError", "suggest"]
 

@@ -78,16 +78,16 @@ class RunInterrupted(BaseException):
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a user can fix (imported when needed: the entry points import nothing heavy before
     Hydra has parsed the command line)."""
+    from hydra.errors import ConfigCompositionException  # a tool's compose of a mistaken override
+
     from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
     from dbsn.evaluation.base import EvaluationError
+    from dbsn.extensions import ExtensionError
     from dbsn.methods.step import NonFiniteLossError
     from dbsn.methods.temperature import NoValidationSplitError
     from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
-    from hydra.errors import ConfigCompositionException  # a tool's compose of a mistaken override
-
-    from dbsn.extensions import ExtensionError
     from dbsn.runtime.disk import OutputError
 
     return (ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError,

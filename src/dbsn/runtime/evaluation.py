@@ -22,6 +22,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dbsn import conf_choices
 from dbsn.data.base import DatasetNotFoundError
 from dbsn.evaluation.base import EvaluationError
 from dbsn.evaluation.pipeline import Evaluator
@@ -30,7 +31,6 @@ from dbsn.evaluation.statistics import Statistics
 from dbsn.methods import DBSN, Method
 from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
-from dbsn import conf_choices
 from dbsn.runtime.config import ConfigError, check_node
 from dbsn.runtime.evaluation_folder import evaluation_folder  # re-exported: where one model's results go
 from dbsn.runtime.memory import release_freed_memory

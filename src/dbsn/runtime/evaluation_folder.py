@@ -19,8 +19,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dbsn.evaluation.identity import (checkpoint_identity, describe_checkpoint, disagreement, read_checkpoint, read_json,
-                                      same_checkpoint, stored_digest)
+from dbsn.evaluation.identity import (
+    checkpoint_identity,
+    describe_checkpoint,
+    disagreement,
+    read_checkpoint,
+    read_json,
+    same_checkpoint,
+    stored_digest,
+)
 from dbsn.evaluation.runs import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.runtime.config import ConfigError

@@ -39,7 +39,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from dbsn import __version__
-from dbsn.evaluation.runs import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE, read_run_record)
+from dbsn.evaluation.runs import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE, read_run_record
 from dbsn.runtime.config import ConfigError
 
 __all__ = ["LOCK_FILE", "RunFolder", "RunFolderCheck", "check_run_folder", "check_writable", "claim_run_folder",

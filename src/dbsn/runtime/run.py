@@ -28,29 +28,64 @@ from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report, check_sweep_report_folder
 from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE, read_run_record, run_checkpoint
 from dbsn.methods import DeepEnsemble, Method
-from dbsn.runtime.build import (build_model, build_trainer, count_parameters, device_of, init_weights,
-                                instantiate_group, load_method, with_facts)
-from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigCallback, check_resume_checkpoint,
-                                     load_checkpoint)
+from dbsn.runtime.build import (
+    build_model,
+    build_trainer,
+    count_parameters,
+    device_of,
+    init_weights,
+    instantiate_group,
+    load_method,
+    with_facts,
+)
+from dbsn.runtime.checkpoint import (
+    CONFIG_KEY,
+    RandomStateCallback,
+    RunConfigCallback,
+    check_resume_checkpoint,
+    load_checkpoint,
+)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.compile_cache import compile_cache_callbacks
 from dbsn.runtime.config import ConfigError, check_evaluate_config, check_trainer, to_plain, validate_config
-from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
-from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior,
-                                     check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
-                                     evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
-                                     write_posthoc_run)
-from dbsn.runtime.evaluation_folder import (check_folder, check_run_files, evaluation_record, evaluation_settings,
-                                            identify)
-from dbsn.runtime.memory import keep_freed_memory
-from dbsn.runtime.preflight import check_run_length, check_trained
-from dbsn.runtime.resume import check_resume, resume_callbacks
-from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.disk import OutputError, disk_problem
 from dbsn.runtime.errors import RunInterrupted
+from dbsn.runtime.evaluation import (
+    apply_overrides,
+    build_evaluator,
+    build_posterior,
+    check_prediction_overrides,
+    checkpoint_paths,
+    evaluation_data,
+    evaluation_folder,
+    evaluation_samples,
+    fatal_in_a_sweep,
+    fit_posterior,
+    statistics_of,
+    write_posthoc_run,
+)
+from dbsn.runtime.evaluation_folder import (
+    check_folder,
+    check_run_files,
+    evaluation_record,
+    evaluation_settings,
+    identify,
+)
+from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
+from dbsn.runtime.memory import keep_freed_memory
+from dbsn.runtime.preflight import check_run_length, check_trained
+from dbsn.runtime.rank import is_rank_zero
+from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.signals import current_watch, interruptible
-from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
-                                    stable_wandb_id, with_identity)
+from dbsn.runtime.wandb_run import (
+    close_loggers,
+    evaluation_loggers,
+    run_facts,
+    run_group,
+    run_name,
+    stable_wandb_id,
+    with_identity,
+)
 
 __all__ = ["checkpoint_to_resume", "evaluate", "evaluate_checkpoints", "evaluate_folder", "train"]
 

@@ -11,8 +11,8 @@ anything is trained or submitted.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 

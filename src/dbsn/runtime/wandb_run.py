@@ -22,14 +22,22 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from dbsn.evaluation.runs import (CONFIG_FILE, WANDB_ID_FILE, backbone_of, hydra_choices, load_run_config,
-                                  method_and_dataset, sweep_of)
+from dbsn.evaluation.runs import (
+    CONFIG_FILE,
+    WANDB_ID_FILE,
+    backbone_of,
+    hydra_choices,
+    load_run_config,
+    method_and_dataset,
+    sweep_of,
+)
 from dbsn.runtime.build import instantiate_group, with_facts
 from dbsn.runtime.config import to_plain
 from dbsn.runtime.rank import is_rank_zero

@@ -154,7 +154,6 @@ def data_choices() -> list[str]:
     from hydra.utils import get_class
 
     from dbsn.data import ImageClassificationDataModule
-
     from dbsn.extensions import config_dirs
 
     return sorted({path.stem for folder in config_dirs() for path in (folder / "data").glob("*.yaml")

@@ -12,8 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dbsn.evaluation.runs import (CONFIG_FILE, METRICS_FILE, OUTSIDE_THE_RUN, flatten_config, load_run_config,
-                                 read_run_record, under)
+from dbsn.evaluation.runs import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    OUTSIDE_THE_RUN,
+    flatten_config,
+    load_run_config,
+    read_run_record,
+    under,
+)
 from dbsn.runtime.config import ConfigError
 
 __all__ = ["COMPARISON_FILES", "check_output", "finished_run", "finished_tuning_run", "validated"]

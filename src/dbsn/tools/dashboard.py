@@ -29,8 +29,8 @@ from typing import Literal
 from dbsn.data.shift import SEVERITIES
 from dbsn.evaluation.detection import DetectionScores
 from dbsn.evaluation.ood import OOD_SCORES
-from dbsn.evaluation.test_pass import SELECTIVE_SCORES
 from dbsn.evaluation.shift import SHIFT_METRICS
+from dbsn.evaluation.test_pass import SELECTIVE_SCORES
 from dbsn.evaluation.tracking import EPOCH, summary_key
 from dbsn.runtime.config import CONF_DIR
 

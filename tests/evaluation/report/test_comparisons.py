@@ -189,8 +189,8 @@ def _ensemble_run(folder: Path, seed: int, sizes: list[int], statistics: Statist
     """A deep-ensemble run whose ablation saved each size's per-example calibrated NLL, as an evaluation
     writes it: predictions of its last size, a curve falling with its size."""
     from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
-    from dbsn.evaluation.report.comparisons import _calibrated_nll
     from dbsn.evaluation.report.collect import Run
+    from dbsn.evaluation.report.comparisons import _calibrated_nll
 
     predictions = _predictions(40 + seed, 0.85, 0.75)
     _run(folder, "deep_ensemble", seed, predictions)

@@ -15,8 +15,14 @@ from scipy.stats import norm, t
 from dbsn.evaluation.report.collect import Run
 from dbsn.evaluation.report.format import SEEDS_AND_TEST, SEEDS_AND_TEST_BOUND, TEST_ONLY, seed_cell, t_interval
 from dbsn.evaluation.report.population import PopulationCells
-from dbsn.evaluation.report.seeds import (bounded_covariance, combine_seeds, holm_note, holm_reachable, holm_threshold,
-                                          resampled_covariance)
+from dbsn.evaluation.report.seeds import (
+    bounded_covariance,
+    combine_seeds,
+    holm_note,
+    holm_reachable,
+    holm_threshold,
+    resampled_covariance,
+)
 from dbsn.evaluation.statistics import Statistics
 from dbsn.metrics.intervals import weighted_error
 

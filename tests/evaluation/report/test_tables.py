@@ -5,8 +5,8 @@ the `outputs` fixture) gathered into tables whose numbers are checked by hand.
 from __future__ import annotations
 
 import csv
-import re
 import json
+import re
 from pathlib import Path
 
 import numpy as np

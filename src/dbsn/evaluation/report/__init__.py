@@ -37,11 +37,10 @@ from datetime import datetime
 from pathlib import Path
 
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
-from dbsn.evaluation.report.folder import ReportError, ReportFolder
-from dbsn.evaluation.report.pooling import REPEAT, pool_runs
-from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.evaluation.report.comparisons import equivalent_section, paired_section
+from dbsn.evaluation.report.folder import ReportError, ReportFolder
 from dbsn.evaluation.report.format import UNCONVERGED_MARK, show
+from dbsn.evaluation.report.pooling import REPEAT, pool_runs
 from dbsn.evaluation.report.population import PopulationCells
 from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.sections.ablation import ablation_section
@@ -58,6 +57,7 @@ from dbsn.evaluation.report.sections.selective import selective_section
 from dbsn.evaluation.report.sections.shift import shift_section
 from dbsn.evaluation.report.sections.tuning import tuning_section
 from dbsn.evaluation.report.writer import write_csv, write_markdown
+from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.evaluation.statistics import Statistics
 
 __all__ = ["Report", "ReportError", "Run", "build_report", "build_sweep_report", "check_sweep_report_folder"]

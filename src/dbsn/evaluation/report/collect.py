@@ -14,7 +14,8 @@ import yaml
 from dbsn.evaluation.convergence import convergence
 from dbsn.evaluation.identity import examine
 from dbsn.evaluation.report.folder import ReportFolder
-from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
+from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, method_and_dataset
+from dbsn.evaluation.runs import hydra_choices as _choices
 
 # <run>/posthoc/<name> is a run of its own; `dbsn-compare --tune`'s tuning runs (never tested) are read from
 # the tuned run's tuning.json, not as runs

@@ -53,13 +53,23 @@ from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.ce2_pairs import CE2_ROWS, ce2_differences
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
-from dbsn.evaluation.report.seeds import (SeedLevel, combine_seeds, holm_note, holm_reachable, holm_threshold,
-                                         resampled_covariance)
+from dbsn.evaluation.report.seeds import (
+    SeedLevel,
+    combine_seeds,
+    holm_note,
+    holm_reachable,
+    holm_threshold,
+    resampled_covariance,
+)
 from dbsn.evaluation.report.writer import write_section
 from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
-from dbsn.metrics.ensemble_equivalent import (METHOD_RUNS, deep_ensemble_equivalent,
-                                             deep_ensemble_equivalent_interval, equivalent_interval)
 from dbsn.methods.registry import METHOD_ORDER
+from dbsn.metrics.ensemble_equivalent import (
+    METHOD_RUNS,
+    deep_ensemble_equivalent,
+    deep_ensemble_equivalent_interval,
+    equivalent_interval,
+)
 from dbsn.metrics.intervals import weighted_brier, weighted_error, weighted_nll, weighted_squared_calibration_error
 
 __all__ = ["PAIRED_METRICS", "SeedLevel", "combine_seeds", "equivalent_section", "holm", "paired_differences",

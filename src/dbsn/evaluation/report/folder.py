@@ -48,7 +48,7 @@ class ReportFolder:
     previous: dict[str, str | None] = field(default_factory=dict)  # the last report's files, by name
     written: dict[str, str | None] = field(default_factory=dict)   # this report's, by name (None: being written)
 
-    def check(self) -> "ReportFolder":
+    def check(self) -> ReportFolder:
         """Refuse, naming the files, a folder that holds anything this report did not write."""
         out = Path(self.path)
         if out.exists() and not out.is_dir():

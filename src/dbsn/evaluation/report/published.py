@@ -28,8 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import (DATASET_ORDER, INTERVAL_MARKS_NOTE, fmt, md_table, mean_std, order,
-                                          run_bounds)
+from dbsn.evaluation.report.format import DATASET_ORDER, INTERVAL_MARKS_NOTE, fmt, md_table, mean_std, order, run_bounds
 from dbsn.evaluation.report.writer import write_csv
 
 

@@ -89,7 +89,7 @@ def _is_cast(name: str, args, kwargs) -> bool:
 class _Tagging(TorchFunctionMode):
     """Writes the current module category into the metadata of every autograd node a call creates."""
 
-    def __init__(self, owner: "Categories") -> None:
+    def __init__(self, owner: Categories) -> None:
         super().__init__()
         self.owner = owner
 

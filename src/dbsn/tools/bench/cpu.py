@@ -64,9 +64,18 @@ from datetime import date
 import torch
 
 from dbsn.evaluation.progress import progress
+from dbsn.methods import (
+    DBSN,
+    MAP,
+    Compilation,
+    Execution,
+    GaussianWeights,
+    MCDropoutWeights,
+    NEKFACMethod,
+    Prediction,
+    VOGNMethod,
+)
 from dbsn.methods.predictive import BayesEnsemble
-from dbsn.methods import (DBSN, MAP, Compilation, Execution, GaussianWeights, MCDropoutWeights, NEKFACMethod, Prediction,
-                          VOGNMethod)
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory

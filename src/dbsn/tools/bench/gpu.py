@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 
-from dbsn.evaluation.cost import flop_counter_mode
-from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
+from dbsn.evaluation.cost import flop_counter_mode
 from dbsn.methods import DBSN, Compilation, Execution, Prediction
 from dbsn.methods.step import GraphedStep
 from dbsn.nets import StructureNet
+from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 
 #: configuration: (precision, cell, how the step runs: eager | graph | compile)
 CONFIGS = {

@@ -57,7 +57,7 @@ def _notes(runs: list[Run]) -> str:
     validation split (DDU's authors' 5,000 of 50,000), a sampler's temperature and its noise, a
     post-hoc posterior fitted after its run."""
     notes = []
-    held = {(r.config.get("data") or {}).get("val_size") for r in runs} - {None, 0, 0.0}
+    held = {(r.config.get("data") or {}).get("val_size") for r in runs} - {None, 0}
     if held:
         trained = sorted({r.budget.get("train_images") for r in runs} - {None})
         shown = ", ".join(f"{v:,}" if isinstance(v, int) else f"{v:g}" for v in sorted(held, key=float))

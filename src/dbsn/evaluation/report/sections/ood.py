@@ -11,8 +11,18 @@ import numpy as np
 
 from dbsn.evaluation.ood import entropy_cdf_figure
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import (INTERVAL_MARKS_NOTE, NUM_CLASSES, OOD_METRICS, STATS, fmt, md_table,
-                                          mean_std, order, short, slug)
+from dbsn.evaluation.report.format import (
+    INTERVAL_MARKS_NOTE,
+    NUM_CLASSES,
+    OOD_METRICS,
+    STATS,
+    fmt,
+    md_table,
+    mean_std,
+    order,
+    short,
+    slug,
+)
 from dbsn.evaluation.report.writer import write_figure, write_section
 from dbsn.methods.registry import METHOD_ORDER
 
