@@ -12,14 +12,21 @@ returns what it checked.
 """
 
 from dbsn.testing.checks import (
-                                 check_calibrator,
-                                 check_evaluation,
-                                 check_method,
-                                 check_ood_score,
-                                 make_subject,
-                                 miscalibrated,
-                                 tiny_net,
+    check_calibrator,
+    check_evaluation,
+    check_method,
+    check_ood_score,
+    make_subject,
+    miscalibrated,
+    tiny_net,
 )
 
-__all__ = ["check_calibrator", "check_evaluation", "check_method", "check_ood_score", "make_subject",
-           "miscalibrated", "tiny_net"]
+__all__ = [
+    "check_calibrator",
+    "check_evaluation",
+    "check_method",
+    "check_ood_score",
+    "make_subject",
+    "miscalibrated",
+    "tiny_net",
+]

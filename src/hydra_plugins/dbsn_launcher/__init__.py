@@ -55,8 +55,9 @@ class DBSNSlurmLauncher(SlurmLauncher):
             print(f"Error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict) -> Any:
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict
+    ) -> Any:
         from dbsn.runtime.cluster import (
             install_preemption_handler,
             job_overrides_with_resume,
