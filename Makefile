@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
+.PHONY: env lint train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
 ## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
@@ -39,7 +39,12 @@ evaluate: $(STAMP)
 ## with default threads on two cores spin against each other), each test file on one worker (its
 ## module fixtures, the SLURM cluster among them, are made once), the longest files first (tests/conftest.py).
 ## compileall: the package's .pyc too, for the suite's many processes (it prints only a file that does not compile).
-test: $(STAMP)
+## The lint and format gate (ruff, settings in pyproject.toml); `make test` runs it first, so CI gates on it.
+## After a merge: `$(PY) -m ruff check --fix . && $(PY) -m ruff format .`
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+test: $(STAMP) lint
 	$(PY) -m compileall -q src
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -4,8 +4,8 @@ See dbsn.tools.refine: trains M fixed-structure networks on structures drawn fro
 and M networks sharing one structure, and reports both ensembles' test metrics.
 """
 
-from dbsn.tools.refine import main
 from dbsn.runtime.errors import one_line_errors
+from dbsn.tools.refine import main
 
 if __name__ == "__main__":
     one_line_errors(main)()

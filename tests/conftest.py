@@ -28,12 +28,25 @@ signal.signal(signal.SIGTERM, _terminated)
 #: collection order, so a long file collected last would run alone at the end while the other worker
 #: idles. (Without `--no-loadscope-reorder` xdist sorts the files by their number of tests instead,
 #: and the SLURM file, six long tests, started near the end.)
-LONGEST_FIRST = ("tests/runtime/test_cluster.py", "tests/tools/test_dashboard.py", "tests/runtime/test_cli.py",
-                 "tests/evaluation/test_pipeline.py", "tests/tools/test_fair_protocol.py", "tests/tools/test_compare.py",
-                 "tests/methods/test_base.py", "tests/faults/test_folders.py", "tests/runtime/test_errors.py",
-                 "tests/faults/test_settings.py", "tests/faults/test_signals.py", "tests/methods/test_csgmcmc.py",
-                 "tests/docs/test_extending.py", "tests/tools/bench/test_gpu.py",
-                 "tests/methods/test_regional_compile.py", "tests/tools/test_refine.py", "tests/nets/test_classifier.py")
+LONGEST_FIRST = (
+    "tests/runtime/test_cluster.py",
+    "tests/tools/test_dashboard.py",
+    "tests/runtime/test_cli.py",
+    "tests/evaluation/test_pipeline.py",
+    "tests/tools/test_fair_protocol.py",
+    "tests/tools/test_compare.py",
+    "tests/methods/test_base.py",
+    "tests/faults/test_folders.py",
+    "tests/runtime/test_errors.py",
+    "tests/faults/test_settings.py",
+    "tests/faults/test_signals.py",
+    "tests/methods/test_csgmcmc.py",
+    "tests/docs/test_extending.py",
+    "tests/tools/bench/test_gpu.py",
+    "tests/methods/test_regional_compile.py",
+    "tests/tools/test_refine.py",
+    "tests/nets/test_classifier.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,8 +72,9 @@ def cifar10_files(tmp_path_factory):
 
     def root(n_train: int, n_test: int, seed: int = 0):
         if (n_train, n_test, seed) not in written:
-            written[n_train, n_test, seed] = write_cifar10(tmp_path_factory.mktemp("cifar"), n_train=n_train,
-                                                           n_test=n_test, seed=seed)
+            written[n_train, n_test, seed] = write_cifar10(
+                tmp_path_factory.mktemp("cifar"), n_train=n_train, n_test=n_test, seed=seed
+            )
         return written[n_train, n_test, seed]
 
     return root

@@ -26,8 +26,10 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names]
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                ]
             edges |= {t for t in targets if t in modules and t != name}
         graph[name] = edges
     return graph
@@ -42,7 +44,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         state[node] = 2
@@ -69,14 +71,22 @@ def test_no_import_cycles_in_the_package():
 #: The floors of the house, bottom first: a module imports only from its own package and from
 #: packages on lower floors (packages on one floor may use each other, without cycles).
 FLOORS = (
-    ("precision", "conf", "extensions"),                               # float32 islands; the configs and their extensions
-    ("structure", "nets", "bayes", "natgrad", "sampling", "metrics", "data"),  # distributions, networks, optimisers, measures, data
-    ("methods",),                                                      # a network joined with a distribution
-    ("posthoc",),                                                      # fitted on a finished method
-    ("evaluation",),                                                   # evaluations, their pipeline, the report
-    ("runtime",),                                                      # entry points, launching, checkpoints, config checks
-    ("tools",),                                                        # command-line tools built on the runtime
-    ("api", "testing"),                                                # the public surface and its checks
+    ("precision", "conf", "extensions"),  # float32 islands; the configs and their extensions
+    (
+        "structure",
+        "nets",
+        "bayes",
+        "natgrad",
+        "sampling",
+        "metrics",
+        "data",
+    ),  # distributions, networks, optimisers, measures, data
+    ("methods",),  # a network joined with a distribution
+    ("posthoc",),  # fitted on a finished method
+    ("evaluation",),  # evaluations, their pipeline, the report
+    ("runtime",),  # entry points, launching, checkpoints, config checks
+    ("tools",),  # command-line tools built on the runtime
+    ("api", "testing"),  # the public surface and its checks
 )
 
 
@@ -114,10 +124,15 @@ def test_no_import_runs_up_a_floor():
 
 
 def test_the_floor_check_sees_an_upward_import():
-    graph = {"dbsn.methods.base": {"dbsn.posthoc.laplace", "dbsn.nets.cell"}, "dbsn.runtime.run": {"dbsn.tools.report"},
-             "dbsn.evaluation.ood": {"dbsn.methods.base"}}
-    assert upward_imports(graph) == {"dbsn.methods.base": ["dbsn.posthoc.laplace"],
-                                     "dbsn.runtime.run": ["dbsn.tools.report"]}
+    graph = {
+        "dbsn.methods.base": {"dbsn.posthoc.laplace", "dbsn.nets.cell"},
+        "dbsn.runtime.run": {"dbsn.tools.report"},
+        "dbsn.evaluation.ood": {"dbsn.methods.base"},
+    }
+    assert upward_imports(graph) == {
+        "dbsn.methods.base": ["dbsn.posthoc.laplace"],
+        "dbsn.runtime.run": ["dbsn.tools.report"],
+    }
 
 
 def test_what_goes_to_wandb_sits_below_the_evaluation_suite():

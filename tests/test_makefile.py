@@ -28,11 +28,19 @@ def test_make_evaluate_takes_the_newest_run_that_has_a_checkpoint(tmp_path):
     (tmp_path / "stamp").write_text("")
 
     def make() -> subprocess.CompletedProcess:  # evaluate.py's command echoed, not run
-        return subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "evaluate", "PY=echo",
-                               "STAMP=stamp"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            ["make", "-s", "-f", str(ROOT / "Makefile"), "evaluate", "PY=echo", "STAMP=stamp"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     done = make()
-    assert done.returncode == 0 and f"ckpt_path={trained}/checkpoints/last.ckpt".replace(str(tmp_path) + "/", "") in done.stdout
+    assert (
+        done.returncode == 0
+        and f"ckpt_path={trained}/checkpoints/last.ckpt".replace(str(tmp_path) + "/", "") in done.stdout
+    )
     shutil.rmtree(trained)
     done = make()
     assert done.returncode != 0 and "No make-train run with a checkpoint" in done.stdout

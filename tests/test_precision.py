@@ -50,10 +50,21 @@ def _train_under_bf16(method: str, cifar_root, tmp_path, *extra: str, accelerato
     from tests.support.configs import compose_config, tiny_for
 
     tiny = [o for o in tiny_for(method) if not o.startswith("trainer.accelerator=")]
-    overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=16",
-                 "data.num_workers=0", *tiny, f"trainer.accelerator={accelerator}", "trainer.max_epochs=1",
-                 "trainer.limit_train_batches=2", "trainer.limit_test_batches=1", "trainer.precision=bf16-mixed",
-                 "callbacks.structure_posterior.save_figures=false", *extra]
+    overrides = [
+        f"model={method}",
+        "data=cifar10",
+        f"data.root={cifar_root}",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        *tiny,
+        f"trainer.accelerator={accelerator}",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_test_batches=1",
+        "trainer.precision=bf16-mixed",
+        "callbacks.structure_posterior.save_figures=false",
+        *extra,
+    ]
     metrics = train(compose_config("train", overrides, tmp_path), tmp_path)
     assert all(math.isfinite(v) for v in metrics.values()) and "test/nll" in metrics
     cost = json.loads((tmp_path / "metrics.json").read_text())["cost"]
@@ -103,9 +114,11 @@ def _runs_the_digits_comparison() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _runs_the_digits_comparison(),
-                    reason="no CUDA GPU here: on a CPU the two 15-epoch runs take 6 minutes with native bf16 (2 cores; "
-                           "DBSN_BF16_DIGITS=1 runs them) and over 15 emulated; each method's bf16 training is tested above")
+@pytest.mark.skipif(
+    not _runs_the_digits_comparison(),
+    reason="no CUDA GPU here: on a CPU the two 15-epoch runs take 6 minutes with native bf16 (2 cores; "
+    "DBSN_BF16_DIGITS=1 runs them) and over 15 emulated; each method's bf16 training is tested above",
+)
 def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
     """`make train`'s DBSN (15 epochs on digits), at half its width (growth 8: the test's time),
     trained in float32 and in bf16-mixed from the same seed, side by side with one thread each
@@ -129,12 +142,26 @@ def test_bf16_dbsn_on_digits_lands_near_the_float32_error(tmp_path):
 
     runs = {}
     for precision in ("32-true", "bf16-mixed"):
-        command = [sys.executable, str(ROOT / "train.py"), "experiment=quick", "model.net.growth=8", "model.prediction.n_samples=30",
-                   f"trainer.precision={precision}", "trainer.enable_progress_bar=false",
-                   "callbacks.structure_posterior.save_figures=false", f"hydra.run.dir={tmp_path / precision}",
-                   *(["trainer=gpu"] if torch.cuda.is_available() else [])]
-        runs[precision] = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        command = [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "experiment=quick",
+            "model.net.growth=8",
+            "model.prediction.n_samples=30",
+            f"trainer.precision={precision}",
+            "trainer.enable_progress_bar=false",
+            "callbacks.structure_posterior.save_figures=false",
+            f"hydra.run.dir={tmp_path / precision}",
+            *(["trainer=gpu"] if torch.cuda.is_available() else []),
+        ]
+        runs[precision] = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     errors = {}
     try:
         for precision, process in runs.items():
@@ -161,9 +188,13 @@ def test_bf16_channels_last_is_refused_on_a_cpu_exactly_where_its_gradients_are_
     from dbsn.precision import cpu_bf16_channels_last_is_wrong, dilated_depthwise_bf16_gradient_error
 
     assert dilated_depthwise_bf16_gradient_error(channels_last=False) < 0.02  # bfloat16 round-off
-    asked = OmegaConf.create({"trainer": {"accelerator": "cpu", "precision": "bf16-mixed"}, "model": {"execution": {"channels_last": True}}})
+    asked = OmegaConf.create(
+        {"trainer": {"accelerator": "cpu", "precision": "bf16-mixed"}, "model": {"execution": {"channels_last": True}}}
+    )
     if cpu_bf16_channels_last_is_wrong():
-        with pytest.raises(ConfigError, match="channels_last=true with trainer.precision=bf16-mixed is refused on this CPU"):
+        with pytest.raises(
+            ConfigError, match="channels_last=true with trainer.precision=bf16-mixed is refused on this CPU"
+        ):
             config.check_channels_last(asked)
     else:
         config.check_channels_last(asked)
@@ -175,4 +206,8 @@ def test_bf16_channels_last_is_refused_on_a_cpu_exactly_where_its_gradients_are_
         else:
             config.check_channels_last(asked)
     for fine in ({"precision": "32-true"}, {"accelerator": "gpu", "precision": "bf16-mixed"}):
-        config.check_channels_last(OmegaConf.create({"trainer": {"accelerator": "cpu", **fine}, "model": {"execution": {"channels_last": True}}}))
+        config.check_channels_last(
+            OmegaConf.create(
+                {"trainer": {"accelerator": "cpu", **fine}, "model": {"execution": {"channels_last": True}}}
+            )
+        )

@@ -4,7 +4,6 @@ metrics.json, and a checkpoint from another version loading with one Note line s
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 import pytest

@@ -23,9 +23,17 @@ import pytest
 import dbsn
 from tests.support.configs import ROOT
 
-TINY_RUN = ["experiment=quick", "trainer.max_epochs=1", "model.net.num_nodes=3", "model.net.growth=4",
-            "model.net.stem_channels=8", "model.prediction.n_samples=2", "model.prediction.samples_per_forward=2",
-            "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+TINY_RUN = [
+    "experiment=quick",
+    "trainer.max_epochs=1",
+    "model.net.num_nodes=3",
+    "model.net.growth=4",
+    "model.net.stem_channels=8",
+    "model.prediction.n_samples=2",
+    "model.prediction.samples_per_forward=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
 
 
 def _run(*args, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -46,9 +54,20 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    _run(sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist",
-         cwd=tmp)
-    wheel, = (tmp / "dist").glob("dbsn-*.whl")
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        source,
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        tmp / "dist",
+        cwd=tmp,
+    )
+    (wheel,) = (tmp / "dist").glob("dbsn-*.whl")
     venv = tmp / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp)
     python = venv / "bin" / "python"
@@ -76,8 +95,14 @@ def test_an_installed_wheel_trains_evaluates_and_reports_outside_the_checkout(in
     record = json.loads((run / "metrics.json").read_text())
     assert 0 <= record["metrics"]["test/error"] <= 1
     checkpoint = run / "checkpoints" / "last.ckpt"
-    _run(bin_dir / "dbsn-evaluate", f"ckpt_path={checkpoint}", "n_samples=2", "ablation.sizes=[]",
-         "trainer.enable_progress_bar=false", cwd=tmp_path)
+    _run(
+        bin_dir / "dbsn-evaluate",
+        f"ckpt_path={checkpoint}",
+        "n_samples=2",
+        "ablation.sizes=[]",
+        "trainer.enable_progress_bar=false",
+        cwd=tmp_path,
+    )
     assert (run / "evaluation" / "metrics.json").is_file()
     _run(bin_dir / "dbsn-report", tmp_path / "runs", "--out", tmp_path / "report", "--resamples", "50", cwd=tmp_path)
     assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "runs.csv").is_file()

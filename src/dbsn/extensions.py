@@ -47,19 +47,26 @@ def _entry_point_dirs() -> list[tuple[str, Path]]:
     found = []
     for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
         owner = f"the {ENTRY_POINT_GROUP} entry point {point.name!r}" + (
-            f" of the installed package {point.dist.name}" if getattr(point, "dist", None) else "")
+            f" of the installed package {point.dist.name}" if getattr(point, "dist", None) else ""
+        )
         if ":" in point.value:
-            raise ExtensionError(f"{owner} names {point.value!r}: it must name a package (the config folder), "
-                                 f"e.g. {point.value.split(':')[0]!r}")
+            raise ExtensionError(
+                f"{owner} names {point.value!r}: it must name a package (the config folder), "
+                f"e.g. {point.value.split(':')[0]!r}"
+            )
         try:
             module = importlib.import_module(point.value)
         except Exception as err:  # noqa: BLE001 - any failure of a user's package is reported, in one line
-            raise ExtensionError(f"{owner} names the package {point.value!r}, which does not import "
-                                 f"({type(err).__name__}: {err}); fix or uninstall that package") from err
+            raise ExtensionError(
+                f"{owner} names the package {point.value!r}, which does not import "
+                f"({type(err).__name__}: {err}); fix or uninstall that package"
+            ) from err
         paths = list(getattr(module, "__path__", None) or [])
         if not paths:
-            raise ExtensionError(f"{owner} names {point.value!r}, a module, not a package: point it at the "
-                                 f"package that holds the config groups (a folder with an __init__.py)")
+            raise ExtensionError(
+                f"{owner} names {point.value!r}, a module, not a package: point it at the "
+                f"package that holds the config groups (a folder with an __init__.py)"
+            )
         found.append((owner, Path(paths[0]).resolve()))
     return found
 
@@ -71,8 +78,10 @@ def _variable_dirs() -> list[tuple[str, Path]]:
             continue
         folder = Path(text).expanduser().resolve()
         if not folder.is_dir():
-            raise ExtensionError(f"{SEARCH_PATH_VARIABLE} names {text!r}, which is not a folder: set it to the "
-                                 f"folder that holds the extension's config groups (model/, data/, ...)")
+            raise ExtensionError(
+                f"{SEARCH_PATH_VARIABLE} names {text!r}, which is not a folder: set it to the "
+                f"folder that holds the extension's config groups (model/, data/, ...)"
+            )
         found.append((f"{SEARCH_PATH_VARIABLE}={text}", folder))
     return found
 
@@ -93,8 +102,10 @@ def extension_dirs(conf_dir: Path | None = None) -> list[Path]:
             continue
         for path in sorted(_configs(folder)):
             if path in seen:
-                raise ExtensionError(f"{owner}: its config {path} ({folder / path}) has the name of one of "
-                                     f"{seen[path]}'s, which Hydra would read instead; rename it")
+                raise ExtensionError(
+                    f"{owner}: its config {path} ({folder / path}) has the name of one of "
+                    f"{seen[path]}'s, which Hydra would read instead; rename it"
+                )
             seen[path] = owner
         dirs.append(folder)
     return dirs

@@ -18,8 +18,8 @@ The code that owns each of these enters `float32()` and upcasts its inputs with 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -59,8 +59,9 @@ def dilated_depthwise_bf16_gradient_error(channels_last: bool) -> float:
     layout = torch.channels_last if channels_last else torch.contiguous_format
 
     def weight_grad(x: Tensor, grad: Tensor, w: Tensor) -> Tensor:
-        return torch.ops.aten.convolution_backward(grad, x, w, None, [1, 1], [2, 2], [2, 2], False, [0, 0], 16,
-                                                   [False, True, False])[1]
+        return torch.ops.aten.convolution_backward(
+            grad, x, w, None, [1, 1], [2, 2], [2, 2], False, [0, 0], 16, [False, True, False]
+        )[1]
 
     reference = weight_grad(x.double(), grad.double(), w.double())
     low = weight_grad(*(t.bfloat16().contiguous(memory_format=layout) for t in (x, grad, w)))

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import dbsn.api as api
 from dbsn.evaluation.report.comparisons import paired_differences
 from dbsn.evaluation.report.seeds import combine_seeds
-from dbsn.evaluation.statistics import (Statistics, calibrate, ce2_intervals, classification_statistics,
-                                        intervals_of)
+from dbsn.evaluation.statistics import Statistics, calibrate, ce2_intervals, classification_statistics, intervals_of
 from dbsn.metrics.ce2_inference import paired_test, score_interval
 from tests.support.configs import ROOT
 from tests.support.netutil import tiny_structure_net
@@ -87,8 +86,14 @@ def test_compare_is_the_report_s_paired_differences_over_seeds():
     found = api.compare(a, b, y, statistics)
 
     def side(rows):
-        return {i: {"log_probs": r.log_softmax(-1), "targets": y,
-                    "calibrated_log_probs": calibrate(r.log_softmax(-1), y, None, 0)[0]} for i, r in enumerate(rows)}
+        return {
+            i: {
+                "log_probs": r.log_softmax(-1),
+                "targets": y,
+                "calibrated_log_probs": calibrate(r.log_softmax(-1), y, None, 0)[0],
+            }
+            for i, r in enumerate(rows)
+        }
 
     expected = paired_differences(side(a), side(b), statistics)
     assert set(found) == {"error", "NLL", "Brier", "CE²", "calibrated NLL", "calibrated CE²"} == set(expected)
@@ -107,6 +112,7 @@ def test_ce2_and_the_seed_level_are_the_underlying_functions():
     expected = paired_test(probs, other_probs, y, 0.9)
     assert api.ce2_paired_test(logits, other, y, 0.9) == pytest.approx(expected, rel=1e-12)
     values, cov = [0.1, 0.3, 0.2], np.eye(3) * 1e-3
-    assert api.seed_level(values, cov) == combine_seeds(torch.tensor(values, dtype=torch.float64),
-                                                        torch.eye(3, dtype=torch.float64) * 1e-3, 0.95)
+    assert api.seed_level(values, cov) == combine_seeds(
+        torch.tensor(values, dtype=torch.float64), torch.eye(3, dtype=torch.float64) * 1e-3, 0.95
+    )
     assert api.seed_level(values).df > 0

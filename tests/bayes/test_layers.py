@@ -71,12 +71,15 @@ CONV = [
     (lambda: nn.Conv2d(4, 6, 3, padding=2, dilation=2), (2, 4, 6, 6)),  # dilated
     (lambda: nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4), (2, 4, 6, 6)),  # both
 ]
-CASES = (
-    [pytest.param(make, shape, {"local_reparameterization": lrt}, id=f"linear{i}-lrt{lrt}")
-     for i, (make, shape) in enumerate(LINEAR) for lrt in (True, False)]
-    + [pytest.param(make, shape, {"flipout": flip}, id=f"conv{i}-flipout{flip}")
-       for i, (make, shape) in enumerate(CONV) for flip in (False, True)]
-)
+CASES = [
+    pytest.param(make, shape, {"local_reparameterization": lrt}, id=f"linear{i}-lrt{lrt}")
+    for i, (make, shape) in enumerate(LINEAR)
+    for lrt in (True, False)
+] + [
+    pytest.param(make, shape, {"flipout": flip}, id=f"conv{i}-flipout{flip}")
+    for i, (make, shape) in enumerate(CONV)
+    for flip in (False, True)
+]
 
 
 def twin_of(layer: nn.Module, init_rho: float, mode: dict) -> BayesLayer:
@@ -86,6 +89,7 @@ def twin_of(layer: nn.Module, init_rho: float, mode: dict) -> BayesLayer:
 
 # --- KL -------------------------------------------------------------------------------
 
+
 def test_gaussian_kl_is_the_closed_form_of_torch_distributions():
     mu, sigma = torch.randn(7, 3, dtype=F64), torch.rand(7, 3, dtype=F64) + 0.05
     for prior_sigma in (0.1, 1.0, 2.5):
@@ -94,11 +98,15 @@ def test_gaussian_kl_is_the_closed_form_of_torch_distributions():
 
 
 @pytest.mark.parametrize("prior_sigma", [0.05, 0.1, 1.0])
-@pytest.mark.parametrize("make", [
-    lambda p: BayesLinear(4, 3, prior_sigma=p),
-    lambda p: BayesConv2d(2, 3, 2, prior_sigma=p),
-    lambda p: BayesConv2d(3, 3, 2, groups=3, bias=False, prior_sigma=p),
-], ids=["linear", "conv", "depthwise-nobias"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: BayesLinear(4, 3, prior_sigma=p),
+        lambda p: BayesConv2d(2, 3, 2, prior_sigma=p),
+        lambda p: BayesConv2d(3, 3, 2, groups=3, bias=False, prior_sigma=p),
+    ],
+    ids=["linear", "conv", "depthwise-nobias"],
+)
 def test_layer_kl_matches_monte_carlo(make, prior_sigma):
     layer = randomize(make(prior_sigma).to(F64), rho_low=-4.0, rho_high=0.0)
     mu, sigma = posterior_params(layer)
@@ -112,6 +120,7 @@ def test_layer_kl_matches_monte_carlo(make, prior_sigma):
 
 
 # --- Deterministic limits -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("make, shape, mode", CASES)
 def test_vanishing_sigma_gives_the_deterministic_layer(make, shape, mode):
@@ -137,6 +146,7 @@ def test_sampling_off_gives_exactly_the_mean_network(make, shape, mode):
 
 
 # --- Gradients ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("make, shape, mode", CASES)
 @pytest.mark.parametrize("with_kl", [False, True], ids=["data", "data+kl"])
@@ -171,6 +181,7 @@ def test_local_reparameterization_gradient_is_finite_for_a_zero_input_without_bi
 
 # --- Output distributions -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_local_reparameterization_has_the_moments_of_weight_sampling(bias):
     layer = randomize(BayesLinear(5, 3, bias=bias).to(F64))
@@ -200,8 +211,11 @@ def test_local_reparameterization_has_the_moments_of_weight_sampling(bias):
 
 CONV_MOMENT_CASES = [
     pytest.param(dict(in_channels=2, out_channels=3, kernel_size=3, padding=1), 2, id="conv"),
-    pytest.param(dict(in_channels=3, out_channels=3, kernel_size=3, padding=2, dilation=2, groups=3,
-                      bias=False), 3, id="depthwise-dilated"),
+    pytest.param(
+        dict(in_channels=3, out_channels=3, kernel_size=3, padding=2, dilation=2, groups=3, bias=False),
+        3,
+        id="depthwise-dilated",
+    ),
 ]
 
 
@@ -246,6 +260,7 @@ def test_flipout_decorrelates_the_examples_of_a_batch(kwargs, channels):
 
 # --- Whole networks -------------------------------------------------------------------
 
+
 class Residual(nn.Sequential):
     """A custom nn.Sequential subclass: x + its layers applied to x."""
 
@@ -257,11 +272,17 @@ class SmallNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
-        self.blocks = nn.ModuleList([
-            Residual(nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, bias=False), nn.BatchNorm2d(4),
-                     nn.ReLU(), nn.Conv2d(4, 4, 1)),
-            Residual(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()),
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                Residual(
+                    nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, bias=False),
+                    nn.BatchNorm2d(4),
+                    nn.ReLU(),
+                    nn.Conv2d(4, 4, 1),
+                ),
+                Residual(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()),
+            ]
+        )
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 8), nn.ReLU())
         self.classifier = nn.Linear(8, 5)
 
@@ -281,8 +302,9 @@ def test_bayesianize_replaces_every_conv_and_linear(flipout):
     net = SmallNet().eval()  # eval: BatchNorm with running statistics, deterministic
     original = copy.deepcopy(net)
     n_bn = count(net, nn.BatchNorm2d)
-    converted_params = sum(p.numel() for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear))
-                           for p in m.parameters())
+    converted_params = sum(
+        p.numel() for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear)) for p in m.parameters()
+    )
     total_params = sum(p.numel() for p in net.parameters())
     x = torch.randn(3, 3, 8, 8)
 
@@ -344,10 +366,14 @@ def test_from_deterministic_copies_means_and_hyperparameters():
 
 # ----- mixed precision: the Gaussian weights' KL is a float32 island (dbsn.precision)
 
+
 def test_gaussian_weight_kl_is_float32_under_autocast():
     torch.manual_seed(0)
-    net = nn.Sequential(BayesConv2d(3, 8, 3, prior_sigma=0.1, init_rho=-3.0), nn.ReLU(),
-                        BayesConv2d(8, 4, 3, prior_sigma=0.1, init_rho=-4.0))
+    net = nn.Sequential(
+        BayesConv2d(3, 8, 3, prior_sigma=0.1, init_rho=-3.0),
+        nn.ReLU(),
+        BayesConv2d(8, 4, 3, prior_sigma=0.1, init_rho=-4.0),
+    )
     reference = kl_divergence(net)
     with bf16_autocast():
         mixed = kl_divergence(net)

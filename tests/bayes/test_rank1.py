@@ -57,7 +57,9 @@ def test_the_cauchy_kl_is_one_unbiased_draw_in_value_and_gradient():
     prior = FactorDistribution("cauchy", prior_mean=1.0, prior_stddev=0.1)
     loc = torch.tensor([0.3, 1.0, -1.0, 1.1], dtype=torch.float64, requires_grad=True)
     scale = torch.tensor([0.2, 0.05, 0.03, 0.1], dtype=torch.float64, requires_grad=True)
-    closed = _cauchy_kl(loc, scale, torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)).sum()
+    closed = _cauchy_kl(
+        loc, scale, torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+    ).sum()
     closed_grads = torch.autograd.grad(closed, (loc, scale))
     torch.manual_seed(0)
     draws = 200_000

@@ -154,7 +154,9 @@ def test_train_subset_is_drawn_after_the_validation_split_and_leaves_val_and_tes
     dm = any_data(val_size=0.2, split_seed=3, train_subset=25)
     dm.setup()
     assert dm.num_train == 25
-    assert torch.equal(dm.val_set.images, whole.val_set.images) and torch.equal(dm.test_set.images, whole.test_set.images)
+    assert torch.equal(dm.val_set.images, whole.val_set.images) and torch.equal(
+        dm.test_set.images, whole.test_set.images
+    )
     train = image_keys(dm.train_set.images)
     assert train <= image_keys(whole.train_set.images) and not train & image_keys(dm.val_set.images)
 
@@ -353,6 +355,7 @@ def test_trainer_runs_with_and_without_validation(tmp_path, val_size):
 
 # ----- samplers ------------------------------------------------------------------------
 
+
 def test_same_order_on_every_rank_is_the_single_device_order():
     data = list(range(37))
     single, shared = EpochShuffleSampler(data, seed=5), SameOrderOnEveryRank(data, seed=5)
@@ -390,6 +393,7 @@ def test_epoch_shuffle_depends_only_on_seed_and_epoch():
 
 
 # ----- data.on_device ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cifar_root(cifar10_files):
@@ -445,8 +449,12 @@ def test_structure_parallel_ranks_see_the_same_batches(cifar_root):
     reference = in_memory_loader(dm, dm.train_set, train=True)  # SameOrderOnEveryRank
     ranks = []
     for rank in range(2):
-        dm.trainer = types.SimpleNamespace(world_size=2, strategy=types.SimpleNamespace(
-            root_device=torch.device("cpu"), distributed_sampler_kwargs={"num_replicas": 2, "rank": rank}))
+        dm.trainer = types.SimpleNamespace(
+            world_size=2,
+            strategy=types.SimpleNamespace(
+                root_device=torch.device("cpu"), distributed_sampler_kwargs={"num_replicas": 2, "rank": rank}
+            ),
+        )
         ranks.append(_epoch(dm.train_dataloader(), 1))
     assert ranks[0] == ranks[1] == _epoch(reference, 1)
 
@@ -460,8 +468,10 @@ def test_data_parallel_ranks_see_lightnings_disjoint_shards(cifar_root, monkeypa
     shards = []
     for rank in range(2):
         kwargs = {"num_replicas": 2, "rank": rank}
-        dm.trainer = types.SimpleNamespace(world_size=2, strategy=types.SimpleNamespace(
-            root_device=torch.device("cpu"), distributed_sampler_kwargs=kwargs))
+        dm.trainer = types.SimpleNamespace(
+            world_size=2,
+            strategy=types.SimpleNamespace(root_device=torch.device("cpu"), distributed_sampler_kwargs=kwargs),
+        )
         loader = in_memory_loader(dm, dm.train_set, train=True)
         lightning_loader = _update_dataloader(loader, _get_distributed_sampler(loader, True, 0, **kwargs))
         shard = _epoch(dm.train_dataloader(), 2)
@@ -553,8 +563,14 @@ class _Recorder(pl.LightningModule):
 def _fit(dm, tmp_path, **kwargs) -> list[list[int]]:
     model = _Recorder()
     ckpt_path = kwargs.pop("ckpt_path", None)
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path, **kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model.seen
 
@@ -562,6 +578,7 @@ def _fit(dm, tmp_path, **kwargs) -> list[list[int]]:
 def test_a_run_resumed_mid_epoch_continues_the_same_order(cifar_root, tmp_path):
     """A run stopped after 8 steps (epoch 1, batch 2 of 6) and resumed from that step's
     checkpoint trains on exactly the batches of the uninterrupted run, in its order."""
+
     def data():
         torch.manual_seed(0)  # the samplers' seed
         dm = CIFAR10DataModule(root=str(cifar_root), batch_size=16, num_workers=0, on_device=True)
@@ -574,7 +591,9 @@ def test_a_run_resumed_mid_epoch_continues_the_same_order(cifar_root, tmp_path):
     stop = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     first = _fit(data(), tmp_path / "first", max_epochs=3, max_steps=8, callbacks=[stop])
     checkpoint = tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
-    assert torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches": 2}]
+    assert torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": 1, "batches": 2}
+    ]
     rest = _fit(data(), tmp_path / "rest", max_epochs=3, ckpt_path=checkpoint)
     assert first + rest == whole
     assert first[6:] != whole[:2]  # epochs differ, so the check sees a restart of the epoch

@@ -115,8 +115,14 @@ def test_textures_all_images_shorter_side_to_32_then_centre_crop(tmp_path):
     dm = TexturesDataModule(str(tmp_path), num_workers=0)
     images, labels = loaded(dm)
     # "all" = train1 + val1 + test1: written round-robin, read list by list.
-    order = ["banded/banded_0001.jpg", "grid/grid_0002.jpg", "banded/banded_0002.jpg",
-             "zigzagged/zigzagged_0001.jpg", "grid/grid_0001.jpg", "zigzagged/zigzagged_0002.jpg"]
+    order = [
+        "banded/banded_0001.jpg",
+        "grid/grid_0002.jpg",
+        "banded/banded_0002.jpg",
+        "zigzagged/zigzagged_0001.jpg",
+        "grid/grid_0001.jpg",
+        "zigzagged/zigzagged_0002.jpg",
+    ]
     assert images.shape == (6, 3, 32, 32) and images.dtype == torch.uint8
     assert labels.tolist() == [{"banded": 0, "grid": 1, "zigzagged": 2}[name.split("/")[0]] for name in order]
     # 40x80 bands: width to 32, height to 64 (red 0-15, green 16-47, blue 48-63); the centre crop
@@ -139,11 +145,13 @@ def test_textures_pixels_are_exactly_openoods_test_transform(tmp_path):
 
     rng = np.random.default_rng(0)
     write_dtd(tmp_path, {"noisy/noisy_0001.jpg": rng.integers(0, 256, (57, 83, 3), dtype=np.uint8)})
-    openood = tvs_trans.Compose([
-        tvs_trans.Resize(32, interpolation=tvs_trans.InterpolationMode.BILINEAR),
-        tvs_trans.CenterCrop(32),
-        tvs_trans.ToTensor(),
-    ])
+    openood = tvs_trans.Compose(
+        [
+            tvs_trans.Resize(32, interpolation=tvs_trans.InterpolationMode.BILINEAR),
+            tvs_trans.CenterCrop(32),
+            tvs_trans.ToTensor(),
+        ]
+    )
     with Image.open(tmp_path / "dtd/dtd/images/noisy/noisy_0001.jpg") as image:
         expected = openood(image.convert("RGB"))
     images, _ = loaded(TexturesDataModule(str(tmp_path), num_workers=0))
@@ -267,8 +275,12 @@ def test_tinyimagenet_missing_files_and_no_downloader(tmp_path):
 # ----- configs --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "cls"),
-    [("mnist", MNISTDataModule), ("textures", TexturesDataModule), ("places365", Places365DataModule),
-     ("tinyimagenet", TinyImageNetDataModule)],
+    [
+        ("mnist", MNISTDataModule),
+        ("textures", TexturesDataModule),
+        ("places365", Places365DataModule),
+        ("tinyimagenet", TinyImageNetDataModule),
+    ],
 )
 def test_each_set_composes_by_name(tmp_path, name, cls):
     cfg = compose_config("evaluate", ["ckpt_path=x", f"ood={name}", f"paths.data_dir={tmp_path}"], tmp_path)

@@ -31,8 +31,12 @@ def test_the_tutorial_runs_end_to_end(tmp_path, monkeypatch, capsys):
         if kind == "bash":
             words = shlex.split(code)
             assert words[:2] == ["python", "train.py"]
-            run_python(ROOT / "train.py", *words[2:], cwd=tmp_path,
-                       env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+            run_python(
+                ROOT / "train.py",
+                *words[2:],
+                cwd=tmp_path,
+                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
+            )
         else:
             exec(compile(code, str(PAGE), "exec"), namespace)
     printed = capsys.readouterr().out

@@ -22,8 +22,14 @@ CONFIG = ROOT / "mkdocs.yml"
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
     env = os.environ | {"NO_MKDOCS_2_WARNING": "1"}
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=config.parent)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=config.parent,
+    )
 
 
 def test_the_site_builds_strict_with_the_api_reference(tmp_path):
@@ -60,9 +66,11 @@ def test_a_strict_build_fails_on(fault, tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "index.md").write_text("# Page\n\n" + BROKEN[fault])
     # an Args entry naming two parameters at once: the google parser cannot read it
-    (tmp_path / "brokendoc.py").write_text('"""A module."""\n\n\ndef f(a: int, b: int) -> int:\n'
-                                           '    """Sum.\n\n    Args:\n        a, b: two numbers.\n    """\n'
-                                           '    return a + b\n')
+    (tmp_path / "brokendoc.py").write_text(
+        '"""A module."""\n\n\ndef f(a: int, b: int) -> int:\n'
+        '    """Sum.\n\n    Args:\n        a, b: two numbers.\n    """\n'
+        '    return a + b\n'
+    )
     settings = CONFIG.read_text().split("\nnav:")[0]
     settings = settings.replace("paths: [src]", f"paths: [{ROOT / 'src'}, {tmp_path}]")
     settings = settings.replace("- docs/hooks/", f"- {ROOT / 'docs' / 'hooks'}/")
@@ -71,6 +79,10 @@ def test_a_strict_build_fails_on(fault, tmp_path):
     config.write_text(settings)
     done = _build(config, tmp_path / "site")
     assert done.returncode != 0, done.stderr[-3000:]
-    expected = {"link": "missing.md", "anchor": "no-such-heading", "reference": "no_such_function",
-                "docstring": "brokendoc.py"}[fault]
+    expected = {
+        "link": "missing.md",
+        "anchor": "no-such-heading",
+        "reference": "no_such_function",
+        "docstring": "brokendoc.py",
+    }[fault]
     assert re.search(rf"(WARNING|ERROR).*{re.escape(expected)}", done.stderr), done.stderr[-3000:]

@@ -84,5 +84,7 @@ def test_the_extension_package_is_the_one_the_tests_install():
     blocks = dict((kind, block) for kind, block in FENCE.findall((TUTORIALS / "compare-a-method.md").read_text()))
     assert blocks["toml"] == PYPROJECT
     extending = (ROOT / "docs" / "extending.md").read_text()
-    assert "check_method(RandomStructures, train_samples=2)" in extending and "check_method(RandomStructures, " \
-        "train_samples=2)" in blocks["python"]
+    assert (
+        "check_method(RandomStructures, train_samples=2)" in extending
+        and "check_method(RandomStructures, train_samples=2)" in blocks["python"]
+    )

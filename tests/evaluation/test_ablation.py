@@ -13,7 +13,9 @@ from dbsn.evaluation.test_pass import ablation_results
 
 
 def test_write_and_plot(tmp_path):
-    rows = [{"n_samples": s, "error": 0.1 / s, "nll": 1 / s, "brier": 0.2, "ece": 0.05 * math.log(s + 1)} for s in (1, 2, 4)]
+    rows = [
+        {"n_samples": s, "error": 0.1 / s, "nll": 1 / s, "brier": 0.2, "ece": 0.05 * math.log(s + 1)} for s in (1, 2, 4)
+    ]
     write_results(ablation_results(rows, "DBSN"), tmp_path)
     csv_path, json_path = tmp_path / "ablation" / "results.csv", tmp_path / "ablation" / "results.json"
     assert json.loads(json_path.read_text()) == rows

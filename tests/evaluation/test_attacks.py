@@ -12,9 +12,9 @@ from torch.nn import functional as F
 
 from dbsn.evaluation.attacks import (
     ATTACKS,
-    ExampleChunkedNLL,
     PAPER_EPSILONS,
     RESULT_COLUMNS,
+    ExampleChunkedNLL,
     adversarial_evaluation,
     adversarial_figure,
     bim,
@@ -247,7 +247,12 @@ def test_adversarial_evaluation_rows_and_clean_accuracy():
 def test_adversarial_evaluation_accuracy_drops_for_a_large_epsilon():
     model, _, _, batches = evaluation_setup()
     rows = adversarial_evaluation(
-        log_probs_fn(model), log_probs_fn(model), batches, epsilons=(0.0, 0.5), attacks=["bim"], bim_steps=5,
+        log_probs_fn(model),
+        log_probs_fn(model),
+        batches,
+        epsilons=(0.0, 0.5),
+        attacks=["bim"],
+        bim_steps=5,
         progress=False,
     )
     assert len(rows) == 2
@@ -284,8 +289,9 @@ def test_write_results_round_trips(tmp_path):
     rows = adversarial_evaluation(
         log_probs_fn(model), log_probs_fn(model), batches, epsilons=(0.0, 0.05, 0.1), progress=False
     )
-    write_results(Results(files={"adv/results.csv": CsvTable(list(RESULT_COLUMNS), rows), "adv/results.json": rows}),
-                  tmp_path)
+    write_results(
+        Results(files={"adv/results.csv": CsvTable(list(RESULT_COLUMNS), rows), "adv/results.json": rows}), tmp_path
+    )
     with open(tmp_path / "adv" / "results.csv", newline="") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == ["attack", "epsilon", "accuracy", "mean_entropy", "n_examples"]
@@ -370,8 +376,14 @@ def test_example_chunked_nll_holds_a_chunk_of_examples_in_the_graph():
 def test_adversarial_evaluation_attacks_the_given_loss():
     predictive, x, y = ensemble_fn(), images(), labels()
     plain = adversarial_evaluation(predictive, predictive, [(x, y)], epsilons=(0.0, 0.1), progress=False)
-    chunked = adversarial_evaluation(predictive, predictive, [(x, y)], epsilons=(0.0, 0.1), progress=False,
-                                     attack_loss=lambda y: ExampleChunkedNLL(predictive, y, 5))
+    chunked = adversarial_evaluation(
+        predictive,
+        predictive,
+        [(x, y)],
+        epsilons=(0.0, 0.1),
+        progress=False,
+        attack_loss=lambda y: ExampleChunkedNLL(predictive, y, 5),
+    )
     assert plain == chunked
 
 

@@ -33,8 +33,12 @@ def test_steps_and_images_over_all_ranks():
             budget.on_train_batch_end(trainer, _Module(4, parallel), None, _batch(32), i)
         budget.on_train_batch_end(trainer, _Module(4, parallel), None, _batch(7), 5)  # a last, smaller batch
         datamodule = SimpleNamespace(num_train=45_000, batch_size=32)
-        assert budget.record(datamodule) == {"steps": 6, "images": 5 * per_step + per_step * 7 // 32,
-                                             "train_images": 45_000, "batch_size": 32}
+        assert budget.record(datamodule) == {
+            "steps": 6,
+            "images": 5 * per_step + per_step * 7 // 32,
+            "train_images": 45_000,
+            "batch_size": 32,
+        }
     plain = TrainingBudget()  # a module without examples_per_step: every rank its own batch
     plain.on_train_batch_end(SimpleNamespace(world_size=2), object(), None, {"image": torch.zeros(5, 1)}, 0)
     assert (plain.steps, plain.images) == (1, 10)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dbsn.evaluation.base import EvaluationError, Subject
-from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.conformal import ConformalPrediction, calibration_split, level_name
+from dbsn.evaluation.recorder import PredictionRecorder
 from dbsn.evaluation.report import build_report
 from dbsn.runtime.evaluation import build_evaluator
 from dbsn.runtime.run import train
@@ -26,16 +26,26 @@ from tests.support.fakeruns import DATA, MODELS, write_run
 
 SCORES = ("thr", "aps", "aps_randomized", "raps", "raps_randomized")
 METRICS = ("coverage", "size", "empty", "ssc", "class_coverage_min")
-SHIFT = ["evaluations.shift.generate=true", "evaluations.shift.corruptions=[gaussian_noise,contrast]",
-         "evaluations.shift.severities=[1,5]"]
+SHIFT = [
+    "evaluations.shift.generate=true",
+    "evaluations.shift.corruptions=[gaussian_noise,contrast]",
+    "evaluations.shift.severities=[1,5]",
+]
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     """map_fixed, one epoch on 300 digits, no validation split (calibration=auto: the test split)."""
     out = tmp_path_factory.mktemp("conformal") / "run"
-    overrides = ["data=digits", "data.num_workers=0", "data.train_subset=300", "model=map_fixed",
-                 *tiny_for("map_fixed"), "trainer.max_epochs=1", "logger=csv"]
+    overrides = [
+        "data=digits",
+        "data.num_workers=0",
+        "data.train_subset=300",
+        "model=map_fixed",
+        *tiny_for("map_fixed"),
+        "trainer.max_epochs=1",
+        "logger=csv",
+    ]
     train(compose_config("train", overrides, out), out)
     return out
 
@@ -56,9 +66,17 @@ def evaluated(digits_run, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(shift, "_predict", counting)
-        results = evaluate_quietly(digits_run / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"), [
-            "evaluations=[shift,conformal]", f"evaluations.shift.root={root}", *SHIFT, "statistics.resamples=200",
-            "ablation.sizes=[]"])
+        results = evaluate_quietly(
+            digits_run / "checkpoints" / "last.ckpt",
+            tmp_path_factory.mktemp("eval"),
+            [
+                "evaluations=[shift,conformal]",
+                f"evaluations.shift.root={root}",
+                *SHIFT,
+                "statistics.resamples=200",
+                "ablation.sizes=[]",
+            ],
+        )
     return digits_run / "evaluation", results, predicted
 
 
@@ -126,8 +144,9 @@ def test_the_shift_settings_are_handed_over_in_either_order_and_turned_off_with_
 
 def test_the_empty_set_convention_reaches_the_evaluation_from_the_yaml(tmp_path):
     def conformal(*overrides):
-        evaluator = build_evaluator(compose_config("evaluate", ["ckpt_path=x", "evaluations=[conformal]", *overrides],
-                                                   tmp_path))
+        evaluator = build_evaluator(
+            compose_config("evaluate", ["ckpt_path=x", "evaluations=[conformal]", *overrides], tmp_path)
+        )
         return next(e for e in evaluator.evaluations if e.name == "conformal")
 
     assert conformal().allow_empty_sets is False  # the default: the top label where a set would be empty
@@ -149,7 +168,7 @@ class NearestMean(torch.nn.Module):
     device = torch.device("cpu")
 
     def predict_log_probs(self, x):
-        return torch.log_softmax(-torch.cdist(x.flatten(1), self.means) ** 2 / 200, 1)
+        return torch.log_softmax(-(torch.cdist(x.flatten(1), self.means) ** 2) / 200, 1)
 
     def enable_test_noise(self):
         pass
@@ -187,8 +206,12 @@ def test_default_sets_are_never_empty_and_add_only_the_top_label_to_the_bare_one
     """At level 0.5 many of the nearest-mean model's bare sets are empty; the default sets have
     the same q̂ (k_reg, λ fixed, the same seeds), no empty set, exactly one more label where the bare
     set was empty (mean size up by the bare share of empty sets), and coverage at least as high."""
-    settings = {"levels": [0.5], "scores": ["thr", "aps", "aps_randomized", "raps_randomized"], "raps_k_reg": 1,
-                "raps_lambda": 0.01}
+    settings = {
+        "levels": [0.5],
+        "scores": ["thr", "aps", "aps_randomized", "raps_randomized"],
+        "raps_k_reg": 1,
+        "raps_lambda": 0.01,
+    }
     default = ConformalPrediction(**settings).run(nearest_mean)
     bare = ConformalPrediction(**settings, allow_empty_sets=True).run(nearest_mean)
     forced_record, bare_record = default.files["conformal/metrics.json"], bare.files["conformal/metrics.json"]
@@ -199,8 +222,9 @@ def test_default_sets_are_never_empty_and_add_only_the_top_label_to_the_bare_one
         assert forced["qhat"] == plain["qhat"] and forced["allow_empty_sets"] is False
         assert bare.metrics[f"{prefix}/empty"] > 0.05, prefix  # the case does test something
         assert default.metrics[f"{prefix}/empty"] == 0
-        assert default.metrics[f"{prefix}/size"] == pytest.approx(bare.metrics[f"{prefix}/size"]
-                                                                  + bare.metrics[f"{prefix}/empty"])
+        assert default.metrics[f"{prefix}/size"] == pytest.approx(
+            bare.metrics[f"{prefix}/size"] + bare.metrics[f"{prefix}/empty"]
+        )
         assert default.metrics[f"{prefix}/coverage"] >= bare.metrics[f"{prefix}/coverage"]
     assert default.tables["conformal/table"][0][7] == "allow_empty_sets"
     assert {row[7] for row in default.tables["conformal/table"][1]} == {False}
@@ -229,7 +253,9 @@ def test_the_report_table_says_which_convention_ran_and_never_averages_the_two(t
     text = (tmp_path / "report" / "conformal.md").read_text()
     one = text.split("### cifar10, nominal coverage 90 %", 1)[1].split("###", 1)[0]
     assert "Sets: never empty: the top label alone where {y : s ≤ q̂} is empty (allow_empty_sets=false" in one
-    assert "| method | score | coverage | empty sets |" in one and "| dbsn | thr | 0.920 ± 0.014 | 0.000 ± 0.000 |" in one
+    assert (
+        "| method | score | coverage | empty sets |" in one and "| dbsn | thr | 0.920 ± 0.014 | 0.000 ± 0.000 |" in one
+    )
     both = text.split("### cifar100, nominal coverage 90 %", 1)[1]
     assert "Sets: both conventions ran" in both
     assert "| method | score | empty sets allowed | coverage | empty sets |" in both
@@ -237,21 +263,31 @@ def test_the_report_table_says_which_convention_ran_and_never_averages_the_two(t
     assert "| dbsn | thr | yes | 0.890 ± 0.014 | 0.040 ± 0.000 |" in both  # the older run counts as empty sets kept
     with open(tmp_path / "report" / "conformal.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {(r["dataset"], r["allow_empty_sets"]) for r in rows} == {("cifar10", "false"), ("cifar100", "false"),
-                                                                    ("cifar100", "true")}
+    assert {(r["dataset"], r["allow_empty_sets"]) for r in rows} == {
+        ("cifar10", "false"),
+        ("cifar100", "false"),
+        ("cifar100", "true"),
+    }
 
 
-@pytest.mark.parametrize("settings, phrase", [
-    ({"levels": [0.9, 1.0]}, r"evaluations.conformal.levels: coverages 1 − α strictly between 0 and 1"),
-    ({"scores": ["thr", "lac"]}, r"evaluations.conformal.scores: unknown \['lac'\]"),
-    ({"calibration": "train"}, r"evaluations.conformal.calibration='train': choose one of"),
-    ({"allow_empty_sets": "no"}, r"evaluations.conformal.allow_empty_sets='no': true \(keep the empty sets"),
-    ({"calibration": "test", "calibration_fraction": 1.0}, r"calibration_fraction=1.0: the share of the test set"),
-    ({"calibration": "test", "calibration_fraction": 0.02, "levels": [0.95], "scores": ["thr"]},
-     r"level 0.95 with thr needs at least 19 calibration examples, the test split \(calibration_fraction=0.02\) has 9"),
-    ({"calibration": "test", "calibration_fraction": 0.1, "levels": [0.95]},
-     r"level 0.95 with raps needs at least 61 calibration examples \(30 % of them tune RAPS\)"),
-])
+@pytest.mark.parametrize(
+    "settings, phrase",
+    [
+        ({"levels": [0.9, 1.0]}, r"evaluations.conformal.levels: coverages 1 − α strictly between 0 and 1"),
+        ({"scores": ["thr", "lac"]}, r"evaluations.conformal.scores: unknown \['lac'\]"),
+        ({"calibration": "train"}, r"evaluations.conformal.calibration='train': choose one of"),
+        ({"allow_empty_sets": "no"}, r"evaluations.conformal.allow_empty_sets='no': true \(keep the empty sets"),
+        ({"calibration": "test", "calibration_fraction": 1.0}, r"calibration_fraction=1.0: the share of the test set"),
+        (
+            {"calibration": "test", "calibration_fraction": 0.02, "levels": [0.95], "scores": ["thr"]},
+            r"level 0.95 with thr needs at least 19 calibration examples, the test split \(calibration_fraction=0.02\) has 9",
+        ),
+        (
+            {"calibration": "test", "calibration_fraction": 0.1, "levels": [0.95]},
+            r"level 0.95 with raps needs at least 61 calibration examples \(30 % of them tune RAPS\)",
+        ),
+    ],
+)
 def test_check_refuses_what_cannot_work_in_one_line(nearest_mean, settings, phrase):
     with pytest.raises(EvaluationError, match=phrase) as refused:
         ConformalPrediction(**settings).check(nearest_mean)
@@ -261,9 +297,18 @@ def test_check_refuses_what_cannot_work_in_one_line(nearest_mean, settings, phra
 @pytest.mark.slow
 def test_validation_calibration_without_a_validation_split_is_refused_before_the_test_pass(digits_run, tmp_path):
     written = (digits_run / "metrics.json").stat().st_mtime_ns
-    with pytest.raises(EvaluationError, match=r"calibration=validation needs a validation split, and this run has none") as refused:
-        evaluate_quietly(digits_run / "checkpoints" / "last.ckpt", tmp_path, [
-            "evaluations=[conformal]", "evaluations.conformal.calibration=validation", f"output_dir={tmp_path / 'out'}"])
+    with pytest.raises(
+        EvaluationError, match=r"calibration=validation needs a validation split, and this run has none"
+    ) as refused:
+        evaluate_quietly(
+            digits_run / "checkpoints" / "last.ckpt",
+            tmp_path,
+            [
+                "evaluations=[conformal]",
+                "evaluations.conformal.calibration=validation",
+                f"output_dir={tmp_path / 'out'}",
+            ],
+        )
     assert "\n" not in str(refused.value) and not (tmp_path / "out" / "metrics.json").exists()
     assert (digits_run / "metrics.json").stat().st_mtime_ns == written
 
@@ -275,14 +320,23 @@ def test_the_figure_draws_each_interval_where_it_lies_and_hatches_a_bar_it_misse
     from dbsn.evaluation.conformal import conformal_figure
     from dbsn.evaluation.plots import FLAGGED_NOTE, INTERVAL_LABEL
 
-    results = [{"level": 0.9, "score": "thr", "coverage": 0.90, "size": 1.4},
-               {"level": 0.9, "score": "aps", "coverage": 0.93, "size": 2.0}]
-    intervals = {"conformal/90/thr/coverage": [0.91, 0.95], "conformal/90/aps/coverage": [0.91, 1.02],
-                 "conformal/90/thr/size": [1.3, 1.5], "conformal/90/aps/size": [1.8, 2.2]}
+    results = [
+        {"level": 0.9, "score": "thr", "coverage": 0.90, "size": 1.4},
+        {"level": 0.9, "score": "aps", "coverage": 0.93, "size": 2.0},
+    ]
+    intervals = {
+        "conformal/90/thr/coverage": [0.91, 0.95],
+        "conformal/90/aps/coverage": [0.91, 1.02],
+        "conformal/90/thr/size": [1.3, 1.5],
+        "conformal/90/aps/size": [1.8, 2.2],
+    }
     figure = conformal_figure(results, intervals, "toy")
     coverage, size = figure.axes
-    bars = [sorted(c.lines[2][0].get_segments()[0][:, 1].tolist()) for c in coverage.containers
-            if c.get_label() == INTERVAL_LABEL]
+    bars = [
+        sorted(c.lines[2][0].get_segments()[0][:, 1].tolist())
+        for c in coverage.containers
+        if c.get_label() == INTERVAL_LABEL
+    ]
     assert np.allclose(bars, [[0.91, 0.95], [0.91, 1.0]])  # np.abs once drew thr's as [0.89, 0.95]
     assert [bar.get_hatch() for bar in coverage.patches] == ["//", None]
     assert [bar.get_hatch() for bar in size.patches] == [None, None]

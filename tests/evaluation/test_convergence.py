@@ -65,8 +65,15 @@ def test_the_curve_is_the_mean_training_loss_of_every_epoch():
 
     data = DataLoader(TensorDataset(torch.arange(12.0).view(12, 1)), batch_size=4)
     curve, module = TrainingCurve(), Constant()
-    pl.Trainer(max_epochs=2, callbacks=[curve], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, accelerator="cpu").fit(module, data)
+    pl.Trainer(
+        max_epochs=2,
+        callbacks=[curve],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    ).fit(module, data)
     assert curve.epoch_losses == pytest.approx([sum(module.seen[:3]) / 3, sum(module.seen[3:]) / 3])
     restored = TrainingCurve()
     restored.load_state_dict(curve.state_dict())
@@ -76,5 +83,7 @@ def test_the_curve_is_the_mean_training_loss_of_every_epoch():
 def test_the_report_marks_an_unconverged_method_in_every_table_row():
     table = "| method | error |\n|---|---|\n| mimo | 0.1 |\n| mimo_x | 0.2 |\n| dbsn | 0.3 |\n"
     marked = mark_unconverged({"mimo"}, table)
-    assert f"| mimo {UNCONVERGED_MARK} | 0.1 |" in marked and "| mimo_x | 0.2 |" in marked and "| dbsn | 0.3 |" in marked
+    assert (
+        f"| mimo {UNCONVERGED_MARK} | 0.1 |" in marked and "| mimo_x | 0.2 |" in marked and "| dbsn | 0.3 |" in marked
+    )
     assert mark_unconverged(set(), table) == table

@@ -13,7 +13,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dbsn.evaluation.cost import (
-    Cost, EpochTimer, measure_cost, parameter_count, prediction_flops_per_image, training_flops_per_image,
+    Cost,
+    EpochTimer,
+    measure_cost,
+    parameter_count,
+    prediction_flops_per_image,
+    training_flops_per_image,
 )
 from dbsn.methods import DBSN, MAP, DeepEnsemble, MCDropoutWeights, Prediction
 from tests.support.netutil import tiny_structure_net
@@ -44,9 +49,13 @@ class LinearNet(nn.Module):
 def _map(seed: int = 0, **net) -> MAP:
     torch.manual_seed(seed)
     dropout = net.get("dropout", False)
-    return MAP(LinearNet(**net), learn_structure=False, dataset_size=10,
-               weights=MCDropoutWeights(p=0.5, placement="existing") if dropout else None,
-               prediction=Prediction(n_samples=3) if dropout else None)
+    return MAP(
+        LinearNet(**net),
+        learn_structure=False,
+        dataset_size=10,
+        weights=MCDropoutWeights(p=0.5, placement="existing") if dropout else None,
+        prediction=Prediction(n_samples=3) if dropout else None,
+    )
 
 
 def _batch(b: int = 6) -> tuple[Tensor, Tensor]:
@@ -108,8 +117,13 @@ def test_both_cells_cost_the_same_flops():
     counts = []
     for cell in ("per_edge", "fused"):
         torch.manual_seed(0)
-        method = DBSN(StructureNet(num_classes=5, num_nodes=4, cells_per_stage=1, num_stages=2, growth=4,
-                                   stem_channels=8, cell=cell), train_samples=2, dataset_size=10)
+        method = DBSN(
+            StructureNet(
+                num_classes=5, num_nodes=4, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8, cell=cell
+            ),
+            train_samples=2,
+            dataset_size=10,
+        )
         counts.append((training_flops_per_image(method, x, y), prediction_flops_per_image(method, x)))
     assert counts[0] == counts[1]
 
@@ -136,8 +150,13 @@ def test_a_deep_ensemble_costs_its_members_together():
 
 def _tiny_dbsn(train_samples: int, **settings) -> DBSN:
     torch.manual_seed(0)
-    return DBSN(tiny_structure_net(num_classes=4), train_samples=train_samples, dataset_size=100,
-                prediction=Prediction(n_samples=4, samples_per_forward=2), **settings)
+    return DBSN(
+        tiny_structure_net(num_classes=4),
+        train_samples=train_samples,
+        dataset_size=100,
+        prediction=Prediction(n_samples=4, samples_per_forward=2),
+        **settings,
+    )
 
 
 def test_dbsn_flops_are_a_shared_prefix_plus_t_or_s_structures():
@@ -190,8 +209,15 @@ def test_measuring_leaves_the_method_as_it_was(mode):
 def test_measuring_a_method_on_a_trainer_counts_one_device_and_leaves_the_trainer():
     method, (x, y) = _map(conv=True), _batch()
     expected = training_flops_per_image(method, x, y)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(method, DataLoader(TensorDataset(x, y), batch_size=6))
     assert method.trainer is trainer
     assert training_flops_per_image(method, x, y) == expected
@@ -221,9 +247,16 @@ def test_epoch_timer_times_each_training_epoch_without_validation():
     x, y = _batch(12)
     timer = EpochTimer()
     assert timer.mean_epoch_seconds is None
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     trainer.fit(method, loader, DataLoader(TensorDataset(x[:4], y[:4]), batch_size=2))
     assert len(timer.epoch_seconds) == 2 and all(s > 0 for s in timer.epoch_seconds)
@@ -242,6 +275,7 @@ def test_the_peak_memory_restarts_where_linux_lets_it():
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("no /proc/self/clear_refs: the peak is the process's since it started")
+
     def resident_mib() -> float:
         line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:"))
         return int(line.split()[1]) / 1024
@@ -301,8 +335,25 @@ def test_a_model_the_test_pass_left_on_the_cpu_is_counted_on_the_run_s_gpu():
     assert all(p.device.type == "cpu" for p in method.parameters())
 
 
-@pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "vogn", "vogn_fbn", "nekfac",
-                                   "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "dbsn",
+        "fbn",
+        "map",
+        "map_fixed",
+        "mc_dropout",
+        "bbb",
+        "vogn",
+        "vogn_fbn",
+        "nekfac",
+        "deep_ensemble",
+        "batch_ensemble",
+        "packed_ensemble",
+        "mimo",
+        "sngp",
+    ],
+)
 def test_every_method_is_measured_on_inference_tensors_without_channels_last(model, tmp_path):
     """Each method as configured (small: DBSN's cell network with 3 nodes, Packed-Ensembles on a
     ResNet-18 of width 4, NEK-FAC on VGG16-BN at width 0.25), in the layout without channels-last,

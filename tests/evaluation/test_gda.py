@@ -52,7 +52,9 @@ def test_per_member_and_pooled_are_the_pure_fits_on_the_evaluations_features():
     digits = _digits()
     x = next(iter(digits.test_dataloader()))[0][:20]
     torch.manual_seed(0)
-    dbsn = DBSN(tiny_structure_net(), dataset_size=200, prediction=Prediction(n_samples=3, samples_per_forward=3)).eval()
+    dbsn = DBSN(
+        tiny_structure_net(), dataset_size=200, prediction=Prediction(n_samples=3, samples_per_forward=3)
+    ).eval()
     detection, found, train, labels, features = _scores(dbsn, digits, GDAScore("per_member"), x, 3)
     each = torch.stack([GDA().fit(train[s], labels, 10).score(features[s]) for s in range(3)]).mean(0)
     assert torch.equal(found["gda"], each.float()) and detection.notes == {}
@@ -101,6 +103,7 @@ def test_the_ood_evaluation_builds_it_by_default_after_mahalanobis(tmp_path):
     detection = build_evaluator(cfg).evaluations[0].detection
     assert list(detection.scores) == ["max_logit", "energy", "mahalanobis", "gda", "knn", "vim", "odin"]
     assert type(detection.scores["gda"]) is GDAScore and detection.scores["gda"].params() == {"members": "per_member"}
-    cfg = compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=noise", "ood_score.gda.members=pooled"],
-                         tmp_path)
+    cfg = compose_config(
+        "evaluate", ["ckpt_path=x", "evaluations=[ood]", "ood=noise", "ood_score.gda.members=pooled"], tmp_path
+    )
     assert build_evaluator(cfg).evaluations[0].detection.scores["gda"].members == "pooled"

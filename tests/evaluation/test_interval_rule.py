@@ -11,15 +11,25 @@ import pytest
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, Limits, limits_of, shown_interval
 
 
-@pytest.mark.parametrize("name, limits", [
-    ("test/error", (0.0, 1.0)), ("test/calibrated/ce2", (0.0, 1.0)), ("ood/svhn/entropy/auroc", (0.0, 1.0)),
-    ("selective/max_probability/risk@80", (0.0, 1.0)), ("test/iou/sky", (0.0, 1.0)),
-    ("conformal/90/aps/shift/coverage", (0.0, 1.0)), ("test/brier", (0.0, 2.0)),
-    ("test/calibrated/nll", (0.0, math.inf)), ("conformal/90/raps/size", (0.0, math.inf)),
-    ("calibrated_nll", (0.0, math.inf)), ("train_seconds", (0.0, math.inf)),
-    ("deep_ensemble_equivalent", (1.0, math.inf)), ("test/something_new", (-math.inf, math.inf)),
-    (None, (-math.inf, math.inf)),
-])
+@pytest.mark.parametrize(
+    "name, limits",
+    [
+        ("test/error", (0.0, 1.0)),
+        ("test/calibrated/ce2", (0.0, 1.0)),
+        ("ood/svhn/entropy/auroc", (0.0, 1.0)),
+        ("selective/max_probability/risk@80", (0.0, 1.0)),
+        ("test/iou/sky", (0.0, 1.0)),
+        ("conformal/90/aps/shift/coverage", (0.0, 1.0)),
+        ("test/brier", (0.0, 2.0)),
+        ("test/calibrated/nll", (0.0, math.inf)),
+        ("conformal/90/raps/size", (0.0, math.inf)),
+        ("calibrated_nll", (0.0, math.inf)),
+        ("train_seconds", (0.0, math.inf)),
+        ("deep_ensemble_equivalent", (1.0, math.inf)),
+        ("test/something_new", (-math.inf, math.inf)),
+        (None, (-math.inf, math.inf)),
+    ],
+)
 def test_each_metric_has_its_limits_by_its_stable_name(name, limits):
     assert limits_of(name) == Limits(*limits)
 
@@ -55,11 +65,20 @@ def test_bounds_are_kept_within_the_limits_and_a_missed_estimate_is_flagged():
 def test_wandb_gets_clipped_bounds_and_the_flag_of_every_interval_whose_estimate_it_knows():
     from dbsn.evaluation.results import interval_numbers
 
-    numbers = interval_numbers({"test/ece": [0.0288, 0.0713], "test/error": [-0.01, 0.2], "ood/x/auroc": [0.5, 0.6]},
-                               {"test/ece": 0.0264, "test/error": 0.1})
-    assert numbers == {"test/ece/ci_low": 0.0288, "test/ece/ci_high": 0.0713, "test/ece/ci_misses_estimate": 1.0,
-                       "test/error/ci_low": 0.0, "test/error/ci_high": 0.2, "test/error/ci_misses_estimate": 0.0,
-                       "ood/x/auroc/ci_low": 0.5, "ood/x/auroc/ci_high": 0.6}
+    numbers = interval_numbers(
+        {"test/ece": [0.0288, 0.0713], "test/error": [-0.01, 0.2], "ood/x/auroc": [0.5, 0.6]},
+        {"test/ece": 0.0264, "test/error": 0.1},
+    )
+    assert numbers == {
+        "test/ece/ci_low": 0.0288,
+        "test/ece/ci_high": 0.0713,
+        "test/ece/ci_misses_estimate": 1.0,
+        "test/error/ci_low": 0.0,
+        "test/error/ci_high": 0.2,
+        "test/error/ci_misses_estimate": 0.0,
+        "ood/x/auroc/ci_low": 0.5,
+        "ood/x/auroc/ci_high": 0.6,
+    }
 
 
 def test_the_reports_cells_and_differences_follow_the_rule():

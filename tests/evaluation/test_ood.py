@@ -179,7 +179,9 @@ def test_entropy_cdf_figure_marks_maximum_entropy():
     assert ax.get_xlim()[1] >= math.log(10)
     assert ax.get_title()  # a default title
     vertical = [
-        line for line in ax.get_lines()[len(curves):] if np.allclose(np.asarray(line.get_xdata(), dtype=float), math.log(10))
+        line
+        for line in ax.get_lines()[len(curves) :]
+        if np.allclose(np.asarray(line.get_xdata(), dtype=float), math.log(10))
     ]
     assert len(vertical) == 1 and vertical[0].get_linestyle() == ":"
     assert any("log 10" in text.get_text() for text in ax.texts)
@@ -227,6 +229,7 @@ def test_fpr95_in_positive_matches_sklearn_with_ties(seed):
 
 
 # ----- the entropy CDF as W&B points ------------------------------------------------------------
+
 
 def test_cdf_points_are_the_empirical_cdf():
     values = torch.tensor([0.3, 0.1, 0.1, 0.7, 0.5, 0.5, 0.5, 0.9, 0.2, 0.4])

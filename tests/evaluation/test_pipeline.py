@@ -32,8 +32,14 @@ pytestmark = pytest.mark.slow
 
 
 def _train(model: str, out, epochs: int = 2):
-    overrides = ["data=digits", "data.num_workers=0", f"model={model}", *tiny_for(model), f"trainer.max_epochs={epochs}",
-                 "logger=csv"]
+    overrides = [
+        "data=digits",
+        "data.num_workers=0",
+        f"model={model}",
+        *tiny_for(model),
+        f"trainer.max_epochs={epochs}",
+        "logger=csv",
+    ]
     cfg = compose_config("train", overrides, out)
     return train(cfg, out)
 
@@ -53,7 +59,9 @@ def _csv(path):
 def test_training_reports_decomposition_ablation_and_structure(dbsn_run):
     out, metrics = dbsn_run
     # uncertainty decomposition, logged with the other metrics
-    total, aleatoric, epistemic = (metrics[f"test/{k}"] for k in ("predictive_entropy", "expected_entropy", "mutual_information"))
+    total, aleatoric, epistemic = (
+        metrics[f"test/{k}"] for k in ("predictive_entropy", "expected_entropy", "mutual_information")
+    )
     assert epistemic > 0 and total == pytest.approx(aleatoric + epistemic, abs=1e-5)
     # the MC-sample ablation: S = 1..4 from the test pass; its S = 4 row is the ensemble itself
     rows = _csv(out / "ablation" / "results.csv")
@@ -71,11 +79,21 @@ def test_training_reports_decomposition_ablation_and_structure(dbsn_run):
 def evaluated_run(dbsn_run, tmp_path_factory):
     out, _ = dbsn_run
     results = evaluate_quietly(
-        out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"),
-        ["evaluations=[ood,adversarial]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
-         "evaluations.ood.fit_images=300",
-         "evaluations.adversarial.epsilons=[0.0,0.05,0.1]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
-         "evaluations.adversarial.max_examples=40", "evaluations.adversarial.batch_size=20"],
+        out / "checkpoints" / "last.ckpt",
+        tmp_path_factory.mktemp("eval"),
+        [
+            "evaluations=[ood,adversarial]",
+            "ood=[photos,noise]",
+            "ood.photos.size=64",
+            "ood.noise.size=32",
+            "n_samples=3",
+            "evaluations.ood.fit_images=300",
+            "evaluations.adversarial.epsilons=[0.0,0.05,0.1]",
+            "evaluations.adversarial.attack_samples=2",
+            "evaluations.adversarial.eval_samples=2",
+            "evaluations.adversarial.max_examples=40",
+            "evaluations.adversarial.batch_size=20",
+        ],
     )
     return out, results
 
@@ -104,13 +122,29 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
         assert (folder / "ood" / name / "entropy_cdf.png").stat().st_size > 1000
     # OpenOOD's scores beside the predictive's: every one for DBSN (linear head, S = 3 members, fitted on the
     # training features), each through both sets and its bootstrap interval, saying what it is computed on
-    every = ["entropy", "mutual_information", "max_probability", "max_logit", "max_logit_members", "energy",
-             "energy_members", "mahalanobis", "gda", "knn", "vim", "odin", "odin_members"]
+    every = [
+        "entropy",
+        "mutual_information",
+        "max_probability",
+        "max_logit",
+        "max_logit_members",
+        "energy",
+        "energy_members",
+        "mahalanobis",
+        "gda",
+        "knn",
+        "vim",
+        "odin",
+        "odin_members",
+    ]
     assert list(ood["scores"]) == every
     assert ood["computed_on"]["knn"] == "mean over members" and ood["computed_on"]["odin"] == "averaged predictive"
     assert ood["detection"]["members"] == 3 and ood["detection"]["left_out"] == {}
-    assert ood["detection"]["scores"]["knn"] == {"class": "dbsn.evaluation.detection.KNNScore", "members": "per_member",
-                                                 "k": 50}
+    assert ood["detection"]["scores"]["knn"] == {
+        "class": "dbsn.evaluation.detection.KNNScore",
+        "members": "per_member",
+        "k": 50,
+    }
     for score in every:
         assert results[f"ood/noise/{score}/fpr95"] == pytest.approx(noise["scores"][score]["fpr95"])
         assert scores[f"in_{score}"].shape == (450,) and np.isfinite(scores[f"out_{score}"]).all()
@@ -118,7 +152,8 @@ def test_ood_and_adversarial_evaluations_write_numbers_and_figures(evaluated_run
 
     rows = _csv(folder / "adversarial" / "results.csv")
     assert [(r["attack"], float(r["epsilon"])) for r in rows] == [
-        (a, e) for a in ("fgsm", "bim") for e in (0.0, 0.05, 0.1)]
+        (a, e) for a in ("fgsm", "bim") for e in (0.0, 0.05, 0.1)
+    ]
     assert all(int(r["n_examples"]) == 40 for r in rows)
     # the same numbers come back under stable flat names (as logged to W&B)
     for r in rows:
@@ -143,10 +178,19 @@ def test_per_structure_batchnorm_statistics_through_evaluate_with_attacks(dbsn_r
     and metrics.json records the training-end τ beside the test τ."""
     out, metrics = dbsn_run
     results = evaluate_quietly(
-        out / "checkpoints" / "last.ckpt", tmp_path,
-        ["bn_recalibration.enabled=true", "bn_recalibration.images=64", "n_samples=4", "evaluations=[adversarial]",
-         "evaluations.adversarial.epsilons=[0.0,0.1]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
-         "evaluations.adversarial.max_examples=20", "output_dir=" + str(tmp_path / "recalibrated")],
+        out / "checkpoints" / "last.ckpt",
+        tmp_path,
+        [
+            "bn_recalibration.enabled=true",
+            "bn_recalibration.images=64",
+            "n_samples=4",
+            "evaluations=[adversarial]",
+            "evaluations.adversarial.epsilons=[0.0,0.1]",
+            "evaluations.adversarial.attack_samples=2",
+            "evaluations.adversarial.eval_samples=2",
+            "evaluations.adversarial.max_examples=20",
+            "output_dir=" + str(tmp_path / "recalibrated"),
+        ],
     )
     assert 0 <= results["test/error"] <= 1
     assert results["adversarial/fgsm/accuracy@0.1"] <= results["adversarial/fgsm/accuracy@0"]
@@ -168,7 +212,9 @@ def test_folder_of_runs_is_evaluated_and_reported_with_failed_runs_listed(dbsn_r
     shutil.copytree(out, sweep / "0", ignore=shutil.ignore_patterns("evaluation"))
     (sweep / "1").mkdir()
     shutil.copy(out / "resolved_config.yaml", sweep / "1")  # a run that died before finishing
-    result = evaluate_quietly(sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32", "evaluations.ood.scores=[]"])
+    result = evaluate_quietly(
+        sweep, tmp_path, ["evaluations=[ood]", "ood=noise", "ood.noise.size=32", "evaluations.ood.scores=[]"]
+    )
     assert list(result["not_evaluated"]) == [str(sweep / "1")]
     assert (sweep / "0" / "evaluation" / "ood" / "noise" / "metrics.json").exists()
     report = (sweep / "report" / "report.md").read_text()
@@ -198,27 +244,48 @@ def test_notebook_shows_every_figure_of_a_run(evaluated_run, monkeypatch):
 
 # ----- the field's benchmark evaluations ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def map_run(tmp_path_factory):
     """MAP-fixed α on digits with a validation split (Laplace's prior precision) and SWAG's
     collector from the second of three epochs (two snapshots)."""
     out = tmp_path_factory.mktemp("sweep") / "0"
-    overrides = ["data=digits", "data.num_workers=0", "data.val_size=200", "model=map_fixed", *tiny_for("map_fixed"),
-                 "trainer.max_epochs=3", "logger=csv", "callbacks=swag", "callbacks.swag.start=1"]
+    overrides = [
+        "data=digits",
+        "data.num_workers=0",
+        "data.val_size=200",
+        "model=map_fixed",
+        *tiny_for("map_fixed"),
+        "trainer.max_epochs=3",
+        "logger=csv",
+        "callbacks=swag",
+        "callbacks.swag.start=1",
+    ]
     return out, train(compose_config("train", overrides, out), out)
 
 
 def test_every_test_pass_reports_three_eces_and_selective_prediction(map_run):
     out, metrics = map_run
-    for key in ("test/ece", "test/adaptive_ece", "test/classwise_ece", "selective/optimal_aurc",
-                *(f"selective/{s}/{m}" for s in ("max_probability", "predictive_entropy", "mutual_information")
-                  for m in ("aurc", "eaurc", "augrc", "risk@80"))):
+    for key in (
+        "test/ece",
+        "test/adaptive_ece",
+        "test/classwise_ece",
+        "selective/optimal_aurc",
+        *(
+            f"selective/{s}/{m}"
+            for s in ("max_probability", "predictive_entropy", "mutual_information")
+            for m in ("aurc", "eaurc", "augrc", "risk@80")
+        ),
+    ):
         assert key in metrics and math.isfinite(metrics[key]), key
     for score in ("max_probability", "predictive_entropy"):
         assert metrics[f"selective/{score}/aurc"] >= metrics["selective/optimal_aurc"] - 1e-12
         assert metrics[f"selective/{score}/eaurc"] == pytest.approx(
-            metrics[f"selective/{score}/aurc"] - metrics["selective/optimal_aurc"], abs=1e-12)
-    assert json.loads((out / "metrics.json").read_text())["metrics"]["test/adaptive_ece"] == metrics["test/adaptive_ece"]
+            metrics[f"selective/{score}/aurc"] - metrics["selective/optimal_aurc"], abs=1e-12
+        )
+    assert (
+        json.loads((out / "metrics.json").read_text())["metrics"]["test/adaptive_ece"] == metrics["test/adaptive_ece"]
+    )
     assert (out / "risk_coverage.png").stat().st_size > 1000
 
 
@@ -226,11 +293,23 @@ def test_every_test_pass_reports_three_eces_and_selective_prediction(map_run):
 def evaluated(map_run, tmp_path_factory):
     out, _ = map_run
     shift_root = tmp_path_factory.mktemp("digits-C")
-    results = evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path_factory.mktemp("eval"), [
-        "evaluations=[ood,shift]", "ood=[photos,noise]", "ood.photos.size=64", "ood.noise.size=32",
-        "evaluations.ood.scores=[max_logit,mahalanobis]", "evaluations.ood.fit_images=128",
-        "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={shift_root}", "evaluations.shift.generate=true",
-        "evaluations.shift.corruptions=[gaussian_noise,contrast]", "evaluations.shift.severities=[1,5]"])
+    results = evaluate_quietly(
+        out / "checkpoints" / "last.ckpt",
+        tmp_path_factory.mktemp("eval"),
+        [
+            "evaluations=[ood,shift]",
+            "ood=[photos,noise]",
+            "ood.photos.size=64",
+            "ood.noise.size=32",
+            "evaluations.ood.scores=[max_logit,mahalanobis]",
+            "evaluations.ood.fit_images=128",
+            "evaluations.ood.groups={near:[photos],far:[noise]}",
+            f"evaluations.shift.root={shift_root}",
+            "evaluations.shift.generate=true",
+            "evaluations.shift.corruptions=[gaussian_noise,contrast]",
+            "evaluations.shift.severities=[1,5]",
+        ],
+    )
     return out, results, shift_root
 
 
@@ -238,9 +317,15 @@ def test_dataset_shift_on_generated_corruptions_writes_its_table_and_figure(eval
     out, results, shift_root = evaluated
     folder = out / "evaluation" / "shift"
     record = json.loads((folder / "metrics.json").read_text())
-    assert record["generated"] and record["source"].startswith("generated") and (shift_root / "GENERATED.json").is_file()
+    assert (
+        record["generated"] and record["source"].startswith("generated") and (shift_root / "GENERATED.json").is_file()
+    )
     assert [(r["corruption"], r["severity"]) for r in record["rows"]] == [
-        ("gaussian_noise", 1), ("gaussian_noise", 5), ("contrast", 1), ("contrast", 5)]
+        ("gaussian_noise", 1),
+        ("gaussian_noise", 5),
+        ("contrast", 1),
+        ("contrast", 5),
+    ]
     for metric in ("error", "nll", "brier", "ece"):
         per_corruption = [results[f"shift/{c}/5/{metric}"] for c in ("gaussian_noise", "contrast")]
         assert results[f"shift/mean/5/{metric}"] == pytest.approx(sum(per_corruption) / 2)
@@ -285,14 +370,31 @@ def test_a_post_hoc_posterior_the_run_cannot_have_is_refused(tmp_path, map_run):
     with pytest.raises(MissingConfigException, match="posthoc/bayes"):  # Hydra lists the options of conf/posthoc/
         evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=bayes"])
     swagless = tmp_path / "run"
-    train(compose_config("train", ["data=digits", "data.num_workers=0", "model=map_fixed", *tiny_for("map_fixed"),
-                                   "trainer.max_epochs=1", "test=false"], swagless), swagless)
+    train(
+        compose_config(
+            "train",
+            [
+                "data=digits",
+                "data.num_workers=0",
+                "model=map_fixed",
+                *tiny_for("map_fixed"),
+                "trainer.max_epochs=1",
+                "test=false",
+            ],
+            swagless,
+        ),
+        swagless,
+    )
     with pytest.raises(ConfigError, match="callbacks=swag"):
         evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=swag"])
     with pytest.raises(PosthocError, match="marglik"):  # no validation split for the grid search
-        evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "posthoc.prior_precision=gridsearch"])
+        evaluate_quietly(
+            swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "posthoc.prior_precision=gridsearch"]
+        )
     with pytest.raises(PosthocError, match="must be positive"):
-        evaluate_quietly(swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "posthoc.prior_precision=0"])
+        evaluate_quietly(
+            swagless / "checkpoints" / "last.ckpt", tmp_path, ["posthoc=laplace", "posthoc.prior_precision=0"]
+        )
     # one snapshot: no covariance to sample from, said before anything is predicted
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in checkpoint["callbacks"].items() if "SWAG" in k)
@@ -308,11 +410,17 @@ def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and
     out, _, _ = evaluated
     for posthoc in ("laplace", "swag"):
         if not (out / "posthoc" / posthoc / "metrics.json").is_file():
-            evaluate_quietly(out / "checkpoints" / "last.ckpt", tmp_path / posthoc, [f"posthoc={posthoc}", "n_samples=4"])
+            evaluate_quietly(
+                out / "checkpoints" / "last.ckpt", tmp_path / posthoc, [f"posthoc={posthoc}", "n_samples=4"]
+            )
     report = build_report([out.parent], tmp_path / "report")
     text = (tmp_path / "report" / "report.md").read_text()
-    for section in ("## Calibration beyond equal-width ECE", "## Selective prediction", "## Near and far OOD",
-                    "## Dataset shift"):
+    for section in (
+        "## Calibration beyond equal-width ECE",
+        "## Selective prediction",
+        "## Near and far OOD",
+        "## Dataset shift",
+    ):
         assert section in text, section
     assert "NOT the published CIFAR-10-C / -100-C files" in text
     methods = {r.method for r in report.with_status("ok")}
@@ -322,16 +430,32 @@ def test_the_report_has_a_table_for_each_new_evaluation_and_rows_for_laplace_and
     assert (tmp_path / "report" / "shift_boxplots_digits.png").stat().st_size > 1000
 
 
-def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_same_metrics(dbsn_run, map_run, tmp_path):
+def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_same_metrics(
+    dbsn_run, map_run, tmp_path
+):
     out, trained = map_run  # has a validation split: the calibration temperature is fitted there
     record = json.loads((out / "metrics.json").read_text())
     assert record["calibration"]["fitted_on"] == "validation"
-    assert record["statistics"] == {"seed": 0, "resamples": 1000, "level": 0.95,
-                                    "interval": "percentile bootstrap over the test examples",
-                                    "ce2_interval": CE2_INTERVAL}
-    for key in ("test/error", "test/nll", "test/brier", "test/ece", "test/adaptive_ece", "test/classwise_ece",
-                "test/calibrated/nll", "test/calibrated/brier", "test/calibrated/ece", "selective/predictive_entropy/aurc",
-                "selective/max_probability/risk@80"):
+    assert record["statistics"] == {
+        "seed": 0,
+        "resamples": 1000,
+        "level": 0.95,
+        "interval": "percentile bootstrap over the test examples",
+        "ce2_interval": CE2_INTERVAL,
+    }
+    for key in (
+        "test/error",
+        "test/nll",
+        "test/brier",
+        "test/ece",
+        "test/adaptive_ece",
+        "test/classwise_ece",
+        "test/calibrated/nll",
+        "test/calibrated/brier",
+        "test/calibrated/ece",
+        "selective/predictive_entropy/aurc",
+        "selective/max_probability/risk@80",
+    ):
         low, high = record["intervals"][key]
         assert low <= record["metrics"][key] + 1e-6 and record["metrics"][key] <= high + 1e-6 and low < high, key
     for key in ("test/ce2", "test/calibrated/ce2"):  # a CE² >= 0; its estimate may be below
@@ -352,7 +476,9 @@ def test_every_number_has_its_interval_and_a_rerun_of_the_evaluation_gives_the_s
     assert first == again and evaluated["intervals"] == intervals
     assert evaluated["calibration"]["fitted_on"].startswith("test, 2-fold")
     assert evaluated["cost"]["n_samples"] == 3 and evaluated["cost"]["train_flops_per_image"] > 0
-    other = evaluate_quietly(dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "c", ["n_samples=3", "statistics.seed=1"])
+    other = evaluate_quietly(
+        dbsn_out / "checkpoints" / "last.ckpt", tmp_path / "c", ["n_samples=3", "statistics.seed=1"]
+    )
     assert other["test/nll"] != first["test/nll"]  # other structures drawn
 
 

@@ -85,10 +85,25 @@ def test_pareto_front_excludes_dominated_points_and_keeps_ties():
 
 ROWS = [
     {"method": "single", "flops": 1e9, "calibrated_nll": 0.30, "ce2": 0.0020, "error": 0.08},
-    {"method": "ensemble", "flops": 4e9, "calibrated_nll": 0.22, "calibrated_nll_low": 0.20,
-     "calibrated_nll_high": 0.24, "ce2": 0.0010, "error": 0.06, "error_low": 0.055, "error_high": 0.065},
-    {"method": "dbsn", "flops": 2e9, "calibrated_nll": 0.25, "calibrated_nll_low": 0.23,
-     "calibrated_nll_high": 0.27, "ce2": 0.0030},  # error not measured
+    {
+        "method": "ensemble",
+        "flops": 4e9,
+        "calibrated_nll": 0.22,
+        "calibrated_nll_low": 0.20,
+        "calibrated_nll_high": 0.24,
+        "ce2": 0.0010,
+        "error": 0.06,
+        "error_low": 0.055,
+        "error_high": 0.065,
+    },
+    {
+        "method": "dbsn",
+        "flops": 2e9,
+        "calibrated_nll": 0.25,
+        "calibrated_nll_low": 0.23,
+        "calibrated_nll_high": 0.27,
+        "ce2": 0.0030,
+    },  # error not measured
     {"method": "bad", "flops": 5e9, "calibrated_nll": 0.35, "ce2": 0.0040, "error": 0.10},
 ]
 
@@ -105,8 +120,12 @@ def _markers(ax) -> dict:
 
 def _bars(ax) -> list[float]:
     """low, high of every interval bar drawn, in drawing order, one flat list."""
-    return [end for c in ax.containers if c.get_label() == INTERVAL_LABEL
-            for end in sorted(c.lines[2][0].get_segments()[0][:, 1].tolist())]
+    return [
+        end
+        for c in ax.containers
+        if c.get_label() == INTERVAL_LABEL
+        for end in sorted(c.lines[2][0].get_segments()[0][:, 1].tolist())
+    ]
 
 
 def test_pareto_figure_panels_markers_bars_and_front():
@@ -141,8 +160,9 @@ def test_the_pareto_front_steps_down_at_each_better_costlier_method():
     assert list(ce2.get_xdata()) == [1e9, 4e9, 4e9, 5e9]
     assert list(ce2.get_ydata()) == pytest.approx([0.002, 0.002, 0.001, 0.001])
     # the front is drawn above the interval bars (a step at a method's cost is not hidden by its bar)
-    assert front.get_zorder() > max(c.lines[2][0].get_zorder() for c in fig.axes[0].containers
-                                    if c.get_label() == INTERVAL_LABEL)
+    assert front.get_zorder() > max(
+        c.lines[2][0].get_zorder() for c in fig.axes[0].containers if c.get_label() == INTERVAL_LABEL
+    )
     assert front_steps([(1.0, 2.0)]) == ([1.0], [2.0])
 
 
@@ -151,19 +171,42 @@ def test_pareto_bars_stay_within_the_metrics_limits_and_are_not_stretched_to_the
     interval that misses its estimate (as a biased statistic's can) is drawn where it lies, and its
     marker is hollow with the panel's note; a negative CE² estimate under an interval clipped at 0 is
     not flagged (the estimate may be negative, the true CE² cannot)."""
-    rows = [{"method": "two seeds", "flops": 1e9, "calibrated_nll": 0.02, "calibrated_nll_low": -0.10,
-             "calibrated_nll_high": 0.14, "ce2": -0.0002, "ce2_low": -0.0010, "ce2_high": 0.0030,
-             "error": 0.01, "error_low": -0.05, "error_high": 0.07},
-            {"method": "biased", "flops": 2e9, "calibrated_nll": 0.30, "calibrated_nll_low": 0.28,
-             "calibrated_nll_high": 0.33, "ce2": 0.001, "error": 0.03, "error_low": 0.035, "error_high": 0.07}]
+    rows = [
+        {
+            "method": "two seeds",
+            "flops": 1e9,
+            "calibrated_nll": 0.02,
+            "calibrated_nll_low": -0.10,
+            "calibrated_nll_high": 0.14,
+            "ce2": -0.0002,
+            "ce2_low": -0.0010,
+            "ce2_high": 0.0030,
+            "error": 0.01,
+            "error_low": -0.05,
+            "error_high": 0.07,
+        },
+        {
+            "method": "biased",
+            "flops": 2e9,
+            "calibrated_nll": 0.30,
+            "calibrated_nll_low": 0.28,
+            "calibrated_nll_high": 0.33,
+            "ce2": 0.001,
+            "error": 0.03,
+            "error_low": 0.035,
+            "error_high": 0.07,
+        },
+    ]
     fig = pareto_figure(rows, title="limits")
     nll_ax, ce2_ax, error_ax = fig.axes
     assert _bars(nll_ax) == pytest.approx([0.0, 0.14, 0.28, 0.33])
     assert _bars(ce2_ax) == pytest.approx([0.0, 0.003])
     assert _bars(error_ax) == pytest.approx([0.0, 0.07, 0.035, 0.07])  # not stretched down to 0.03
     assert all(min(_bars(ax)) >= 0.0 for ax in fig.axes)
-    hollow = {ax.get_title(): [m for m, line in _markers(ax).items() if line.get_markerfacecolor() == "none"]
-              for ax in fig.axes}
+    hollow = {
+        ax.get_title(): [m for m, line in _markers(ax).items() if line.get_markerfacecolor() == "none"]
+        for ax in fig.axes
+    }
     assert hollow == {"Calibrated NLL": [], "CE² (unbiased)": [], "Error": ["biased"]}
     assert [t.get_text() for t in error_ax.texts] == [FLAGGED_NOTE["hollow marker"]]
     assert not nll_ax.texts and not ce2_ax.texts

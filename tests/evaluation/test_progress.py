@@ -28,7 +28,11 @@ def test_an_update_loop_without_a_total_prints_after_every_s_seconds_and_closes_
         bar.update(2)
     bar.close()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "attack: started" and lines[1].startswith("attack: 3 | elapsed") and lines[2].startswith("attack: 5 |")
+    assert (
+        lines[0] == "attack: started"
+        and lines[1].startswith("attack: 3 | elapsed")
+        and lines[2].startswith("attack: 5 |")
+    )
     assert sum(line.startswith("attack: done, 5 steps") for line in lines) == 1
 
 

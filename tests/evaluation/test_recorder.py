@@ -18,8 +18,16 @@ from dbsn.methods.tasks import Segmentation
 from dbsn.nets import FCDenseNet, StructureNet
 
 #: what evaluations set on a method or read of it before the recorder kept the test pass
-FORMER_ATTRIBUTES = ("test_predictions", "test_scores", "test_example", "test_image_rows", "test_maps",
-                     "sample_ablation", "ablation_rows", "_test_outputs")
+FORMER_ATTRIBUTES = (
+    "test_predictions",
+    "test_scores",
+    "test_example",
+    "test_image_rows",
+    "test_maps",
+    "sample_ablation",
+    "ablation_rows",
+    "_test_outputs",
+)
 
 
 class Tensors(pl.LightningDataModule):
@@ -34,8 +42,13 @@ class Tensors(pl.LightningDataModule):
 
 
 def _trainer() -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def _net() -> StructureNet:

@@ -8,13 +8,28 @@ from dbsn.evaluation.runs import infer_method
 
 
 def test_method_inference_without_hydra():
-    assert infer_method({"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.GaussianWeights"}}) == "fbn"
-    assert infer_method({"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.PointWeights"}}) == "dbsn"
+    assert (
+        infer_method({"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.GaussianWeights"}})
+        == "fbn"
+    )
+    assert (
+        infer_method({"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.PointWeights"}}) == "dbsn"
+    )
     assert infer_method({"_target_": "dbsn.methods.MAP", "learn_structure": True, "weights": None}) == "map"
     assert infer_method({"_target_": "dbsn.methods.MAP", "learn_structure": False}) == "map_fixed"
-    assert infer_method({"_target_": "dbsn.methods.MAP", "learn_structure": False,
-                         "weights": {"_target_": "dbsn.methods.weights.MCDropoutWeights"}}) == "mc_dropout"
-    assert infer_method({"_target_": "dbsn.methods.MAP", "weights": {"_target_": "dbsn.methods.GaussianWeights"}}) == "bbb"
+    assert (
+        infer_method(
+            {
+                "_target_": "dbsn.methods.MAP",
+                "learn_structure": False,
+                "weights": {"_target_": "dbsn.methods.weights.MCDropoutWeights"},
+            }
+        )
+        == "mc_dropout"
+    )
+    assert (
+        infer_method({"_target_": "dbsn.methods.MAP", "weights": {"_target_": "dbsn.methods.GaussianWeights"}}) == "bbb"
+    )
     assert infer_method({"_target_": "dbsn.methods.DeepEnsemble", "member": {}}) == "deep_ensemble"
     assert infer_method({"_target_": "dbsn.methods.natgrad.VOGNMethod", "structure": "map"}) == "vogn"
     assert infer_method({"_target_": "dbsn.methods.natgrad.VOGNMethod", "structure": "dbsn"}) == "vogn_fbn"
@@ -30,11 +45,15 @@ def test_a_run_on_a_field_backbone_carries_it_in_its_name(tmp_path):
     assert method_and_dataset(tmp_path, {"model": on, "data": data}) == ("mimo@wrn28_10", "cifar10")
     cells = {"_target_": "dbsn.methods.MIMO", "net": {"_target_": "dbsn.nets.StructureNet"}}
     assert method_and_dataset(tmp_path, {"model": cells, "data": data}) == ("mimo", "cifar10")
-    ensemble = {"_target_": "dbsn.methods.DeepEnsemble", "member": {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}}
+    ensemble = {
+        "_target_": "dbsn.methods.DeepEnsemble",
+        "member": {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}},
+    }
     assert method_and_dataset(tmp_path, {"model": ensemble, "data": data}) == ("deep_ensemble@resnet18", "cifar10")
     (tmp_path / ".hydra").mkdir()  # Hydra's choices win over the config
     (tmp_path / ".hydra" / "hydra.yaml").write_text(
-        "hydra:\n  runtime:\n    choices:\n      model: batch_ensemble\n      model/net: resnet18\n      data: cifar100\n")
+        "hydra:\n  runtime:\n    choices:\n      model: batch_ensemble\n      model/net: resnet18\n      data: cifar100\n"
+    )
     assert method_and_dataset(tmp_path, {"model": on, "data": data}) == ("batch_ensemble@resnet18", "cifar100")
     for cls, name in {"BatchEnsemble": "batch_ensemble", "PackedEnsemble": "packed_ensemble", "SNGP": "sngp"}.items():
         assert infer_method({"_target_": f"dbsn.methods.{cls}"}) == name
@@ -44,14 +63,37 @@ def test_wandb_facts_name_the_network_and_a_single_pass_ensembles_members(tmp_pa
     from dbsn.runtime.wandb_run import run_facts
 
     data = {"_target_": "dbsn.data.CIFAR10DataModule"}
-    mimo = run_facts({"model": {"_target_": "dbsn.methods.MIMO", "size": 3, "net": {"_target_": "dbsn.nets.WideResNet"}},
-                      "data": data}, tmp_path)
+    mimo = run_facts(
+        {
+            "model": {"_target_": "dbsn.methods.MIMO", "size": 3, "net": {"_target_": "dbsn.nets.WideResNet"}},
+            "data": data,
+        },
+        tmp_path,
+    )
     assert (mimo["method"], mimo["network"], mimo["S"]) == ("mimo@wrn28_10", "wrn28_10", 3)
-    dbsn = run_facts({"model": {"_target_": "dbsn.methods.DBSN", "prediction": {"n_samples": 100},
-                                "net": {"_target_": "dbsn.nets.StructureNet"}}, "data": data}, tmp_path)
+    dbsn = run_facts(
+        {
+            "model": {
+                "_target_": "dbsn.methods.DBSN",
+                "prediction": {"n_samples": 100},
+                "net": {"_target_": "dbsn.nets.StructureNet"},
+            },
+            "data": data,
+        },
+        tmp_path,
+    )
     assert (dbsn["method"], dbsn["network"], dbsn["S"]) == ("dbsn", "StructureNet", 100)
-    ensemble = run_facts({"model": {"_target_": "dbsn.methods.DeepEnsemble", "size": 4, "member": {
-        "_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}}, "data": data}, tmp_path)
+    ensemble = run_facts(
+        {
+            "model": {
+                "_target_": "dbsn.methods.DeepEnsemble",
+                "size": 4,
+                "member": {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}},
+            },
+            "data": data,
+        },
+        tmp_path,
+    )
     assert (ensemble["method"], ensemble["network"], ensemble["S"]) == ("deep_ensemble@resnet18", "resnet18", 4)
 
 
@@ -75,13 +117,15 @@ def test_a_cell_network_run_is_named_without_composing_every_methods_config(tmp_
 
     def composed(*args, **kwargs):
         raise AssertionError("composed every method's config")
+
     # fresh caches of the registry for this test alone (the suite's own stay as they are)
     monkeypatch.setattr(registry, "_registry", functools.cache(registry._registry.__wrapped__))
     monkeypatch.setattr(registry, "_backbones", functools.cache(registry._backbones.__wrapped__))
     monkeypatch.setattr(registry, "_model_configs", composed)
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "hydra.yaml").write_text(
-        "hydra:\n  runtime:\n    choices:\n      model: dbsn\n      model/net: structure_net\n      data: digits\n")
+        "hydra:\n  runtime:\n    choices:\n      model: dbsn\n      model/net: structure_net\n      data: digits\n"
+    )
     cells = {"_target_": "dbsn.methods.DBSN", "net": {"_target_": "dbsn.nets.StructureNet"}}
     assert method_and_dataset(tmp_path, {"model": cells, "data": {}}) == ("dbsn", "digits")
     residual = {"_target_": "dbsn.methods.MAP", "net": {"_target_": "dbsn.nets.ResNet18"}}
@@ -100,8 +144,10 @@ def test_every_methods_config_names_the_backbone_its_network_is():
     from dbsn.methods.registry import field_backbones, method_configs
 
     backbones = field_backbones()
-    nets = {path.stem: OmegaConf.to_container(OmegaConf.load(path))
-            for path in sorted((dbsn.CONF_DIR / "model" / "net").glob("*.yaml"))}
+    nets = {
+        path.stem: OmegaConf.to_container(OmegaConf.load(path))
+        for path in sorted((dbsn.CONF_DIR / "model" / "net").glob("*.yaml"))
+    }
     assert {"resnet18", "wrn28_10"} <= set(backbones) and "structure_net" in nets
     checked = 0
     for method in method_configs():
@@ -125,4 +171,5 @@ def test_every_methods_config_names_the_backbone_its_network_is():
 def network_factory(num_classes: int = 10):
     """A network's `_target_` that is a function, not a class."""
     from dbsn.nets import ResNet18
+
     return ResNet18(num_classes=num_classes)

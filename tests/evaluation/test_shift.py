@@ -19,7 +19,10 @@ def test_published_files_win_over_generate_and_keep_all_fifteen_corruptions(tmp_
     assert DatasetShift(generate=True).plan(published) == (False, list(CORRUPTIONS))
     assert "frost" in CORRUPTIONS and "frost" not in GENERATED_STANDARD and len(GENERATED_STANDARD) == 14
     assert DatasetShift(generate=True).plan(tmp_path / "empty") == (True, list(GENERATED_STANDARD))
-    assert DatasetShift(generate=False).plan(tmp_path / "empty") == (False, list(CORRUPTIONS))  # then refused, naming files
+    assert DatasetShift(generate=False).plan(tmp_path / "empty") == (
+        False,
+        list(CORRUPTIONS),
+    )  # then refused, naming files
     assert DatasetShift(generate=True, corruptions=["fog"]).plan(published) == (False, ["fog"])
 
 

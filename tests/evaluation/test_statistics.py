@@ -15,8 +15,8 @@ from dbsn.metrics.calibration import (
     classwise_expected_calibration_error,
     squared_calibration_error,
 )
-from dbsn.metrics.intervals import weighted_ece, weighted_error
 from dbsn.metrics.classification import brier_score, error_rate, expected_calibration_error, negative_log_likelihood
+from dbsn.metrics.intervals import weighted_ece, weighted_error
 from dbsn.metrics.selective import selective_metrics
 
 
@@ -24,7 +24,9 @@ def _miscalibrated(n: int, generator: torch.Generator) -> tuple[torch.Tensor, to
     """Two-class predictions whose confidence v is 0.55, 0.75 or 0.95 (probabilities 0.3, 0.3,
     0.4) and right with probability v - 0.1: the population's ECE is exactly 0.1 (each v in its
     own bin) and its error rate 1 - 0.67 = 0.33."""
-    v = torch.tensor([0.55, 0.75, 0.95], dtype=torch.float64)[torch.multinomial(torch.tensor([0.3, 0.3, 0.4]), n, True, generator=generator)]
+    v = torch.tensor([0.55, 0.75, 0.95], dtype=torch.float64)[
+        torch.multinomial(torch.tensor([0.3, 0.3, 0.4]), n, True, generator=generator)
+    ]
     right = torch.rand(n, generator=generator, dtype=torch.float64) < v - 0.1
     probs = torch.stack([v, 1 - v], 1)
     return probs.log(), (~right).long()  # class 0 is predicted: right when the target is 0
@@ -37,7 +39,10 @@ def test_the_95_percent_intervals_of_error_and_ece_cover_the_truth_95_percent_of
         log_probs, targets = _miscalibrated(2000, generator)
         weights = Statistics(seed=draw, resamples=1000).weights(len(targets))
         probs = log_probs.exp()
-        found = {"test/error": weighted_error(probs, targets, weights), "test/ece": weighted_ece(probs, targets, weights)}
+        found = {
+            "test/error": weighted_error(probs, targets, weights),
+            "test/ece": weighted_ece(probs, targets, weights),
+        }
         intervals = intervals_of(found, 0.95)
         for key, (low, high) in intervals.items():
             covered[key] += low <= truth[key] <= high
@@ -53,15 +58,19 @@ def test_row_zero_of_every_statistic_is_the_plain_metric():
     scores = {"max_probability": probs.max(1).values, "predictive_entropy": -(probs * log_probs).sum(1)}
     calibrated = torch.log_softmax(log_probs / 1.7, 1)
     found = classification_statistics(log_probs, targets, scores, Statistics(resamples=5).weights(400), calibrated)
-    plain = {"test/error": error_rate(probs, targets), "test/nll": negative_log_likelihood(log_probs, targets),
-             "test/brier": brier_score(probs, targets), "test/ece": expected_calibration_error(probs, targets),
-             "test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15),
-             "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15),
-             "test/calibrated/nll": negative_log_likelihood(calibrated, targets),
-             "test/calibrated/brier": brier_score(calibrated.exp(), targets),
-             "test/calibrated/ece": expected_calibration_error(calibrated.exp(), targets),
-             "test/ce2": squared_calibration_error(probs, targets),
-             "test/calibrated/ce2": squared_calibration_error(calibrated.exp(), targets)}
+    plain = {
+        "test/error": error_rate(probs, targets),
+        "test/nll": negative_log_likelihood(log_probs, targets),
+        "test/brier": brier_score(probs, targets),
+        "test/ece": expected_calibration_error(probs, targets),
+        "test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15),
+        "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15),
+        "test/calibrated/nll": negative_log_likelihood(calibrated, targets),
+        "test/calibrated/brier": brier_score(calibrated.exp(), targets),
+        "test/calibrated/ece": expected_calibration_error(calibrated.exp(), targets),
+        "test/ce2": squared_calibration_error(probs, targets),
+        "test/calibrated/ce2": squared_calibration_error(calibrated.exp(), targets),
+    }
     errors = (probs.argmax(1) != targets).double()
     plain.update(selective_metrics(errors, scores))
     assert set(found) == set(plain)

@@ -83,7 +83,9 @@ def test_diversity_hamming_equals_pairwise_brute_force():
 def test_most_likely_structure_and_text_name_the_argmax_ops():
     best = most_likely_structure(PROBS, EDGES, OPS)
     assert [(b["edge"], b["from"], b["to"], b["op"]) for b in best] == [
-        ("0→1", 0, 1, "identity"), ("0→2", 0, 2, "dil_conv_3x3"), ("1→2", 1, 2, "zero"),
+        ("0→1", 0, 1, "identity"),
+        ("0→2", 0, 2, "dil_conv_3x3"),
+        ("1→2", 1, 2, "zero"),
     ]
     assert [b["probability"] for b in best] == pytest.approx([0.6, 0.8, 0.4])
     text = structure_text(PROBS, EDGES, OPS, title="T")
@@ -139,8 +141,15 @@ def test_measure_skips_fixed_structures_and_leaves_the_random_state_alone():
 
 # ---------------------------------------------------------------------- end to end
 def _digits(model: str, epochs: int) -> list[str]:
-    return [f"model={model}", "data=digits", "data.batch_size=64", *tiny_for(model),
-            f"trainer.max_epochs={epochs}", "trainer.limit_train_batches=3", "test=false"]
+    return [
+        f"model={model}",
+        "data=digits",
+        "data.batch_size=64",
+        *tiny_for(model),
+        f"trainer.max_epochs={epochs}",
+        "trainer.limit_train_batches=3",
+        "test=false",
+    ]
 
 
 @pytest.mark.slow

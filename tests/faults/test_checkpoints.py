@@ -23,8 +23,16 @@ from tests.support.configs import QUIET, ROOT, TINY, compose_config
 from tests.support.damage import entry_span, flip_byte, pickle_entry, storage_entry
 from tests.support.scripts import run_python
 
-RUN = ["data=digits", "data.train_subset=64", "data.batch_size=32", *TINY, "trainer.max_epochs=1", "test=false",
-       "callbacks.structure_posterior.save_figures=false", "callbacks.structure_posterior.n_samples=10"]
+RUN = [
+    "data=digits",
+    "data.train_subset=64",
+    "data.batch_size=32",
+    *TINY,
+    "trainer.max_epochs=1",
+    "test=false",
+    "callbacks.structure_posterior.save_figures=false",
+    "callbacks.structure_posterior.n_samples=10",
+]
 WEIGHT = "net.classifier.weight"
 
 
@@ -54,9 +62,11 @@ def test_every_checkpoint_carries_the_digest_of_all_its_tensors(run):
     raw = torch.load(run[1], weights_only=False)
     assert raw[DIGEST_KEY] == {"algorithm": "sha256", "tensors": checkpoint_digest(raw)}
     # the digest covers the weights, the optimisers' states and the callbacks' tensors
-    for tensor_of in (lambda c: c["state_dict"][WEIGHT],
-                      lambda c: next(iter(c["optimizer_states"][0]["state"].values()))["momentum_buffer"],
-                      lambda c: c["callbacks"]["RandomStateCallback"]["torch"]):
+    for tensor_of in (
+        lambda c: c["state_dict"][WEIGHT],
+        lambda c: next(iter(c["optimizer_states"][0]["state"].values()))["momentum_buffer"],
+        lambda c: c["callbacks"]["RandomStateCallback"]["torch"],
+    ):
         changed = torch.load(run[1], weights_only=False)
         tensor = tensor_of(changed)
         tensor[(-1,) * tensor.dim()] += 1
@@ -78,13 +88,15 @@ def test_the_digest_reads_raw_bytes_of_any_dtype_and_layout():
 def test_a_flipped_byte_in_a_weight_is_refused_by_evaluate_in_one_line(run, tmp_path):
     damaged = flip_byte(run[1], _weight_byte(run[1]), tmp_path / "copy.ckpt")
     entry = storage_entry(run[1], torch.load(run[1], weights_only=False)["state_dict"][WEIGHT])
-    done = run_python(ROOT / "evaluate.py", f"ckpt_path={damaged}", *QUIET, f"hydra.run.dir={tmp_path / 'out'}",
-                      check=False)
+    done = run_python(
+        ROOT / "evaluate.py", f"ckpt_path={damaged}", *QUIET, f"hydra.run.dir={tmp_path / 'out'}", check=False
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"Error: Checkpoint {damaged} is corrupt: its entry {entry} fails its CRC-32 check (the bytes changed after it "
         "was written). Do not use it: copy it again from where it was written, or use another checkpoint of the run "
-        "(checkpoints/epoch*.ckpt).")
+        "(checkpoints/epoch*.ckpt)."
+    )
     assert "Traceback" not in done.stderr
 
 
@@ -95,8 +107,9 @@ def test_torch_load_alone_would_use_the_damaged_weights(run, tensor_damaged):
     assert not torch.equal(good, bad) and torch.isfinite(bad).all()
 
 
-@pytest.mark.parametrize("reader", ["load_checkpoint", "evaluate", "train ckpt_path", "train resume", "init_from",
-                                    "load_method", "refine"])
+@pytest.mark.parametrize(
+    "reader", ["load_checkpoint", "evaluate", "train ckpt_path", "train resume", "init_from", "load_method", "refine"]
+)
 def test_every_reader_refuses_tensors_that_do_not_match_their_digest(reader, run, tensor_damaged, tmp_path):
     folder, _ = run
     if reader == "train resume":  # the run folder's own last.ckpt, damaged
@@ -104,12 +117,17 @@ def test_every_reader_refuses_tensors_that_do_not_match_their_digest(reader, run
         copy = tmp_path / "checkpoints" / "last.ckpt"
         copy.write_bytes(tensor_damaged.read_bytes())
         tensor_damaged = copy
-    with pytest.raises(CheckpointError, match=rf"Checkpoint {tensor_damaged} is corrupt: its tensors do not match "
-                                              r"the digest \(sha256\) its writer recorded\. Do not use it"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"Checkpoint {tensor_damaged} is corrupt: its tensors do not match "
+        r"the digest \(sha256\) its writer recorded\. Do not use it",
+    ):
         if reader == "load_checkpoint":
             load_checkpoint(tensor_damaged)
         elif reader == "evaluate":
-            dbsn.runtime.run.evaluate(compose_config("evaluate", [f"ckpt_path={tensor_damaged}", *QUIET], tmp_path), tmp_path)
+            dbsn.runtime.run.evaluate(
+                compose_config("evaluate", [f"ckpt_path={tensor_damaged}", *QUIET], tmp_path), tmp_path
+            )
         elif reader == "train ckpt_path":
             dbsn.runtime.run.train(compose_config("train", [*RUN, f"ckpt_path={tensor_damaged}"], tmp_path), tmp_path)
         elif reader == "train resume":
@@ -129,10 +147,10 @@ def test_a_flipped_byte_in_the_pickle_is_refused(run, tmp_path):
     original = torch.load(ckpt, weights_only=False)
     lr = original["optimizer_states"][0]["param_groups"][0]["lr"]
     start, size = entry_span(ckpt, pickle_entry(ckpt))
-    position = ckpt.read_bytes()[start:start + size].index(b"G" + struct.pack(">d", lr))  # BINFLOAT, big-endian
+    position = ckpt.read_bytes()[start : start + size].index(b"G" + struct.pack(">d", lr))  # BINFLOAT, big-endian
     damaged = flip_byte(ckpt, start + position + 8, tmp_path / "copy.ckpt")  # the mantissa's last byte
     loaded = torch.load(damaged, weights_only=False)
-    assert checkpoint_digest(loaded) == original[DIGEST_KEY]["tensors"] 
+    assert checkpoint_digest(loaded) == original[DIGEST_KEY]["tensors"]
     assert loaded["optimizer_states"][0]["param_groups"] != original["optimizer_states"][0]["param_groups"]
     with pytest.raises(CheckpointError, match=r"data\.pkl fails its CRC-32 check"):
         load_checkpoint(damaged)
@@ -159,4 +177,5 @@ def test_a_checkpoint_written_before_digests_loads_and_says_which_version_wrote_
     load_checkpoint(tmp_path / "old.ckpt")  # said once per file
     assert capsys.readouterr().err.splitlines() == [
         f"Note: {tmp_path / 'old.ckpt'} was written by dbsn 0.0.9, before checkpoints carried a digest of their "
-        "tensors: loaded without checking its content."]
+        "tensors: loaded without checking its content."
+    ]

@@ -32,8 +32,21 @@ SLACK_MB = 2.0  # Python's objects of a pass (measured: under 1 MB between passe
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _malloc_in_use():
@@ -84,8 +97,14 @@ def _kept_mb(net: StructureNet, data: Tensors, n_samples: int) -> tuple[float, l
         return forward(x, n, first)
 
     method.stochastic_forward = sampled
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[_Sample(samples)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_Sample(samples)],
+    )
     gc.collect()
     start = IN_USE()
     metrics, recorded = run_test_pass(trainer, method, data)

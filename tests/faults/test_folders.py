@@ -11,25 +11,25 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-
 from omegaconf import OmegaConf
 
-from dbsn.evaluation.runs import RUN_ID_KEY, RUN_FILE, read_run_record
+from dbsn.evaluation.runs import RUN_ID_KEY, read_run_record
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.runtime.config import ConfigError
 from dbsn.runtime.folder import LOCK_FILE, check_run_folder, claim_run_folder, config_digest
 from dbsn.runtime.run import train
 from dbsn.tools.compare import main as compare
 from tests.support.configs import ROOT, compose_config
-from tests.support.scripts import assert_one_line, digests as all_digests, run_python
+from tests.support.scripts import assert_one_line, run_python
+from tests.support.scripts import digests as all_digests
 
 
 def digests(folder) -> dict[str, str]:
     """The folder's bytes, but for its lock file, which names whoever holds the folder now."""
     return {k: v for k, v in all_digests(folder).items() if k != LOCK_FILE}
+
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,17 @@ def comparison(tmp_path_factory):
 
 
 def _train_py(*args, cwd):
-    return run_python(ROOT / "train.py", "experiment=quick", *SHORT, "model.prediction.n_samples=2", *args, cwd=cwd,
-                      timeout=300, check=False, env={"HYDRA_FULL_ERROR": "0"})
+    return run_python(
+        ROOT / "train.py",
+        "experiment=quick",
+        *SHORT,
+        "model.prediction.n_samples=2",
+        *args,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
 
 
 def test_the_files_of_a_run_name_it(comparison):
@@ -63,8 +72,14 @@ def test_the_files_of_a_run_name_it(comparison):
 def test_train_py_refuses_a_finished_runs_folder_and_changes_nothing(comparison, tmp_path):
     run = comparison / "map_fixed"
     before = digests(run)
-    line = assert_one_line(_train_py(f"hydra.run.dir={run}", cwd=tmp_path), str(run), "holds run",
-                           read_run_record(run)["run_id"][:8], "resume=true", "new folder")
+    line = assert_one_line(
+        _train_py(f"hydra.run.dir={run}", cwd=tmp_path),
+        str(run),
+        "holds run",
+        read_run_record(run)["run_id"][:8],
+        "resume=true",
+        "new folder",
+    )
     assert "finished" in line and digests(run) == before
 
 
@@ -85,15 +100,25 @@ def test_a_live_runs_folder_is_refused_and_a_crash_leaves_no_lock(comparison, tm
     killed with SIGKILL leaves a folder that the next start may continue."""
     run = tmp_path / "held"
     shutil.copytree(comparison / "map_fixed", run)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from dbsn.runtime.folder import claim_run_folder; "
-        f"f = claim_run_folder(Path({str(run)!r}), resume=True); print('held', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from dbsn.runtime.folder import claim_run_folder; "
+                f"f = claim_run_folder(Path({str(run)!r}), resume=True); print('held', flush=True); time.sleep(120)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = digests(run)
-        assert_one_line(_train_py(f"hydra.run.dir={run}", "resume=true", cwd=tmp_path), "in use by a live run",
-                        f"pid {holder.pid}")
+        assert_one_line(
+            _train_py(f"hydra.run.dir={run}", "resume=true", cwd=tmp_path), "in use by a live run", f"pid {holder.pid}"
+        )
         with pytest.raises(ConfigError, match="in use by a live run"):
             claim_run_folder(run, resume=True)
         assert digests(run) == before
@@ -117,9 +142,18 @@ def test_a_folder_of_other_files_is_refused_and_left_as_it_was(tmp_path):
 
 def test_a_sweep_with_a_bad_later_job_is_refused_before_job_zero_trains(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_python(ROOT / "train.py", "-m", "experiment=quick", *SHORT, "model.optim.lr=0.1,-1",
-                        f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=300, check=False,
-                        env={"HYDRA_FULL_ERROR": "0"})
+    result = run_python(
+        ROOT / "train.py",
+        "-m",
+        "experiment=quick",
+        *SHORT,
+        "model.optim.lr=0.1,-1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
     assert_one_line(result, "sweep job #1", "model.optim.lr=-1", "lr must be > 0", "No job was started")
     assert not sweep.exists()
 
@@ -155,8 +189,9 @@ def test_compare_refuses_or_resumes_an_existing_comparison(comparison, monkeypat
     kept = digests(run)
     with pytest.raises(ConfigError, match="finished run with other settings .*data.batch_size: 64 there, 32 here"):
         compare([*COMPARE, "--batch-size", "32", "--out", str(comparison), "--resume"])
-    assert {k: v for k, v in digests(run).items() if not k.startswith(("evaluation", "report"))} == \
-        {k: v for k, v in kept.items() if not k.startswith(("evaluation", "report"))}
+    assert {k: v for k, v in digests(run).items() if not k.startswith(("evaluation", "report"))} == {
+        k: v for k, v in kept.items() if not k.startswith(("evaluation", "report"))
+    }
 
 
 def test_resume_continues_the_same_run_and_records_it(comparison, tmp_path):
@@ -175,8 +210,11 @@ def test_resume_continues_the_same_run_and_records_it(comparison, tmp_path):
 def _mounted(folder, options: str):
     """`folder` as a tmpfs mounted with `options` (needs root, as on CI; the test is skipped elsewhere)."""
     folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a small or read-only file system needs root")
     return folder
 
@@ -195,8 +233,11 @@ def small_disk(tmp_path):
 
 
 def test_a_read_only_output_disk_is_refused_in_one_line(read_only_folder, tmp_path):
-    assert_one_line(_train_py(f"hydra.run.dir={read_only_folder / 'run'}", cwd=tmp_path), "read-only file system",
-                    "choose a writable folder")
+    assert_one_line(
+        _train_py(f"hydra.run.dir={read_only_folder / 'run'}", cwd=tmp_path),
+        "read-only file system",
+        "choose a writable folder",
+    )
     assert not any(read_only_folder.iterdir())
 
 
@@ -204,7 +245,11 @@ def test_a_full_output_disk_stops_the_run_in_one_line(small_disk, tmp_path):
     """The first checkpoint does not fit: one line names the file and the full disk, no partial
     checkpoint is left, and run.json says the run failed."""
     run = small_disk / "run"
-    assert_one_line(_train_py(f"hydra.run.dir={run}", cwd=tmp_path), "Could not write the checkpoint",
-                    "the disk is full", "resume=true")
+    assert_one_line(
+        _train_py(f"hydra.run.dir={run}", cwd=tmp_path),
+        "Could not write the checkpoint",
+        "the disk is full",
+        "resume=true",
+    )
     assert read_run_record(run)["status"] == "failed"
     assert not [p for p in (run / "checkpoints").glob("*") if p.name.startswith(".")]  # no temporary file left

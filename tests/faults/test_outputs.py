@@ -29,7 +29,7 @@ from dbsn.runtime.config import ConfigError
 from dbsn.runtime.evaluation_folder import identify
 from dbsn.tools.report import cli as report_cli
 from tests.support.configs import ROOT, evaluate_quietly
-from tests.support.fakeruns import write_run, MODELS, DATA, write_trained_run
+from tests.support.fakeruns import DATA, MODELS, write_run, write_trained_run
 from tests.support.scripts import run_python
 
 A, B = "a" * 32, "b" * 32
@@ -38,8 +38,10 @@ QUICK = ["n_samples=2", "ablation.sizes=[]", "statistics.resamples=20"]
 
 def digests(folder: Path) -> dict[str, str]:
     """Every file below `folder` (and every folder, as "dir"), by path: its content's sha256."""
-    return {str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*"))}
+    return {
+        str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +83,30 @@ def refused(error, run_evaluation, *phrases, folders=()):
 def test_another_runs_checkpoint_is_refused_from_a_runs_evaluation_folder(runs, tmp_path):
     a, b = runs / "a", runs / "b"
     assert json.loads((a / "evaluation" / "metrics.json").read_text())["run_id"] == A
-    refused(ConfigError, lambda: evaluate_quietly(ckpt(b), tmp_path / "h", [*QUICK, f"output_dir={a / 'evaluation'}"]),
-            f"output_dir={a / 'evaluation'} holds the evaluation of another checkpoint", "run aaaaaaaa", "run bbbbbbbb",
-            "choose a new folder", folders=[a, b])
+    refused(
+        ConfigError,
+        lambda: evaluate_quietly(ckpt(b), tmp_path / "h", [*QUICK, f"output_dir={a / 'evaluation'}"]),
+        f"output_dir={a / 'evaluation'} holds the evaluation of another checkpoint",
+        "run aaaaaaaa",
+        "run bbbbbbbb",
+        "choose a new folder",
+        folders=[a, b],
+    )
     # an ensemble of a and b, and a post-hoc posterior of a, are other models too
-    refused(ConfigError, lambda: evaluate_quietly(f"[{ckpt(a)},{ckpt(b)}]", tmp_path / "h",
-                                                  [*QUICK, f"output_dir={a / 'evaluation'}"]),
-            "holds the evaluation of another checkpoint", folders=[a])
-    refused(ConfigError, lambda: evaluate_quietly(ckpt(a), tmp_path / "h",
-                                                  [*QUICK, "posthoc=temperature", f"output_dir={a / 'evaluation'}"]),
-            "holds another evaluation's results (the run's own predictive)", folders=[a])
+    refused(
+        ConfigError,
+        lambda: evaluate_quietly(f"[{ckpt(a)},{ckpt(b)}]", tmp_path / "h", [*QUICK, f"output_dir={a / 'evaluation'}"]),
+        "holds the evaluation of another checkpoint",
+        folders=[a],
+    )
+    refused(
+        ConfigError,
+        lambda: evaluate_quietly(
+            ckpt(a), tmp_path / "h", [*QUICK, "posthoc=temperature", f"output_dir={a / 'evaluation'}"]
+        ),
+        "holds another evaluation's results (the run's own predictive)",
+        folders=[a],
+    )
 
 
 def test_the_same_checkpoint_may_be_evaluated_again_into_its_folder(runs, tmp_path):
@@ -108,27 +124,37 @@ def test_the_evaluation_of_an_earlier_checkpoint_of_the_run_is_kept(runs, tmp_pa
     record = json.loads((a / "evaluation" / "metrics.json").read_text())
     earlier = dict(record["evaluated"][0], epoch=0, global_step=5, digest={"algorithm": "sha256", "tensors": "0" * 64})
     (a / "evaluation" / "metrics.json").write_text(json.dumps({**record, "evaluated": [earlier], "digest": None}))
-    refused(ConfigError, lambda: evaluate_quietly(ckpt(a), tmp_path / "h", QUICK),
-            f"{a / 'evaluation'} holds the evaluation of an earlier checkpoint of this run", "epoch 0, step 5",
-            f"mv {a / 'evaluation'} {a / 'evaluation-epoch0'}", "output_dir=<a new folder>", folders=[a])
+    refused(
+        ConfigError,
+        lambda: evaluate_quietly(ckpt(a), tmp_path / "h", QUICK),
+        f"{a / 'evaluation'} holds the evaluation of an earlier checkpoint of this run",
+        "epoch 0, step 5",
+        f"mv {a / 'evaluation'} {a / 'evaluation-epoch0'}",
+        "output_dir=<a new folder>",
+        folders=[a],
+    )
     # a post-hoc posterior's folder, likewise
     posthoc = a / "posthoc" / "temperature" / "evaluation"
     posthoc.mkdir(parents=True)
     (posthoc / "metrics.json").write_text(json.dumps({**record, "evaluated": [earlier], "posthoc": "temperature"}))
-    refused(ConfigError, lambda: evaluate_quietly(ckpt(a), tmp_path / "h", [*QUICK, "posthoc=temperature"]),
-            "holds the evaluation of an earlier checkpoint of this run", folders=[a])
+    refused(
+        ConfigError,
+        lambda: evaluate_quietly(ckpt(a), tmp_path / "h", [*QUICK, "posthoc=temperature"]),
+        "holds the evaluation of an earlier checkpoint of this run",
+        folders=[a],
+    )
 
 
 def test_an_ensemble_s_folder_takes_the_same_members_in_any_order(tmp_path, runs):
     a, b, out = runs / "a", runs / "b", tmp_path / "ensemble"
     out.mkdir()
-    (out / "metrics.json").write_text(json.dumps({"checkpoints": [str(ckpt(a)), str(ckpt(b))],
-                                                  "evaluated": identify([ckpt(a), ckpt(b)])}))
+    (out / "metrics.json").write_text(
+        json.dumps({"checkpoints": [str(ckpt(a)), str(ckpt(b))], "evaluated": identify([ckpt(a), ckpt(b)])})
+    )
     from dbsn.runtime.evaluation_folder import check_folder
 
     assert check_folder(out, identities=identify([ckpt(b), ckpt(a)])) == out
-    refused(ConfigError, lambda: check_folder(out, identities=identify([ckpt(a)])), "another checkpoint",
-            folders=[out])
+    refused(ConfigError, lambda: check_folder(out, identities=identify([ckpt(a)])), "another checkpoint", folders=[out])
     refused(ConfigError, lambda: check_folder(out, identities=identify([ckpt(a), ckpt(a)])), "another checkpoint")
 
 
@@ -141,8 +167,12 @@ def test_a_run_folder_that_holds_another_runs_files_is_refused(runs, tmp_path, f
         shutil.copyfile(b / "metrics.json", a / "metrics.json")
     else:
         shutil.copyfile(b / "resolved_config.yaml", a / "resolved_config.yaml")
-    refused(CheckpointError, lambda: evaluate_quietly(ckpt(a), tmp_path / "h", QUICK),
-            f"ckpt_path={ckpt(a)}: the run folder {a} holds files of more than one run", folders=[a, b])
+    refused(
+        CheckpointError,
+        lambda: evaluate_quietly(ckpt(a), tmp_path / "h", QUICK),
+        f"ckpt_path={ckpt(a)}: the run folder {a} holds files of more than one run",
+        folders=[a, b],
+    )
 
 
 def test_a_sweep_evaluates_no_run_into_another_checkpoints_folder(runs, tmp_path):
@@ -162,8 +192,15 @@ def test_a_sweep_evaluates_no_run_into_another_checkpoints_folder(runs, tmp_path
 def test_a_refused_evaluate_py_leaves_no_folder_and_says_so_in_one_line(runs, tmp_path):
     a, b = runs / "a", runs / "b"
     before = digests(runs)
-    done = run_python(ROOT / "evaluate.py", f"ckpt_path={ckpt(b)}", f"output_dir={a / 'evaluation'}", cwd=tmp_path,
-                      env={"HYDRA_FULL_ERROR": "0"}, check=False, timeout=300)
+    done = run_python(
+        ROOT / "evaluate.py",
+        f"ckpt_path={ckpt(b)}",
+        f"output_dir={a / 'evaluation'}",
+        cwd=tmp_path,
+        env={"HYDRA_FULL_ERROR": "0"},
+        check=False,
+        timeout=300,
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "holds the evaluation of another checkpoint" in errors[0]
@@ -206,8 +243,15 @@ def test_a_report_over_a_users_files_is_refused(finished, tmp_path, capsys):
     mine.mkdir()
     (mine / "report.md").write_text("# my notes\n")
     (mine / "runs.csv").write_text("my,own\n")
-    report_refused(capsys, [finished, "--out", mine], f"{mine} holds files the report did not write",
-                   "report.md", "runs.csv", "--out <folder>", folders=[mine, finished])
+    report_refused(
+        capsys,
+        [finished, "--out", mine],
+        f"{mine} holds files the report did not write",
+        "report.md",
+        "runs.csv",
+        "--out <folder>",
+        folders=[mine, finished],
+    )
     file = tmp_path / "a_file"
     file.write_text("x")
     report_refused(capsys, [finished, "--out", file], "is a file, not a folder", folders=[tmp_path / "runs"])
@@ -253,7 +297,9 @@ def test_every_caller_of_the_report_refuses_a_users_files(finished, tmp_path, ru
 
 
 def test_a_mistyped_path_or_a_path_without_runs_is_an_error(finished, tmp_path, capsys):
-    report_refused(capsys, [finished, tmp_path / "typo", "--out", tmp_path / "r"], f"{tmp_path / 'typo'} does not exist")
+    report_refused(
+        capsys, [finished, tmp_path / "typo", "--out", tmp_path / "r"], f"{tmp_path / 'typo'} does not exist"
+    )
     (tmp_path / "empty").mkdir()
     report_refused(capsys, [tmp_path / "empty", "--out", tmp_path / "r"], "holds no run", "resolved_config.yaml")
     assert not (tmp_path / "r").exists()

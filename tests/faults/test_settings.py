@@ -23,16 +23,28 @@ from omegaconf import OmegaConf
 
 import dbsn.runtime.run as run
 from dbsn.runtime.checkpoint import load_checkpoint
-from dbsn.runtime.config import (EVALUATE_TOP_LEVEL_KEYS, TOP_LEVEL_KEYS, ConfigError, check_evaluate_config,
-                                 validate_config)
+from dbsn.runtime.config import (
+    EVALUATE_TOP_LEVEL_KEYS,
+    TOP_LEVEL_KEYS,
+    ConfigError,
+    check_evaluate_config,
+    validate_config,
+)
 from dbsn.runtime.preflight import check_job, check_trained
 from dbsn.runtime.resume import ApplyResumeChanges, check_resume, resume_callbacks
 from tests.support.configs import CONF, ROOT, compose_config
 from tests.support.scripts import run_python
 
 # A 2-epoch, 3-batch DBSN on digits; its lr 0.1 would drop at epoch round(0.75 * max_epochs).
-QUICK = ["experiment=quick", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-         "trainer.log_every_n_steps=1", "trainer.limit_train_batches=3", "model.optim.milestones=[0.75]", "test=false"]
+QUICK = [
+    "experiment=quick",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1",
+    "trainer.limit_train_batches=3",
+    "model.optim.milestones=[0.75]",
+    "test=false",
+]
 
 
 def _composed(overrides: list[str], out: Path):
@@ -50,6 +62,7 @@ def _refused(overrides: list[str], tmp_path: Path, hydra: bool = True) -> str:
 
 def _no_build(monkeypatch) -> None:
     """Building the network fails the test: a refusal must come first."""
+
     def build(*args, **kwargs):
         raise AssertionError("the network was built before the refusal")
 
@@ -57,6 +70,7 @@ def _no_build(monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------------- resume
+
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory) -> Path:
@@ -79,8 +93,12 @@ def test_a_changed_lr_on_resume_is_refused_with_the_key_and_both_values(first_ru
     ckpt = first_run / "checkpoints" / "last.ckpt"
     monkeypatch.setattr(run, "instantiate", lambda *a, **k: pytest.fail("built before the refusal"))
     with pytest.raises(ConfigError) as error:
-        run.train(compose_config("train", [*QUICK, "trainer.max_epochs=2", "model.optim.lr=0.5", f"ckpt_path={ckpt}"],
-                                 tmp_path), tmp_path)
+        run.train(
+            compose_config(
+                "train", [*QUICK, "trainer.max_epochs=2", "model.optim.lr=0.5", f"ckpt_path={ckpt}"], tmp_path
+            ),
+            tmp_path,
+        )
     message = str(error.value)
     assert "model.optim.lr (the checkpoint's 0.1, this run's 0.5)" in message
     assert "resume_changes=[model.optim.lr]" in message and f"init_from={ckpt}" in message
@@ -93,11 +111,18 @@ def test_a_listed_change_is_applied_and_the_schedule_continues_from_the_new_sett
     again over the new max_epochs (milestone round(0.75 * 4) = 3): epochs 2 and 3 log 0.5 and 0.05.
     Without the re-application they would log the checkpoint's 0.01 and 0.01 (its milestone 2)."""
     ckpt = first_run / "checkpoints" / "last.ckpt"
-    overrides = [*QUICK, "trainer.max_epochs=4", "model.optim.lr=0.5", f"ckpt_path={ckpt}",
-                 "resume_changes=[model.optim.lr,trainer.max_epochs]"]
+    overrides = [
+        *QUICK,
+        "trainer.max_epochs=4",
+        "model.optim.lr=0.5",
+        f"ckpt_path={ckpt}",
+        "resume_changes=[model.optim.lr,trainer.max_epochs]",
+    ]
     cfg = compose_config("train", overrides, tmp_path)
-    assert check_resume(cfg, ckpt) == [{"key": "model.optim.lr", "old": 0.1, "new": 0.5},
-                                       {"key": "trainer.max_epochs", "old": 2, "new": 4}]
+    assert check_resume(cfg, ckpt) == [
+        {"key": "model.optim.lr", "old": 0.1, "new": 0.5},
+        {"key": "trainer.max_epochs", "old": 2, "new": 4},
+    ]
     run.train(cfg, tmp_path)
     assert _lrs(first_run) == [0.1, 0.1]
     assert _lrs(tmp_path) == pytest.approx([0.5, 0.05], rel=1e-12)
@@ -116,18 +141,40 @@ def test_a_requeue_and_free_keys_change_nothing_and_install_nothing(first_run, t
     shutil.copytree(first_run, folder)
     same = compose_config("train", [*QUICK, "trainer.max_epochs=2", "resume=true"], folder)
     assert check_job(same, folder) == [] and resume_callbacks([]) == []
-    free = compose_config("train", [*QUICK, "trainer.max_epochs=2", "logger=none", "test=true", "data.num_workers=1",
-                                    "model.prediction.n_samples=7", "statistics.resamples=10", "trainer.log_every_n_steps=5",
-                                    "~callbacks.progress_bar", "resume_changes=[model.optim.lr]"], folder)
+    free = compose_config(
+        "train",
+        [
+            *QUICK,
+            "trainer.max_epochs=2",
+            "logger=none",
+            "test=true",
+            "data.num_workers=1",
+            "model.prediction.n_samples=7",
+            "statistics.resamples=10",
+            "trainer.log_every_n_steps=5",
+            "~callbacks.progress_bar",
+            "resume_changes=[model.optim.lr]",
+        ],
+        folder,
+    )
     assert check_resume(free, first_run / "checkpoints" / "last.ckpt") == []
 
 
-@pytest.mark.parametrize("change, message", [
-    (["model.net.growth=8", "resume_changes=[model.net]"], r"model\.net\.growth=8 differs from 16 .*shape of its own network"),
-    (["seed=3", "resume_changes=[seed]"], r"seed=3 differs from 0 .*random streams"),
-    (["model.theta_init_std=0.5", "resume_changes=[model.theta_init_std]"], r"only how training starts"),
-    (["model.train_samples=2", "resume_changes=[model.optim.lrr]"], r"lists 'model\.optim\.lrr', which is no key.*'model\.optim\.lr'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            ["model.net.growth=8", "resume_changes=[model.net]"],
+            r"model\.net\.growth=8 differs from 16 .*shape of its own network",
+        ),
+        (["seed=3", "resume_changes=[seed]"], r"seed=3 differs from 0 .*random streams"),
+        (["model.theta_init_std=0.5", "resume_changes=[model.theta_init_std]"], r"only how training starts"),
+        (
+            ["model.train_samples=2", "resume_changes=[model.optim.lrr]"],
+            r"lists 'model\.optim\.lrr', which is no key.*'model\.optim\.lr'",
+        ),
+    ],
+)
 def test_what_a_restored_state_cannot_take_is_refused_even_when_listed(first_run, tmp_path, change, message):
     ckpt = first_run / "checkpoints" / "last.ckpt"
     with pytest.raises(ConfigError, match=message) as error:
@@ -149,8 +196,9 @@ def test_captured_learning_rates_are_rewritten_in_place():
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     fresh, fresh_schedule = WeightOptimizer(lr=0.5, milestones=(0.75,)).build(params, 4, capturable=True)
-    old, old_schedule = WeightOptimizer(lr=0.1, milestones=(0.75,)).build([torch.nn.Parameter(torch.zeros(3))], 2,
-                                                                          capturable=True)
+    old, old_schedule = WeightOptimizer(lr=0.1, milestones=(0.75,)).build(
+        [torch.nn.Parameter(torch.zeros(3))], 2, capturable=True
+    )
     for _ in range(2):
         old_schedule.step()
     trainer = SimpleNamespace(optimizers=[fresh], lr_scheduler_configs=[SimpleNamespace(scheduler=fresh_schedule)])
@@ -169,14 +217,21 @@ def test_captured_learning_rates_are_rewritten_in_place():
 
 # ---------------------------------------------------------------------- keys nothing reads
 
+
 def _source_text() -> str:
     texts = [p.read_text() for p in (ROOT / "src" / "dbsn").rglob("*.py") if p.name != "config.py"]
     return "\n".join(texts + [p.read_text() for p in CONF.rglob("*.yaml")])
 
 
 def _is_read(key: str, text: str) -> bool:
-    patterns = [rf'\.get\(\s*"{key}"', rf"\bcfg\.{key}\b", rf'\[\s*"{key}"\s*\]', rf"\$\{{{key}[.}}]",
-                rf'= "{key}"\s*$', rf'for \w+ in \([^)]*"{key}"[^)]*\):']
+    patterns = [
+        rf'\.get\(\s*"{key}"',
+        rf"\bcfg\.{key}\b",
+        rf'\[\s*"{key}"\s*\]',
+        rf"\$\{{{key}[.}}]",
+        rf'= "{key}"\s*$',
+        rf'for \w+ in \([^)]*"{key}"[^)]*\):',
+    ]
     return key == "hydra" or any(re.search(p, text, re.MULTILINE) for p in patterns)
 
 
@@ -189,11 +244,13 @@ def test_every_accepted_top_level_key_is_read_and_the_unread_ones_are_refused(tm
     for key in ("n_samples=3", "print_config=true"):
         assert "Unknown top-level config key" in _refused([f"+{key}"], tmp_path, hydra=False)
     assert "n_samples" not in _refused(["+n_sample=3"], tmp_path, hydra=False).split("Valid keys")[0]
-    for extra, message in ((["+statistics.seeds=1"], "statistics.seeds is not a setting"),
-                           (["+report.reference_method=map"], "report.reference_method is not a setting"),
-                           (["+callbacks.timer2=1"], "callbacks.timer2=1"),
-                           (["+model.net.num_classes=5"], "model.net.num_classes: the network's class count is the data's"),
-                           (["+model.optim.decay_start=0.3"], "schedule=multistep does not read it")):
+    for extra, message in (
+        (["+statistics.seeds=1"], "statistics.seeds is not a setting"),
+        (["+report.reference_method=map"], "report.reference_method is not a setting"),
+        (["+callbacks.timer2=1"], "callbacks.timer2=1"),
+        (["+model.net.num_classes=5"], "model.net.num_classes: the network's class count is the data's"),
+        (["+model.optim.decay_start=0.3"], "schedule=multistep does not read it"),
+    ):
         assert message in _refused(extra, tmp_path)
     evaluate_cfg = compose_config("evaluate", ["ckpt_path=x.ckpt", "+print_config=true"], tmp_path)
     with pytest.raises(ConfigError, match="Unknown top-level config key 'print_config'.* for evaluate.py"):
@@ -204,21 +261,37 @@ def test_every_accepted_top_level_key_is_read_and_the_unread_ones_are_refused(tm
 
 # ---------------------------------------------------------------------- runs of no step
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.batch_size=5000"], r"data\.batch_size=5000 is larger than the training split \(1347 images.*drop_last"),
-    (["data.batch_size=0"], r"data\.batch_size=0: expected a number of images >= 1"),
-    (["data.num_workers=-1"], r"data\.num_workers=-1: expected a number of worker processes >= 0"),
-    (["data.download=true"], r"data\.download=true: DigitsDataModule has nothing to download"),
-    (["trainer.limit_train_batches=0.01"], r"limit_train_batches=0\.01 of an epoch's 21 batches is less than one"),
-    (["trainer.limit_test_batches=0.01", "test=true"], r"limit_test_batches=0\.01 of the 8 batches of the test split"),
-    (["data.val_size=1347"], r"data\.val_size=1347 leaves no training images out of 1347"),
-    (["data.val_size=0.5", "data.eval_batch_size=1000", "trainer.limit_val_batches=0.5"], r"limit_val_batches=0\.5 of the 1"),
-    (["model=csghmc", "model/net=structure_net", "trainer.max_epochs=2", "trainer.limit_train_batches=2"],
-     r"model\.sampler\.schedule: a run of 4 steps in 4 cycles.*2 epochs × 2 batches = 4 steps"),
-    (["model=map", "callbacks=snapshot_ensemble", "trainer.max_epochs=3"], r"callbacks\.snapshot_ensemble\.cycles=5"),
-])
-def test_a_run_that_would_train_or_test_nothing_is_refused_before_the_network_is_built(overrides, message, tmp_path,
-                                                                                        monkeypatch):
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.batch_size=5000"], r"data\.batch_size=5000 is larger than the training split \(1347 images.*drop_last"),
+        (["data.batch_size=0"], r"data\.batch_size=0: expected a number of images >= 1"),
+        (["data.num_workers=-1"], r"data\.num_workers=-1: expected a number of worker processes >= 0"),
+        (["data.download=true"], r"data\.download=true: DigitsDataModule has nothing to download"),
+        (["trainer.limit_train_batches=0.01"], r"limit_train_batches=0\.01 of an epoch's 21 batches is less than one"),
+        (
+            ["trainer.limit_test_batches=0.01", "test=true"],
+            r"limit_test_batches=0\.01 of the 8 batches of the test split",
+        ),
+        (["data.val_size=1347"], r"data\.val_size=1347 leaves no training images out of 1347"),
+        (
+            ["data.val_size=0.5", "data.eval_batch_size=1000", "trainer.limit_val_batches=0.5"],
+            r"limit_val_batches=0\.5 of the 1",
+        ),
+        (
+            ["model=csghmc", "model/net=structure_net", "trainer.max_epochs=2", "trainer.limit_train_batches=2"],
+            r"model\.sampler\.schedule: a run of 4 steps in 4 cycles.*2 epochs × 2 batches = 4 steps",
+        ),
+        (
+            ["model=map", "callbacks=snapshot_ensemble", "trainer.max_epochs=3"],
+            r"callbacks\.snapshot_ensemble\.cycles=5",
+        ),
+    ],
+)
+def test_a_run_that_would_train_or_test_nothing_is_refused_before_the_network_is_built(
+    overrides, message, tmp_path, monkeypatch
+):
     _no_build(monkeypatch)
     base = ["data=digits", "trainer=cpu", "test=false"] if overrides[0].startswith("model=") else QUICK
     with pytest.raises(ConfigError, match=message):
@@ -230,8 +303,10 @@ def test_a_fit_of_no_step_is_not_tested_or_reported(tmp_path, monkeypatch):
     away). The run is refused after its fit, before its test: no metrics.json."""
     monkeypatch.setattr(run, "check_run_length", lambda cfg, datamodule: None)
     with pytest.raises(ConfigError, match="ended without a training step"):
-        run.train(compose_config("train", [*QUICK, "data.batch_size=5000", "test=true", "trainer.max_epochs=1"],
-                                 tmp_path), tmp_path)
+        run.train(
+            compose_config("train", [*QUICK, "data.batch_size=5000", "test=true", "trainer.max_epochs=1"], tmp_path),
+            tmp_path,
+        )
     assert not (tmp_path / "metrics.json").exists()
     from types import SimpleNamespace
 
@@ -240,24 +315,28 @@ def test_a_fit_of_no_step_is_not_tested_or_reported(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------- trainer settings
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.max_epochs=-5", r"trainer\.max_epochs=-5: the methods' schedules"),
-    ("trainer.max_epochs=0", r"trainer\.max_epochs=0"),
-    ("trainer.accumulate_grad_batches=4", r"accumulate_grad_batches=4: the methods step .*data\.batch_size"),
-    ("trainer.gradient_clip_val=1.0", r"gradient_clip_val=1\.0: .*model\.optim\.grad_clip_norm"),
-    ("trainer.gradient_clip_algorithm=value", r"gradient_clip_algorithm=value: .*model\.optim\.grad_clip_norm"),
-    ("trainer.min_epochs=20", r"trainer\.min_epochs=20 with trainer\.max_epochs=15"),
-    ("trainer.max_steps=0", r"trainer\.max_steps=0: .*0 trains nothing"),
-    ("trainer.min_steps=50 trainer.max_steps=10", r"trainer\.min_steps=50 with trainer\.max_steps=10"),
-    ("trainer.limit_train_batches=-1", r"limit_train_batches=-1: expected a number of batches"),
-    ("trainer.limit_val_batches=1.5", r"limit_val_batches=1\.5: expected"),
-    ("trainer.limit_train_batches=0", r"limit_train_batches=0 trains no batch"),
-    ("trainer.limit_test_batches=0", r"limit_test_batches=0 with test=true tests no example"),
-    ("trainer.fast_dev_run=true", r"fast_dev_run=true writes no checkpoint"),
-    ("trainer.barebones=true", r"barebones=true"),
-    ("trainer.enable_checkpointing=false", r"~callbacks\.model_checkpoint"),
-    ("trainer.devices=0", r"trainer\.devices=0"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_epochs=-5", r"trainer\.max_epochs=-5: the methods' schedules"),
+        ("trainer.max_epochs=0", r"trainer\.max_epochs=0"),
+        ("trainer.accumulate_grad_batches=4", r"accumulate_grad_batches=4: the methods step .*data\.batch_size"),
+        ("trainer.gradient_clip_val=1.0", r"gradient_clip_val=1\.0: .*model\.optim\.grad_clip_norm"),
+        ("trainer.gradient_clip_algorithm=value", r"gradient_clip_algorithm=value: .*model\.optim\.grad_clip_norm"),
+        ("trainer.min_epochs=20", r"trainer\.min_epochs=20 with trainer\.max_epochs=15"),
+        ("trainer.max_steps=0", r"trainer\.max_steps=0: .*0 trains nothing"),
+        ("trainer.min_steps=50 trainer.max_steps=10", r"trainer\.min_steps=50 with trainer\.max_steps=10"),
+        ("trainer.limit_train_batches=-1", r"limit_train_batches=-1: expected a number of batches"),
+        ("trainer.limit_val_batches=1.5", r"limit_val_batches=1\.5: expected"),
+        ("trainer.limit_train_batches=0", r"limit_train_batches=0 trains no batch"),
+        ("trainer.limit_test_batches=0", r"limit_test_batches=0 with test=true tests no example"),
+        ("trainer.fast_dev_run=true", r"fast_dev_run=true writes no checkpoint"),
+        ("trainer.barebones=true", r"barebones=true"),
+        ("trainer.enable_checkpointing=false", r"~callbacks\.model_checkpoint"),
+        ("trainer.devices=0", r"trainer\.devices=0"),
+    ],
+)
 def test_trainer_settings_the_methods_would_not_apply_are_refused_at_config_time(override, message, tmp_path):
     text = _refused(["experiment=quick", *override.split()], tmp_path, hydra=False)
     assert re.search(message, text), text
@@ -273,14 +352,17 @@ def test_a_gpu_trainer_without_a_gpu_is_refused_here_and_left_to_the_cluster_whe
 
 # ---------------------------------------------------------------------- where a value came from
 
+
 def test_a_refused_key_names_the_preset_or_the_file_that_set_it(tmp_path):
     quick = _refused(["experiment=quick", "model=map_fixed"], tmp_path)
     assert quick.startswith("model.tau, model.beta were set by the preset experiment=quick (")
     assert "conf/experiment/quick.yaml) for model=dbsn, and MAP (model=map_fixed) has no such settings" in quick
     assert "~model.tau ~model.beta" in quick and "Did you mean" not in quick
     vogn = _refused(["model=vogn", "model/net=wrn28_10"], tmp_path)
-    assert "conf/model/vogn.yaml (model=vogn) sets num_nodes=4, cells_per_stage=1 for its own network " \
-           "model/net=structure_net, and WideResNet (model/net=wrn28_10) has no such settings" in vogn
+    assert (
+        "conf/model/vogn.yaml (model=vogn) sets num_nodes=4, cells_per_stage=1 for its own network "
+        "model/net=structure_net, and WideResNet (model/net=wrn28_10) has no such settings" in vogn
+    )
     assert "runs on any network (structure_net, resnet18, wrn28_10)" in vogn and "num_classes" not in vogn
     mine = _refused(["+model.optim.learning_rate=0.1"], tmp_path)
     assert "(set on the command line (+model.optim.learning_rate=0.1))" in mine and "Valid keys: " in mine
@@ -290,20 +372,28 @@ def test_a_refused_key_names_the_preset_or_the_file_that_set_it(tmp_path):
 
 def test_a_malformed_group_file_of_an_extension_is_named(tmp_path):
     ext = tmp_path / "ext"
-    for path, text in (("model/listed.yaml", "- a\n- b\n"), ("data/word.yaml", "digits\n"),
-                       ("model/mine.yaml", "defaults:\n  - net: structure_net\n  - optim: sgd\n  - _self_\n"
-                                           "_target_: dbsn.methods.MAP\nexecution: default\n")):
+    for path, text in (
+        ("model/listed.yaml", "- a\n- b\n"),
+        ("data/word.yaml", "digits\n"),
+        (
+            "model/mine.yaml",
+            "defaults:\n  - net: structure_net\n  - optim: sgd\n  - _self_\n"
+            "_target_: dbsn.methods.MAP\nexecution: default\n",
+        ),
+    ):
         (ext / path).parent.mkdir(parents=True, exist_ok=True)
         (ext / path).write_text(text)
     search = f"hydra.searchpath=[file://{ext}]"
     listed = _refused([search, "model=listed"], tmp_path)
     assert listed.startswith("model: ") and f"{ext.name}/model/listed.yaml (model=listed) holds a list" in listed
     assert "data/word.yaml (data=word) holds a mapping without _target_" in _refused([search, "data=word"], tmp_path)
-    assert "model/mine.yaml (model=mine) sets it to a str ('default'), and model.execution takes a mapping" in \
-        _refused([search, "model=mine"], tmp_path)
+    assert "model/mine.yaml (model=mine) sets it to a str ('default'), and model.execution takes a mapping" in _refused(
+        [search, "model=mine"], tmp_path
+    )
 
 
 # ---------------------------------------------------------------------- sweeps
+
 
 def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
     """check_job refuses the bad later job (`model.optim.lr=0.1,-1`) from the config alone, and the
@@ -322,17 +412,37 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path):
 
 # ---------------------------------------------------------------------- through train.py
 
+
 def _train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return run_python(ROOT / "train.py", *args, f"hydra.run.dir={cwd / 'out'}", cwd=cwd, timeout=300,
-                      env={"HYDRA_FULL_ERROR": "0"}, check=False)
+    return run_python(
+        ROOT / "train.py",
+        *args,
+        f"hydra.run.dir={cwd / 'out'}",
+        cwd=cwd,
+        timeout=300,
+        env={"HYDRA_FULL_ERROR": "0"},
+        check=False,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, phrases", [
-    (["data=digits", "trainer=cpu", "model=csghmc", "model/net=structure_net", "trainer.max_epochs=2",
-      "trainer.limit_train_batches=2"], ["model.sampler.schedule: a run of 4 steps in 4 cycles"]),
-    (["model=vogn", "model/net=wrn28_10"], ["conf/model/vogn.yaml (model=vogn) sets num_nodes=4", "WideResNet"]),
-])
+@pytest.mark.parametrize(
+    "args, phrases",
+    [
+        (
+            [
+                "data=digits",
+                "trainer=cpu",
+                "model=csghmc",
+                "model/net=structure_net",
+                "trainer.max_epochs=2",
+                "trainer.limit_train_batches=2",
+            ],
+            ["model.sampler.schedule: a run of 4 steps in 4 cycles"],
+        ),
+        (["model=vogn", "model/net=wrn28_10"], ["conf/model/vogn.yaml (model=vogn) sets num_nodes=4", "WideResNet"]),
+    ],
+)
 def test_train_py_refuses_in_one_line_and_leaves_no_folder(args, phrases, tmp_path):
     done = _train_py(args, tmp_path)
     output = done.stdout + done.stderr

@@ -26,16 +26,27 @@ from tests.support.scripts import SUPPORT_ON_PATH, run_python
 
 EPOCHS = 3
 # 128 digits in 4 batches, a validation split (DBSN draws structures there too), S = 4
-RUN = ["data=digits", "data.train_subset=128", "data.batch_size=32", "data.val_size=32", *TINY,
-       "model.prediction.val_samples=2", f"trainer.max_epochs={EPOCHS}", "seed=1",
-       "callbacks.structure_posterior.save_figures=false", "callbacks.structure_posterior.n_samples=10"]
+RUN = [
+    "data=digits",
+    "data.train_subset=128",
+    "data.batch_size=32",
+    "data.val_size=32",
+    *TINY,
+    "model.prediction.val_samples=2",
+    f"trainer.max_epochs={EPOCHS}",
+    "seed=1",
+    "callbacks.structure_posterior.save_figures=false",
+    "callbacks.structure_posterior.n_samples=10",
+]
 
 
 def _probe(folder, **where) -> list[str]:
     """The probe's overrides: a signal at `where`, sent once per run folder (a marker file beside it)."""
-    return ["+callbacks.signal._target_=tests.support.fault_probe.SignalAt",
-            f"+callbacks.signal.once_file={folder.parent / (folder.name + '.signalled')}",
-            *[f"+callbacks.signal.{key}={value}" for key, value in where.items()]]
+    return [
+        "+callbacks.signal._target_=tests.support.fault_probe.SignalAt",
+        f"+callbacks.signal.once_file={folder.parent / (folder.name + '.signalled')}",
+        *[f"+callbacks.signal.{key}={value}" for key, value in where.items()],
+    ]
 
 
 def _final(folder) -> tuple[dict, dict]:
@@ -50,7 +61,9 @@ def _assert_same_run(reference, folder) -> None:
     assert different == []
     for ours, theirs in zip(ckpt["optimizer_states"], ref_ckpt["optimizer_states"], strict=True):
         for key, state in theirs["state"].items():
-            assert all(torch.equal(state[k], ours["state"][key][k]) for k in state if isinstance(state[k], torch.Tensor))
+            assert all(
+                torch.equal(state[k], ours["state"][key][k]) for k in state if isinstance(state[k], torch.Tensor)
+            )
     assert metrics["metrics"] == ref_metrics["metrics"]  # every test metric, to the last bit
 
 
@@ -67,8 +80,11 @@ def _train_with(folder, monkeypatch, probe: SignalAt, extra=()) -> RunInterrupte
     """`train` in this process with `probe` among its callbacks; returns the interruption it raised."""
     build_trainer = dbsn.runtime.run.build_trainer
     with monkeypatch.context() as patch:
-        patch.setattr(dbsn.runtime.run, "build_trainer",
-                      lambda cfg, out, callbacks=(), loggers=(): build_trainer(cfg, out, [*callbacks, probe], loggers))
+        patch.setattr(
+            dbsn.runtime.run,
+            "build_trainer",
+            lambda cfg, out, callbacks=(), loggers=(): build_trainer(cfg, out, [*callbacks, probe], loggers),
+        )
         with pytest.raises(RunInterrupted) as stopped:
             dbsn.runtime.run.train(compose_config("train", [*RUN, *extra], folder), folder)
     return stopped.value
@@ -83,7 +99,8 @@ def test_sigterm_mid_epoch_exits_non_zero_and_the_resumed_run_equals_the_uninter
     last = folder / "checkpoints" / "last.ckpt"
     assert done.stderr.strip().splitlines()[-1] == (
         f"Interrupted: Stopped by SIGTERM in epoch 2 of {EPOCHS}: {last} holds the first 1 epoch; to continue, run the "
-        f"same command plus resume=true hydra.run.dir={folder} (from the start of epoch 2, as an uninterrupted run would).")
+        f"same command plus resume=true hydra.run.dir={folder} (from the start of epoch 2, as an uninterrupted run would)."
+    )
     assert "Traceback" not in done.stderr
     assert load_checkpoint(last)["epoch"] == 0  # rolled back to the end of the first epoch
     assert not (folder / "metrics.json").exists()  # nothing says it finished
@@ -119,7 +136,9 @@ def test_sighup_while_testing_resumes_to_the_test_pass_alone(reference, tmp_path
     trains nothing and writes the uninterrupted run's metrics."""
     stop = _train_with(tmp_path, monkeypatch, SignalAt("SIGHUP", stage="test", batch=0))
     assert stop.signum == signal.SIGHUP and stop.exit_status == 129
-    assert stop.epochs_done == EPOCHS and "after training" in str(stop) and "tests the model without training" in str(stop)
+    assert (
+        stop.epochs_done == EPOCHS and "after training" in str(stop) and "tests the model without training" in str(stop)
+    )
     steps = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"]
     dbsn.runtime.run.train(compose_config("train", [*RUN, "resume=true"], tmp_path), tmp_path)
     assert load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == steps
@@ -180,7 +199,10 @@ def test_the_entry_points_exit_with_128_plus_the_signal(capsys):
     with pytest.raises(SystemExit) as exit_:
         one_line_errors(body)()
     assert exit_.value.code == 130
-    assert capsys.readouterr().err == "Interrupted: Stopped by SIGINT before the evaluation finished: run the same command again.\n"
+    assert (
+        capsys.readouterr().err
+        == "Interrupted: Stopped by SIGINT before the evaluation finished: run the same command again.\n"
+    )
 
 
 def test_the_sigterm_of_a_requeue_is_expected_on_the_rank_that_leaves(tmp_path):

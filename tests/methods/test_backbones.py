@@ -28,11 +28,23 @@ S = 2
 def _overrides(model: str, net: str) -> list[str]:
     tiny = TINY_NETS[net]
     if model == "deep_ensemble":  # the members' network
-        return ["model=deep_ensemble", "model.size=2", f"model/net@model.member.net={net}",
-                *[o.replace("model.", "model.member.", 1) for o in tiny], "model.member.dataset_size=32"]
+        return [
+            "model=deep_ensemble",
+            "model.size=2",
+            f"model/net@model.member.net={net}",
+            *[o.replace("model.", "model.member.", 1) for o in tiny],
+            "model.member.dataset_size=32",
+        ]
     extra = [f"model.weights.placement={PLACEMENT[net]}"] if model == "mc_dropout" else []
-    return [f"model={model}", f"model/net={net}", *tiny, *extra, "model.dataset_size=32",
-            f"model.prediction.n_samples={S}", f"model.prediction.samples_per_forward={S}"]
+    return [
+        f"model={model}",
+        f"model/net={net}",
+        *tiny,
+        *extra,
+        "model.dataset_size=32",
+        f"model.prediction.n_samples={S}",
+        f"model.prediction.samples_per_forward={S}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +67,16 @@ def test_method_trains_two_steps_and_predicts_on_the_backbone(model, net, digits
     before = [p.detach().clone() for p in method.parameters()]
 
     x, y = digits
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(method, DataLoader(TensorDataset(x, y), batch_size=16))
     assert trainer.global_step == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, method.parameters()))
@@ -70,16 +90,29 @@ def test_method_trains_two_steps_and_predicts_on_the_backbone(model, net, digits
 
 
 REFUSED = {
-    "dbsn": (["model=dbsn", "model/net=resnet18"], ["model: DBSN learns a distribution over the structure",
-                                                    "model.net (ResNet18) has no structure", "model/net=structure_net"]),
+    "dbsn": (
+        ["model=dbsn", "model/net=resnet18"],
+        [
+            "model: DBSN learns a distribution over the structure",
+            "model.net (ResNet18) has no structure",
+            "model/net=structure_net",
+        ],
+    ),
     "fbn": (["model=fbn", "model/net=wrn28_10"], ["DBSN learns", "model.net (WideResNet)"]),
     "vogn_fbn": (["model=vogn_fbn", "model/net=resnet18"], ["VOGNMethod learns", "model.net (ResNet18)"]),
-    "mc_dropout's default placement": (["model=mc_dropout", "model/net=resnet18"],
-                                       ["model.weights.placement=node_outputs", "model.net (ResNet18) has none",
-                                        "model.weights.placement=every_conv", "existing"]),
-    "a deep ensemble of mc_dropout": (["model=deep_ensemble", "model/member=mc_dropout",
-                                       "model/net@model.member.net=wrn28_10"],
-                                      ["model.member.weights.placement=node_outputs", "WideResNet"]),
+    "mc_dropout's default placement": (
+        ["model=mc_dropout", "model/net=resnet18"],
+        [
+            "model.weights.placement=node_outputs",
+            "model.net (ResNet18) has none",
+            "model.weights.placement=every_conv",
+            "existing",
+        ],
+    ),
+    "a deep ensemble of mc_dropout": (
+        ["model=deep_ensemble", "model/member=mc_dropout", "model/net@model.member.net=wrn28_10"],
+        ["model.member.weights.placement=node_outputs", "WideResNet"],
+    ),
 }
 
 

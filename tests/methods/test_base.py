@@ -39,10 +39,18 @@ def _one_step(train_samples_per_forward: int | None, train_samples: int = 4) -> 
     x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
     torch.manual_seed(1)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
-    method = DBSN(net, train_samples=train_samples, dataset_size=100,
-                  train_samples_per_forward=train_samples_per_forward)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    method = DBSN(
+        net, train_samples=train_samples, dataset_size=100, train_samples_per_forward=train_samples_per_forward
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(method, DataLoader(TensorDataset(x, y), batch_size=6))
     return {k: v.detach().clone() for k, v in method.state_dict().items()}
 
@@ -76,15 +84,19 @@ def test_chunks_without_the_accumulated_batchnorm_update_would_differ(monkeypatc
     import dbsn.methods.training
 
     grouped = _one_step(None)
-    monkeypatch.setattr(dbsn.methods.training, "accumulated_running_statistics",
-                        lambda net, enabled=True, **settings: contextlib.nullcontext())
+    monkeypatch.setattr(
+        dbsn.methods.training,
+        "accumulated_running_statistics",
+        lambda net, enabled=True, **settings: contextlib.nullcontext(),
+    )
     with pytest.raises(AssertionError, match="running_"):
         _assert_same_state(_one_step(1), grouped)
 
 
 # ---------------------------------------------------------------------- gradients, seen directly
-def _gradients(chunk: int | None, theta_std: float = 1.0, dataset_size: int = 10, weights=None,
-               seed: int = 7) -> dict[str, torch.Tensor]:
+def _gradients(
+    chunk: int | None, theta_std: float = 1.0, dataset_size: int = 10, weights=None, seed: int = 7
+) -> dict[str, torch.Tensor]:
     """Loss, every gradient (θ's included) before any optimiser touches it, and the running
     statistics of one step, with θ spread about 1 (far from the uniform prior: the KL and its
     gradient are large) and a small N (KL / N weighs in the loss)."""
@@ -92,8 +104,14 @@ def _gradients(chunk: int | None, theta_std: float = 1.0, dataset_size: int = 10
 
     torch.manual_seed(1)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
-    method = DBSN(net, train_samples=4, dataset_size=dataset_size, theta_init_std=theta_std,
-                  train_samples_per_forward=chunk, **({"weights": weights} if weights is not None else {}))
+    method = DBSN(
+        net,
+        train_samples=4,
+        dataset_size=dataset_size,
+        theta_init_std=theta_std,
+        train_samples_per_forward=chunk,
+        **({"weights": weights} if weights is not None else {}),
+    )
     torch.manual_seed(0)
     x, y = torch.randn(6, 3, 16, 16), torch.randint(0, 5, (6,))
     return step_state(method, x, y, seed=seed)
@@ -111,6 +129,7 @@ def _kl_on_every_chunk(monkeypatch) -> None:
             if not last:
                 out["loss"] = out["loss"] + kl.mean() / self.dataset_size
             yield share, last, out
+
     monkeypatch.setattr(Method, "training_losses", training_losses)
 
 
@@ -125,6 +144,7 @@ def _theta_gradient_scaled_by_t(monkeypatch) -> None:
         if self.train_samples_per_forward is not None:
             self.structure.theta.grad.mul_(self.train_samples)
         return logs
+
     monkeypatch.setattr(Method, "accumulate_gradients", accumulate_gradients)
 
 
@@ -175,6 +195,7 @@ def test_chunked_fbn_is_the_grouped_step_without_weight_noise():
 
         def prepare(self, net):
             return set_sampling(original(self, net), noise)
+
         weights_module.GaussianWeights.prepare = prepare
         try:
             return _gradients(chunk, weights=GaussianWeights(init_rho=-3.0))
@@ -197,8 +218,9 @@ def _fresh_state() -> dict[str, torch.Tensor]:
 
 
 def test_structure_parallel_refuses_t_not_divisible_by_devices(tmp_path):
-    cfg = compose_config("train", ["data=digits", *TINY, "model.train_samples=3", "trainer.devices=2",
-                                   "trainer.strategy=ddp"], tmp_path)
+    cfg = compose_config(
+        "train", ["data=digits", *TINY, "model.train_samples=3", "trainer.devices=2", "trainer.strategy=ddp"], tmp_path
+    )
     with pytest.raises(ValueError, match=r"T = 3 structures of a step over 2 devices.*model.parallel=data"):
         train(cfg, tmp_path)
     assert not (tmp_path / "checkpoints").exists()
@@ -208,32 +230,51 @@ def _ddp_runs(tmp_path, train_samples: int, chunk: str, steps: int, wrong_kl: bo
     """One device and two structure-parallel ranks (`train.py trainer.devices=...` in a
     subprocess): each run's final state and the gradients of its first step, with θ spread about 1
     and N = 10 (the KL and its gradient weigh in)."""
-    common = ["data=digits", *TINY, f"model.train_samples={train_samples}", "model.parallel=structure",
-              "data.batch_size=16", "trainer.max_epochs=1", f"trainer.limit_train_batches={steps}", "test=false",
-              "callbacks.structure_posterior=null", "model.theta_init_std=1.0", "model.dataset_size=10",
-              "model.optim.grad_clip_norm=null",
-              # contiguous: oneDNN's channels-last kernels (the CPU default) sum a G = 4 and a G = 2
-              # grouped batch in other orders, beyond this comparison's 2e-6; the layout has its own test
-              "model.execution.channels_last=false"]
+    common = [
+        "data=digits",
+        *TINY,
+        f"model.train_samples={train_samples}",
+        "model.parallel=structure",
+        "data.batch_size=16",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={steps}",
+        "test=false",
+        "callbacks.structure_posterior=null",
+        "model.theta_init_std=1.0",
+        "model.dataset_size=10",
+        "model.optim.grad_clip_norm=null",
+        # contiguous: oneDNN's channels-last kernels (the CPU default) sum a G = 4 and a G = 2
+        # grouped batch in other orders, beyond this comparison's 2e-6; the layout has its own test
+        "model.execution.channels_last=false",
+    ]
     runs = {}
     for devices in (1, 2):
         run_dir = tmp_path / f"devices{devices}"
         extra = ["trainer.strategy=ddp", f"model.train_samples_per_forward={chunk}"] if devices > 1 else []
         if wrong_kl and devices > 1:
             extra.append("+callbacks.wrong._target_=tests.support.grad_probe.KLOnEveryRank")
-        run_python(ROOT / "train.py", *common, f"trainer.devices={devices}", *extra,
-                   "+callbacks.grads._target_=tests.support.grad_probe.SaveFirstGradients",
-                   f"+callbacks.grads.folder={run_dir / 'grads'}", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=SUPPORT_ON_PATH)
-        runs[devices] = {"state": load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"],
-                         "grads": {int(p.stem[4:]): torch.load(p) for p in (run_dir / "grads").glob("rank*.pt")}}
+        run_python(
+            ROOT / "train.py",
+            *common,
+            f"trainer.devices={devices}",
+            *extra,
+            "+callbacks.grads._target_=tests.support.grad_probe.SaveFirstGradients",
+            f"+callbacks.grads.folder={run_dir / 'grads'}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+            env=SUPPORT_ON_PATH,
+        )
+        runs[devices] = {
+            "state": load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"],
+            "grads": {int(p.stem[4:]): torch.load(p) for p in (run_dir / "grads").glob("rank*.pt")},
+        }
     return runs
 
 
 def _assert_same_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 2e-6) -> None:
     assert a.keys() == b.keys() and "structure.theta" in a and len(a) > 20
     for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=atol,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.slow
@@ -269,6 +310,7 @@ def test_the_rank_comparison_sees_a_kl_counted_on_every_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------- per-rank random streams
+
 
 def _method_on_rank(rank: int, world_size: int = 2, parallel: str = "data") -> DBSN:
     torch.manual_seed(123)  # seed_everything: the same on every rank
@@ -321,9 +363,17 @@ def _pair(make):
 def _non_channels_last_conv_inputs(method, run) -> list[str]:
     """Names of the convolutions that received an input not laid out channels-last."""
     seen: list[str] = []
-    hooks = [m.register_forward_pre_hook(lambda m, args, name=name: seen.append(name) if memory_format(args[0])
-                                         != torch.channels_last and min(args[0].shape[-2:]) > 1 else None)
-             for name, m in method.net.named_modules() if isinstance(m, nn.Conv2d)]
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda m, args, name=name: (
+                seen.append(name)
+                if memory_format(args[0]) != torch.channels_last and min(args[0].shape[-2:]) > 1
+                else None
+            )
+        )
+        for name, m in method.net.named_modules()
+        if isinstance(m, nn.Conv2d)
+    ]
     try:
         run()
     finally:
@@ -333,15 +383,33 @@ def _non_channels_last_conv_inputs(method, run) -> list[str]:
 
 
 CLASSIFIERS = {
-    "dbsn_grouped": lambda cl: DBSN(StructureNet(**LAYOUT_NET), train_samples=3, prediction=Prediction(n_samples=4, samples_per_forward=3),
-                                    dataset_size=50, theta_init_std=1.0, execution=Execution(channels_last=cl)),
-    "dbsn_chunked": lambda cl: DBSN(StructureNet(**LAYOUT_NET), train_samples=3, prediction=Prediction(n_samples=4, samples_per_forward=3),
-                                    dataset_size=50, theta_init_std=1.0, train_samples_per_forward=2,
-                                    execution=Execution(channels_last=cl)),
-    "map": lambda cl: MAP(StructureNet(**LAYOUT_NET), learn_structure=True, theta_init_std=1.0, dataset_size=50,
-                          execution=Execution(channels_last=cl)),
-    "map_fixed": lambda cl: MAP(StructureNet(**LAYOUT_NET), learn_structure=False, dataset_size=50,
-                                execution=Execution(channels_last=cl)),
+    "dbsn_grouped": lambda cl: DBSN(
+        StructureNet(**LAYOUT_NET),
+        train_samples=3,
+        prediction=Prediction(n_samples=4, samples_per_forward=3),
+        dataset_size=50,
+        theta_init_std=1.0,
+        execution=Execution(channels_last=cl),
+    ),
+    "dbsn_chunked": lambda cl: DBSN(
+        StructureNet(**LAYOUT_NET),
+        train_samples=3,
+        prediction=Prediction(n_samples=4, samples_per_forward=3),
+        dataset_size=50,
+        theta_init_std=1.0,
+        train_samples_per_forward=2,
+        execution=Execution(channels_last=cl),
+    ),
+    "map": lambda cl: MAP(
+        StructureNet(**LAYOUT_NET),
+        learn_structure=True,
+        theta_init_std=1.0,
+        dataset_size=50,
+        execution=Execution(channels_last=cl),
+    ),
+    "map_fixed": lambda cl: MAP(
+        StructureNet(**LAYOUT_NET), learn_structure=False, dataset_size=50, execution=Execution(channels_last=cl)
+    ),
 }
 
 
@@ -368,12 +436,22 @@ def test_every_convolution_runs_channels_last(name):
 
 
 SEGMENTERS = {
-    "fcdensenet": lambda cl: MAP(FCDenseNet(num_classes=5, first_channels=8, growth=4, layers_per_block=2, num_down=2),
-                                 learn_structure=False, dataset_size=20, task=Segmentation(ignore_index=4),
-                                 execution=Execution(channels_last=cl)),
-    "dbsn_seg": lambda cl: DBSN(DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
-                                train_samples=2, prediction=Prediction(n_samples=2, samples_per_forward=2), dataset_size=20,
-                                theta_init_std=1.0, task=Segmentation(ignore_index=4), execution=Execution(channels_last=cl)),
+    "fcdensenet": lambda cl: MAP(
+        FCDenseNet(num_classes=5, first_channels=8, growth=4, layers_per_block=2, num_down=2),
+        learn_structure=False,
+        dataset_size=20,
+        task=Segmentation(ignore_index=4),
+        execution=Execution(channels_last=cl),
+    ),
+    "dbsn_seg": lambda cl: DBSN(
+        DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
+        train_samples=2,
+        prediction=Prediction(n_samples=2, samples_per_forward=2),
+        dataset_size=20,
+        theta_init_std=1.0,
+        task=Segmentation(ignore_index=4),
+        execution=Execution(channels_last=cl),
+    ),
 }
 
 
@@ -413,19 +491,38 @@ COMPILE_NET = dict(num_classes=5, num_nodes=3, cells_per_stage=1, num_stages=2, 
 
 
 def _dbsn(compile, chunk=None):
-    return DBSN(StructureNet(**COMPILE_NET), train_samples=4, prediction=Prediction(n_samples=6, samples_per_forward=3), dataset_size=40,
-                theta_init_std=1.0, train_samples_per_forward=chunk, execution=Execution(compile=compile))
+    return DBSN(
+        StructureNet(**COMPILE_NET),
+        train_samples=4,
+        prediction=Prediction(n_samples=6, samples_per_forward=3),
+        dataset_size=40,
+        theta_init_std=1.0,
+        train_samples_per_forward=chunk,
+        execution=Execution(compile=compile),
+    )
 
 
 COMPILE_CASES = {  # name: (constructor, backend)
     "dbsn_t4_grouped": (lambda c: _dbsn(c), "aot_eager"),
     "dbsn_t4_chunked": (lambda c: _dbsn(c, chunk=2), "aot_eager"),
-    "map_fixed": (lambda c: MAP(StructureNet(**COMPILE_NET), learn_structure=False, dataset_size=40,
-                                execution=Execution(compile=c)),
-                  "inductor"),  # the one case with code generation (C++ on a CPU): the smallest graph
-    "bbb": (lambda c: MAP(StructureNet(**COMPILE_NET), learn_structure=True, theta_init_std=1.0, dataset_size=40,
-                          weights=GaussianWeights(init_rho=-3.0), prediction=Prediction(n_samples=3),
-                          execution=Execution(compile=c)), "aot_eager"),
+    "map_fixed": (
+        lambda c: MAP(
+            StructureNet(**COMPILE_NET), learn_structure=False, dataset_size=40, execution=Execution(compile=c)
+        ),
+        "inductor",
+    ),  # the one case with code generation (C++ on a CPU): the smallest graph
+    "bbb": (
+        lambda c: MAP(
+            StructureNet(**COMPILE_NET),
+            learn_structure=True,
+            theta_init_std=1.0,
+            dataset_size=40,
+            weights=GaussianWeights(init_rho=-3.0),
+            prediction=Prediction(n_samples=3),
+            execution=Execution(compile=c),
+        ),
+        "aot_eager",
+    ),
 }
 
 
@@ -450,13 +547,15 @@ def test_compiled_step_and_prediction_equal_eager(name):
     x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
     with torch._inductor.config.patch(fallback_random=True):
         for step in range(2):  # the second step runs the cached graphs, from moved running statistics
-            kinds = assert_same(step_state(eager, x, y, seed=step), step_state(compiled, x, y, seed=step),
-                                rtol=1e-4, atol=1e-5)
+            kinds = assert_same(
+                step_state(eager, x, y, seed=step), step_state(compiled, x, y, seed=step), rtol=1e-4, atol=1e-5
+            )
         assert kinds["weight gradients"] > 20 and kinds["running statistics"] > 10
         assert kinds["theta gradient"] == (0 if name == "map_fixed" else 1)
         if name in ("dbsn_t4_grouped", "bbb"):  # S members in chunks, in eval mode under inference_mode
-            torch.testing.assert_close(prediction(compiled, x, eager.n_samples), prediction(eager, x, eager.n_samples),
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                prediction(compiled, x, eager.n_samples), prediction(eager, x, eager.n_samples), rtol=1e-4, atol=1e-5
+            )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
 
 
@@ -468,9 +567,15 @@ class _CompileCounts(pl.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         counters = torch._dynamo.utils.counters
-        self.after_step.append({"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"],
-                                "recompiles": sum(counters["recompiles"].values()),
-                                "tau": module.tau, "beta": float(module.beta)})
+        self.after_step.append(
+            {
+                "graphs": counters["stats"]["unique_graphs"],
+                "frames": counters["frames"]["total"],
+                "recompiles": sum(counters["recompiles"].values()),
+                "tau": module.tau,
+                "beta": float(module.beta),
+            }
+        )
 
 
 @needs_cpp_compiler
@@ -478,27 +583,48 @@ class _CompileCounts(pl.Callback):
 def test_no_recompilation_while_tau_and_beta_decay():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    method = DBSN(StructureNet(**COMPILE_NET), train_samples=2, dataset_size=32, tau=TauSchedule(decay=0.05),
-                  beta=BetaSchedule(decay_per_epoch=0.1),
-                  execution=Execution(compile=Compilation(enabled=True, backend="aot_eager")))
+    method = DBSN(
+        StructureNet(**COMPILE_NET),
+        train_samples=2,
+        dataset_size=32,
+        tau=TauSchedule(decay=0.05),
+        beta=BetaSchedule(decay_per_epoch=0.1),
+        execution=Execution(compile=Compilation(enabled=True, backend="aot_eager")),
+    )
     data = TensorDataset(torch.randn(32, 3, 16, 16), torch.randint(0, 5, (32,)))
     counts = _CompileCounts()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=5, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[counts])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[counts],
+    )
     trainer.fit(method, DataLoader(data, batch_size=8, shuffle=True, drop_last=True))
     assert len(counts.after_step) == 20
     third, last = counts.after_step[2], counts.after_step[-1]
     assert third["graphs"] > 0
-    assert {k: third[k] for k in ("graphs", "frames", "recompiles")} == {k: last[k] for k in ("graphs", "frames", "recompiles")}
+    assert {k: third[k] for k in ("graphs", "frames", "recompiles")} == {
+        k: last[k] for k in ("graphs", "frames", "recompiles")
+    }
     assert last["tau"] < third["tau"] and last["beta"] < third["beta"]  # the schedules did move
 
 
 # ---------------------------------------------------------------------- optimisers and lr schedules
 
-@pytest.mark.parametrize("model, extra", [
-    ("bbb", []), ("fbn", []), ("map", []), ("mc_dropout", []),
-    ("deep_ensemble", ["model/member=bbb", "model.size=2"]),
-])
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("bbb", []),
+        ("fbn", []),
+        ("map", []),
+        ("mc_dropout", []),
+        ("deep_ensemble", ["model/member=bbb", "model.size=2"]),
+    ],
+)
 def test_sgd_decays_every_weight_but_the_gaussian_scales(model, extra, tmp_path):
     """Weight decay on ρ (1e-4) would outweigh the KL's gradient ~25,000-fold and set σ: ρ is
     in a group without decay; μ and point weights keep the configured decay; one group each."""
@@ -532,7 +658,8 @@ def test_linear_lr_schedule_is_constant_then_decays_linearly_to_zero():
     from dbsn.methods.base import WeightOptimizer
 
     opt, schedule = WeightOptimizer(lr=0.01, schedule="linear", decay_start=350 / 850).build(
-        [torch.nn.Parameter(torch.zeros(1))], max_epochs=850)
+        [torch.nn.Parameter(torch.zeros(1))], max_epochs=850
+    )
     lrs = []
     for _ in range(850):
         lrs.append(opt.param_groups[0]["lr"])
@@ -547,6 +674,7 @@ def test_linear_lr_schedule_is_constant_then_decays_linearly_to_zero():
 
 
 # ---------------------------------------------------------------------- prediction
+
 
 def test_deterministic_methods_predict_with_one_pass():
     torch.manual_seed(0)
@@ -574,13 +702,27 @@ def cifar_root(cifar10_files):
 @pytest.mark.parametrize("method", METHODS)
 def test_method_trains_and_evaluates(method, cifar_root, tmp_path):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
-    overrides = [f"model={method}", "data=cifar10", f"data.root={cifar_root}", "data.batch_size=32",
-                 "data.num_workers=0", *tiny_for(method), "trainer.max_epochs=2"]
+    overrides = [
+        f"model={method}",
+        "data=cifar10",
+        f"data.root={cifar_root}",
+        "data.batch_size=32",
+        "data.num_workers=0",
+        *tiny_for(method),
+        "trainer.max_epochs=2",
+    ]
     metrics = train(compose_config("train", overrides, run_dir), run_dir)
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
 
-    cfg = compose_config("evaluate", [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
-                                      "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"], eval_dir)
+    cfg = compose_config(
+        "evaluate",
+        [
+            f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+        ],
+        eval_dir,
+    )
     again = evaluate(cfg, eval_dir)  # rebuilt from the checkpoint alone
     record = json.loads((run_dir / "evaluation" / "metrics.json").read_text())  # next to the run
     assert record["metrics"] == again
@@ -602,6 +744,7 @@ class _StepLRs(pl.Callback):
         def recording_step(*args, **kwargs):
             self.used.append([g["lr"] for g in sgd.param_groups])
             return step(*args, **kwargs)
+
         sgd.step = recording_step
 
     def on_train_epoch_end(self, trainer, module) -> None:
@@ -626,17 +769,30 @@ def test_lr_warm_up_ramps_linearly_step_by_step_then_hands_over_to_the_schedule(
             return {id(p): 0.5 for p in self.net.classifier.parameters()}
 
     torch.manual_seed(0)
-    method = Scaled(VGG16BN(5, width=0.125), learn_structure=False, dataset_size=32,
-                    optim=WeightOptimizer(lr=0.1, warmup_epochs=1.5, grad_clip_norm=None))
+    method = Scaled(
+        VGG16BN(5, width=0.125),
+        learn_structure=False,
+        dataset_size=32,
+        optim=WeightOptimizer(lr=0.1, warmup_epochs=1.5, grad_clip_norm=None),
+    )
     data = TensorDataset(torch.randn(32, 3, 32, 32), torch.randint(0, 5, (32,)))
     lrs = _StepLRs()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[lrs])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[lrs],
+    )
     trainer.fit(method, DataLoader(data, batch_size=8, drop_last=True))
     ramp = [min(1.0, k / 6) for k in range(1, 17)]
     schedule = [0.1] * 8 + [0.01] * 4 + [0.001] * 4  # milestones at epochs 2 and 3
     assert [pytest.approx([s * r, 0.5 * s * r]) for s, r in zip(schedule, ramp)] == lrs.used
-    assert lrs.after_epoch == pytest.approx([0.1, 0.1, 0.01, 0.001])  # before each epoch's schedule step: untouched by the ramp
+    assert lrs.after_epoch == pytest.approx(
+        [0.1, 0.1, 0.01, 0.001]
+    )  # before each epoch's schedule step: untouched by the ramp
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12])
@@ -646,8 +802,12 @@ def test_a_bound_on_the_forwards_rows_splits_the_examples_and_changes_no_number(
     and the input gradient equal those of the whole forwards up to float32 rounding (a smaller
     matrix product may sum in another order: 1 ulp here; bit for bit on make train's network)."""
     torch.manual_seed(0)
-    method = DBSN(StructureNet(**LAYOUT_NET), prediction=Prediction(n_samples=6, samples_per_forward=3),
-                  dataset_size=50, theta_init_std=1.0).eval()
+    method = DBSN(
+        StructureNet(**LAYOUT_NET),
+        prediction=Prediction(n_samples=6, samples_per_forward=3),
+        dataset_size=50,
+        theta_init_std=1.0,
+    ).eval()
     x = torch.randn(7, 3, 8, 8, requires_grad=True)
     seen = []
     network = method.network
@@ -668,8 +828,12 @@ def test_a_bound_on_the_forwards_rows_splits_the_examples_and_changes_no_number(
 
 
 def test_weights_that_draw_noise_at_every_forward_keep_their_forwards_whole():
-    method = MAP(StructureNet(**LAYOUT_NET), weights=MCDropoutWeights(p=0.2), dataset_size=50,
-                 prediction=Prediction(n_samples=4, samples_per_forward=2, rows_per_forward=3)).eval()
+    method = MAP(
+        StructureNet(**LAYOUT_NET),
+        weights=MCDropoutWeights(p=0.2),
+        dataset_size=50,
+        prediction=Prediction(n_samples=4, samples_per_forward=2, rows_per_forward=3),
+    ).eval()
     method.enable_test_noise()
     seen = []
     network = method.network

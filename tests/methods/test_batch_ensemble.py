@@ -13,8 +13,8 @@ from torch import nn
 
 from dbsn.methods import MAP, BatchEnsemble, MCDropoutWeights
 from dbsn.nets import VGG16BN, StructureNet
-from dbsn.nets.batch_ensemble import (BatchEnsembleConv2d, BatchEnsembleLinear, batch_ensemble, fast_parameters,
-                                      member_biases as biases)
+from dbsn.nets.batch_ensemble import BatchEnsembleConv2d, BatchEnsembleLinear, batch_ensemble, fast_parameters
+from dbsn.nets.batch_ensemble import member_biases as biases
 from tests.support.configs import TINY, compose_config, configured_optimizers
 from tests.support.netutil import set_random_affine
 
@@ -31,8 +31,7 @@ def _wide_resnet() -> nn.Module:
     return WideResNet(num_classes=10, depth=10, widen_factor=1)
 
 
-NETS = {"structure_net": _structure_net, "vgg16_bn": lambda: VGG16BN(num_classes=10, width=0.25),
-        "wrn": _wide_resnet}
+NETS = {"structure_net": _structure_net, "vgg16_bn": lambda: VGG16BN(num_classes=10, width=0.25), "wrn": _wide_resnet}
 
 
 def _pair(make, seed: int = 0) -> tuple[BatchEnsemble, MAP]:
@@ -66,7 +65,7 @@ def test_unit_fast_weights_give_the_slow_network_in_outputs_and_gradients(name):
     ensemble, slow = ensemble.double(), slow.double()  # exact up to the order of sums
     x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (4,))
     ensemble.eval(), slow.eval()  # the running statistics as initialised (after a step the unbiased
-    with torch.no_grad():          # variances differ: M·b rows against b)
+    with torch.no_grad():  # variances differ: M·b rows against b)
         predicted = ensemble.predict_members(x)
         assert predicted.shape == (M, 4, 10)
         for m in range(M):
@@ -116,7 +115,7 @@ def test_each_member_depends_only_on_its_own_fast_weights(name):
             for layer in layers:
                 for p in (layer.r, layer.s) + (() if layer.bias is None else (layer.bias,)):
                     assert p.grad[m].abs().sum() > 0
-                    reached[p] = torch.cat([p.grad[:m], p.grad[m + 1:]]).abs().sum() > 0
+                    reached[p] = torch.cat([p.grad[:m], p.grad[m + 1 :]]).abs().sum() > 0
             assert any(reached.values()) == training, (training, m)  # in training: through BatchNorm
             head = ensemble.net.classifier  # after the last BatchNorm: never coupled
             assert not any(reached[p] for p in (head.r, head.s, head.bias))
@@ -128,10 +127,14 @@ def test_fast_weights_are_initialised_as_the_authors():
     torch.manual_seed(0)
     layer = nn.Linear(400, 300)
     wrapped = BatchEnsembleLinear(copy.deepcopy(layer), size=4, random_sign_init=-0.5)
-    assert wrapped.r.mean().item() == pytest.approx(1.0, abs=0.02) and wrapped.s.std().item() == pytest.approx(0.5, abs=0.02)
+    assert wrapped.r.mean().item() == pytest.approx(1.0, abs=0.02) and wrapped.s.std().item() == pytest.approx(
+        0.5, abs=0.02
+    )
     assert wrapped.layer.bias is None and torch.equal(wrapped.bias, layer.bias.expand(4, -1))
     signs = BatchEnsembleConv2d(nn.Conv2d(500, 400, 1), size=4, random_sign_init=0.75)
-    assert set(signs.r.unique().tolist()) == {-1.0, 1.0} and (signs.s == 1).float().mean().item() == pytest.approx(0.75, abs=0.02)
+    assert set(signs.r.unique().tolist()) == {-1.0, 1.0} and (signs.s == 1).float().mean().item() == pytest.approx(
+        0.75, abs=0.02
+    )
     net = batch_ensemble(VGG16BN(num_classes=10, width=0.25), 2, random_sign_init=0.0)
     assert all(torch.equal(p, torch.ones_like(p)) for p in fast_parameters(net))
     slow = {id(m.layer) for m in net.modules() if isinstance(m, (BatchEnsembleConv2d, BatchEnsembleLinear))}
@@ -146,8 +149,11 @@ def test_optimiser_follows_the_authors_groups(tmp_path):
     """The authors' recipe: lr 0.1, Nesterov; r and s at half the lr and no weight decay, the
     member biases at half the lr with weight decay, slow weights and BatchNorm at the lr with weight
     decay 2 x 3e-4 (their Keras L2 of 3e-4); no clipping; decay x 0.2 at 40, 80, 90 % of training."""
-    cfg = compose_config("train", ["model=batch_ensemble", "model/net=structure_net", "model.net.num_nodes=3",
-                                   "model.net.cells_per_stage=1"], tmp_path)
+    cfg = compose_config(
+        "train",
+        ["model=batch_ensemble", "model/net=structure_net", "model.net.num_nodes=3", "model.net.cells_per_stage=1"],
+        tmp_path,
+    )
     method, optimizers, schedules = configured_optimizers(cfg.model)
     sgd = optimizers[0]
     assert method.size == 4 and sgd.defaults["nesterov"] and method.optim.grad_clip_norm is None
@@ -159,11 +165,23 @@ def test_optimiser_follows_the_authors_groups(tmp_path):
     assert sorted(schedules[0].milestones) == [2, 3, 4] and schedules[0].gamma == 0.2  # of max_epochs = 4
 
 
-COMMON = ["model=batch_ensemble", "data=digits", "data.batch_size=16", "trainer.max_epochs=1",
-          "trainer.limit_train_batches=2", "model.size=4", "test=false", *[o for o in TINY if not o.startswith("model.")]]
+COMMON = [
+    "model=batch_ensemble",
+    "data=digits",
+    "data.batch_size=16",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "model.size=4",
+    "test=false",
+    *[o for o in TINY if not o.startswith("model.")],
+]
 NET_OVERRIDES = {
-    "structure_net": ["model.net.num_nodes=4", "model.net.cells_per_stage=1", "model.net.growth=4",
-                      "model.net.stem_channels=8"],
+    "structure_net": [
+        "model.net.num_nodes=4",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+    ],
     "wrn28_10": ["model.net.depth=10", "model.net.widen_factor=1", "model.learn_structure=false"],
 }
 
@@ -184,9 +202,13 @@ def test_trains_two_steps_and_predicts_m_members_on_digits(net, tmp_path):
     fast = fast_parameters(method.net)
     assert fast and not all(torch.equal(p[0], p[1]) for p in fast)
     images = digits_splits()[1][0][:8].float() / 255
-    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[:, None, None]
+    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[
+        :, None, None
+    ]
     with torch.no_grad():
         members = method.predict_members(x)
         log_probs = method.predict_log_probs(x)
-    assert members.shape == (4, 8, 10) and torch.isfinite(members).all() and (members[0] - members[1]).abs().max() > 1e-4
+    assert (
+        members.shape == (4, 8, 10) and torch.isfinite(members).all() and (members[0] - members[1]).abs().max() > 1e-4
+    )
     torch.testing.assert_close(log_probs.exp(), members.exp().mean(0))  # the members' mean probability

@@ -29,15 +29,36 @@ from tests.support.configs import compose_config, evaluate_quietly, evaluate_the
 from tests.support.fakedata import normalised_digits
 
 # 128 digits in batches of 32: 4 steps an epoch, 8 in two epochs
-RUN = ["data=digits", "data.batch_size=32", "data.train_subset=128", "trainer.max_epochs=2", "trainer.accelerator=cpu",
-       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "seed=3",
-       "statistics.resamples=100"]
-TINY = {"csghmc": ["model.net.width=8"], "csgld": ["model.net.width=8"],
-        "csghmc_structure": ["model.net.num_nodes=3", "model.net.cells_per_stage=1", "model.net.growth=4",
-                             "model.net.stem_channels=8", "model.train_samples=2"]}
+RUN = [
+    "data=digits",
+    "data.batch_size=32",
+    "data.train_subset=128",
+    "trainer.max_epochs=2",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "trainer.log_every_n_steps=1",
+    "seed=3",
+    "statistics.resamples=100",
+]
+TINY = {
+    "csghmc": ["model.net.width=8"],
+    "csgld": ["model.net.width=8"],
+    "csghmc_structure": [
+        "model.net.num_nodes=3",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+        "model.train_samples=2",
+    ],
+}
 # two cycles of 4 steps, noise from each cycle's second step, samples after its second and fourth steps
-SCHEDULE = ["model.sampler.schedule.cycles=2", "model.sampler.schedule.exploration=0.25",
-            "model.sampler.schedule.samples_per_cycle=2", "model.sampler.schedule.sample_spacing=0.5"]
+SCHEDULE = [
+    "model.sampler.schedule.cycles=2",
+    "model.sampler.schedule.exploration=0.25",
+    "model.sampler.schedule.samples_per_cycle=2",
+    "model.sampler.schedule.sample_spacing=0.5",
+]
 
 
 def _overrides(model: str, *extra: str) -> list[str]:
@@ -97,7 +118,9 @@ def test_trains_keeps_its_samples_and_evaluates_from_the_checkpoint_on_digits(mo
             for s, (weight, bias) in enumerate(method.member_heads(4)):
                 assert torch.equal(weight, method.samples[s]["classifier.weight"])
                 torch.testing.assert_close(features[s] @ weight.T + bias, logits[s], rtol=1e-5, atol=1e-5)
-    again = evaluate_quietly(ckpt, tmp_path / "eval", ["statistics.resamples=100", "ablation.sizes=[]"])  # the checkpoint alone
+    again = evaluate_quietly(
+        ckpt, tmp_path / "eval", ["statistics.resamples=100", "ablation.sizes=[]"]
+    )  # the checkpoint alone
     assert again["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)
     assert again["test/mutual_information"] > 0  # the members disagree
     with pytest.raises(ValueError, match=f"predicts with the S = {4 * chains} samples its chain kept"):
@@ -114,15 +137,28 @@ def test_a_run_resumed_mid_cycle_keeps_its_samples_and_continues_as_the_uninterr
     the run stopped after its first epoch holds sample 3 and is half way through the cycle; resumed,
     its final checkpoint equals the uninterrupted run's in every tensor (the samples, the sampler's
     velocities, step count and noise generator included)."""
-    common = ["model=csgld", *RUN, *TINY["csgld"], "test=false", "model.sampler.schedule.cycles=1",
-              "model.sampler.schedule.exploration=0.25", "model.sampler.schedule.samples_per_cycle=3",
-              "model.sampler.schedule.sample_spacing=0.25", "model.sampler.temperature=1"]
+    common = [
+        "model=csgld",
+        *RUN,
+        *TINY["csgld"],
+        "test=false",
+        "model.sampler.schedule.cycles=1",
+        "model.sampler.schedule.exploration=0.25",
+        "model.sampler.schedule.samples_per_cycle=3",
+        "model.sampler.schedule.sample_spacing=0.25",
+        "model.sampler.temperature=1",
+    ]
     straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
     train(compose_config("train", common, straight), straight)
     build_trainer = dbsn.runtime.run.build_trainer
     with monkeypatch.context() as patch:
-        patch.setattr(dbsn.runtime.run, "build_trainer",
-                      lambda cfg, out, callbacks=(), loggers=(): build_trainer(cfg, out, [*callbacks, _StopAfterFirstEpoch()], loggers))
+        patch.setattr(
+            dbsn.runtime.run,
+            "build_trainer",
+            lambda cfg, out, callbacks=(), loggers=(): build_trainer(
+                cfg, out, [*callbacks, _StopAfterFirstEpoch()], loggers
+            ),
+        )
         train(compose_config("train", common, first), first)
     halfway = load_checkpoint(first / "checkpoints" / "last.ckpt")
     assert halfway["epoch"] == 0 and halfway["state_dict"]["samples.steps"].tolist() == [3]
@@ -176,14 +212,17 @@ def test_a_chain_moves_on_its_own_energy():
         torch.testing.assert_close(together[t], method.chains.grad[t], rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("model, override, message", [
-    ("csghmc", "+model.learn_structure=true", "model.learn_structure=false"),
-    ("csghmc", "+model.optim.lr=0.1", "not model.optim"),
-    ("csghmc", "model.prediction.n_samples=10", "leave prediction.n_samples at 1"),
-    ("csghmc", "+model.weights._target_=dbsn.methods.MCDropoutWeights", "point-estimate weights"),
-    ("csghmc_structure", "model/net=resnet18", "use model/net=structure_net, or model=csghmc"),
-    ("csghmc_structure", "model.sampler.weight_decay=5e-4", "model.sampler.weight_decay=0"),
-])
+@pytest.mark.parametrize(
+    "model, override, message",
+    [
+        ("csghmc", "+model.learn_structure=true", "model.learn_structure=false"),
+        ("csghmc", "+model.optim.lr=0.1", "not model.optim"),
+        ("csghmc", "model.prediction.n_samples=10", "leave prediction.n_samples at 1"),
+        ("csghmc", "+model.weights._target_=dbsn.methods.MCDropoutWeights", "point-estimate weights"),
+        ("csghmc_structure", "model/net=resnet18", "use model/net=structure_net, or model=csghmc"),
+        ("csghmc_structure", "model.sampler.weight_decay=5e-4", "model.sampler.weight_decay=0"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(model, override, message, tmp_path):
     overrides = [f"model={model}", override]
     with pytest.raises(InstantiationException, match=message):  # the method's ValueError, through Hydra
@@ -215,8 +254,11 @@ def test_compare_and_the_registry_take_the_samplers_with_their_own_schedule(tmp_
         assert cfg.model.sampler.lr == 0.2 and cfg.model.sampler.schedule.cycles == 4 and cfg.model.net.width == 16
         assert cfg.model.sampler.friction == (1.0 if model == "csgld" else 0.9)
         assert method_name(cfg.model) == model  # csgld and csghmc are one class, told apart by the friction
-    cfg = compose_config("train", [*compare.method_overrides("csghmc_structure", 10, 21, backbone="resnet18"),
-                                   *compare.shared_overrides()], tmp_path)
+    cfg = compose_config(
+        "train",
+        [*compare.method_overrides("csghmc_structure", 10, 21, backbone="resnet18"), *compare.shared_overrides()],
+        tmp_path,
+    )
     validate_config(cfg)
     assert cfg.model.net._target_ == "dbsn.nets.StructureNet" and list(cfg.model.optim.milestones) == [0.5, 0.75]
     assert method_config("csghmc").fixed_members and method_config("csghmc_structure").fixed_members
@@ -227,19 +269,27 @@ def test_the_field_jobs_are_the_authors_recipe(dataset, tmp_path):
     """resnet18/csghmc: cifar_csghmc.py's (cifar100_csghmc.py's) 200 epochs, batch 64, lr_0 0.5, alpha
     0.9, weight decay 5e-4, temperature 1/N, M = 4 cycles, 3 samples each; the other networks the same
     sampler, the cell network under the fair protocol's 100 epochs with its structure fixed."""
+
     def job(name):
         cfg = compose_config("train", [f"experiment={dataset}_field", f"field={name}", "seed=1"], tmp_path)
         validate_config(cfg)
         return cfg
 
-    for backbone, epochs, net in (("resnet18", 200, "ResNet18"), ("wrn28_10", 200, "WideResNet"),
-                                  ("structure_net", 100, "StructureNet")):
+    for backbone, epochs, net in (
+        ("resnet18", 200, "ResNet18"),
+        ("wrn28_10", 200, "WideResNet"),
+        ("structure_net", 100, "StructureNet"),
+    ):
         cfg = job(f"{backbone}/csghmc")
         sampler = cfg.model.sampler
         assert cfg.model._target_.endswith("CSGMCMC") and cfg.model.net._target_.endswith(net)
         assert (cfg.trainer.max_epochs, cfg.data.batch_size) == (epochs, 64)
         assert (sampler.lr, sampler.friction, sampler.weight_decay, sampler.temperature) == (0.5, 0.9, 5e-4, None)
-        assert (sampler.schedule.cycles, sampler.schedule.exploration, sampler.schedule.samples_per_cycle) == (4, 0.9, 3)
+        assert (sampler.schedule.cycles, sampler.schedule.exploration, sampler.schedule.samples_per_cycle) == (
+            4,
+            0.9,
+            3,
+        )
         assert not cfg.model.get("learn_structure", False)
 
 
@@ -251,10 +301,20 @@ def test_compare_trains_and_tests_the_samplers(tmp_path):
     from dbsn.tools.compare import run_comparison
 
     methods = ["csghmc", "csgld", "csghmc_structure"]
-    results = run_comparison(methods, epochs=1, output_dir=tmp_path, subset=96, batch_size=8,
-                             extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                                    "trainer.limit_test_batches=1", "statistics.resamples=20"],
-                             net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"])
+    results = run_comparison(
+        methods,
+        epochs=1,
+        output_dir=tmp_path,
+        subset=96,
+        batch_size=8,
+        extra=[
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "trainer.limit_test_batches=1",
+            "statistics.resamples=20",
+        ],
+        net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"],
+    )
     assert list(results) == methods
     for method, kept in zip(methods, (12, 12, 48)):  # the structure sampler: 4 chains' states
         assert {"test/error", "test/nll"} <= set(results[method]) and results[method]["train_seconds"] > 0

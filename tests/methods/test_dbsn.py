@@ -23,8 +23,12 @@ from tests.support.netutil import tiny_structure_net
 def _method(train_samples=3) -> DBSN:
     torch.manual_seed(0)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    return DBSN(net, train_samples=train_samples, dataset_size=100,
-                prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2))
+    return DBSN(
+        net,
+        train_samples=train_samples,
+        dataset_size=100,
+        prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2),
+    )
 
 
 def test_training_loss_equals_average_over_separate_structures():
@@ -73,8 +77,12 @@ def test_tau_follows_examples_seen_not_steps():
     """τ's progress is examples / 64: 1000 steps at batch 64 = 2000 at batch 32 = 250 steps of
     4 data-parallel ranks at 64; structure-parallel ranks share their batch (no factor)."""
     expected = 3.0 * math.exp(-1.5e-5 * 1000)
-    for batch, steps, world, parallel in [(64, 1000, 1, "data"), (32, 2000, 1, "data"), (64, 250, 4, "data"),
-                                          (64, 1000, 4, "structure")]:
+    for batch, steps, world, parallel in [
+        (64, 1000, 1, "data"),
+        (32, 2000, 1, "data"),
+        (64, 250, 4, "data"),
+        (64, 1000, 4, "structure"),
+    ]:
         method = _method()
         method.parallel = parallel
         method._world_size = lambda: world
@@ -142,11 +150,14 @@ def test_dbsn_structure_probabilities_are_the_argmax_law_of_its_samples(tau):
 
 # ---------------------------------------------------------------------- per-structure BatchNorm statistics
 
+
 class _Images:
     """What the method needs of a data module: training images and their preprocessing."""
 
     def __init__(self, n: int = 24) -> None:
-        self.images = torch.randint(0, 256, (n, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        self.images = torch.randint(
+            0, 256, (n, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+        )
 
     def training_images(self, n: int, seed: int = 0) -> torch.Tensor:
         return self.images[:n]
@@ -158,8 +169,12 @@ class _Images:
 def _recalibrating_method(enabled: bool = True) -> DBSN:
     torch.manual_seed(0)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
-    method = DBSN(net, dataset_size=100, prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2),
-                  bn_recalibration=BatchNormRecalibration(enabled=enabled, images=24, batch_size=10))
+    method = DBSN(
+        net,
+        dataset_size=100,
+        prediction=Prediction(n_samples=100, val_samples=10, samples_per_forward=2),
+        bn_recalibration=BatchNormRecalibration(enabled=enabled, images=24, batch_size=10),
+    )
     with torch.no_grad():  # running statistics unlike any structure's, as after training
         for m in net.modules():
             if isinstance(m, GroupBatchNorm2d):
@@ -195,7 +210,10 @@ def test_each_member_has_the_statistics_of_its_structure_alone():
             torch.testing.assert_close(mean[s], reference[name].running_mean, rtol=1e-4, atol=1e-5, msg=name)
             torch.testing.assert_close(var[s], reference[name].running_var, rtol=1e-4, atol=1e-5, msg=name)
     # the network's own running statistics are untouched
-    assert all(torch.equal(a, b) for a, b in zip(method.net.state_dict().values(), _recalibrating_method().net.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(method.net.state_dict().values(), _recalibrating_method().net.state_dict().values())
+    )
 
 
 def test_a_member_predicts_as_its_structure_alone_with_its_statistics():
@@ -218,7 +236,9 @@ def test_members_are_fixed_and_grow_on_demand_while_recalibrated():
     first = method.prediction_structures(3)
     assert torch.equal(method.prediction_structures(2, first=1), first[1:3])
     more = method.prediction_structures(4, first=3)  # members 3..6 are drawn now
-    assert torch.equal(method.prediction_structures(7)[:3], first) and torch.equal(method.prediction_structures(7)[3:], more)
+    assert torch.equal(method.prediction_structures(7)[:3], first) and torch.equal(
+        method.prediction_structures(7)[3:], more
+    )
     method.prepare_prediction(data)  # a new test pass: the same members, drawn from the setting's seed
     torch.manual_seed(123)  # whatever the global stream
     assert torch.equal(method.prediction_structures(3), first)

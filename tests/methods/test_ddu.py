@@ -34,8 +34,9 @@ def test_the_network_is_spectrally_normalised_with_leaky_relus_and_a_linear_head
     torch.manual_seed(0)
     method = DDU(NETS[net](), spectral_bound=3.0, dataset_size=64)
     layers = spectrally_normalized_layers(method.net)
-    assert sorted(layers) == sorted(name for name, m in method.net.named_modules()
-                                    if isinstance(m, nn.Conv2d))  # every convolution, not the head
+    assert sorted(layers) == sorted(
+        name for name, m in method.net.named_modules() if isinstance(m, nn.Conv2d)
+    )  # every convolution, not the head
     assert {layer.parametrizations.weight[0].bound for layer in layers.values()} == {3.0}
     assert type(method.net.classifier) is nn.Linear and method.member_heads(1) is not None
     leaky = [m for m in method.net.modules() if isinstance(m, nn.LeakyReLU)]
@@ -58,7 +59,9 @@ def test_the_cell_network_keeps_its_relus_and_a_non_linear_head_is_refused():
     assert sum(type(m) is nn.ReLU for m in method.net.modules()) == relus and spectrally_normalized_layers(method.net)
     net = ResNet18(10, width=8)
     net.classifier = nn.Sequential(nn.Linear(64, 10))
-    with pytest.raises(ValueError, match="DDU reads the features at the network's last layer 'classifier', an nn.Linear"):
+    with pytest.raises(
+        ValueError, match="DDU reads the features at the network's last layer 'classifier', an nn.Linear"
+    ):
         DDU(net)
     with pytest.raises(ValueError, match="leaky_relu_slope must be >= 0"):
         DDU(ResNet18(10, width=8), leaky_relu_slope=-0.1)
@@ -87,10 +90,21 @@ def test_two_steps_then_one_deterministic_softmax_pass():
         torch.testing.assert_close(method.predict_members(x[:8]), members)  # deterministic
 
 
-COMMON = ["model=ddu", "model/net=resnet18", "model.net.width=8", "data=digits", "data.batch_size=32",
-          "data.num_workers=0", "data.train_subset=200", "trainer.max_epochs=1", "trainer.limit_train_batches=3",
-          "trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-          "statistics.resamples=100"]
+COMMON = [
+    "model=ddu",
+    "model/net=resnet18",
+    "model.net.width=8",
+    "data=digits",
+    "data.batch_size=32",
+    "data.num_workers=0",
+    "data.train_subset=200",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=3",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "statistics.resamples=100",
+]
 
 
 def test_train_then_evaluate_with_its_density_among_the_ood_scores(tmp_path):
@@ -100,8 +114,11 @@ def test_train_then_evaluate_with_its_density_among_the_ood_scores(tmp_path):
 
     run = tmp_path / "run"
     metrics = train(compose_config("train", COMMON, run), run)
-    results = evaluate_quietly(run / "checkpoints" / "last.ckpt", tmp_path / "eval", [
-        "statistics.resamples=100", "evaluations=[ood]", "ood=noise", "ood.noise.size=32", "ablation.sizes=[]"])
+    results = evaluate_quietly(
+        run / "checkpoints" / "last.ckpt",
+        tmp_path / "eval",
+        ["statistics.resamples=100", "evaluations=[ood]", "ood=noise", "ood.noise.size=32", "ablation.sizes=[]"],
+    )
     assert results["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)
     for score in ("entropy", "gda", "mahalanobis"):
         assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
@@ -132,7 +149,9 @@ def test_the_registry_compare_and_the_field_know_it(tmp_path):
     assert "ddu" in compared_methods()
     own = compose_config("train", ["model=ddu"], tmp_path).model
     for backbone in ("structure_net", "resnet18"):
-        cfg = compose_config("train", [*method_overrides("ddu", 10, 21, backbone=backbone), *shared_overrides()], tmp_path)
+        cfg = compose_config(
+            "train", [*method_overrides("ddu", 10, 21, backbone=backbone), *shared_overrides()], tmp_path
+        )
         validate_config(cfg)
         assert list(cfg.model.optim.milestones) == [0.5, 0.75]  # the fair protocol's schedule shape
         for key in ("lr", "momentum", "nesterov", "weight_decay", "grad_clip_norm"):
@@ -142,7 +161,15 @@ def test_the_registry_compare_and_the_field_know_it(tmp_path):
         from dbsn.runtime.build import build_model
 
         assert type(build_model(cfg.model, num_classes=10)) is DDU
-    result = run_python(ROOT / "train.py", "experiment=cifar10_field", "field=resnet18/ddu", "seed=1", "--cfg", "job",
-                        cwd=tmp_path, timeout=120)
+    result = run_python(
+        ROOT / "train.py",
+        "experiment=cifar10_field",
+        "field=resnet18/ddu",
+        "seed=1",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert "_target_: dbsn.methods.DDU" in result.stdout and "_target_: dbsn.nets.ResNet18" in result.stdout
     assert "max_epochs: 350" in result.stdout and "seed: 1" in result.stdout and "spectral_bound: 3.0" in result.stdout

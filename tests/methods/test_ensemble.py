@@ -62,10 +62,20 @@ def test_rejects_structure_sampling_members():
 
 @pytest.mark.slow
 def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
-    tiny_member = [o.replace("model.", "model.member.", 1) for o in TINY if o.startswith("model.")
-                   and not o.startswith(("model.train_samples", "model.prediction.n_samples", "model.prediction.samples_per_forward"))]
-    common = ["data=digits", "data.batch_size=128", "trainer.max_epochs=1",
-              *[o for o in TINY if not o.startswith("model.")]]
+    tiny_member = [
+        o.replace("model.", "model.member.", 1)
+        for o in TINY
+        if o.startswith("model.")
+        and not o.startswith(
+            ("model.train_samples", "model.prediction.n_samples", "model.prediction.samples_per_forward")
+        )
+    ]
+    common = [
+        "data=digits",
+        "data.batch_size=128",
+        "trainer.max_epochs=1",
+        *[o for o in TINY if not o.startswith("model.")],
+    ]
     job = tmp_path / "ensemble"
     metrics = train(compose_config("train", ["model=deep_ensemble", "model.size=2", *tiny_member, *common], job), job)
     assert set(metrics) >= {"test/error", "test/nll", "test/brier", "test/ece"}
@@ -76,7 +86,8 @@ def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
         assert saved["nll"].mean(1) == pytest.approx([r["calibrated_nll"] for r in rows], rel=1e-5)
     record = json.loads((job / "metrics.json").read_text())
     assert record["cost"]["n_samples"] == 2 and rows[-1]["calibrated_nll"] == pytest.approx(
-        record["metrics"]["test/calibrated/nll"], abs=0.05)  # the same ensemble, calibrated on the other halves
+        record["metrics"]["test/calibrated/nll"], abs=0.05
+    )  # the same ensemble, calibrated on the other halves
 
     runs = []
     for seed in (1, 2):
@@ -84,8 +95,11 @@ def test_trains_in_one_job_and_gathers_finished_runs(tmp_path):
         train(compose_config("train", ["model=map_fixed", *tiny_for("map_fixed"), *common, f"seed={seed}"], run), run)
         runs.append(run / "checkpoints" / "last.ckpt")
     eval_dir = tmp_path / "gathered"
-    cfg = compose_config("evaluate", [f"ckpt_path=[{runs[0]},{runs[1]}]", "trainer.accelerator=cpu",
-                                      "trainer.enable_progress_bar=false"], eval_dir)
+    cfg = compose_config(
+        "evaluate",
+        [f"ckpt_path=[{runs[0]},{runs[1]}]", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"],
+        eval_dir,
+    )
     gathered = evaluate(cfg, eval_dir)
     singles = [json.loads((r.parents[1] / "metrics.json").read_text())["metrics"]["test/nll"] for r in runs]
     record = json.loads((eval_dir / "metrics.json").read_text())

@@ -19,8 +19,16 @@ from tests.support.steputil import assert_same, prediction, step_state
 
 #: the methods of the cell network, with the overrides that put them on it
 METHODS = {
-    "dbsn": [], "fbn": [], "map": [], "map_fixed": [], "mc_dropout": [], "bbb": [], "deep_ensemble": ["model.size=2"],
-    "vogn": [], "vogn_fbn": [], "batch_ensemble": ["model/net=structure_net"],
+    "dbsn": [],
+    "fbn": [],
+    "map": [],
+    "map_fixed": [],
+    "mc_dropout": [],
+    "bbb": [],
+    "deep_ensemble": ["model.size=2"],
+    "vogn": [],
+    "vogn_fbn": [],
+    "batch_ensemble": ["model/net=structure_net"],
     "packed_ensemble": ["model/net=structure_net", "model.min_channels_per_group=1"],
     "mimo": ["model/net=structure_net"],
 }
@@ -43,13 +51,15 @@ def _build(model: str, cell: str, tmp_path, chunk: int | None = None):
 def _as_per_edge(reference, fused, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`step_state` of the fused method renamed as the per-edge method holds it."""
     converted = fused.state_dict()
-    converted.update({key[len("grad/"):]: value for key, value in state.items() if key.startswith("grad/")})
+    converted.update({key[len("grad/") :]: value for key, value in state.items() if key.startswith("grad/")})
     converted.update({key: value for key, value in state.items() if key in converted})
     twin = copy.deepcopy(reference)
     twin.load_state_dict(converted)
     named = dict(twin.state_dict())
-    return {key: state["loss"] if key == "loss" else named[key[len("grad/"):] if key.startswith("grad/") else key]
-            for key in _reference_keys(reference, state)}
+    return {
+        key: state["loss"] if key == "loss" else named[key[len("grad/") :] if key.startswith("grad/") else key]
+        for key in _reference_keys(reference, state)
+    }
 
 
 def _reference_keys(reference, fused_state):
@@ -65,7 +75,10 @@ def test_every_method_steps_and_predicts_the_same_with_the_fused_cell(model, tmp
     fuses = model not in ("vogn", "vogn_fbn", "packed_ensemble")
     assert any(isinstance(m, FusedCell) for m in fused.modules()) == fuses
     generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64), torch.randint(0, 5, (6,), generator=generator)
+    x, y = (
+        torch.randn(6, 3, 16, 16, generator=generator, dtype=torch.float64),
+        torch.randint(0, 5, (6,), generator=generator),
+    )
     expected = step_state(reference, x, y)
     actual = _as_per_edge(reference, fused, step_state(fused, x, y))
     expected = {k: v for k, v in expected.items() if k in actual}
@@ -81,6 +94,7 @@ def test_dbsn_in_chunks_of_structures_is_the_same_with_the_fused_cell(chunk, tmp
     fused = _build("dbsn", "fused", tmp_path, chunk)
     fused.load_state_dict(reference.state_dict())
     x, y = torch.randn(6, 3, 16, 16, dtype=torch.float64), torch.randint(0, 5, (6,))
-    kinds = assert_same(step_state(reference, x, y), _as_per_edge(reference, fused, step_state(fused, x, y)),
-                        rtol=1e-9, atol=1e-11)
+    kinds = assert_same(
+        step_state(reference, x, y), _as_per_edge(reference, fused, step_state(fused, x, y)), rtol=1e-9, atol=1e-11
+    )
     assert kinds["theta gradient"] == 1

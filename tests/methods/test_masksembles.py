@@ -74,8 +74,10 @@ def test_masks_of_ones_give_the_plain_network_in_outputs_and_gradients(name):
     assert grads.keys() == dict(plain.named_parameters()).keys()
     for key, p in plain.named_parameters():
         torch.testing.assert_close(grads[key], p.grad, rtol=1e-8, atol=1e-12, msg=key)
-    norms = [[m for m in method.net.modules() if isinstance(m, nn.BatchNorm2d) and m.track_running_stats]
-             for method in (ensemble, plain)]
+    norms = [
+        [m for m in method.net.modules() if isinstance(m, nn.BatchNorm2d) and m.track_running_stats]
+        for method in (ensemble, plain)
+    ]
     assert len(norms[0]) == len(norms[1]) > 0
     for a, b in zip(*norms):  # the running statistics moved as the plain network's
         torch.testing.assert_close(a.running_mean, b.running_mean, rtol=1e-10, atol=1e-12)
@@ -96,9 +98,10 @@ def test_member_m_is_the_network_under_its_own_masks_alone(name):
             alone = copy.deepcopy(ensemble)
             alone.size = 1
             for layer in masked_layers(alone.net):
-                layer.masks = layer.masks[m:m + 1].clone()
-            torch.testing.assert_close(alone.stochastic_forward(x, 1)[0].log_softmax(-1), members[m],
-                                       rtol=1e-5, atol=1e-6)
+                layer.masks = layer.masks[m : m + 1].clone()
+            torch.testing.assert_close(
+                alone.stochastic_forward(x, 1)[0].log_softmax(-1), members[m], rtol=1e-5, atol=1e-6
+            )
     assert not torch.allclose(members[0], members[1])  # different masks: different members
 
 
@@ -130,7 +133,9 @@ def test_members_are_fixed_at_every_call_and_by_the_checkpoint():
 def test_the_optimiser_follows_torch_uncertainty(tmp_path):
     """tu resnet18/masked.yaml: lr 0.05, momentum 0.9, wd 5e-4 on every weight, no clipping, x 0.1 at 1/3 and
     2/3 of training; M = 4, scale 2; the masks are buffers, not parameters."""
-    method, optimizers, schedules = configured_optimizers(compose_config("train", ["model=masksembles"], tmp_path).model)
+    method, optimizers, schedules = configured_optimizers(
+        compose_config("train", ["model=masksembles"], tmp_path).model
+    )
     sgd = optimizers[0]
     assert (method.size, method.scale) == (4, 2.0) and method.optim.grad_clip_norm is None
     assert {(g["lr"], g["weight_decay"]) for g in sgd.param_groups} == {(0.05, 5e-4)}
@@ -138,11 +143,24 @@ def test_the_optimiser_follows_torch_uncertainty(tmp_path):
     assert sum(p.numel() for p in method.parameters()) == 11_173_962  # ResNet-18's: the masks add no parameter
 
 
-COMMON = ["model=masksembles", "data=digits", "data.batch_size=16", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-          "model.size=2", "test=false", *[o for o in TINY if not o.startswith("model.")]]
+COMMON = [
+    "model=masksembles",
+    "data=digits",
+    "data.batch_size=16",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "model.size=2",
+    "test=false",
+    *[o for o in TINY if not o.startswith("model.")],
+]
 NET_OVERRIDES = {
-    "structure_net": ["model/net=structure_net", "model.net.num_nodes=3", "model.net.cells_per_stage=1",
-                      "model.net.growth=10", "model.net.stem_channels=16"],
+    "structure_net": [
+        "model/net=structure_net",
+        "model.net.num_nodes=3",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=10",
+        "model.net.stem_channels=16",
+    ],
     "resnet18": ["model/net=resnet18", "model.net.width=10"],
 }
 
@@ -162,7 +180,9 @@ def test_trains_and_predicts_on_digits(net, tmp_path):
     for key, layer in ((k, m) for k, m in method.net.named_modules() if m in masked_layers(method.net)):
         assert torch.equal(layer.masks, checkpoint["state_dict"][f"net.{key}.masks"])
     images = digits_splits()[1][0][:8].float() / 255
-    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[:, None, None]
+    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[
+        :, None, None
+    ]
     with torch.no_grad():
         members = method.predict_members(x)
     assert members.shape == (2, 8, 10) and torch.isfinite(members).all() and (members[0] - members[1]).abs().max() > 0
@@ -175,8 +195,14 @@ def test_the_evaluation_suite_runs_on_it(tmp_path):
     from dbsn.runtime.run import train
 
     run = tmp_path / "run"
-    train(compose_config("train", [*COMMON, *NET_OVERRIDES["resnet18"], "data.train_subset=200",
-                                   "trainer.limit_train_batches=3"], run), run)
+    train(
+        compose_config(
+            "train",
+            [*COMMON, *NET_OVERRIDES["resnet18"], "data.train_subset=200", "trainer.limit_train_batches=3"],
+            run,
+        ),
+        run,
+    )
     evaluate_the_whole_suite(run / "checkpoints" / "last.ckpt", tmp_path / "eval", tmp_path)
 
 
@@ -189,19 +215,32 @@ def test_the_registry_compare_and_the_field_know_it(tmp_path):
     assert entry.cls is Masksembles and entry.fixed_members and entry.networks == "any" and entry.sgd
     assert "masksembles" in compared_methods() and "masksembles" in REPORT_ORDER
     for backbone in ("structure_net", "resnet18"):  # the fair protocol on the cell network and on a backbone
-        cfg = compose_config("train", [*method_overrides("masksembles", 10, 21, backbone=backbone), *shared_overrides()],
-                             tmp_path)
+        cfg = compose_config(
+            "train", [*method_overrides("masksembles", 10, 21, backbone=backbone), *shared_overrides()], tmp_path
+        )
         validate_config(cfg)
         assert list(cfg.model.optim.milestones) == [0.5, 0.75] and cfg.model.optim.lr == 0.05 and cfg.model.scale == 2.0
         torch.manual_seed(0)
         from dbsn.runtime.build import build_model
 
         assert isinstance(build_model(cfg.model, num_classes=10), Masksembles)
-    result = run_python(ROOT / "train.py", "experiment=cifar10_field", "field=resnet18/masksembles", "seed=1", "--cfg", "job",
-                        cwd=tmp_path, timeout=120)  # the field's job through train.py's command line
+    result = run_python(
+        ROOT / "train.py",
+        "experiment=cifar10_field",
+        "field=resnet18/masksembles",
+        "seed=1",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+        timeout=120,
+    )  # the field's job through train.py's command line
     assert "_target_: dbsn.methods.Masksembles" in result.stdout and "_target_: dbsn.nets.ResNet18" in result.stdout
     assert "seed: 1" in result.stdout
     for backbone, net in (("wrn28_10", "WideResNet"), ("structure_net", "StructureNet")):  # the other jobs, composed
         cfg = compose_config("train", ["experiment=cifar10_field", f"field={backbone}/masksembles", "seed=1"], tmp_path)
         validate_config(cfg)
-        assert (cfg.model._target_, cfg.model.net._target_, cfg.seed) == ("dbsn.methods.Masksembles", f"dbsn.nets.{net}", 1)
+        assert (cfg.model._target_, cfg.model.net._target_, cfg.seed) == (
+            "dbsn.methods.Masksembles",
+            f"dbsn.nets.{net}",
+            1,
+        )

@@ -8,8 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbsn.methods import (DBSN, DDU, MAP, MIMO, SNGP, BatchEnsemble, DeepEnsemble, Masksembles, MCDropoutWeights,
-                          PackedEnsemble, Prediction, Rank1BNN)
+from dbsn.methods import (
+    DBSN,
+    DDU,
+    MAP,
+    MIMO,
+    SNGP,
+    BatchEnsemble,
+    DeepEnsemble,
+    Masksembles,
+    MCDropoutWeights,
+    PackedEnsemble,
+    Prediction,
+    Rank1BNN,
+)
 from dbsn.nets import ResNet18
 from dbsn.testing import check_method
 from tests.support.netutil import tiny_structure_net
@@ -17,17 +29,26 @@ from tests.support.netutil import tiny_structure_net
 METHODS = {
     "map_fixed": lambda: MAP(tiny_structure_net(), learn_structure=False, dataset_size=10),
     "dbsn": lambda: DBSN(tiny_structure_net(), dataset_size=10, prediction=Prediction(n_samples=3)),
-    "mc_dropout": lambda: MAP(tiny_structure_net(), learn_structure=False, dataset_size=10,
-                              weights=MCDropoutWeights(p=0.3), prediction=Prediction(n_samples=3)),
-    "deep_ensemble": lambda: DeepEnsemble([MAP(tiny_structure_net(), learn_structure=False, dataset_size=10)
-                                           for _ in range(2)]),
+    "mc_dropout": lambda: MAP(
+        tiny_structure_net(),
+        learn_structure=False,
+        dataset_size=10,
+        weights=MCDropoutWeights(p=0.3),
+        prediction=Prediction(n_samples=3),
+    ),
+    "deep_ensemble": lambda: DeepEnsemble(
+        [MAP(tiny_structure_net(), learn_structure=False, dataset_size=10) for _ in range(2)]
+    ),
     "batch_ensemble": lambda: BatchEnsemble(tiny_structure_net(), size=3, learn_structure=False, dataset_size=10),
-    "packed_ensemble": lambda: PackedEnsemble(ResNet18(10, width=8), size=2, alpha=2, gamma=1, learn_structure=False,
-                                              dataset_size=10),
+    "packed_ensemble": lambda: PackedEnsemble(
+        ResNet18(10, width=8), size=2, alpha=2, gamma=1, learn_structure=False, dataset_size=10
+    ),
     "mimo": lambda: MIMO(tiny_structure_net(), size=3, learn_structure=False, dataset_size=10),
     "rank1_bnn": lambda: Rank1BNN(ResNet18(10, width=8), size=2, dataset_size=10, prediction=Prediction(4, 2, 3)),
     "ddu": lambda: DDU(ResNet18(10, width=8), dataset_size=10),
-    "masksembles": lambda: Masksembles(ResNet18(10, width=16), size=3, dataset_size=10),  # 10 channels: the masks' minimum
+    "masksembles": lambda: Masksembles(
+        ResNet18(10, width=16), size=3, dataset_size=10
+    ),  # 10 channels: the masks' minimum
 }
 
 

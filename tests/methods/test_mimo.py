@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dbsn.methods import MIMO
-from dbsn.nets import Backbone, StructureNet, VGG16BN
+from dbsn.nets import VGG16BN, Backbone, StructureNet
 from dbsn.nets.mimo import mimo, stem_of
 from dbsn.nets.resnet import ResNet18
 from dbsn.nets.wideresnet import WideResNet
@@ -41,15 +41,17 @@ def block_diagonal(net: Subnets) -> Subnets:
             feats = slice(m * WIDTH, (m + 1) * WIDTH)
             for k in range(M):
                 if k != m:
-                    net.stem.weight[feats, 3 * k:3 * (k + 1)] = 0.0
-                    net.classifier.weight[m * CLASSES:(m + 1) * CLASSES, k * WIDTH:(k + 1) * WIDTH] = 0.0
+                    net.stem.weight[feats, 3 * k : 3 * (k + 1)] = 0.0
+                    net.classifier.weight[m * CLASSES : (m + 1) * CLASSES, k * WIDTH : (k + 1) * WIDTH] = 0.0
     return net
 
 
 def subnet(net: Subnets, m: int, x: Tensor) -> Tensor:
     """Member m's logits on plain images x (b, 3, H, W), from its blocks of the weights alone."""
     feats = slice(m * WIDTH, (m + 1) * WIDTH)
-    h = torch.tanh(F.conv2d(x, net.stem.weight[feats, 3 * m:3 * (m + 1)], net.stem.bias[feats], padding=1)).mean((2, 3))
+    h = torch.tanh(F.conv2d(x, net.stem.weight[feats, 3 * m : 3 * (m + 1)], net.stem.bias[feats], padding=1)).mean(
+        (2, 3)
+    )
     rows = slice(m * CLASSES, (m + 1) * CLASSES)
     return F.linear(h, net.classifier.weight[rows, feats], net.classifier.bias[rows])
 
@@ -108,7 +110,7 @@ def test_rho_one_gives_every_member_the_same_image():
     method = subnets_method(batch_repetitions=1, input_repetition=1.0)
     x, y = torch.randn(CLASSES, 3, 6, 6), torch.arange(CLASSES)
     inputs, targets = method.mimo_batch(x, y)
-    assert all(torch.equal(inputs[:, 3 * m:3 * (m + 1)], inputs[:, :3]) for m in range(M))
+    assert all(torch.equal(inputs[:, 3 * m : 3 * (m + 1)], inputs[:, :3]) for m in range(M))
     assert torch.equal(inputs[:, :3], x[targets[::M]])
 
 
@@ -151,7 +153,9 @@ def test_transform_widens_the_stem_and_the_classifier(name):
     before = sum(p.numel() for p in net.parameters())
     mimo(net, M)
     wide = net.get_submodule(path)
-    assert stem_of(net)[2] is wide and wide.in_channels == M * stem.in_channels and wide.out_channels == stem.out_channels
+    assert (
+        stem_of(net)[2] is wide and wide.in_channels == M * stem.in_channels and wide.out_channels == stem.out_channels
+    )
     assert (wide.kernel_size, wide.stride, wide.padding) == (stem.kernel_size, stem.stride, stem.padding)
     assert net.classifier.out_features == M * head.out_features and net.num_classes == 10
     extra = (M - 1) * (stem.weight.numel() + head.weight.numel() + head.out_features)
@@ -175,11 +179,23 @@ def test_refuses_a_network_without_classifier():
 def _train_on_digits(tmp_path, *extra):
     from dbsn.runtime.run import train
 
-    overrides = ["model=mimo", *extra, "data=digits", "data.batch_size=8", "data.eval_batch_size=64",
-                 "model.batch_repetitions=2", "model.prediction.samples_per_forward=2", "trainer.accelerator=cpu",
-                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "trainer.max_epochs=1",
-                 "trainer.limit_train_batches=2", "trainer.limit_test_batches=1", "statistics.resamples=20",
-                 "callbacks.structure_posterior=null"]
+    overrides = [
+        "model=mimo",
+        *extra,
+        "data=digits",
+        "data.batch_size=8",
+        "data.eval_batch_size=64",
+        "model.batch_repetitions=2",
+        "model.prediction.samples_per_forward=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_test_batches=1",
+        "statistics.resamples=20",
+        "callbacks.structure_posterior=null",
+    ]
     cfg = compose_config("train", overrides, tmp_path)
     metrics = train(cfg, tmp_path)
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -192,8 +208,14 @@ def _train_on_digits(tmp_path, *extra):
 
 def test_trains_two_steps_and_predicts_on_digits_on_the_cell_network(tmp_path):
     """Through train.py's path: two steps, the test pass and the evaluations, with M members."""
-    _, metrics = _train_on_digits(tmp_path, "model/net=structure_net", "model.net.num_nodes=4",
-                                  "model.net.cells_per_stage=1", "model.net.growth=4", "model.net.stem_channels=8")
+    _, metrics = _train_on_digits(
+        tmp_path,
+        "model/net=structure_net",
+        "model.net.num_nodes=4",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+    )
     assert all(math.isfinite(v) for v in metrics.values()) and "test/nll" in metrics
 
 

@@ -31,8 +31,15 @@ def cifar_root(cifar10_files):
 
 
 def _overrides(method: str, root: Path, epochs: int) -> list[str]:
-    return [f"model={method}", "data=cifar10", f"data.root={root}", "data.batch_size=16", "data.num_workers=0",
-            *tiny_for(method), f"trainer.max_epochs={epochs}"]
+    return [
+        f"model={method}",
+        "data=cifar10",
+        f"data.root={root}",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        *tiny_for(method),
+        f"trainer.max_epochs={epochs}",
+    ]
 
 
 def _train_keeping_model(overrides: list[str], run_dir: Path, monkeypatch) -> tuple[dict, object]:
@@ -67,7 +74,9 @@ def _draw_statistics(method, draws: int = 100) -> torch.Tensor:
         drawn = method.sample_parameters()
         if isinstance(method, NEKFACMethod):
             z, b = [], method.posterior
-            layers = [(n, m) for n, m in method.net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+            layers = [
+                (n, m) for n, m in method.net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+            ]
             for i, (name, layer) in enumerate(layers):
                 delta = _as_matrix(layer, drawn[f"{name}.weight"] - layer.weight, drawn[f"{name}.bias"] - layer.bias)
                 u_a, u_s, sigma = getattr(b, f"U_A_{i}"), getattr(b, f"U_S_{i}"), getattr(b, f"sigma_{i}")
@@ -84,7 +93,11 @@ def _draw_statistics(method, draws: int = 100) -> torch.Tensor:
 def test_method_trains_and_evaluates_from_its_checkpoint(method, cifar_root, tmp_path, monkeypatch):
     run_dir, eval_dir = tmp_path / "run", tmp_path / "eval"
     val_size = 16 if method == "vogn_fbn" else 0  # validation (S = val_samples) during training, once
-    overrides = [*_overrides(method, cifar_root, epochs=2), f"data.val_size={val_size}", "model.prediction.val_samples=2"]
+    overrides = [
+        *_overrides(method, cifar_root, epochs=2),
+        f"data.val_size={val_size}",
+        "model.prediction.val_samples=2",
+    ]
     # N = 112 images would leave the posteriors near the prior (VOGN: σ² ≈ τ / (N γ)), and the paper's VOGN
     # lr 0.01 / (s + γ) moves weights with little curvature by O(1) per step: the network saturates (NLL in
     # the thousands, every member one-hot on one class, no disagreement left to measure). CIFAR's N, and
@@ -196,18 +209,36 @@ def test_experiment_configs_compose_and_validate(tmp_path):
         method = dbsn.runtime.build.build_model(cfg.model, num_classes=10)
         assert dbsn.runtime.build.count_parameters(method) == pytest.approx(41_000, rel=0.05)
         if model != "dbsn":
-            assert method.vogn == {"lr": 0.01, "prior_variance": 1.0, "init_precision": 0.008, "kl_warmup_start": 0.01,
-                                   "kl_warmup_steps": 1000, "tau": 1.0, "augmentation_factor": 1.0, "damping": 0.001,
-                                   "momentum": 0.9, "beta2": 0.999, "draws_per_step": 1}
+            assert method.vogn == {
+                "lr": 0.01,
+                "prior_variance": 1.0,
+                "init_precision": 0.008,
+                "kl_warmup_start": 0.01,
+                "kl_warmup_steps": 1000,
+                "tau": 1.0,
+                "augmentation_factor": 1.0,
+                "damping": 0.001,
+                "momentum": 0.9,
+                "beta2": 0.999,
+                "draws_per_step": 1,
+            }
             assert method.n_samples == 100
 
     for data, classes in (("cifar10", 10), ("cifar100", 100)):
         cfg = compose_config("train", [f"experiment=nekfac_{data}"], tmp_path)
         validate_config(cfg)
         assert (cfg.data.batch_size, cfg.trainer.max_epochs, cfg.model.prediction.n_samples) == (128, 150, 30)
-        assert dict(cfg.model.nekfac) == {"lr": 0.01, "kl_weight": 0.1, "prior_var": 1.0, "damping": 0.001,
-                                          "kl_clip": 0.001, "momentum": 0.9, "cov_update_every": 10,
-                                          "eigen_update_every": 200, "stat_decay": 0.99}
+        assert dict(cfg.model.nekfac) == {
+            "lr": 0.01,
+            "kl_weight": 0.1,
+            "prior_var": 1.0,
+            "damping": 0.001,
+            "kl_clip": 0.001,
+            "momentum": 0.9,
+            "cov_update_every": 10,
+            "eigen_update_every": 200,
+            "stat_decay": 0.99,
+        }
         assert list(cfg.model.lr_milestones) == [0.5, 0.75] and cfg.model.lr_gamma == 0.1
         assert cfg.data._target_.endswith("CIFAR10DataModule" if data == "cifar10" else "CIFAR100DataModule")
         assert cfg.model.net._target_ == "dbsn.nets.VGG16BN" and cfg.model.net.width == 1.0

@@ -25,8 +25,11 @@ from tests.support.fakedata import normalised_digits
 from tests.support.netutil import set_random_affine, soft_alpha, tiny_structure_net
 from tests.support.steputil import assert_same, prediction, step_state
 
-TINY = {"resnet18": lambda: ResNet18(10, width=4), "vgg16_bn": lambda: VGG16BN(10, width=0.25),
-        "structure_net": tiny_structure_net}
+TINY = {
+    "resnet18": lambda: ResNet18(10, width=4),
+    "vgg16_bn": lambda: VGG16BN(10, width=0.25),
+    "structure_net": tiny_structure_net,
+}
 
 
 def _structure(net, groups: int = 1) -> torch.Tensor:
@@ -82,6 +85,7 @@ def test_packed_resnet18_and_wrn28_10_have_the_authors_parameter_counts():
     num_estimators=4) with 8,175,784 parameters and packed_wideresnet28x10(style="cifar",
     conv_bias=False) with 19,352,008: γ = 2 only where a group keeps 64 input channels, never in
     a ResNet block's first convolution; the head 1024 -> 40 in 4 groups."""
+
     def count(net: nn.Module) -> int:
         return sum(p.numel() for p in net.parameters())
 
@@ -97,8 +101,10 @@ def test_packed_resnet18_and_wrn28_10_have_the_authors_parameter_counts():
 
 def test_what_the_members_cannot_share_is_refused_in_one_line():
     cases = [
-        (lambda: pack(ResNet18(10, width=4), 1, 1, 3),
-         "conv1 has 4 channels, and alpha = 1 times that (4) is not a whole number divisible by the M = 3 members"),
+        (
+            lambda: pack(ResNet18(10, width=4), 1, 1, 3),
+            "conv1 has 4 channels, and alpha = 1 times that (4) is not a whole number divisible by the M = 3 members",
+        ),
         (lambda: pack(ResNet18(10, width=4), 1.3, 1, 1), "alpha = 1.3 times that (5.2)"),
         (lambda: pack(nn.Sequential(nn.Conv2d(3, 4, 3)), 2, 1, 2), "needs the network's head `classifier`"),
         (lambda: pack(_WithGroupNorm(), 2, 1, 2), "norm of _WithGroupNorm is a GroupNorm"),
@@ -122,16 +128,25 @@ def digits():
 
 
 NETS = {  # widths that α = 2 and M = 4 divide; cells: num_nodes=4, cells_per_stage=1
-    "structure_net": ["model/net=structure_net", "model.net.num_nodes=4", "model.net.cells_per_stage=1",
-                      "model.net.growth=4", "model.net.stem_channels=8", "model.net.compression=0.5"],
+    "structure_net": [
+        "model/net=structure_net",
+        "model.net.num_nodes=4",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+        "model.net.compression=0.5",
+    ],
     "resnet18": ["model/net=resnet18", "model.net.width=4"],
 }
 
 
 @pytest.mark.parametrize("net", list(NETS))
 def test_trains_two_steps_and_predicts_its_members_on_digits(net, digits, tmp_path):
-    cfg = compose_config("train", ["data=digits", "trainer.accelerator=cpu", "model=packed_ensemble", *NETS[net],
-                                   "model.dataset_size=32"], tmp_path)
+    cfg = compose_config(
+        "train",
+        ["data=digits", "trainer.accelerator=cpu", "model=packed_ensemble", *NETS[net], "model.dataset_size=32"],
+        tmp_path,
+    )
     validate_config(cfg)
     torch.manual_seed(0)
     method = build_model(cfg.model, num_classes=10)
@@ -142,11 +157,19 @@ def test_trains_two_steps_and_predicts_its_members_on_digits(net, digits, tmp_pa
     method.train()
     logits = method.net(x[:8], method.prediction_structures(1)[:1])  # (b, M·C): member m's at columns m·C ...
     out = method.training_loss(x[:8], y[:8])  # rows i·M + m; the members' mean NLL
-    members_nll = [F.cross_entropy(logits[:, 10 * m:10 * (m + 1)], y[:8]) for m in range(4)]
+    members_nll = [F.cross_entropy(logits[:, 10 * m : 10 * (m + 1)], y[:8]) for m in range(4)]
     torch.testing.assert_close(out["nll"], torch.stack(members_nll).mean(), rtol=1e-5, atol=1e-6)
 
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(method, DataLoader(TensorDataset(x, y), batch_size=16))
     assert trainer.global_step == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, method.parameters()))

@@ -21,7 +21,7 @@ def _fixed_members(members: torch.Tensor):
     def forward(x, n, first):
         assert state["next"] in (None, first), (state["next"], first)
         state["next"] = first + n
-        return members[first:first + n]
+        return members[first : first + n]
 
     return forward
 
@@ -74,6 +74,7 @@ def test_rejects_bad_sizes():
 
 
 # ---------------------------------------------------------------------- mixed precision: a float32 island (dbsn.precision)
+
 
 def test_bayes_ensemble_averages_in_float32_under_autocast():
     torch.manual_seed(0)

@@ -18,7 +18,14 @@ from dbsn.methods import MAP, BatchEnsemble, Prediction, Rank1BNN
 from dbsn.nets import StructureNet
 from dbsn.nets.batch_ensemble import fast_parameters, member_biases
 from dbsn.nets.rank1 import rank1_layers, scale_parameters
-from tests.support.configs import ROOT, TINY, compose_config, configured_optimizers, evaluate_quietly, evaluate_the_whole_suite
+from tests.support.configs import (
+    ROOT,
+    TINY,
+    compose_config,
+    configured_optimizers,
+    evaluate_quietly,
+    evaluate_the_whole_suite,
+)
 from tests.support.netutil import set_random_affine
 from tests.support.scripts import run_python
 
@@ -130,8 +137,13 @@ def test_vanishing_scales_give_the_batch_ensemble_of_the_same_fast_weights(name)
 
 
 def _normal_kl_sum(loc, scale, mean=1.0, stddev=0.1) -> float:
-    return torch.distributions.kl_divergence(torch.distributions.Normal(loc, scale),
-                                             torch.distributions.Normal(mean, stddev)).sum().item()
+    return (
+        torch.distributions.kl_divergence(
+            torch.distributions.Normal(loc, scale), torch.distributions.Normal(mean, stddev)
+        )
+        .sum()
+        .item()
+    )
 
 
 def test_the_loss_is_the_nll_plus_the_annealed_closed_form_kl_over_n():
@@ -139,8 +151,11 @@ def test_the_loss_is_the_nll_plus_the_annealed_closed_form_kl_over_n():
     rises with the optimiser steps as (step + 1) / (kl_annealing · epochs · steps per epoch) to 1."""
     torch.manual_seed(0)
     bnn = Rank1BNN(_structure_net(), size=M, dataset_size=50, learn_structure=False)
-    expected = sum(_normal_kl_sum(loc, scale) for layer in rank1_layers(bnn.net)
-                   for loc, scale in zip((layer.r.detach(), layer.s.detach()), layer.scales()))
+    expected = sum(
+        _normal_kl_sum(loc, scale)
+        for layer in rank1_layers(bnn.net)
+        for loc, scale in zip((layer.r.detach(), layer.s.detach()), layer.scales())
+    )
     assert bnn.kl().item() == pytest.approx(expected, rel=1e-5)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     out = bnn.training_loss(x, y)  # outside a trainer (a step timed alone): the whole KL
@@ -169,8 +184,9 @@ def test_the_optimiser_follows_the_authors_groups(tmp_path):
     assert kinds.keys() == {(0.1, 2e-4), (0.1, 0.0)} and kinds[0.1, 0.0] == factors
     assert {id(method.net.classifier.bias)} <= kinds[0.1, 2e-4]
     assert sorted(schedules[0].milestones) == [2, 3, 4] and schedules[0].gamma == 0.2  # of max_epochs = 4
-    halved = configured_optimizers(compose_config("train", [*overrides, "model.fast_weight_lr_multiplier=0.5"],
-                                                  tmp_path).model)[1][0]
+    halved = configured_optimizers(
+        compose_config("train", [*overrides, "model.fast_weight_lr_multiplier=0.5"], tmp_path).model
+    )[1][0]
     kinds = {(g["lr"], g["weight_decay"]): {id(p) for p in g["params"]} for g in halved.param_groups}
     assert kinds.keys() == {(0.1, 2e-4), (0.05, 0.0)} and len(kinds[0.05, 0.0]) == len(factors)
 
@@ -220,12 +236,26 @@ def test_held_members_are_one_network_each_while_held():
     assert not torch.allclose(after, first)  # fresh draws outside
 
 
-COMMON = ["model=rank1_bnn", "data=digits", "data.batch_size=16", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-          "model.size=2", "model.prediction.n_samples=4", "model.prediction.val_samples=2", "test=false",
-          *[o for o in TINY if not o.startswith("model.")]]
+COMMON = [
+    "model=rank1_bnn",
+    "data=digits",
+    "data.batch_size=16",
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2",
+    "model.size=2",
+    "model.prediction.n_samples=4",
+    "model.prediction.val_samples=2",
+    "test=false",
+    *[o for o in TINY if not o.startswith("model.")],
+]
 NET_OVERRIDES = {
-    "structure_net": ["model/net=structure_net", "model.net.num_nodes=3", "model.net.cells_per_stage=1",
-                      "model.net.growth=4", "model.net.stem_channels=8"],
+    "structure_net": [
+        "model/net=structure_net",
+        "model.net.num_nodes=3",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+    ],
     "resnet18": ["model/net=resnet18", "model.net.width=4"],
 }
 
@@ -243,7 +273,9 @@ def test_trains_and_predicts_on_digits(net, tmp_path):
     method = load_method(tmp_path / "checkpoints" / "last.ckpt", num_classes=10).eval()
     assert isinstance(method, Rank1BNN) and method.steps.item() == 2 and method.n_samples == 4
     images = digits_splits()[1][0][:8].float() / 255
-    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[:, None, None]
+    x = (images - torch.tensor(DigitsDataModule.mean)[:, None, None]) / torch.tensor(DigitsDataModule.std)[
+        :, None, None
+    ]
     with torch.no_grad():
         members = method.predict_members(x)
     assert members.shape == (4, 8, 10) and torch.isfinite(members).all() and (members[0] - members[2]).abs().max() > 0
@@ -261,8 +293,14 @@ def test_the_evaluation_suite_runs_on_it(tmp_path):
     from dbsn.runtime.run import train
 
     run = tmp_path / "run"
-    train(compose_config("train", [*COMMON, *NET_OVERRIDES["resnet18"], "data.train_subset=200",
-                                   "trainer.limit_train_batches=3"], run), run)
+    train(
+        compose_config(
+            "train",
+            [*COMMON, *NET_OVERRIDES["resnet18"], "data.train_subset=200", "trainer.limit_train_batches=3"],
+            run,
+        ),
+        run,
+    )
     evaluate_the_whole_suite(run / "checkpoints" / "last.ckpt", tmp_path / "eval", tmp_path)
 
 
@@ -274,15 +312,31 @@ def test_the_registry_compare_and_the_field_know_it(tmp_path):
     entry = method_config("rank1_bnn")
     assert entry.cls is Rank1BNN and not entry.fixed_members and entry.networks == "any" and entry.sgd
     assert "rank1_bnn" in compared_methods()
-    cfg = compose_config("train", [*method_overrides("rank1_bnn", 10, 21, backbone="resnet18"), *shared_overrides()],
-                         tmp_path)
+    cfg = compose_config(
+        "train", [*method_overrides("rank1_bnn", 10, 21, backbone="resnet18"), *shared_overrides()], tmp_path
+    )
     validate_config(cfg)
     own = compose_config("train", ["model=rank1_bnn"], tmp_path).model
     assert cfg.model.prediction.n_samples == 100 and list(cfg.model.optim.milestones) == [0.5, 0.75]
-    for key in ("prior", "prior_stddev", "dropout_rate", "random_sign_init", "kl_annealing", "fast_weight_lr_multiplier"):
+    for key in (
+        "prior",
+        "prior_stddev",
+        "dropout_rate",
+        "random_sign_init",
+        "kl_annealing",
+        "fast_weight_lr_multiplier",
+    ):
         assert cfg.model[key] == own[key], key  # the fair protocol keeps its own relative settings
     assert (cfg.model.optim.lr, cfg.model.optim.weight_decay, cfg.model.optim.nesterov) == (0.1, 2e-4, True)
-    result = run_python(ROOT / "train.py", "experiment=cifar10_field", "field=resnet18/rank1_bnn", "seed=1", "--cfg", "job",
-                        cwd=tmp_path, timeout=120)
+    result = run_python(
+        ROOT / "train.py",
+        "experiment=cifar10_field",
+        "field=resnet18/rank1_bnn",
+        "seed=1",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert "_target_: dbsn.methods.Rank1BNN" in result.stdout and "_target_: dbsn.nets.ResNet18" in result.stdout
     assert "max_epochs: 75" in result.stdout and "seed: 1" in result.stdout

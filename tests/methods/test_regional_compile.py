@@ -160,20 +160,23 @@ def test_nodes_compiled_prediction_and_per_structure_statistics_equal_eager_and_
     graphs = stats["unique_graphs"]
     try:
         torch.compiler.set_stance("fail_on_recompile")
-        torch.testing.assert_close(prediction(method, x * 0.5, 4), prediction(eager, x * 0.5, 4),
-                                   rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            prediction(method, x * 0.5, 4), prediction(eager, x * 0.5, 4), rtol=1e-10, atol=1e-12
+        )
     finally:
         torch.compiler.set_stance("default")
     batches = [x, x.flip(0)]
-    per_structure = [structure_statistics(lambda b, m=m: m.net(b, alpha, replicate=True), m.net, batches, 2)
-                     for m in (method, eager)]
+    per_structure = [
+        structure_statistics(lambda b, m=m: m.net(b, alpha, replicate=True), m.net, batches, 2) for m in (method, eager)
+    ]
     assert per_structure[0].keys() == per_structure[1].keys()
     for name, (mean, var) in per_structure[1].items():
         torch.testing.assert_close(per_structure[0][name][0], mean, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(per_structure[0][name][1], var, rtol=1e-10, atol=1e-12)
     with torch.no_grad(), using_statistics(method.net, per_structure[0]), using_statistics(eager.net, per_structure[1]):
-        torch.testing.assert_close(method.net(x, alpha, replicate=True), eager.net(x, alpha, replicate=True),
-                                   rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            method.net(x, alpha, replicate=True), eager.net(x, alpha, replicate=True), rtol=1e-10, atol=1e-12
+        )
     # at most one set of graphs each for prediction, collecting statistics (whatever the batch) and using them
     assert stats["unique_graphs"] <= graphs * 3
     torch._dynamo.reset()
@@ -196,8 +199,10 @@ def test_nodes_compiled_step_in_a_cuda_graph_compiles_nothing_after_the_first_wa
         opts = weights + [method.structure_optimizer().build(method.structure_parameters(), capturable=True)]
         method.attach_guard(opts)
         method.train()
-        run = GraphedStep(lambda x, y: method.step_body(x, y, opts, weights, lambda loss, last: loss.backward()),
-                          lambda: [opt.zero_grad(set_to_none=True) for opt in opts])
+        run = GraphedStep(
+            lambda x, y: method.step_body(x, y, opts, weights, lambda loss, last: loss.backward()),
+            lambda: [opt.zero_grad(set_to_none=True) for opt in opts],
+        )
         generator = torch.Generator(device="cuda").manual_seed(1)
         torch.manual_seed(2)
         losses = []

@@ -9,8 +9,15 @@ import pytest
 
 import dbsn
 from dbsn.methods import MAP
-from dbsn.methods.registry import (REPORT_ORDER, METHOD_ORDER, field_backbones, method_config, method_configs,
-                                   method_name, method_order)
+from dbsn.methods.registry import (
+    METHOD_ORDER,
+    REPORT_ORDER,
+    field_backbones,
+    method_config,
+    method_configs,
+    method_name,
+    method_order,
+)
 
 # What each method is, as the hand-kept lists the registry replaced said it (compare's METHODS,
 # STRUCTURE_SAMPLING, FIXED_MEMBERS, VOGN_METHODS' learning-rate key, the deep ensemble's members):
@@ -57,7 +64,12 @@ def test_each_method_is_what_its_class_and_config_declare():
     for m in method_configs():
         compared, structure, fixed, networks, optimizer = EXPECTED[m.name]
         assert (m.name in compared_methods(), m.samples_structure, m.fixed_members, m.networks, m.optimizer_key) == (
-            compared, structure, fixed, networks, optimizer), m.name
+            compared,
+            structure,
+            fixed,
+            networks,
+            optimizer,
+        ), m.name
         assert m.sgd == (optimizer not in ("vogn", "nekfac", "sampler")), m.name
     assert method_config("deep_ensemble").member.name == "map_fixed"  # its members' method
     assert method_config("vogn_fbn").cls.__name__ == "VOGNFBN" and method_config("vogn").cls.__name__ == "VOGNMAP"
@@ -93,7 +105,7 @@ def test_a_new_config_and_class_appear_in_compare_and_the_report_without_other_e
     conf = tmp_path / "conf"
     shutil.copytree(dbsn.CONF_DIR, conf)
     (conf / "model" / "mine.yaml").write_text(f"defaults:\n  - map\n  - _self_\n\n_target_: {__name__}.Mine\n")
-    assert method_order(conf)[len(REPORT_ORDER):] == ("dbsn_seg", "fcdensenet67", "fcdensenet67_mc_dropout", "mine")
+    assert method_order(conf)[len(REPORT_ORDER) :] == ("dbsn_seg", "fcdensenet67", "fcdensenet67_mc_dropout", "mine")
     mine = method_config("mine", conf)
     assert (mine.cls, mine.fixed_members, mine.networks) == (Mine, False, "any")  # its class's declarations
 
@@ -110,8 +122,11 @@ def test_a_new_config_and_class_appear_in_compare_and_the_report_without_other_e
     assert "model.prediction.n_samples=7" in compare.method_overrides("mine", 10, 21, n_samples=7)  # S applies
 
     runs = tmp_path / "runs"
-    for folder, model, error in (("a", {"_target_": f"{__name__}.Mine", "learn_structure": True, "weights": None}, 0.05),
-                                 ("b", {"_target_": "my.pkg.Zed"}, 0.07), ("c", {"_target_": "dbsn.methods.DBSN"}, 0.06)):
+    for folder, model, error in (
+        ("a", {"_target_": f"{__name__}.Mine", "learn_structure": True, "weights": None}, 0.05),
+        ("b", {"_target_": "my.pkg.Zed"}, 0.07),
+        ("c", {"_target_": "dbsn.methods.DBSN"}, 0.06),
+    ):
         write_run(runs / folder, model, "dbsn.data.CIFAR10DataModule", 1, error)
     build_report([runs], tmp_path / "report")
     table = (tmp_path / "report" / "table1_error.md").read_text().splitlines()[4:]

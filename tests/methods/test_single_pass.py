@@ -11,8 +11,9 @@ from dbsn.nets import ResNet18
 
 METHODS = {
     "batch_ensemble": lambda: BatchEnsemble(ResNet18(10, width=8), size=3, learn_structure=False, dataset_size=10),
-    "packed_ensemble": lambda: PackedEnsemble(ResNet18(10, width=8), size=2, alpha=2, gamma=1, learn_structure=False,
-                                              dataset_size=10),
+    "packed_ensemble": lambda: PackedEnsemble(
+        ResNet18(10, width=8), size=2, alpha=2, gamma=1, learn_structure=False, dataset_size=10
+    ),
     "mimo": lambda: MIMO(ResNet18(10, width=8), size=3, learn_structure=False, dataset_size=10),
 }
 

@@ -23,16 +23,26 @@ from dbsn.runtime.run import train
 from tests.support.configs import compose_config, evaluate_quietly
 from tests.support.steputil import prediction
 
-TINY_NETS = {"resnet18": ["model.net.width=8"], "wrn28_10": ["model.net.depth=10", "model.net.widen_factor=1"],
-             "structure_net": ["model.net.num_nodes=3", "model.net.cells_per_stage=1", "model.net.growth=4",
-                               "model.net.stem_channels=8"]}
+TINY_NETS = {
+    "resnet18": ["model.net.width=8"],
+    "wrn28_10": ["model.net.depth=10", "model.net.widen_factor=1"],
+    "structure_net": [
+        "model.net.num_nodes=3",
+        "model.net.cells_per_stage=1",
+        "model.net.growth=4",
+        "model.net.stem_channels=8",
+    ],
+}
 TINY_GP = ["model.gp.hidden_dim=64", "model.gp.input_dim=16"]
 
 
 def _sngp(net: str, *extra: str, tmp_path) -> SNGP:
     """model=sngp on the tiny `net`, built from the real config (its optimiser settings included)."""
-    cfg = compose_config("train", ["model=sngp", f"model/net={net}", *TINY_NETS[net], *TINY_GP, "data=digits",
-                                   "model.dataset_size=64", *extra], tmp_path)
+    cfg = compose_config(
+        "train",
+        ["model=sngp", f"model/net={net}", *TINY_NETS[net], *TINY_GP, "data=digits", "model.dataset_size=64", *extra],
+        tmp_path,
+    )
     torch.manual_seed(0)
     return build_model(cfg.model, num_classes=10)
 
@@ -67,6 +77,7 @@ def _digits(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- spectral normalisation
+
 
 @pytest.mark.parametrize("net", ["resnet18", "wrn28_10"])
 def test_every_hidden_layer_stays_under_the_bound_after_two_steps(net, tmp_path):
@@ -110,10 +121,16 @@ def test_a_loose_bound_leaves_the_weights_alone_and_eval_does_not_iterate():
 
 # ---------------------------------------------------------------------- the Gaussian-process layer
 
+
 def _features(gp: RandomFeatureGaussianProcess, h: torch.Tensor) -> torch.Tensor:
     """φ(h) = cos(W LayerNorm(P h) + b), from the layer's buffers, in float64."""
-    z = F.layer_norm(h.double() @ gp.projection.double().T, (gp.projection.shape[0],),
-                     gp.input_norm.weight.double(), gp.input_norm.bias.double(), eps=1e-3)
+    z = F.layer_norm(
+        h.double() @ gp.projection.double().T,
+        (gp.projection.shape[0],),
+        gp.input_norm.weight.double(),
+        gp.input_norm.bias.double(),
+        eps=1e-3,
+    )
     return torch.cos(z @ gp.feature_weight.double().T + gp.feature_bias.double())
 
 
@@ -140,8 +157,9 @@ def test_covariance_and_mean_field_logits_are_the_closed_form():
     variance = ridge * (phi_test * torch.linalg.solve(precision, phi_test.T).T).sum(-1)  # s φᵀ (s I + ΦᵀΦ)⁻¹ φ
     torch.testing.assert_close(gp.predictive_variance(phi_test.float()).double(), variance, rtol=1e-4, atol=1e-5)
     logits = phi_test @ gp.output.weight.double().T
-    torch.testing.assert_close(gp(h_test).double(), logits / torch.sqrt(1 + factor * variance)[:, None],
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        gp(h_test).double(), logits / torch.sqrt(1 + factor * variance)[:, None], rtol=1e-4, atol=1e-5
+    )
     gp.mean_field_factor = -1.0  # the MAP logits
     torch.testing.assert_close(gp(h_test).double(), logits, rtol=1e-4, atol=1e-5)
 
@@ -175,6 +193,7 @@ def test_orthogonal_random_features_are_orthogonal_in_each_block():
 
 # ---------------------------------------------------------------------- the method
 
+
 @pytest.mark.parametrize("net", ["resnet18", "structure_net"])
 def test_sngp_trains_two_steps_and_predicts_on_digits(net, tmp_path):
     method = _sngp(net, tmp_path=tmp_path)
@@ -201,26 +220,47 @@ def test_train_then_evaluate_the_checkpoint_with_the_final_epochs_covariance(tmp
     features only, and evaluate.py on it predicts exactly what the run's test pass did."""
     seen: dict[int, list] = {}
     accumulate, reset = RandomFeatureGaussianProcess.accumulate, RandomFeatureGaussianProcess.reset_precision
-    monkeypatch.setattr(RandomFeatureGaussianProcess, "accumulate",
-                        lambda self, phi: (seen.setdefault(id(self), []).append(phi.detach().clone()), accumulate(self, phi)))
-    monkeypatch.setattr(RandomFeatureGaussianProcess, "reset_precision",
-                        lambda self: (seen.setdefault(id(self), []).append("reset"), reset(self)))
+    monkeypatch.setattr(
+        RandomFeatureGaussianProcess,
+        "accumulate",
+        lambda self, phi: (seen.setdefault(id(self), []).append(phi.detach().clone()), accumulate(self, phi)),
+    )
+    monkeypatch.setattr(
+        RandomFeatureGaussianProcess,
+        "reset_precision",
+        lambda self: (seen.setdefault(id(self), []).append("reset"), reset(self)),
+    )
     run = tmp_path / "run"
-    cfg = compose_config("train", ["model=sngp", *TINY_NETS["wrn28_10"], *TINY_GP, "model.learn_structure=false",
-                                   "data=digits", "data.batch_size=32", "data.eval_batch_size=450", "statistics.resamples=100",
-                                   "trainer.max_epochs=2",
-                                   "trainer.limit_train_batches=1", "trainer.accelerator=cpu",
-                                   "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"], run)
+    cfg = compose_config(
+        "train",
+        [
+            "model=sngp",
+            *TINY_NETS["wrn28_10"],
+            *TINY_GP,
+            "model.learn_structure=false",
+            "data=digits",
+            "data.batch_size=32",
+            "data.eval_batch_size=450",
+            "statistics.resamples=100",
+            "trainer.max_epochs=2",
+            "trainer.limit_train_batches=1",
+            "trainer.accelerator=cpu",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        run,
+    )
     metrics = train(cfg, run)
     calls = next(c for c in seen.values() if c.count("reset") == 2)  # the trained network's layer
-    last_epoch = calls[len(calls) - calls[::-1].index("reset"):]
+    last_epoch = calls[len(calls) - calls[::-1].index("reset") :]
     assert len(last_epoch) == 1 and last_epoch[0].shape == (32, 64)
     state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     phi = last_epoch[0].double()
     precision = torch.eye(64, dtype=torch.float64) + phi.T @ phi
     torch.testing.assert_close(state["net.classifier.precision"].double(), precision, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(state["net.classifier.covariance"].double(), torch.linalg.inv(precision),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        state["net.classifier.covariance"].double(), torch.linalg.inv(precision), rtol=1e-4, atol=1e-5
+    )
 
     evaluated = evaluate_quietly(run / "checkpoints" / "last.ckpt", tmp_path / "eval", ["statistics.resamples=100"])
     assert evaluated["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-6)

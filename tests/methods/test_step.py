@@ -13,11 +13,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dbsn.methods.base
 import dbsn.methods.training
-from dbsn.methods import DBSN, Execution, MAP, WeightOptimizer
+from dbsn.methods import DBSN, MAP, Execution, WeightOptimizer
 from dbsn.methods.step import FiniteGuard, NonFiniteLossError
 from dbsn.nets import StructureNet
 from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.tools.bench.step import HOST_READS, OpCounter
+
 
 class _CountInSteps(pl.Callback):
     """Counts the host reads (`dbsn.tools.bench.step.HOST_READS`) within every training step,
@@ -49,8 +50,15 @@ def _dbsn(**kwargs) -> DBSN:
 
 
 def _fit(method, epochs: int = 2, callbacks=(), data=None) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(method, data or _data())
     return trainer
 
@@ -77,7 +85,7 @@ def test_the_count_sees_the_immediate_nan_check(monkeypatch):
 class _EagerGraph:
     """Stands in for `GraphedStep` on the CPU: runs the step eagerly, as a replay would run it."""
 
-    instances: list["_EagerGraph"] = []
+    instances: list[_EagerGraph] = []
 
     def __init__(self, body, zero) -> None:
         self.body, self.zero, self.calls = body, zero, 0
@@ -98,8 +106,12 @@ def test_tau_beta_and_the_learning_rate_follow_their_schedules_inside_a_graphed_
     monkeypatch.setattr(dbsn.methods.base.Method, "_graph_refusal", lambda self: None)
     _EagerGraph.instances.clear()
     tau, beta = TauSchedule(initial=3.0, decay=0.5, minimum=1.0), BetaSchedule(start=1.0, end=0.5, decay_per_epoch=0.2)
-    method = _dbsn(tau=tau, beta=beta, execution=Execution(cuda_graph=True),
-                   optim=WeightOptimizer(lr=0.1, warmup_epochs=1, milestones=(0.6,), gamma=0.5))
+    method = _dbsn(
+        tau=tau,
+        beta=beta,
+        execution=Execution(cuda_graph=True),
+        optim=WeightOptimizer(lr=0.1, warmup_epochs=1, milestones=(0.6,), gamma=0.5),
+    )
     seen = []
     sample = method.structure.sample
 
@@ -160,10 +172,17 @@ def test_the_guard_checks_every_so_many_steps_and_at_the_last_batch():
 
 
 def test_a_graph_is_refused_in_one_line_where_it_cannot_run():
-    method = MAP(StructureNet(num_classes=5, num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8),
-                 learn_structure=False, dataset_size=48, execution=Execution(cuda_graph=True))
-    with pytest.raises(ValueError, match=r"model.execution.cuda_graph=true: it captures the step on a CUDA device, "
-                                         r"and this run trains on cpu\. Set model.execution.cuda_graph=false\."):
+    method = MAP(
+        StructureNet(num_classes=5, num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8),
+        learn_structure=False,
+        dataset_size=48,
+        execution=Execution(cuda_graph=True),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.execution.cuda_graph=true: it captures the step on a CUDA device, "
+        r"and this run trains on cpu\. Set model.execution.cuda_graph=false\.",
+    ):
         _fit(method, epochs=1)
 
 

@@ -25,8 +25,11 @@ def _method(kind: str, cuda_graph: bool):
 def _steps(kind: str, graph: bool, steps: int = 8, precision: str = "fp32") -> dict[str, torch.Tensor]:
     method = _method(kind, graph)
     weights = [method.optim.build(method.weight_parameters(), 10, capturable=graph)[0]]
-    opts = weights + ([method.structure_optimizer().build(method.structure_parameters(), capturable=graph)]
-                      if method.structure_parameters() else [])
+    opts = weights + (
+        [method.structure_optimizer().build(method.structure_parameters(), capturable=graph)]
+        if method.structure_parameters()
+        else []
+    )
     method.attach_guard(opts)
     method.train()
 
@@ -36,6 +39,7 @@ def _steps(kind: str, graph: bool, steps: int = 8, precision: str = "fp32") -> d
 
     def body(x, y):
         return method.step_body(x, y, opts, weights, lambda loss, last: loss.backward())
+
     run = GraphedStep(body, zero) if graph else None
     generator = torch.Generator(device="cuda").manual_seed(1)
     torch.manual_seed(2)
@@ -78,16 +82,29 @@ def test_a_graphed_fit_through_lightning_equals_the_eager_fit(tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
 
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(60, 3, 16, 16, generator=generator), torch.randint(0, 5, (60,), generator=generator))
+    data = TensorDataset(
+        torch.randn(60, 3, 16, 16, generator=generator), torch.randint(0, 5, (60,), generator=generator)
+    )
     results = {}
     for graph in (False, True):
         method = _method("dbsn", graph)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         torch.manual_seed(3)
         trainer.fit(method, DataLoader(data, batch_size=12))
-        results[graph] = ({k: v.detach().float().cpu() for k, v in method.state_dict().items()}, trainer.global_step,
-                          float(trainer.callback_metrics["train/loss_epoch"]))
+        results[graph] = (
+            {k: v.detach().float().cpu() for k, v in method.state_dict().items()},
+            trainer.global_step,
+            float(trainer.callback_metrics["train/loss_epoch"]),
+        )
     (eager, eager_steps, eager_loss), (graphed, graphed_steps, graphed_loss) = results[False], results[True]
     assert graphed_steps == eager_steps == 2 * 5 * 2  # two optimisers, five batches, two epochs
     assert graphed_loss == pytest.approx(eager_loss, rel=1e-3)
@@ -103,8 +120,11 @@ def test_graphed_prediction_equals_the_eager_prediction(kind):
     torch.manual_seed(0)
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
     execution = Execution(cuda_graph_prediction=True)
-    graphed = (DBSN(net, train_samples=4, dataset_size=100, execution=execution) if kind == "dbsn" else
-               MAP(net, learn_structure=False, dataset_size=100, execution=execution)).cuda()
+    graphed = (
+        DBSN(net, train_samples=4, dataset_size=100, execution=execution)
+        if kind == "dbsn"
+        else MAP(net, learn_structure=False, dataset_size=100, execution=execution)
+    ).cuda()
     graphed.load_state_dict(eager.state_dict())
     for method in (eager, graphed):
         method.eval()

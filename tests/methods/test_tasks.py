@@ -31,11 +31,19 @@ def test_training_loss_is_float32_under_autocast():
 
 # ---------------------------------------------------------------------- segmentation end to end
 
-QUIET = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-         "~callbacks.progress_bar"]
+QUIET = [
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "~callbacks.progress_bar",
+]
 SMALL_NET = {
-    "fcdensenet67": ["model.net.first_channels=8", "model.net.growth=4", "model.net.layers_per_block=2",
-                     "model.net.num_down=2"],
+    "fcdensenet67": [
+        "model.net.first_channels=8",
+        "model.net.growth=4",
+        "model.net.layers_per_block=2",
+        "model.net.num_down=2",
+    ],
     "dbsn_seg": ["model.net.first_channels=8", "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2"],
 }
 SMALL_NET["fcdensenet67_mc_dropout"] = SMALL_NET["fcdensenet67"]
@@ -50,10 +58,23 @@ def camvid_root(tmp_path_factory):
 
 def _overrides(model, root):
     stochastic = model != "fcdensenet67"
-    return [f"model={model}", "data=camvid", f"data.root={root}", "data.crop_size=32", "data.batch_size=2",
-            "data.num_workers=0", "data.eval_batch_size=2", *SMALL_NET[model], "trainer.max_epochs=2",
-            *(["model.prediction.n_samples=3", "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2"] if stochastic else []),
-            *QUIET]
+    return [
+        f"model={model}",
+        "data=camvid",
+        f"data.root={root}",
+        "data.crop_size=32",
+        "data.batch_size=2",
+        "data.num_workers=0",
+        "data.eval_batch_size=2",
+        *SMALL_NET[model],
+        "trainer.max_epochs=2",
+        *(
+            ["model.prediction.n_samples=3", "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2"]
+            if stochastic
+            else []
+        ),
+        *QUIET,
+    ]
 
 
 @pytest.mark.slow
@@ -61,8 +82,16 @@ def _overrides(model, root):
 def test_segmentation_model_trains_reports_and_reevaluates(model, camvid_root, tmp_path):
     run_dir = tmp_path / "run"
     metrics = train(compose_config("train", _overrides(model, camvid_root), run_dir), run_dir)
-    names = {"test/miou", "test/global_acc", "test/ece", "test/nll", "test/iou/sky", "test/iou/bicyclist",
-             "test/predictive_entropy", "test/mutual_information"}
+    names = {
+        "test/miou",
+        "test/global_acc",
+        "test/ece",
+        "test/nll",
+        "test/iou/sky",
+        "test/iou/bicyclist",
+        "test/predictive_entropy",
+        "test/mutual_information",
+    }
     assert names <= set(metrics)
     assert 0 <= metrics["test/miou"] <= 1 and 0 <= metrics["test/global_acc"] <= 1
     if model == "fcdensenet67":  # one deterministic pass: nothing epistemic to measure
@@ -86,5 +115,11 @@ def test_segmentation_model_trains_reports_and_reevaluates(model, camvid_root, t
     if model == "fcdensenet67":
         assert again["test/miou"] == pytest.approx(metrics["test/miou"], rel=1e-6)
     with pytest.raises(EvaluationError, match="classifiers"):  # before the test pass
-        evaluate(compose_config("evaluate", [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
-                                             "evaluations=[ood]", *QUIET], tmp_path / "eval"), tmp_path / "eval")
+        evaluate(
+            compose_config(
+                "evaluate",
+                [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", "evaluations=[ood]", *QUIET],
+                tmp_path / "eval",
+            ),
+            tmp_path / "eval",
+        )

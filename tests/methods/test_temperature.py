@@ -164,9 +164,17 @@ def test_require_validation_on_digits():
 
 # ---------------------------------------------------------------------- fitted in training (model.prediction.temperature_scaling)
 
+
 def _digits_overrides(*extra):
-    return ["model=map_fixed", "data=digits", "data.batch_size=128", *tiny_for("map_fixed"), "trainer.max_epochs=1",
-            "model.prediction.temperature_scaling=true", *extra]
+    return [
+        "model=map_fixed",
+        "data=digits",
+        "data.batch_size=128",
+        *tiny_for("map_fixed"),
+        "trainer.max_epochs=1",
+        "model.prediction.temperature_scaling=true",
+        *extra,
+    ]
 
 
 def test_temperature_scaling_refuses_without_a_validation_split(tmp_path):
@@ -193,6 +201,7 @@ def test_temperature_scaling_fits_on_validation_and_is_reloaded(tmp_path, monkey
     assert temperature != pytest.approx(1.0, abs=1e-3)
 
     eval_dir = tmp_path / "eval"
-    cfg = compose_config("evaluate", [f"ckpt_path={tmp_path / 'checkpoints' / 'calibrated.ckpt'}",
-                                      "trainer.accelerator=cpu"], eval_dir)
+    cfg = compose_config(
+        "evaluate", [f"ckpt_path={tmp_path / 'checkpoints' / 'calibrated.ckpt'}", "trainer.accelerator=cpu"], eval_dir
+    )
     assert evaluate(cfg, eval_dir)["test/nll"] == pytest.approx(metrics["test/nll"], rel=1e-5)

@@ -15,8 +15,13 @@ from tests.support.configs import compose_config, small_model
 def _dropout_net(p=0.2, test_time=True, placement="node_outputs"):
     torch.manual_seed(0)
     net = StructureNet(num_classes=4, num_nodes=3, cells_per_stage=1, growth=4, stem_channels=8)
-    return MAP(net, weights=MCDropoutWeights(p=p, test_time=test_time, placement=placement), learn_structure=False,
-               prediction=Prediction(n_samples=5, samples_per_forward=5), dataset_size=10)
+    return MAP(
+        net,
+        weights=MCDropoutWeights(p=p, test_time=test_time, placement=placement),
+        learn_structure=False,
+        prediction=Prediction(n_samples=5, samples_per_forward=5),
+        dataset_size=10,
+    )
 
 
 def test_mc_dropout_inserts_dropout_after_every_convolution():
@@ -116,12 +121,20 @@ def test_mc_dropout_default_is_map_with_dropout_on_every_node_output(tmp_path):
     assert [calls[c.node_output] for c in cells] == [c.num_nodes for c in cells] == [3, 3, 3]
 
     # the paper's text: after every convolution, four times inside each separable op
-    method = build_model(compose_config("train", small_model("mc_dropout", "model.weights.placement=every_conv"),
-                                        tmp_path).model, num_classes=10)
+    method = build_model(
+        compose_config("train", small_model("mc_dropout", "model.weights.placement=every_conv"), tmp_path).model,
+        num_classes=10,
+    )
     convs = [m for m in method.net.modules() if isinstance(m, torch.nn.Conv2d)]
     dropouts = [m for m in method.net.modules() if isinstance(m, torch.nn.Dropout)]
-    wrapped = [m for m in method.net.modules() if isinstance(m, torch.nn.Sequential) and len(m) == 2
-               and isinstance(m[0], torch.nn.Conv2d) and isinstance(m[1], torch.nn.Dropout)]
+    wrapped = [
+        m
+        for m in method.net.modules()
+        if isinstance(m, torch.nn.Sequential)
+        and len(m) == 2
+        and isinstance(m[0], torch.nn.Conv2d)
+        and isinstance(m[1], torch.nn.Dropout)
+    ]
     assert len(convs) == len(dropouts) == len(wrapped) > 10 and method.learn_structure
     assert all(isinstance(c.node_output, torch.nn.Identity) for c in method.net.modules() if isinstance(c, Cell))
     # the segmentation baseline keeps the FC-DenseNet's own dropout layers

@@ -27,7 +27,10 @@ def test_prefix_ensembles_equal_the_mean_of_the_first_s_members():
 
 
 def test_last_row_equals_the_full_ensemble_metrics_over_batches():
-    members, target = _members(s=6, n=90).float(), torch.randint(0, 5, (90,), generator=torch.Generator().manual_seed(1))
+    members, target = (
+        _members(s=6, n=90).float(),
+        torch.randint(0, 5, (90,), generator=torch.Generator().manual_seed(1)),
+    )
     ablation = SampleAblation(num_classes=5, n_samples=6)
     full = ClassificationMetrics(5)
     for chunk in range(3):  # three test batches
@@ -76,7 +79,10 @@ def test_the_default_sizes_are_every_s_up_to_100_then_a_few_per_decade():
 
 
 def test_prefixes_handed_over_by_a_stream_give_the_same_rows_as_the_members():
-    members, target = _members(s=6, n=40).float(), torch.randint(0, 5, (40,), generator=torch.Generator().manual_seed(2))
+    members, target = (
+        _members(s=6, n=40).float(),
+        torch.randint(0, 5, (40,), generator=torch.Generator().manual_seed(2)),
+    )
     from_members, from_prefixes = SampleAblation(5, 6, sizes=[2, 6]), SampleAblation(5, 6, sizes=[2, 6])
     from_members.update(members, target)
     from_prefixes.update_prefixes({s: p for s, p in zip([2, 6], prefix_ensembles(members, [2, 6]))}, target)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from dbsn.metrics.calibration import (
-    squared_calibration_error,
     adaptive_expected_calibration_error,
     calibration_metrics,
     classwise_expected_calibration_error,
+    squared_calibration_error,
 )
 from dbsn.metrics.classification import expected_calibration_error
 from tests.support.fakedata import CRAFTED_PROBS, CRAFTED_TARGET
@@ -112,7 +112,9 @@ def test_adaptive_ece_does_not_depend_on_example_order(seed):
     probs, target = random_predictions(seed, n=61, decimals=1)
     perm = torch.randperm(61, generator=torch.Generator().manual_seed(seed))
     a = adaptive_expected_calibration_error(probs, target, n_bins=7).item()
-    assert adaptive_expected_calibration_error(probs[perm], target[perm], n_bins=7).item() == pytest.approx(a, abs=1e-14)
+    assert adaptive_expected_calibration_error(probs[perm], target[perm], n_bins=7).item() == pytest.approx(
+        a, abs=1e-14
+    )
 
 
 def test_adaptive_ece_with_fewer_examples_than_bins():
@@ -155,9 +157,9 @@ def test_classwise_ece_of_two_classes(seed):
     # prediction is class 1.
     gen = torch.Generator().manual_seed(seed)
     n = 400
-    p1 = (0.02 + 0.96 * torch.rand(n, generator=gen, dtype=torch.float64))
+    p1 = 0.02 + 0.96 * torch.rand(n, generator=gen, dtype=torch.float64)
     p1 = torch.where((p1 * 10 - (p1 * 10).round()).abs() < 1e-6, p1 + 1e-3, p1)
-    y = (torch.rand(n, generator=gen, dtype=torch.float64) < p1 ** 1.5).long()  # miscalibrated
+    y = (torch.rand(n, generator=gen, dtype=torch.float64) < p1**1.5).long()  # miscalibrated
     probs = torch.stack([1 - p1, p1], dim=1)
     classwise = classwise_expected_calibration_error(probs, y, n_bins=10).item()
     binary = reference_binary_ece(p1.tolist(), y.double().tolist(), 10)
@@ -168,7 +170,8 @@ def test_classwise_ece_of_two_classes(seed):
     high = 0.5 + p1 / 2
     probs_high = torch.stack([1 - high, high], dim=1)
     assert classwise_expected_calibration_error(probs_high, y, n_bins=10).item() == pytest.approx(
-        expected_calibration_error(probs_high, y, n_bins=10).item(), abs=1e-12)
+        expected_calibration_error(probs_high, y, n_bins=10).item(), abs=1e-12
+    )
 
 
 # ---------------------------------------------------------------- calibrated vs over-confident

@@ -30,7 +30,7 @@ CLASSES, BINS = 10, 15
 def _confidence(kind: str, n: int, generator: torch.Generator) -> torch.Tensor:
     """Top-label confidences: "spread" uniform on [0.2, 1]; "confident" 1 − 0.5 u³ (most near 1)."""
     u = torch.rand(n, generator=generator, dtype=torch.float64)
-    return 0.2 + 0.8 * u if kind == "spread" else 1 - 0.5 * u ** 3
+    return 0.2 + 0.8 * u if kind == "spread" else 1 - 0.5 * u**3
 
 
 def _probs(confidence: torch.Tensor, right: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,9 @@ def _probs(confidence: torch.Tensor, right: torch.Tensor, target: torch.Tensor) 
     return probs
 
 
-def _draw(n: int, generator: torch.Generator, kinds: tuple[str, ...], gaps: tuple[float, ...],
-          coupling: float = 0.0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def _draw(
+    n: int, generator: torch.Generator, kinds: tuple[str, ...], gaps: tuple[float, ...], coupling: float = 0.0
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Predictors on the same n test examples, [(confidence, right)] and the targets: predictor p's
     confidence c has kind `kinds[p]` and is right with probability c − `gaps[p]`, so its CE² is
     gaps[p]² exactly (every bin has the same gap). Each is right when u < c − gap, u uniform: with
@@ -72,8 +73,8 @@ def _batched_ce2(confidence: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     def per_bin(x):
         return torch.zeros(r * (BINS + 1), dtype=torch.float64).index_add_(0, index, x).view(r, BINS + 1)
 
-    size, sums, squares = per_bin(torch.ones_like(d)), per_bin(d), per_bin(d ** 2)
-    return torch.where(size > 1, (sums ** 2 - squares) / (size - 1).clamp_min(1), 0.0).sum(1) / n
+    size, sums, squares = per_bin(torch.ones_like(d)), per_bin(d), per_bin(d**2)
+    return torch.where(size > 1, (sums**2 - squares) / (size - 1).clamp_min(1), 0.0).sum(1) / n
 
 
 def _oracle_bounds(n: int, kinds, gaps, coupling: float, draws: int, seed: int) -> torch.Tensor:
@@ -103,8 +104,10 @@ def test_the_grouped_second_order_sum_is_the_double_loop():
     """Σ2[p, q] = 2 Σ_{i≠j} K^p_ij K^q_ij d^p_i d^q_i d^p_j d^q_j, by a loop over all pairs."""
     g = torch.Generator().manual_seed(1)
     target = torch.randint(3, (40,), generator=g)
-    gaps = [top_label_gaps(torch.softmax(s * torch.randn(40, 3, generator=g, dtype=torch.float64), 1), target, 6)
-            for s in (0.5, 2.0, 4.0)]
+    gaps = [
+        top_label_gaps(torch.softmax(s * torch.randn(40, 3, generator=g, dtype=torch.float64), 1), target, 6)
+        for s in (0.5, 2.0, 4.0)
+    ]
     found = second_order_covariance(gaps)
     n = 40
     for p, a in enumerate(gaps):
@@ -131,9 +134,11 @@ def test_the_score_interval_is_the_set_of_levels_it_does_not_reject():
         v2, c, n, z = float(second_order_covariance([gaps])[0, 0]), float(shape_gram([gaps])[0, 0]), 500, 1.959964
         assert found.value == gaps.ce2 and 0 <= found.low <= found.high
         for theta in torch.linspace(0, 3 * max(found.high, 1e-3), 301).tolist():
-            accepted = (found.value - theta) ** 2 <= z * z * (v2 + 4 / n * (c * theta - theta ** 2))
-            assert accepted == (found.low <= theta <= found.high) or min(abs(theta - found.low),
-                                                                         abs(theta - found.high)) < 1e-9
+            accepted = (found.value - theta) ** 2 <= z * z * (v2 + 4 / n * (c * theta - theta**2))
+            assert (
+                accepted == (found.low <= theta <= found.high)
+                or min(abs(theta - found.low), abs(theta - found.high)) < 1e-9
+            )
         assert (found.p < 0.05) == (found.low > 0)
 
 
@@ -161,8 +166,10 @@ def test_the_evaluation_and_the_report_use_these_intervals_and_tests():
     pa, pb, pc = (_probs(*x, target) for x in (a, b, c))
     found = ce2_intervals(pa.log(), target, pc.log(), 0.95)
     # Equal up to rounding: the evaluation passes log-probabilities, exp(log(p)) is p to an ulp.
-    assert found == {"test/ce2": pytest.approx(list(score_interval(pa, target)[1:3]), rel=1e-12, abs=1e-15),
-                     "test/calibrated/ce2": pytest.approx(list(score_interval(pc, target)[1:3]), rel=1e-12, abs=1e-15)}
+    assert found == {
+        "test/ce2": pytest.approx(list(score_interval(pa, target)[1:3]), rel=1e-12, abs=1e-15),
+        "test/calibrated/ce2": pytest.approx(list(score_interval(pc, target)[1:3]), rel=1e-12, abs=1e-15),
+    }
     method = {0: {"log_probs": pa.log(), "calibrated_log_probs": pc.log(), "targets": target}}
     reference = {0: {"log_probs": pb.log(), "calibrated_log_probs": pb.log(), "targets": target}}
     rows = paired_differences(method, reference, Statistics(resamples=20))
@@ -179,15 +186,17 @@ def test_the_evaluation_and_the_report_use_these_intervals_and_tests():
 def _sets(n, generator, kinds, gaps, coupling, runs):
     """`runs` test sets of `_draw`, and their (runs, P) CE² estimates computed all at once."""
     sets = [_draw(n, generator, kinds, gaps, coupling) for _ in range(runs)]
-    estimates = [_batched_ce2(torch.stack([s[0][p][0] for s in sets]), torch.stack([s[0][p][1] for s in sets]))
-                 for p in range(len(kinds))]
+    estimates = [
+        _batched_ce2(torch.stack([s[0][p][0] for s in sets]), torch.stack([s[0][p][1] for s in sets]))
+        for p in range(len(kinds))
+    ]
     return sets, torch.stack(estimates, 1)
 
 
 def _within_sampling_error(formula: torch.Tensor, monte_carlo: torch.Tensor, runs: int) -> bool:
     """Each entry within 4 standard errors of the Monte Carlo covariance (normal theory)."""
     diagonal = torch.diag(monte_carlo)
-    scale = torch.sqrt((diagonal[:, None] * diagonal[None, :] + monte_carlo ** 2) / runs)
+    scale = torch.sqrt((diagonal[:, None] * diagonal[None, :] + monte_carlo**2) / runs)
     return bool(((formula - monte_carlo).abs() <= 4 * scale).all())
 
 
@@ -201,8 +210,7 @@ def test_the_variance_formula_is_the_monte_carlo_variance():
     differences where both methods are equally miscalibrated (CE² = 9e-4)."""
     n, runs, formulas = 1000, 4000, 300
     for gaps in ((0.0, 0.0, 0.0), (0.05, 0.0, 0.04)):
-        sets, estimates = _sets(n, torch.Generator().manual_seed(5), ("spread", "confident", "spread"), gaps, 0.6,
-                                runs)
+        sets, estimates = _sets(n, torch.Generator().manual_seed(5), ("spread", "confident", "spread"), gaps, 0.6, runs)
         truth = [torch.full((BINS,), -gap, dtype=torch.float64) for gap in gaps]  # one per bin
         theta = torch.tensor(gaps, dtype=torch.float64) ** 2
         found, shaped = [], []
@@ -213,11 +221,12 @@ def test_the_variance_formula_is_the_monte_carlo_variance():
         formula, monte_carlo = torch.stack(found).mean(0), torch.cov(estimates.T)
         assert _within_sampling_error(formula, monte_carlo, runs), (gaps, formula, monte_carlo)
         assert _within_sampling_error(torch.stack(shaped).mean(0), monte_carlo, runs), (gaps, shaped, monte_carlo)
-        assert bool(((estimates.mean(0) - theta).abs() <= 4 * estimates.std(0) / runs ** 0.5).all())
+        assert bool(((estimates.mean(0) - theta).abs() <= 4 * estimates.std(0) / runs**0.5).all())
 
     gap = 0.03
-    sets, estimates = _sets(n, torch.Generator().manual_seed(6), ("spread", "spread", "confident"), (gap,) * 3, 0.6,
-                            runs)
+    sets, estimates = _sets(
+        n, torch.Generator().manual_seed(6), ("spread", "spread", "confident"), (gap,) * 3, 0.6, runs
+    )
     differences = torch.stack([estimates[:, 0] - estimates[:, 2], estimates[:, 1] - estimates[:, 2]], 1)
     found = []
     for (a, a2, b), target in sets[:formulas]:
@@ -228,8 +237,14 @@ def test_the_variance_formula_is_the_monte_carlo_variance():
 
 
 PER_RUN = [  # (n, confidence kind, true CE²)
-    (2000, "spread", 0.0), (2000, "confident", 0.0), (2000, "spread", 3e-4), (2000, "confident", 3e-4),
-    (2000, "spread", 1e-3), (2000, "confident", 1e-3), (846, "spread", 0.0), (846, "confident", 1e-3),
+    (2000, "spread", 0.0),
+    (2000, "confident", 0.0),
+    (2000, "spread", 3e-4),
+    (2000, "confident", 3e-4),
+    (2000, "spread", 1e-3),
+    (2000, "confident", 1e-3),
+    (846, "spread", 0.0),
+    (846, "confident", 1e-3),
 ]
 
 
@@ -244,7 +259,7 @@ def test_the_ce2_interval_covers_the_truth_95_percent_of_the_time():
     for n, kind, truth in PER_RUN:
         generator, covered = torch.Generator().manual_seed(int(n + 1e6 * truth)), 0
         for _ in range(runs):
-            (pair,), target = _draw(n, generator, (kind,), (truth ** 0.5,))
+            (pair,), target = _draw(n, generator, (kind,), (truth**0.5,))
             found = score_interval(_probs(*pair, target), target)
             covered += found.low <= truth <= found.high
         assert 0.925 <= covered / runs <= 0.98, (n, kind, truth, covered / runs)
@@ -284,7 +299,7 @@ def test_the_paired_ce2_test_holds_its_size_where_both_are_calibrated_and_where_
     points) per null: both calibrated, and both miscalibrated by CE² = 1e-3: the 5 % test rejects in
     3–7 % of them (with the simulation's noise, 2.5–7.5 %)."""
     runs = 800
-    for gap in (0.0, 1e-3 ** 0.5):
+    for gap in (0.0, 1e-3**0.5):
         generator, rejected = torch.Generator().manual_seed(8 + int(gap > 0)), 0
         for _ in range(runs):
             (a, b), target = _draw(2000, generator, ("spread", "confident"), (gap, gap), coupling)
@@ -306,7 +321,7 @@ def test_the_paired_ce2_test_has_the_power_of_the_exact_level_test():
         same_level = _oracle_bounds(2000, kinds, ((delta / 2) ** 0.5,) * 2, coupling, 4000, seed)
         generator, ours, oracle = torch.Generator().manual_seed(seed), 0, 0
         for _ in range(runs):
-            (a, b), target = _draw(2000, generator, kinds, (delta ** 0.5, 0.0), coupling)
+            (a, b), target = _draw(2000, generator, kinds, (delta**0.5, 0.0), coupling)
             found = paired_test(_probs(*a, target), _probs(*b, target), target)
             ours += found.p < 0.05
             oracle += not same_level[0] <= found.value <= same_level[1]

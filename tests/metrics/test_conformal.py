@@ -84,8 +84,9 @@ def test_coverage_is_at_least_the_level_and_at_most_one_over_n_plus_one_above(sc
     probs, labels = _pool(0)
     coverages, forced = [], []
     for calibrating, testing in _splits(POOL, N_CAL):
-        calibrated = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam,
-                               allow_empty_sets=True)
+        calibrated = calibrate(
+            probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam, allow_empty_sets=True
+        )
         assert calibrated.n_tuning == 0 and calibrated.n_calibration == N_CAL
         coverages.append(_coverage(calibrated, probs[testing], labels[testing]))
         default = calibrate(probs[calibrating], labels[calibrating], score, ALPHA, k_reg=k_reg, lam=lam)
@@ -147,8 +148,10 @@ def test_raps_keeps_the_long_flat_tail_out_of_the_sets():
     assert tuned.k_reg == 1 and tuned.lam in LAMBDA_GRID  # 92 % of labels on top: the 90 % rank quantile is 1
     # one split: a coverage's standard deviation is about sqrt(α(1 − α)(1 / n_cal + 1 / n_test)) <= 0.0095
     floor = 1 - ALPHA - 3 * math.sqrt(ALPHA * (1 - ALPHA) * (1 / 1400 + 1 / 4000))
-    found = {name: set_metrics(c.sets(probs[testing]), labels[testing]) for name, c in
-             (("aps", aps), ("fixed", fixed), ("tuned", tuned))}
+    found = {
+        name: set_metrics(c.sets(probs[testing]), labels[testing])
+        for name, c in (("aps", aps), ("fixed", fixed), ("tuned", tuned))
+    }
     assert found["aps"]["size"] > 20  # APS reaches into the tail for the examples with a small top probability
     for name in ("fixed", "tuned"):
         assert found[name]["size"] <= found["aps"]["size"] / 5, {k: v["size"] for k, v in found.items()}
@@ -164,8 +167,13 @@ def test_scores_match_their_definitions_one_example_at_a_time():
     u = torch.rand(30, generator=g, dtype=torch.float64)
     k_reg, lam = 2, 0.3
     order, ranks = label_ranks(probs)
-    got = {"thr": thr_scores(probs), "aps": aps_scores(probs), "aps_u": aps_scores(probs, u),
-           "raps": raps_scores(probs, k_reg, lam), "raps_u": raps_scores(probs, k_reg, lam, u)}
+    got = {
+        "thr": thr_scores(probs),
+        "aps": aps_scores(probs),
+        "aps_u": aps_scores(probs, u),
+        "raps": raps_scores(probs, k_reg, lam),
+        "raps_u": raps_scores(probs, k_reg, lam, u),
+    }
     for i, row in enumerate(probs.tolist()):
         ranked = sorted(range(6), key=lambda y: (-row[y], y))
         assert order[i].tolist() == ranked
@@ -174,8 +182,13 @@ def test_scores_match_their_definitions_one_example_at_a_time():
             before = sum(row[z] for z in ranked[: rank - 1])
             penalty = lam * max(0, rank - k_reg)
             assert int(ranks[i, y]) == rank
-            expected = {"thr": 1 - row[y], "aps": before + row[y], "aps_u": before + float(u[i]) * row[y],
-                        "raps": before + row[y] + penalty, "raps_u": before + float(u[i]) * row[y] + penalty}
+            expected = {
+                "thr": 1 - row[y],
+                "aps": before + row[y],
+                "aps_u": before + float(u[i]) * row[y],
+                "raps": before + row[y] + penalty,
+                "raps_u": before + float(u[i]) * row[y] + penalty,
+            }
             for name, value in expected.items():
                 assert float(got[name][i, y]) == pytest.approx(value, abs=1e-12), (name, i, y)
     assert torch.equal(conformity_scores(probs, "raps_randomized", u, k_reg, lam), got["raps_u"])
@@ -199,8 +212,9 @@ def _confident(seed: int = 8, n: int = 400, classes: int = 10) -> tuple[torch.Te
 def test_forced_sets_are_the_bare_sets_plus_the_top_label_where_those_are_empty():
     """Crafted rows: the top label is the first of the ranking (ties by class index, also where APS
     scores tie because a probability is 0); only the empty bare sets change, by that label alone."""
-    probs = torch.tensor([[0.2, 0.5, 0.3], [0.0, 1.0, 0.0], [0.45, 0.45, 0.1], [0.1, 0.3, 0.6], [0.34, 0.33, 0.33]],
-                         dtype=torch.float64)
+    probs = torch.tensor(
+        [[0.2, 0.5, 0.3], [0.0, 1.0, 0.0], [0.45, 0.45, 0.1], [0.1, 0.3, 0.6], [0.34, 0.33, 0.33]], dtype=torch.float64
+    )
     top = top_labels(probs)
     assert top.tolist() == [1, 1, 0, 2, 0]
     scores = aps_scores(probs)  # row 1: labels 0 and 1 both score 1.0; label 1 is the top one
@@ -297,12 +311,18 @@ def test_set_metrics_by_hand_and_their_weighted_rows():
     # covered: 1, 0, 0, 1, 0, 1; sizes 1, 0, 2, 3, 3, 1
     assert found["coverage"] == pytest.approx(0.5) and found["size"] == pytest.approx(10 / 6)
     assert found["empty"] == pytest.approx(1 / 6)
-    assert found["strata"] == [{"sizes": "0-1", "count": 3, "coverage": pytest.approx(2 / 3)},
-                               {"sizes": "2-3", "count": 3, "coverage": pytest.approx(1 / 3)}]
+    assert found["strata"] == [
+        {"sizes": "0-1", "count": 3, "coverage": pytest.approx(2 / 3)},
+        {"sizes": "2-3", "count": 3, "coverage": pytest.approx(1 / 3)},
+    ]
     assert found["ssc"] == pytest.approx(1 / 3)  # the empty set counts in the 0-1 stratum, as the authors'
 
-    assert [(c["class"], c["count"], c["coverage"]) for c in found["classes"]] == [(0, 1, 1.0), (1, 2, 0.5), (2, 1, 0.0),
-                                                                                  (3, 2, 0.5)]
+    assert [(c["class"], c["count"], c["coverage"]) for c in found["classes"]] == [
+        (0, 1, 1.0),
+        (1, 2, 0.5),
+        (2, 1, 0.0),
+        (3, 2, 0.5),
+    ]
     assert found["class_coverage_min"] == 0.0
     counts = torch.tensor([[1.0] * 6, [0, 2, 1, 1, 0, 3], [2, 0, 0, 1, 1, 0]], dtype=torch.float64)
     rows = weighted_set_metrics(sets, labels, counts)

@@ -143,10 +143,21 @@ def _toy_runs(generator, k, r, sizes, n=300, shift=0.0, seed_sd=0.02):
 
     difficulty = torch.rand(n, generator=generator, dtype=torch.float64)
     gain = torch.tensor([0.3 / s for s in sizes], dtype=torch.float64)
-    ensemble = (0.2 + difficulty + gain[:, None] + seed_sd * torch.randn(r, 1, 1, generator=generator)
-                + 0.1 * torch.randn(r, len(sizes), n, generator=generator))
-    method = (0.2 + difficulty + 0.3 / 2.5 + shift + seed_sd * torch.randn(k, 1, generator=generator)
-              + 0.1 * torch.randn(k, n, generator=generator))
+    ensemble = (
+        0.2
+        + difficulty
+        + gain[:, None]
+        + seed_sd * torch.randn(r, 1, 1, generator=generator)
+        + 0.1 * torch.randn(r, len(sizes), n, generator=generator)
+    )
+    method = (
+        0.2
+        + difficulty
+        + 0.3 / 2.5
+        + shift
+        + seed_sd * torch.randn(k, 1, generator=generator)
+        + 0.1 * torch.randn(k, n, generator=generator)
+    )
     return method, ensemble
 
 
@@ -191,8 +202,9 @@ def _population(member_sd: float, method_seed_sd: float, members: int = 8, draws
     p = torch.sigmoid(easy + member + 2.0 * torch.randn(draws, members, generator=g, dtype=torch.float64))
     curve = -(p.cumsum(1) / torch.arange(1, members + 1)).log().mean(0)
     seed = method_seed_sd * torch.randn(draws, 1, generator=g, dtype=torch.float64)
-    method = -torch.nn.functional.logsigmoid(easy + 0.25 + seed + 2.0 * torch.randn(draws, 1, generator=g,
-                                                                                     dtype=torch.float64)).mean()
+    method = -torch.nn.functional.logsigmoid(
+        easy + 0.25 + seed + 2.0 * torch.randn(draws, 1, generator=g, dtype=torch.float64)
+    ).mean()
     return curve.tolist(), float(method)
 
 
@@ -208,18 +220,22 @@ def _simulated_runs(generator, n, k, r, member_sd, method_seed_sd, members=8):
     p = torch.sigmoid(easy + member + 2.0 * torch.randn(r, members, n, generator=generator, dtype=torch.float64))
     ensemble = -(p.cumsum(1) / torch.arange(1, members + 1, dtype=torch.float64).view(1, members, 1)).log()
     seed = method_seed_sd * torch.randn(k, 1, generator=generator, dtype=torch.float64)
-    method = -torch.nn.functional.logsigmoid(easy + 0.25 + seed + 2.0 * torch.randn(k, n, generator=generator,
-                                                                                     dtype=torch.float64))
+    method = -torch.nn.functional.logsigmoid(
+        easy + 0.25 + seed + 2.0 * torch.randn(k, n, generator=generator, dtype=torch.float64)
+    )
     return method, ensemble
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k, r, member_sd, method_seed_sd, band", [
-    (3, 3, 0.3, 0.1, (0.92, 0.98)),  # members vary in quality, and the method's seeds
-    (3, 3, 0.03, 0.1, (0.92, 0.98)),  # the method's seeds dominate, the ensemble's test noise next
-    (1, 1, 0.0, 0.0, (0.92, 0.98)),  # members of equal quality, one run a side: nothing left out matters
-    (1, 1, 0.6, 0.0, (0.0, 0.5)),  # members vary, one ensemble run: a lower bound, and it says so
-])
+@pytest.mark.parametrize(
+    "k, r, member_sd, method_seed_sd, band",
+    [
+        (3, 3, 0.3, 0.1, (0.92, 0.98)),  # members vary in quality, and the method's seeds
+        (3, 3, 0.03, 0.1, (0.92, 0.98)),  # the method's seeds dominate, the ensemble's test noise next
+        (1, 1, 0.0, 0.0, (0.92, 0.98)),  # members of equal quality, one run a side: nothing left out matters
+        (1, 1, 0.6, 0.0, (0.0, 0.5)),  # members vary, one ensemble run: a lower bound, and it says so
+    ],
+)
 def test_the_interval_covers_the_true_equivalent_where_members_vary_in_quality(k, r, member_sd, method_seed_sd, band):
     """Coverage of the true deep-ensemble equivalent (the method's population NLL against the expected
     curve of ensembles of members drawn at random) in 400 simulated comparisons of 4,000 test

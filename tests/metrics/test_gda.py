@@ -78,16 +78,18 @@ def test_the_density_is_sklearns_gaussian_mixture_with_the_same_components():
     mixture.weights_, mixture.means_, mixture.covariances_ = priors, means, covariances
     mixture.precisions_cholesky_ = np.stack([np.linalg.inv(np.linalg.cholesky(s)).T for s in covariances])
     fitted = GDA().fit(torch.from_numpy(features), torch.from_numpy(labels), 4)
-    np.testing.assert_allclose(fitted.log_density(torch.from_numpy(queries)).numpy(), mixture.score_samples(queries),
-                               rtol=1e-10)
+    np.testing.assert_allclose(
+        fitted.log_density(torch.from_numpy(queries)).numpy(), mixture.score_samples(queries), rtol=1e-10
+    )
 
 
 def _authors_fit(features: torch.Tensor, labels: torch.Tensor, c: int):
     """The authors' gmm_fit as their utils/gmm_utils.py runs it (torch.mean, their centered covariance,
     MultivariateNormal for each jitter in turn until one constructs), the identity in float64."""
     means = torch.stack([features[labels == k].mean(0) for k in range(c)])
-    covariances = torch.stack([(lambda x: 1 / (len(x) - 1) * x.T @ x)(features[labels == k] - means[k])
-                               for k in range(c)])
+    covariances = torch.stack(
+        [(lambda x: 1 / (len(x) - 1) * x.T @ x)(features[labels == k] - means[k]) for k in range(c)]
+    )
     for jitter in GDA_JITTERS:
         try:
             eye = torch.eye(covariances.shape[1], dtype=torch.float64)
@@ -123,8 +125,9 @@ def test_the_jitter_is_the_first_of_the_authors_list_that_works_and_only_when_ne
         queries[:, 2] = 1.5  # off the constant, class 0's density is 0 in float64
     expected = reference.log_prob(queries[:, None, :])  # (N, C): their gmm_evaluate
     torch.testing.assert_close(fitted.class_log_likelihoods(queries), expected, rtol=1e-10, atol=1e-8)
-    torch.testing.assert_close(fitted.log_density(queries), torch.logsumexp(expected + fitted.log_priors, 1),
-                               rtol=1e-10, atol=1e-8)
+    torch.testing.assert_close(
+        fitted.log_density(queries), torch.logsumexp(expected + fitted.log_priors, 1), rtol=1e-10, atol=1e-8
+    )
 
 
 def test_a_feature_off_a_constant_direction_has_density_zero():

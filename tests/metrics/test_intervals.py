@@ -55,7 +55,9 @@ def test_a_weighted_metric_is_the_plain_metric_of_the_repeated_data(name, ties):
     weighted, plain = PLAIN[name]
     probs, target = _predictions(ties=ties)
     n = len(target)
-    assert torch.allclose(weighted(probs, target, torch.ones(n))[0], torch.as_tensor(plain(probs, target)).double(), atol=1e-10)
+    assert torch.allclose(
+        weighted(probs, target, torch.ones(n))[0], torch.as_tensor(plain(probs, target)).double(), atol=1e-10
+    )
     counts = resample_counts(n, resamples=4, seed=1)
     values = weighted(probs, target, counts)
     for row, value in zip(counts.long(), values):
@@ -108,7 +110,9 @@ def test_paired_differences_are_antisymmetric_zero_against_oneself_and_find_a_re
     a = lambda w: weighted_nll(better.log(), target, w)  # noqa: E731
     b = lambda w: weighted_nll(probs.log(), target, w)  # noqa: E731
     ab, ba = paired_interval(a, b, 400), paired_interval(b, a, 400)
-    assert ab.value == pytest.approx(-ba.value) and ab.low == pytest.approx(-ba.high) and ab.high == pytest.approx(-ba.low)
+    assert (
+        ab.value == pytest.approx(-ba.value) and ab.low == pytest.approx(-ba.high) and ab.high == pytest.approx(-ba.low)
+    )
     same = paired_interval(a, a, 400)
     assert same.value == same.low == same.high == 0.0 and not same.excludes(0.0)
     assert ab.high < 0 and ab.excludes(0.0)  # lower NLL, and the interval says so
@@ -158,8 +162,9 @@ def test_weighted_selective_metrics_are_the_plain_ones_of_the_repeated_data(ties
 
 
 # ---------------------------------------------------------------------- calibration error that can be compared
-def _known_model(n: int, generator: torch.Generator, gap: float = 0.0, low: float = 0.3, high: float = 1.0,
-                 classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+def _known_model(
+    n: int, generator: torch.Generator, gap: float = 0.0, low: float = 0.3, high: float = 1.0, classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A classifier whose top-label confidence c is uniform on [low, high] and right with probability
     c − gap: its squared calibration error is gap² exactly, in every bin. Returns (probs, target)."""
     c = low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64)
@@ -175,8 +180,11 @@ def test_the_resampled_squared_calibration_error_averages_over_pairs_of_distinct
     of copies of two different examples (brute force over copies), weighted by the bin's copies."""
     probs, target = _predictions(n=60)
     n = len(target)
-    assert torch.allclose(weighted_squared_calibration_error(probs, target, torch.ones(n))[0],
-                          squared_calibration_error(probs, target), atol=1e-12)
+    assert torch.allclose(
+        weighted_squared_calibration_error(probs, target, torch.ones(n))[0],
+        squared_calibration_error(probs, target),
+        atol=1e-12,
+    )
     counts = resample_counts(n, resamples=3, seed=2)
     confidence, prediction = probs.max(1)
     d = (prediction == target).double() - confidence
@@ -227,7 +235,12 @@ def test_two_calibrated_models_of_different_confidence_differ_in_the_plug_in_ece
         b_full.scatter_(1, b_pred[:, None], b_probs[:, :1])
         rest = ((1 - b_probs[:, 0]) / 9)[:, None]
         b_full = torch.where(b_full == 0, rest.expand_as(b_full), b_full)
-        ece = paired_interval(lambda w: weighted_ece(a_probs, target, w), lambda w: weighted_ece(b_full, target, w),
-                              n, resamples=400, seed=run)
+        ece = paired_interval(
+            lambda w: weighted_ece(a_probs, target, w),
+            lambda w: weighted_ece(b_full, target, w),
+            n,
+            resamples=400,
+            seed=run,
+        )
         ece_false += ece.excludes(0.0)
     assert ece_false / runs >= 0.5, ece_false

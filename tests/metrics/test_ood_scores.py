@@ -56,8 +56,11 @@ def _sklearn_mahalanobis(train, labels, c, queries):
     return np.einsum("ncd,de,nce->nc", diffs, ec.precision_, diffs).min(axis=1), means, ec.precision_
 
 
-@pytest.mark.parametrize(("n", "d", "c", "rank"), [(80, 5, 3, None), (60, 7, 3, 3), (6, 9, 2, None)],
-                         ids=["full-rank", "features-in-a-subspace", "fewer-samples-than-dimensions"])
+@pytest.mark.parametrize(
+    ("n", "d", "c", "rank"),
+    [(80, 5, 3, None), (60, 7, 3, 3), (6, 9, 2, None)],
+    ids=["full-rank", "features-in-a-subspace", "fewer-samples-than-dimensions"],
+)
 def test_mahalanobis_equals_sklearn_closed_form(n, d, c, rank):
     train, labels, queries = _class_data(0, n, d, c, rank)
     expected, means, precision = _sklearn_mahalanobis(train, labels, c, queries)
@@ -104,8 +107,9 @@ def test_knn_equals_brute_force_across_chunk_boundaries(chunk):
     train, queries = rng.normal(size=(40, 6)), rng.normal(size=(11, 6))
     for k in (1, 5, 40):
         knn = KNN(k=k, chunk=chunk).fit(torch.from_numpy(train))
-        np.testing.assert_allclose(knn.score(torch.from_numpy(queries)).numpy(), _brute_force_knn(train, queries, k),
-                                   rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(
+            knn.score(torch.from_numpy(queries)).numpy(), _brute_force_knn(train, queries, k), rtol=1e-10, atol=1e-10
+        )
     # a training feature is its own nearest neighbour (distance 0 up to the expansion's round-off)
     assert KNN(k=1, chunk=chunk).fit(torch.from_numpy(train)).score(torch.from_numpy(train[:3])).max() < 1e-6
 
@@ -175,9 +179,12 @@ def test_vim_equals_openood_on_a_tiny_network():
     confidence = _openood_vim(train.numpy(), test.numpy(), w.numpy(), b.numpy(), dim=5)
     np.testing.assert_allclose(fitted.score(test).numpy(), -confidence, rtol=1e-9, atol=1e-9)
     for dim in (0, 2, 9):
-        np.testing.assert_allclose(ViM(dim=dim).fit(train, w, b).score(test.float()).numpy(),
-                                   -_openood_vim(train.numpy(), test.numpy(), w.numpy(), b.numpy(), dim),
-                                   rtol=1e-6, atol=1e-6)  # float32 features in, float64 scores out
+        np.testing.assert_allclose(
+            ViM(dim=dim).fit(train, w, b).score(test.float()).numpy(),
+            -_openood_vim(train.numpy(), test.numpy(), w.numpy(), b.numpy(), dim),
+            rtol=1e-6,
+            atol=1e-6,
+        )  # float32 features in, float64 scores out
 
 
 def test_vim_default_dims_and_refusals():
@@ -212,8 +219,10 @@ def _tiny_nets(n, seed=9):
     """n small networks without biases that ignore pixel 0 (its gradient is exactly 0, where
     OpenOOD's ``torch.ge(grad, 0)`` steps by -ε and a plain ``sign`` would not step)."""
     torch.manual_seed(seed)
-    nets = [nn.Sequential(nn.Flatten(), nn.Linear(48, 16, bias=False), nn.Tanh(), nn.Linear(16, 5, bias=False)).double()
-            for _ in range(n)]
+    nets = [
+        nn.Sequential(nn.Flatten(), nn.Linear(48, 16, bias=False), nn.Tanh(), nn.Linear(16, 5, bias=False)).double()
+        for _ in range(n)
+    ]
     for net in nets:
         with torch.no_grad():
             net[1].weight[:, 0] = 0
@@ -225,6 +234,7 @@ def _member_logits(nets, calls=None):
         if calls is not None:
             calls.append((x.detach().clone(), n, first))
         return torch.stack([nets[first + i]((x - MEAN) / STD) for i in range(n)])
+
     return member_logits
 
 
@@ -297,7 +307,7 @@ def test_odin_predictive_direction_is_the_sign_of_the_whole_gradient(chunk):
     scores = odin(_member_logits(nets, calls), x, 5, temperature=t, epsilon=eps, chunk=chunk)
     expected_x = _one_piece_perturbation(nets, x, t, eps)
     blocks = [(first, min(chunk or 5, 5 - first)) for first in range(0, 5, chunk or 5)]
-    perturbed_calls = calls[-len(blocks):]  # the last pass runs every member on x̃
+    perturbed_calls = calls[-len(blocks) :]  # the last pass runs every member on x̃
     assert [(first, n) for _, n, first in perturbed_calls] == blocks
     for x_tilde, _, _ in perturbed_calls:
         assert torch.equal(torch.sign(x_tilde - x), torch.sign(expected_x - x))
@@ -338,10 +348,10 @@ def test_odin_zero_epsilon_is_tempered_confidence_and_refusals():
     nets, x = _tiny_nets(2), _images()
     with torch.no_grad():
         probs = torch.stack([torch.softmax(net((x - MEAN) / STD) / 10.0, dim=-1) for net in nets])
-    torch.testing.assert_close(odin(_member_logits(nets), x, 2, temperature=10.0, epsilon=0.0),
-                               -probs.mean(0).amax(1))
-    torch.testing.assert_close(odin(_member_logits(nets), x, 2, temperature=10.0, epsilon=0.0, on="members"),
-                               -probs.amax(2).mean(0))
+    torch.testing.assert_close(odin(_member_logits(nets), x, 2, temperature=10.0, epsilon=0.0), -probs.mean(0).amax(1))
+    torch.testing.assert_close(
+        odin(_member_logits(nets), x, 2, temperature=10.0, epsilon=0.0, on="members"), -probs.amax(2).mean(0)
+    )
     with pytest.raises(ValueError, match="on must be"):
         odin(_member_logits(nets), x, 2, on="mean")
     with pytest.raises(ValueError, match=r"must give \(n, b, C\)"):
@@ -351,8 +361,9 @@ def test_odin_zero_epsilon_is_tempered_confidence_and_refusals():
 def test_odin_is_higher_for_flat_logits():
     nets = _tiny_nets(3)  # no biases: the normalised input 0 (pixels at the mean) has logits exactly 0
     flat = MEAN.expand(1, 3, 4, 4).clone()
-    confident = MEAN + 3 * STD * torch.randn(1, 3, 4, 4, generator=torch.Generator().manual_seed(11),
-                                             dtype=torch.float64)
+    confident = MEAN + 3 * STD * torch.randn(
+        1, 3, 4, 4, generator=torch.Generator().manual_seed(11), dtype=torch.float64
+    )
     for on in ("predictive", "members"):
         scores = odin(_member_logits(nets), torch.cat([flat, confident]), 3, on=on)
         assert scores[0] > scores[1]

@@ -120,8 +120,12 @@ def _tie_groups(uncertainty):
 
 
 def _all_metrics(errors, uncertainty):
-    return [aurc(errors, uncertainty), augrc(errors, uncertainty), risk_at_coverage(errors, uncertainty, 0.8),
-            *risk_coverage_curve(errors, uncertainty)[1].tolist()]
+    return [
+        aurc(errors, uncertainty),
+        augrc(errors, uncertainty),
+        risk_at_coverage(errors, uncertainty, 0.8),
+        *risk_coverage_curve(errors, uncertainty)[1].tolist(),
+    ]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -246,16 +250,21 @@ def test_selective_metrics_names_and_max_probability_is_a_confidence():
     confidence = 1 - uncertainty
     out = selective_metrics(errors, {"max_probability": confidence, "predictive_entropy": uncertainty})
     names = {"selective/optimal_aurc"} | {
-        f"selective/{s}/{m}" for s in ("max_probability", "predictive_entropy") for m in ("aurc", "eaurc", "augrc", "risk@80")
+        f"selective/{s}/{m}"
+        for s in ("max_probability", "predictive_entropy")
+        for m in ("aurc", "eaurc", "augrc", "risk@80")
     }
     assert set(out) == names
     assert all(isinstance(v, float) for v in out.values())
     # The confidence is turned into the same ranking as the uncertainty it came from.
     for m in ("aurc", "eaurc", "augrc", "risk@80"):
-        assert out[f"selective/max_probability/{m}"] == pytest.approx(out[f"selective/predictive_entropy/{m}"], abs=1e-14)
+        assert out[f"selective/max_probability/{m}"] == pytest.approx(
+            out[f"selective/predictive_entropy/{m}"], abs=1e-14
+        )
     assert out["selective/predictive_entropy/aurc"] == pytest.approx(aurc(errors, uncertainty), abs=1e-15)
     assert out["selective/predictive_entropy/eaurc"] == pytest.approx(
-        aurc(errors, uncertainty) - optimal_aurc(errors), abs=1e-15)
+        aurc(errors, uncertainty) - optimal_aurc(errors), abs=1e-15
+    )
     assert out["selective/optimal_aurc"] == optimal_aurc(errors)
     # Any other name is an uncertainty: the same values under "max_probability" rank backwards.
     flipped = selective_metrics(errors, {"max_probability": uncertainty})
@@ -281,14 +290,20 @@ def test_figure_has_one_curve_per_score_and_the_oracle(tmp_path):
 
     errors, uncertainty = random_case(1)
     gen = torch.Generator().manual_seed(1)
-    scores = {"predictive_entropy": uncertainty, "mutual_information": torch.rand(errors.numel(), generator=gen),
-              "max_probability": 1 - uncertainty}
+    scores = {
+        "predictive_entropy": uncertainty,
+        "mutual_information": torch.rand(errors.numel(), generator=gen),
+        "max_probability": 1 - uncertainty,
+    }
     fig = risk_coverage_figure(errors, scores)
     ax = fig.axes[0]
     assert len(ax.lines) == len(scores) + 1
     labels = [line.get_label() for line in ax.lines]
     for label, (name, _) in zip(labels, scores.items()):
-        assert label.startswith(name) and f"{aurc(errors, uncertainty if name != 'mutual_information' else scores[name]):.4f}" in label
+        assert (
+            label.startswith(name)
+            and f"{aurc(errors, uncertainty if name != 'mutual_information' else scores[name]):.4f}" in label
+        )
     assert labels[-1].startswith("oracle") and f"{optimal_aurc(errors):.4f}" in labels[-1]
     legend = [text.get_text() for text in ax.get_legend().get_texts()]
     assert legend == labels

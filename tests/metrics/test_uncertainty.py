@@ -94,7 +94,10 @@ def test_total_is_aleatoric_plus_epistemic_and_mi_nonnegative():
         assert all(v.shape == (50,) for v in scores.values())
         assert (scores["mutual_information"] >= 0).all()
         torch.testing.assert_close(
-            scores["expected_entropy"] + scores["mutual_information"], scores["predictive_entropy"], rtol=1e-5, atol=1e-5
+            scores["expected_entropy"] + scores["mutual_information"],
+            scores["predictive_entropy"],
+            rtol=1e-5,
+            atol=1e-5,
         )
         # Against a float64 computation from the probabilities.
         probs = members.double().exp()

@@ -129,7 +129,9 @@ def _regression(seed: int = 0, replicas: int = 64):
     a64, y64, p64 = abar.double(), y.double(), prec.double()
     precision = torch.kron(a64.T @ a64, torch.diag(p64)) + torch.eye((d + 1) * out, dtype=torch.float64) / eta
     mean = torch.linalg.solve(precision, vec(torch.diag(p64) @ y64.T @ a64))
-    mle = torch.linalg.solve(precision - torch.eye(len(precision), dtype=torch.float64) / eta, vec(torch.diag(p64) @ y64.T @ a64))
+    mle = torch.linalg.solve(
+        precision - torch.eye(len(precision), dtype=torch.float64) / eta, vec(torch.diag(p64) @ y64.T @ a64)
+    )
 
     layer = nn.Linear(d, out)
     xr, yr = x.repeat(replicas, 1), y.repeat(replicas, 1)
@@ -151,8 +153,18 @@ def _whiten(precision: torch.Tensor) -> torch.Tensor:
 def test_linear_regression_closed_form():
     torch.manual_seed(0)
     layer, closure, n, eta, precision, mean, mle = _regression()
-    opt = NEKFAC(layer, dataset_size=n, lr=1.0, kl_weight=1.0, prior_var=eta, damping=0.0, kl_clip=None,
-                 momentum=0.0, cov_update_every=1, eigen_update_every=50)
+    opt = NEKFAC(
+        layer,
+        dataset_size=n,
+        lr=1.0,
+        kl_weight=1.0,
+        prior_var=eta,
+        damping=0.0,
+        kl_clip=None,
+        momentum=0.0,
+        cov_update_every=1,
+        eigen_update_every=50,
+    )
     for _ in range(100):  # lr 1: a (noisy) Newton step onto the posterior mean
         opt.step(closure)
     opt.param_groups[0]["lr"] = 0.05
@@ -258,10 +270,14 @@ def test_sampled_fisher_loss_gradient_covariance():
 
 def _cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
-        nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.ReLU(),
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Conv2d(3, 3, 3, padding=1, bias=False),
+        nn.ReLU(),
         nn.Conv2d(3, 3, 3, padding=1, groups=3, bias=False),  # depthwise: 3 blocks of W̄ (1, 9)
-        nn.Flatten(), nn.Linear(3 * 5 * 5, 4),
+        nn.Flatten(),
+        nn.Linear(3 * 5 * 5, 4),
     )
 
 

@@ -41,8 +41,10 @@ LAYERS = {
     "conv-stride2-pad": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (5, 3, 7, 7)),
     "conv-dilation2": (lambda: nn.Conv2d(3, 4, 3, padding=2, dilation=2, bias=False), (5, 3, 7, 7)),
     "conv-depthwise": (lambda: nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4), (5, 4, 7, 7)),
-    "conv-groups2-same-reflect": (lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2, groups=2,
-                                                    padding_mode="reflect"), (5, 4, 6, 6)),
+    "conv-groups2-same-reflect": (
+        lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2, groups=2, padding_mode="reflect"),
+        (5, 4, 6, 6),
+    ),
     "conv-1x1-output": (lambda: nn.Conv2d(3, 4, 5), (5, 3, 5, 5)),
 }
 
@@ -73,9 +75,13 @@ def test_single_layer_matches_torch_func(name: str) -> None:
 def test_network_of_convs_and_linears_matches_torch_func() -> None:
     torch.manual_seed(1)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(inplace=True),  # in-place op on a hooked output
-        nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4), nn.Tanh(),
-        nn.Conv2d(4, 4, 1, bias=False), nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        nn.ReLU(inplace=True),  # in-place op on a hooked output
+        nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4),
+        nn.Tanh(),
+        nn.Conv2d(4, 4, 1, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
     )
     x = torch.randn(6, 3, 8, 8)
     r = torch.randn(6, 5)
@@ -154,8 +160,9 @@ def test_batchnorm_eval_matches_torch_func() -> None:
     bn.eval()
     x, r = torch.randn(5, 3, 4, 4), torch.randn(5, 3, 4, 4)
     params = {k: v.detach() for k, v in bn.named_parameters()}
-    expected = vmap(grad(lambda p, xi, ri: (functional_call(bn, p, (xi[None],))[0] * ri).sum()),
-                    in_dims=(None, 0, 0))(params, x, r)
+    expected = vmap(grad(lambda p, xi, ri: (functional_call(bn, p, (xi[None],))[0] * ri).sum()), in_dims=(None, 0, 0))(
+        params, x, r
+    )
     pe, sq, _ = _bn_batch_grads(bn, x, r)
     for n, p, s in zip(["weight", "bias"], pe, sq):
         torch.testing.assert_close(p, expected[n], rtol=1e-4, atol=1e-5)
@@ -200,7 +207,7 @@ def test_kfac_factors_linear_3d_and_grouped_conv() -> None:
     assert factor_a.shape == (2, 2 * 9 + 1, 2 * 9 + 1) and factor_s.shape == (2, 3, 3)
     for k in range(2):  # group k is an ordinary conv on its channel slice
         sub = nn.Conv2d(2, 3, 3, padding=1)
-        a_k, s_k = kfac_factors(sub, x[:, 2 * k:2 * k + 2], g[:, 3 * k:3 * k + 3])
+        a_k, s_k = kfac_factors(sub, x[:, 2 * k : 2 * k + 2], g[:, 3 * k : 3 * k + 3])
         torch.testing.assert_close(factor_a[k], a_k)
         torch.testing.assert_close(factor_s[k], s_k)
 
@@ -208,10 +215,17 @@ def test_kfac_factors_linear_3d_and_grouped_conv() -> None:
 # ---------------------------------------------------------------------- mixed precision
 # VOGN's and NEK-FAC's curvature statistics are float32 islands (dbsn.precision).
 
+
 def _captured_conv_net():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1, groups=6),
-                        GroupBatchNorm2d(6), nn.Flatten(), nn.Linear(6 * 8 * 8, 5))
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 3, padding=1, groups=6),
+        GroupBatchNorm2d(6),
+        nn.Flatten(),
+        nn.Linear(6 * 8 * 8, 5),
+    )
     layers = [m for m in net.modules() if isinstance(m, (nn.Conv2d, nn.Linear, GroupBatchNorm2d))]
     capture = LayerCapture(net, layers)
     x = torch.randn(7, 3, 8, 8)
@@ -226,12 +240,17 @@ def test_curvature_statistics_are_float32_under_autocast():
     layers, capture = _captured_conv_net()
     for layer in layers:
         a, g = capture.input(layer), capture.output_grad(layer)
-        stats = {"sum_squared_grads": sum_squared_grads(layer, a, g), "per_example_grads": per_example_grads(layer, a, g)}
+        stats = {
+            "sum_squared_grads": sum_squared_grads(layer, a, g),
+            "per_example_grads": per_example_grads(layer, a, g),
+        }
         if not isinstance(layer, GroupBatchNorm2d):
             stats["kfac_factors"] = kfac_factors(layer, a, g)
         with bf16_autocast():
-            mixed = {"sum_squared_grads": sum_squared_grads(layer, a, g),
-                     "per_example_grads": per_example_grads(layer, a, g)}
+            mixed = {
+                "sum_squared_grads": sum_squared_grads(layer, a, g),
+                "per_example_grads": per_example_grads(layer, a, g),
+            }
             if "kfac_factors" in stats:
                 mixed["kfac_factors"] = kfac_factors(layer, a, g)
         for name, values in stats.items():

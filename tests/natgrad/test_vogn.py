@@ -32,8 +32,18 @@ def _regression_run(steps: int, draws_per_step: int, noise: bool, momentum: floa
     torch.manual_seed(1)
     model = nn.Linear(D, 1, bias=False).double()
     nn.init.zeros_(model.weight)
-    opt = VOGN(model, lr=lr, dataset_size=N, prior_variance=PRIOR_VAR, tau=1.0, damping=0.0,
-               momentum=momentum, beta2=1.0, init_precision=1.0, draws_per_step=draws_per_step)
+    opt = VOGN(
+        model,
+        lr=lr,
+        dataset_size=N,
+        prior_variance=PRIOR_VAR,
+        tau=1.0,
+        damping=0.0,
+        momentum=momentum,
+        beta2=1.0,
+        init_precision=1.0,
+        draws_per_step=draws_per_step,
+    )
     opt.sample_noise = noise
 
     def closure():
@@ -92,8 +102,9 @@ def _classifier_data():
 def _stats_by_hand(model: nn.Module, x: torch.Tensor, t: torch.Tensor):
     """ĝ = mean of per-example gradients, ĥ = mean of their squares (torch.func reference)."""
     params = {k: v.detach() for k, v in model.named_parameters()}
-    per_example = vmap(grad(lambda p, xi, ti: F.cross_entropy(functional_call(model, p, (xi[None],)), ti[None])),
-                       in_dims=(None, 0, 0))(params, x, t)
+    per_example = vmap(
+        grad(lambda p, xi, ti: F.cross_entropy(functional_call(model, p, (xi[None],)), ti[None])), in_dims=(None, 0, 0)
+    )(params, x, t)
     return {k: v.mean(0) for k, v in per_example.items()}, {k: v.square().mean(0) for k, v in per_example.items()}
 
 
@@ -102,9 +113,22 @@ def _stats_by_hand(model: nn.Module, x: torch.Tensor, t: torch.Tensor):
 def test_two_noise_free_steps_match_the_update_by_hand(momentum: float, reduction: str) -> None:
     model, x, t = _classifier_data()
     lr, n_eff, prior_var, tau, damping, beta2, s0 = 0.1, 100 * 2, 0.3, 0.5, 0.01, 0.3, 0.5
-    opt = VOGN(model, lr=lr, dataset_size=100, augmentation_factor=2.0, prior_variance=prior_var, tau=tau,
-               damping=damping, momentum=momentum, beta2=beta2, init_precision=s0, draws_per_step=1,
-               kl_warmup_start=0.1, kl_warmup_steps=10, loss_reduction=reduction)
+    opt = VOGN(
+        model,
+        lr=lr,
+        dataset_size=100,
+        augmentation_factor=2.0,
+        prior_variance=prior_var,
+        tau=tau,
+        damping=damping,
+        momentum=momentum,
+        beta2=beta2,
+        init_precision=s0,
+        draws_per_step=1,
+        kl_warmup_start=0.1,
+        kl_warmup_steps=10,
+        loss_reduction=reduction,
+    )
     opt.sample_noise = False  # w = μ: σ forced to 0
 
     def closure():
@@ -134,8 +158,19 @@ def test_two_noise_free_steps_match_the_update_by_hand(momentum: float, reductio
 def test_weight_noise_has_the_posterior_scale() -> None:
     """The draws inside step() and sample_weights() are N(μ, τ / (N_eff (s + δ̃ + γ)))."""
     model, x, t = _classifier_data()
-    opt = VOGN(model, lr=0.0, dataset_size=50, augmentation_factor=2.0, prior_variance=0.5, tau=2.0,
-               damping=0.1, init_precision=0.3, draws_per_step=1000, kl_warmup_start=0.1, kl_warmup_steps=4)
+    opt = VOGN(
+        model,
+        lr=0.0,
+        dataset_size=50,
+        augmentation_factor=2.0,
+        prior_variance=0.5,
+        tau=2.0,
+        damping=0.1,
+        init_precision=0.3,
+        draws_per_step=1000,
+        kl_warmup_start=0.1,
+        kl_warmup_steps=4,
+    )
     tau_t, delta_tilde = 0.2, 0.2 / (0.5 * 100)
     expected = (tau_t / (100 * (0.3 + delta_tilde + 0.1))) ** 0.5
     mu = [p.detach().clone() for p in model.parameters()]
@@ -159,8 +194,9 @@ def test_weight_noise_has_the_posterior_scale() -> None:
     draws = []
     for _ in range(1000):
         with opt.sample_weights():
-            draws.append(torch.cat([((p.detach() - m) / std[k]).flatten()
-                                    for (k, p), m in zip(model.named_parameters(), mu)]))
+            draws.append(
+                torch.cat([((p.detach() - m) / std[k]).flatten() for (k, p), m in zip(model.named_parameters(), mu)])
+            )
     for k, p in model.named_parameters():
         assert torch.allclose(std[k], torch.full_like(p, expected[k]))
     assert all(torch.equal(p.detach(), m) for p, m in zip(model.parameters(), mu))
@@ -170,13 +206,23 @@ def test_weight_noise_has_the_posterior_scale() -> None:
 
 def _small_net(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    )
 
 
 def _make_opt(net: nn.Module) -> VOGN:
-    return VOGN(net, lr=0.05, dataset_size=60, momentum=0.9, beta2=0.9, draws_per_step=2,
-                kl_warmup_start=0.1, kl_warmup_steps=5, init_precision=0.1)
+    return VOGN(
+        net,
+        lr=0.05,
+        dataset_size=60,
+        momentum=0.9,
+        beta2=0.9,
+        draws_per_step=2,
+        kl_warmup_start=0.1,
+        kl_warmup_steps=5,
+        init_precision=0.1,
+    )
 
 
 def test_state_dict_round_trip_gives_the_identical_next_step() -> None:
@@ -187,6 +233,7 @@ def test_state_dict_round_trip_gives_the_identical_next_step() -> None:
             loss = F.cross_entropy(net(x), t, reduction="sum")
             loss.backward()
             return loss
+
         return closure
 
     net = _small_net(0)

@@ -18,7 +18,7 @@ from tests.support.autocast import bf16_autocast
 
 OPS = ["zero", "identity", "sep_conv_3x3", "dil_conv_3x3"]
 #: bfloat16's unit round-off: 8 significant bits, a relative error of at most 2^-8 per rounding
-BF16_EPS = 2.0 ** -8
+BF16_EPS = 2.0**-8
 LAYOUTS = [torch.contiguous_format, torch.channels_last]
 
 
@@ -40,8 +40,11 @@ class Trace(TorchDispatchMode):
         return out
 
     def count(self, name: str, dtype: torch.dtype | None = None, min_numel: int = 0) -> int:
-        return sum(1 for n, d, shape in self.ops if n == name and (dtype is None or d == dtype)
-                   and torch.Size(shape).numel() >= min_numel)
+        return sum(
+            1
+            for n, d, shape in self.ops
+            if n == name and (dtype is None or d == dtype) and torch.Size(shape).numel() >= min_numel
+        )
 
 
 def _edge_affine(layout, seed: int = 0):
@@ -66,7 +69,7 @@ def test_edge_affine_is_bfloat16_and_equals_float32_rounded_once(layout):
         for t in range(n):  # the explicit float32 product, then sum, then one rounding
             value = x.float() * gamma[k, t].detach()
             expected = torch.relu(value + beta[k, t].detach()).bfloat16()
-            assert torch.equal(out[:, t * c:(t + 1) * c], expected), (k, t)
+            assert torch.equal(out[:, t * c : (t + 1) * c], expected), (k, t)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -95,9 +98,11 @@ def test_edge_affine_gradients_reach_float32_parameters(layout):
     scale_gamma = (upstream.abs() * mask * x64.detach().abs().view(1, 4, 1, c, 6, 6)).sum((1, 4, 5))
     scale_beta = (upstream.abs() * mask).sum((1, 4, 5))
     scale_x = (upstream.abs() * mask * g64.detach().abs()).sum((0, 2)).squeeze(0)
-    for actual, expected, scale, name in [(affine.weight.grad.view(m, n, c), g64.grad.view(m, n, c), scale_gamma, "γ"),
-                                          (affine.bias.grad.view(m, n, c), b64.grad.view(m, n, c), scale_beta, "β"),
-                                          (x.grad.double(), x64.grad, scale_x.view(4, c, 6, 6), "x̂")]:
+    for actual, expected, scale, name in [
+        (affine.weight.grad.view(m, n, c), g64.grad.view(m, n, c), scale_gamma, "γ"),
+        (affine.bias.grad.view(m, n, c), b64.grad.view(m, n, c), scale_beta, "β"),
+        (x.grad.double(), x64.grad, scale_x.view(4, c, 6, 6), "x̂"),
+    ]:
         error = (actual.double() - expected).abs()
         assert bool((error <= BF16_EPS * scale.view(error.shape) + 1e-30).all()), (name, float(error.max()))
 
@@ -132,8 +137,10 @@ def test_alpha_sums_round_once_per_multiply_add():
     terms: dict[str, torch.Tensor] = {}
     source = cell.sources[0]
     hooks = [source.norm.register_forward_hook(lambda m, i, o: terms.__setitem__("identity", o))]
-    hooks += [chain.register_forward_hook(lambda m, i, o, name=name: terms.__setitem__(name, o))
-              for name, chain in source.chains.items()]
+    hooks += [
+        chain.register_forward_hook(lambda m, i, o, name=name: terms.__setitem__(name, o))
+        for name, chain in source.chains.items()
+    ]
     captured = {}
     hooks.append(source.register_forward_hook(lambda m, i, o: captured.update(inputs=i, out=o)))
     with bf16_autocast():
@@ -147,8 +154,11 @@ def test_alpha_sums_round_once_per_multiply_add():
     expected = None
     for name, weight in zip(source.present, weights):
         term = terms[name].view(b, g, -1, c, h, w).float()
-        expected = (term * weight.float()).bfloat16() if expected is None else \
-            (expected.float() + term * weight.float()).bfloat16()
+        expected = (
+            (term * weight.float()).bfloat16()
+            if expected is None
+            else (expected.float() + term * weight.float()).bfloat16()
+        )
     assert torch.equal(out, expected.expand_as(out))
 
 
@@ -160,8 +170,11 @@ def test_fused_cell_step_keeps_edge_affine_in_bfloat16_and_casts_less(monkeypatc
     backward of EdgeAffine's size runs in float32."""
     cell, x, alpha = _cell()
     dtypes: list[torch.dtype] = []
-    hooks = [m.register_forward_hook(lambda m, i, o: dtypes.extend(t.dtype for t in (o if isinstance(o, list) else [o])))
-             for m in cell.modules() if isinstance(m, (EdgeAffine, fused_module.SourceOps))]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: dtypes.extend(t.dtype for t in (o if isinstance(o, list) else [o])))
+        for m in cell.modules()
+        if isinstance(m, (EdgeAffine, fused_module.SourceOps))
+    ]
     after, out, gradients = _traced_step(cell, x, alpha)
     for hook in hooks:
         hook.remove()

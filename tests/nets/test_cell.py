@@ -67,13 +67,11 @@ def test_alpha_enters_linearly_per_op():
         return nodes[1] - slices[1]
 
     a, b = torch.tensor([0.3, 0.5, -0.2, 0.7]), torch.tensor([0.9, -0.4, 0.6, 0.1])
-    torch.testing.assert_close(edge_term(a + 2 * b), edge_term(a) + 2 * edge_term(b),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(edge_term(a + 2 * b), edge_term(a) + 2 * edge_term(b), rtol=1e-4, atol=1e-5)
     # A one-hot alpha scaled by c gives c times that op alone.
     for k in (1, 2, 3):
         one_hot = torch.eye(4)[k]
-        torch.testing.assert_close(edge_term(2.5 * one_hot), 2.5 * edge_term(one_hot),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(edge_term(2.5 * one_hot), 2.5 * edge_term(one_hot), rtol=1e-4, atol=1e-5)
     assert edge_term(torch.eye(4)[0]).abs().max() == 0  # "zero" contributes nothing
 
 
@@ -115,16 +113,20 @@ def test_node_output_dropout_masks_are_per_group_with_shared_inputs():
 
 # --- Cell options --------------------------------------------------------------------------
 
+
 def test_cell_default_projection_is_unchanged():
     """projection_kernel=1 (the default) keeps the state_dict of the original cell."""
     names = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
     c_in, nodes, growth = 5, 4, 3
     expected = {
-        "preprocess.0.weight": (c_in,), "preprocess.0.bias": (c_in,),
-        "preprocess.0.running_mean": (c_in,), "preprocess.0.running_var": (c_in,),
+        "preprocess.0.weight": (c_in,),
+        "preprocess.0.bias": (c_in,),
+        "preprocess.0.running_mean": (c_in,),
+        "preprocess.0.running_var": (c_in,),
         "preprocess.0.num_batches_tracked": (),
         "preprocess.2.weight": (nodes * growth, c_in, 1, 1),
-        "preprocess.3.running_mean": (nodes * growth,), "preprocess.3.running_var": (nodes * growth,),
+        "preprocess.3.running_mean": (nodes * growth,),
+        "preprocess.3.running_var": (nodes * growth,),
         "preprocess.3.num_batches_tracked": (),
     }
     for e in range(nodes * (nodes - 1) // 2):

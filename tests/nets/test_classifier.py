@@ -118,14 +118,20 @@ def _networks(segmentation: bool):
 
     nets = {"StructureNet": (StructureNet(**COMPILE_NET), (2, 3, 16, 16), 3)}
     if segmentation:
-        nets["DBSNSegNet"] = (DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
-                              (1, 3, 16, 16), 2)
+        nets["DBSNSegNet"] = (
+            DBSNSegNet(num_classes=5, first_channels=8, growth=4, num_down=2, num_nodes=3),
+            (1, 3, 16, 16),
+            2,
+        )
     return nets
 
 
 @needs_cpp_compiler
-@pytest.mark.parametrize("channels_last, autocast", [(False, True), (True, False), (True, True)],
-                         ids=["bf16_autocast", "channels_last", "channels_last_bf16_autocast"])
+@pytest.mark.parametrize(
+    "channels_last, autocast",
+    [(False, True), (True, False), (True, True)],
+    ids=["bf16_autocast", "channels_last", "channels_last_bf16_autocast"],
+)
 def test_the_networks_compile_to_one_graph(channels_last, autocast):
     """No graph break in training or prediction, in either layout, with or without autocast: a
     break splits the compiled forward and recompiles per module (the float32 islands of
@@ -134,11 +140,17 @@ def test_the_networks_compile_to_one_graph(channels_last, autocast):
     for name, (net, shape, groups) in _networks(channels_last and autocast).items():
         if channels_last:
             net = net.to(memory_format=torch.channels_last)
-        x = torch.randn(shape).contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        x = torch.randn(shape).contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        )
         for training in (True, False):
             net.train(training)
             alpha = torch.softmax(torch.randn(groups, net.num_edges, net.num_ops), -1)
             with torch.inference_mode(not training), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 explained = torch._dynamo.explain(net)(x, alpha, replicate=True)
-            assert explained.graph_break_count == 0, (name, training, [str(b.reason)[:200] for b in explained.break_reasons])
+            assert explained.graph_break_count == 0, (
+                name,
+                training,
+                [str(b.reason)[:200] for b in explained.break_reasons],
+            )
             assert explained.graph_count == 1

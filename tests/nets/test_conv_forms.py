@@ -37,16 +37,26 @@ def _assert_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") 
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("form, kernel, dilation",
-                         [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 1), ("stencil", 3, 2)],
-                         ids=["bmm", "mulsum", "stencil-d1", "stencil-d2"])
+@pytest.mark.parametrize(
+    "form, kernel, dilation",
+    [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 1), ("stencil", 3, 2)],
+    ids=["bmm", "mulsum", "stencil-d1", "stencil-d2"],
+)
 def test_each_form_equals_f_conv2d_with_its_gradients(form, kernel, dilation, layout):
     """A stacked convolution of 3 edges × 5 channels (the fused cell's shapes) in `form` against
     `F.conv2d` with the same weight: output, input gradient, weight gradient, and the output's layout."""
     edges, channels = 3, 5
     width = edges * channels
-    conv = StackedConv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
-                         groups=width if kernel > 1 else edges, bias=False, stacked_edges=edges).double()
+    conv = StackedConv2d(
+        width,
+        width,
+        kernel,
+        padding=dilation * (kernel // 2),
+        dilation=dilation,
+        groups=width if kernel > 1 else edges,
+        bias=False,
+        stacked_edges=edges,
+    ).double()
     conv.to(memory_format=LAYOUTS[layout])
     set_conv_forms(conv, **{"conv_1x1" if kernel == 1 else "depthwise": form})
     assert conv.form == form
@@ -64,15 +74,24 @@ def test_each_form_equals_f_conv2d_with_its_gradients(form, kernel, dilation, la
         _assert_exact(grad, reference, name)
 
 
-@pytest.mark.parametrize("form, kernel, dilation", [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 2)],
-                         ids=["bmm", "mulsum", "stencil-d2"])
+@pytest.mark.parametrize(
+    "form, kernel, dilation", [("bmm", 1, 1), ("mulsum", 1, 1), ("stencil", 3, 2)], ids=["bmm", "mulsum", "stencil-d2"]
+)
 def test_each_form_computes_in_autocast_s_dtype_as_f_conv2d(form, kernel, dilation):
     """Under bfloat16 autocast a form takes its operands in bfloat16 and returns bfloat16, as
     `F.conv2d` does, and both are near the float32 result (bfloat16's rounding of the operands)."""
     edges, channels = 2, 8
     width = edges * channels
-    conv = StackedConv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
-                         groups=width if kernel > 1 else edges, bias=False, stacked_edges=edges)
+    conv = StackedConv2d(
+        width,
+        width,
+        kernel,
+        padding=dilation * (kernel // 2),
+        dilation=dilation,
+        groups=width if kernel > 1 else edges,
+        bias=False,
+        stacked_edges=edges,
+    )
     formed = copy.deepcopy(conv)
     set_conv_forms(formed, **{"conv_1x1" if kernel == 1 else "depthwise": form})
     x = torch.randn(2, width, 6, 6, generator=torch.Generator().manual_seed(0))
@@ -91,10 +110,21 @@ def test_the_forms_compile_without_a_graph_break(layout):
     """Each form traced whole by dynamo (``fullgraph``, the aot_eager backend: the same graphs as
     inductor's, without code generation), forward and backward, equal to eager."""
     torch._dynamo.reset()
-    for kernel, dilation, setting in ((1, 1, {"conv_1x1": "bmm"}), (1, 1, {"conv_1x1": "mulsum"}),
-                                      (3, 2, {"depthwise": "stencil"})):
-        conv = StackedConv2d(12, 12, kernel, padding=dilation * (kernel // 2), dilation=dilation,
-                             groups=12 if kernel > 1 else 3, bias=False, stacked_edges=3).double()
+    for kernel, dilation, setting in (
+        (1, 1, {"conv_1x1": "bmm"}),
+        (1, 1, {"conv_1x1": "mulsum"}),
+        (3, 2, {"depthwise": "stencil"}),
+    ):
+        conv = StackedConv2d(
+            12,
+            12,
+            kernel,
+            padding=dilation * (kernel // 2),
+            dilation=dilation,
+            groups=12 if kernel > 1 else 3,
+            bias=False,
+            stacked_edges=3,
+        ).double()
         conv.to(memory_format=LAYOUTS[layout])
         set_conv_forms(conv, **setting)
         x = torch.randn(2, 12, 5, 5, dtype=torch.float64).contiguous(memory_format=LAYOUTS[layout]).requires_grad_()
@@ -111,8 +141,9 @@ def _net(cell: str = "fused") -> StructureNet:
     """4 nodes (source nodes of 3, 2 and 1 out-edges), two stages: a few cell shapes in float64, with
     the ops with both dilations and random weights."""
     torch.manual_seed(0)
-    net = StructureNet(num_classes=5, num_nodes=4, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8,
-                       cell=cell).double()
+    net = StructureNet(
+        num_classes=5, num_nodes=4, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8, cell=cell
+    ).double()
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for p in net.parameters():
@@ -201,8 +232,9 @@ def test_forms_are_refused_in_one_line_where_they_would_not_apply():
 
 
 def test_a_method_on_the_per_edge_cell_refuses_the_forms(tmp_path):
-    cfg = compose_config("train", small_model("map", "model.net.cell=per_edge", "model.execution.conv_1x1=mulsum"),
-                         tmp_path)
+    cfg = compose_config(
+        "train", small_model("map", "model.net.cell=per_edge", "model.execution.conv_1x1=mulsum"), tmp_path
+    )
     refusal = "conv_1x1=mulsum: StructureNet has no stacked convolutions"
     with pytest.raises(InstantiationException, match=refusal) as caught:
         build_model(cfg.model, num_classes=5)
@@ -212,16 +244,26 @@ def test_a_method_on_the_per_edge_cell_refuses_the_forms(tmp_path):
 #: the methods on the fused cell (VOGN and Packed-Ensembles run the per-edge one), with their overrides;
 #: BBB's and FBN's Gaussian weights sample on, the same draws in either form
 METHODS = {
-    "dbsn": [], "fbn": [], "map": [], "map_fixed": [], "mc_dropout": [], "bbb": [],
-    "deep_ensemble": ["model.size=2"], "batch_ensemble": ["model/net=structure_net"],
+    "dbsn": [],
+    "fbn": [],
+    "map": [],
+    "map_fixed": [],
+    "mc_dropout": [],
+    "bbb": [],
+    "deep_ensemble": ["model.size=2"],
+    "batch_ensemble": ["model/net=structure_net"],
 }
 
 
 def _method(model: str, tmp_path, **execution: str):
     """`model` on a tiny cell network in float64, with `execution`'s settings (its members' with an ensemble)."""
     prefix = "model.member" if model == "deep_ensemble" else "model"
-    overrides = [*METHODS[model], f"{prefix}.net.growth=4", f"{prefix}.net.stem_channels=8",
-                 *(f"{prefix}.execution.{key}={value}" for key, value in execution.items())]
+    overrides = [
+        *METHODS[model],
+        f"{prefix}.net.growth=4",
+        f"{prefix}.net.stem_channels=8",
+        *(f"{prefix}.execution.{key}={value}" for key, value in execution.items()),
+    ]
     if model in ("dbsn", "fbn"):
         overrides.append("model.train_samples=3")
     cfg = compose_config("train", small_model(model, *overrides), tmp_path)
@@ -236,6 +278,7 @@ def _counting(monkeypatch) -> dict[str, int]:
     """Calls of the two forms' functions from `convolve` (the layers' forward), counted."""
     calls = {"grouped_1x1": 0, "depthwise_stencil": 0}
     for name in calls:
+
         def counted(*args, _name=name, _function=getattr(conv_forms, name), **kwargs):
             calls[_name] += 1
             return _function(*args, **kwargs)

@@ -40,6 +40,7 @@ def tiny_fcdensenet(**kw):
 
 # --- parameter counts and shapes -----------------------------------------------------------
 
+
 def test_parameter_counts_match_the_paper():
     fc, dbsn = FCDenseNet(), DBSNSegNet()
     print(f"params: FC-DenseNet67 {count(fc)}, DBSN-seg {count(dbsn)}")
@@ -96,6 +97,7 @@ def test_fcdensenet_camvid_resolution():
 
 # --- FCDenseNet: interface and dropout ---------------------------------------------------
 
+
 def test_fcdensenet_dropout_layers():
     net = FCDenseNet()
     drops = [m for m in net.modules() if isinstance(m, nn.Dropout)]
@@ -124,6 +126,7 @@ def test_fcdensenet_replicate_gives_copies():
 
 
 # --- DBSNSegNet: grouped forward ---------------------------------------------------------
+
 
 def test_dbsn_grouped_forward_equals_separate_forwards_in_eval():
     net = tiny_dbsn()

@@ -17,11 +17,14 @@ from dbsn.nets.batchnorm import accumulated_running_statistics, structure_statis
 from dbsn.nets.fused_cell import unfuse
 from tests.support.netutil import soft_alpha
 
+
 def _assert_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
     """Equal to 1e-12 of the tensor's scale (float64 round-off of sums taken in another order)."""
     scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
     error = float((actual.double() - expected.double()).abs().max()) if expected.numel() else 0.0
-    assert actual.shape == expected.shape and error <= 1e-12 * scale, f"{name}: max error {error:.3g} at scale {scale:.3g}"
+    assert actual.shape == expected.shape and error <= 1e-12 * scale, (
+        f"{name}: max error {error:.3g} at scale {scale:.3g}"
+    )
 
 
 def _pair(make, seed: int = 0):
@@ -62,12 +65,21 @@ def _gradients(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _structure_net(**kwargs):
-    return lambda cell: StructureNet(num_classes=5, num_nodes=4, cells_per_stage=2, num_stages=2, growth=4,
-                                     stem_channels=8, cell=cell, **kwargs)
+    return lambda cell: StructureNet(
+        num_classes=5, num_nodes=4, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8, cell=cell, **kwargs
+    )
 
 
-def _train_and_compare(reference, fused, steps: int, groups: int, replicate: bool, layout=torch.contiguous_format,
-                       x_size: int = 8, classes_last: bool = False):
+def _train_and_compare(
+    reference,
+    fused,
+    steps: int,
+    groups: int,
+    replicate: bool,
+    layout=torch.contiguous_format,
+    x_size: int = 8,
+    classes_last: bool = False,
+):
     """`steps` SGD steps of both networks on the same batches and structures; after each: logits,
     α's gradient, every weight's gradient, running statistics; then evaluation outputs."""
     generator = torch.Generator().manual_seed(3)
@@ -112,8 +124,11 @@ def test_fused_network_trains_and_predicts_as_the_per_edge_one(replicate, layout
     _train_and_compare(reference, fused, steps=3, groups=3, replicate=replicate, layout=layout)
 
 
-@pytest.mark.parametrize("ops", [("identity", "sep_conv_3x3", "dil_conv_3x3"), ("zero", "sep_conv_3x3"),
-                                 ("zero", "identity"), ("dil_conv_3x3",)], ids=lambda ops: "+".join(ops))
+@pytest.mark.parametrize(
+    "ops",
+    [("identity", "sep_conv_3x3", "dil_conv_3x3"), ("zero", "sep_conv_3x3"), ("zero", "identity"), ("dil_conv_3x3",)],
+    ids=lambda ops: "+".join(ops),
+)
 def test_every_op_list_fuses_exactly(ops):
     reference, fused = _pair(_structure_net(ops=ops))
     _train_and_compare(reference, fused, steps=2, groups=2, replicate=True)
@@ -121,8 +136,9 @@ def test_every_op_list_fuses_exactly(ops):
 
 def test_segmentation_cells_fuse_exactly():
     """DBSNSegNet's cells: 3×3 input projection, the bottleneck and up path without the input."""
-    reference, fused = _pair(lambda cell: DBSNSegNet(num_classes=4, first_channels=8, growth=4, num_nodes=3,
-                                                     num_down=2, cell=cell))
+    reference, fused = _pair(
+        lambda cell: DBSNSegNet(num_classes=4, first_channels=8, growth=4, num_nodes=3, num_down=2, cell=cell)
+    )
     _train_and_compare(reference, fused, steps=2, groups=2, replicate=True, x_size=16)
 
 
@@ -170,8 +186,13 @@ def test_stacked_convolutions_get_each_edge_s_fan_out():
     fused = StructureNet(num_classes=10, num_nodes=7, cells_per_stage=1, growth=16, cell="fused")
     torch.manual_seed(0)
     reference = StructureNet(num_classes=10, num_nodes=7, cells_per_stage=1, growth=16, cell="per_edge")
-    depthwise = lambda net: torch.cat([m.weight.flatten() for m in net.modules()  # noqa: E731
-                                       if isinstance(m, nn.Conv2d) and m.groups == m.in_channels and m.kernel_size == (3, 3)])
+    depthwise = lambda net: torch.cat(
+        [
+            m.weight.flatten()
+            for m in net.modules()  # noqa: E731
+            if isinstance(m, nn.Conv2d) and m.groups == m.in_channels and m.kernel_size == (3, 3)
+        ]
+    )
     ratio = depthwise(fused).std() / depthwise(reference).std()
     assert 0.95 < float(ratio) < 1.05, float(ratio)
 

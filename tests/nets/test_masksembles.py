@@ -14,8 +14,17 @@ import torch
 from torch import nn
 
 from dbsn.nets import ResNet18, StructureNet
-from dbsn.nets.masksembles import (MaskedConv2d, MaskedLinear, draw_masks, generate_masks, mask_overlap, masked_layers,
-                                   masks_for_channels, masksembles, union_size)
+from dbsn.nets.masksembles import (
+    MaskedConv2d,
+    MaskedLinear,
+    draw_masks,
+    generate_masks,
+    mask_overlap,
+    masked_layers,
+    masks_for_channels,
+    masksembles,
+    union_size,
+)
 
 
 def _pairwise(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +50,7 @@ def test_draws_have_m_ones_and_the_hypergeometric_intersection_and_union():
         unions.append(masks.shape[1])
     intersections, unions = torch.stack(intersections), torch.tensor(unions, dtype=torch.float64)
     for values, expected in ((intersections, m * m / N), (unions, N * (1 - (1 - m / N) ** n))):
-        assert abs(values.mean().item() - expected) < 4 * values.std().item() / draws ** 0.5, (values.mean(), expected)
+        assert abs(values.mean().item() - expected) < 4 * values.std().item() / draws**0.5, (values.mean(), expected)
 
 
 def test_generated_masks_keep_exactly_the_authors_union_size():
@@ -52,8 +61,9 @@ def test_generated_masks_keep_exactly_the_authors_union_size():
         assert (masks.sum(1) == m).all()
 
 
-@pytest.mark.parametrize("channels, n, scale", [(10, 4, 2.0), (64, 4, 2.0), (640, 4, 2.0), (96, 3, 1.5), (128, 4, 4.0),
-                                                (33, 2, 6.0)])
+@pytest.mark.parametrize(
+    "channels, n, scale", [(10, 4, 2.0), (64, 4, 2.0), (640, 4, 2.0), (96, 3, 1.5), (128, 4, 4.0), (33, 2, 6.0)]
+)
 def test_masks_cover_exactly_c_channels_with_the_authors_ones_per_mask(channels, n, scale):
     masks = masks_for_channels(channels, n, scale, torch.Generator().manual_seed(2))
     ones = int(channels / (scale * (1 - (1 - 1 / scale) ** n)))  # their inverse formula
@@ -74,6 +84,7 @@ def test_scale_one_gives_masks_of_ones_and_the_authors_limits_are_refused():
 def _authors_generation_wrapper(c: int, n: int, scale: float, rng: np.random.Generator) -> np.ndarray:
     """nikitadurasov/masksembles masksembles/common.py, generation_wrapper with generate_masks and
     generate_masks_, re-implemented with numpy as written there: a draw at every step of the bisection."""
+
     def draw(m, s):
         total = int(m * s)
         masks = np.zeros((n, total))
@@ -108,13 +119,18 @@ def test_the_overlap_is_the_authors_and_about_one_over_two_s_minus_one(scale):
     channels, n, sets = 64, 4, 150
     generator, rng = torch.Generator().manual_seed(3), np.random.default_rng(3)
     ours = torch.stack([_pairwise(masks_for_channels(channels, n, scale, generator))[1].mean() for _ in range(sets)])
-    theirs = torch.stack([_pairwise(torch.from_numpy(_authors_generation_wrapper(channels, n, scale, rng)))[1].mean()
-                          for _ in range(sets)])
+    theirs = torch.stack(
+        [
+            _pairwise(torch.from_numpy(_authors_generation_wrapper(channels, n, scale, rng)))[1].mean()
+            for _ in range(sets)
+        ]
+    )
     error = (ours.var() / sets + theirs.var() / sets).sqrt().item()
     assert abs(ours.mean().item() - theirs.mean().item()) < 4 * error
     assert abs(ours.mean().item() - 1 / (2 * scale - 1)) < 0.03
     assert mask_overlap(masks_for_channels(channels, n, scale, generator)) == pytest.approx(
-        ours.mean().item(), abs=0.08)  # the same statistic, one set
+        ours.mean().item(), abs=0.08
+    )  # the same statistic, one set
 
 
 def test_a_masked_layer_masks_row_r_with_member_r_mod_m():
@@ -124,7 +140,7 @@ def test_a_masked_layer_masks_row_r_with_member_r_mod_m():
     x, features = torch.randn(2 * 3, 12, 6, 6), torch.randn(2 * 3, 12)
     masked_conv, masked_linear = MaskedConv2d(conv, masks), MaskedLinear(linear, masks)
     for r in range(6):
-        torch.testing.assert_close(masked_conv(x)[r], conv(x[r:r + 1] * masks[r % 3, :, None, None])[0])
+        torch.testing.assert_close(masked_conv(x)[r], conv(x[r : r + 1] * masks[r % 3, :, None, None])[0])
         torch.testing.assert_close(masked_linear(features)[r], linear(features[r] * masks[r % 3]))
     torch.testing.assert_close(masked_conv(x.contiguous(memory_format=torch.channels_last)), masked_conv(x))
     with pytest.raises(ValueError, match="whole member groups"):
@@ -140,6 +156,8 @@ def test_every_convolution_but_the_stem_and_the_head_are_masked():
     assert type(net.conv1) is nn.Conv2d and masked == set(convs[1:]) | {"classifier"}  # conv1: the stem
     assert all(layer.masks.shape == (4, layer.layer.weight.shape[1]) for layer in masked_layers(net))
     cells = masksembles(StructureNet(10, num_nodes=3, cells_per_stage=1, growth=10, stem_channels=16), 2, 2.0)
-    assert type(cells.stem) is nn.Conv2d and len(masked_layers(cells)) > 10 and isinstance(cells.classifier, MaskedLinear)
+    assert (
+        type(cells.stem) is nn.Conv2d and len(masked_layers(cells)) > 10 and isinstance(cells.classifier, MaskedLinear)
+    )
     with pytest.raises(ValueError, match="masksembles: layer1.0.conv1 of ResNet18: .*at least 10 channels.*got 8"):
         masksembles(ResNet18(10, width=8), 4, 2.0)

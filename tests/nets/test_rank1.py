@@ -26,11 +26,15 @@ def test_the_factors_start_as_the_authors_do():
     N(0, 0.1²) jitter truncated at ±0.2 for the normal family, the constant for the Cauchy."""
     torch.manual_seed(0)
     layer = Rank1Conv2d(nn.Conv2d(300, 400, 3), 4, NORMAL, 0.5, SIGMA0)
-    assert set(layer.r.unique().tolist()) == {-1.0, 1.0} and (layer.s == 1).float().mean().item() == pytest.approx(0.5, abs=0.03)
+    assert set(layer.r.unique().tolist()) == {-1.0, 1.0} and (layer.s == 1).float().mean().item() == pytest.approx(
+        0.5, abs=0.03
+    )
     mean = math.log(math.expm1(SIGMA0))
     for rho in (layer.r_rho, layer.s_rho):
         assert rho.shape in ((4, 300), (4, 400)) and ((rho - mean).abs() <= 0.2).all()
-        assert rho.mean().item() == pytest.approx(mean, abs=0.01) and rho.std().item() == pytest.approx(0.088, abs=0.005)
+        assert rho.mean().item() == pytest.approx(mean, abs=0.01) and rho.std().item() == pytest.approx(
+            0.088, abs=0.005
+        )
     assert F.softplus(torch.tensor(mean)).item() == pytest.approx(0.0316, abs=1e-4)
     cauchy = Rank1Linear(nn.Linear(30, 20), 4, FactorDistribution("cauchy"), -0.5, SIGMA0)
     assert torch.equal(cauchy.r_rho, torch.full((4, 30), mean)) and cauchy.bias.shape == (4, 20)
@@ -56,7 +60,9 @@ def test_every_row_draws_its_own_factors_and_held_members_one_each():
     torch.testing.assert_close(held[0], expected)
     assert layer.members is None  # fresh draws again after the block
     many = draw_members(layer, 20_000)[layer]
-    torch.testing.assert_close(many[0][0::2].mean(0), layer.r[0].detach(), atol=0.01, rtol=0)  # member k: component k mod 2
+    torch.testing.assert_close(
+        many[0][0::2].mean(0), layer.r[0].detach(), atol=0.01, rtol=0
+    )  # member k: component k mod 2
     torch.testing.assert_close(many[0][1::2].std(0), layer.scales()[0][1].detach(), atol=0.01, rtol=0)
 
 

@@ -31,8 +31,10 @@ def test_full_size_networks_have_the_published_parameter_counts():
 
 
 def _stage_sizes(net, stages, x):
-    sizes, hooks = [], [getattr(net, s).register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[1:])))
-                        for s in stages]
+    sizes, hooks = (
+        [],
+        [getattr(net, s).register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[1:]))) for s in stages],
+    )
     net(x)
     for h in hooks:
         h.remove()

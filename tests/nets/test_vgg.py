@@ -17,7 +17,9 @@ def test_vgg16_bn_has_3_7m_parameters_and_the_network_interface():
     torch.manual_seed(0)
     net = VGG16BN(10, width=0.25)
     assert (net.num_edges, net.num_ops, net.op_names, net.edges, net.num_classes) == (0, 0, [], [], 10)
-    assert [m.out_channels for m in net.modules() if isinstance(m, torch.nn.Conv2d)] == [8] * 2 + [16] * 2 + [32] * 3 + [64] * 6
+    assert [m.out_channels for m in net.modules() if isinstance(m, torch.nn.Conv2d)] == [8] * 2 + [16] * 2 + [
+        32
+    ] * 3 + [64] * 6
     x = torch.randn(4, 3, 32, 32)
     assert net(x).shape == (4, 10) and net(x, torch.zeros(0, 0)).shape == (4, 10)
     grouped = net(x, torch.zeros(3, 0, 0), replicate=True)  # every example under each of G = 3 groups

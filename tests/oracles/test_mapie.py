@@ -81,8 +81,9 @@ def data():
 
 def _mapie(estimator, labels, alpha, score):
     index = np.arange(N_CAL + N_TEST)[:, None]
-    model = SplitConformalClassifier(estimator, confidence_level=1 - alpha, conformity_score=score, prefit=True,
-                                     random_state=SEED)
+    model = SplitConformalClassifier(
+        estimator, confidence_level=1 - alpha, conformity_score=score, prefit=True, random_state=SEED
+    )
     return model.conformalize(index[:N_CAL], labels[:N_CAL]), index[N_CAL:]
 
 
@@ -102,7 +103,7 @@ def test_conformal_quantile_equals_mapie():
     g = torch.Generator().manual_seed(1)
     for n in (19, 20, 99, 100, 257, 1000):
         scores = torch.rand(n, generator=g, dtype=torch.float64)
-        scores[: n // 4] = scores[n // 4: 2 * (n // 4)]  # ties
+        scores[: n // 4] = scores[n // 4 : 2 * (n // 4)]  # ties
         for alpha in (0.01, 0.05, 0.1, 0.2, 0.5):
             if cf.quantile_rank(n, alpha) > n:
                 continue
@@ -174,7 +175,8 @@ def test_raps_score_equals_mapie_at_given_k_reg_and_lambda(data):
     p_cal, y_cal = torch.from_numpy(probs[:N_CAL]), torch.from_numpy(labels[:N_CAL])
     for k_reg, lam in ((1, 0.01), (2, 0.1), (4, 0.5)):
         theirs = RAPSConformityScore._regularize_conformity_score(
-            np.array([k_reg]), lam, model.conformity_scores.reshape(-1, 1), aps.cutoff)[:, 0, 0]
+            np.array([k_reg]), lam, model.conformity_scores.reshape(-1, 1), aps.cutoff
+        )[:, 0, 0]
         ours = cf.conformity_scores(p_cal, "raps_randomized", u, k_reg, lam).gather(1, y_cal[:, None]).squeeze(1)
         np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=1e-15)
         _, ranks = cf.label_ranks(p_cal)
@@ -197,8 +199,9 @@ def test_raps_sets_at_given_parameters_equal_mapie(data, k_reg, lam, qhat):
     score.k_star, score.lambda_star, score.quantiles_ = np.array([k_reg]), lam, np.array([qhat])
 
     def mapie_sets(include_last_label):
-        return score.get_prediction_sets(probs[N_CAL:, :, None], np.zeros((1, 1)), np.array([0.1]), "prefit",
-                                         include_last_label=include_last_label)[:, :, 0]
+        return score.get_prediction_sets(
+            probs[N_CAL:, :, None], np.zeros((1, 1)), np.array([0.1]), "prefit", include_last_label=include_last_label
+        )[:, :, 0]
 
     fixed = cf.conformity_scores(p_test, "raps", None, k_reg, lam)
     _clear_of_epsilon(fixed, qhat)

@@ -90,8 +90,9 @@ def test_histogram_binning_equals_netcal(bins):
     expected = floored_log(torch.from_numpy(per_class), FLOOR)
     torch.testing.assert_close(ours(test_log_probs), expected, rtol=0, atol=1e-12)
     if (per_class >= FLOOR).all():  # the floor does not act: netcal's renormalised output itself
-        np.testing.assert_allclose(ours(test_log_probs).exp().numpy(), theirs.transform(test_log_probs.exp().numpy()),
-                                   rtol=0, atol=1e-14)
+        np.testing.assert_allclose(
+            ours(test_log_probs).exp().numpy(), theirs.transform(test_log_probs.exp().numpy()), rtol=0, atol=1e-14
+        )
 
 
 def test_isotonic_regression_equals_netcal():
@@ -101,8 +102,9 @@ def test_isotonic_regression_equals_netcal():
     theirs = NetcalIsotonic().fit(log_probs.exp().numpy(), labels.numpy())
     per_class = _one_vs_rest(theirs, test_log_probs.exp().numpy())
     np.testing.assert_allclose(ours.class_probabilities(test_log_probs).numpy(), per_class, rtol=0, atol=1e-14)
-    torch.testing.assert_close(ours(test_log_probs), floored_log(torch.from_numpy(per_class), FLOOR),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        ours(test_log_probs), floored_log(torch.from_numpy(per_class), FLOOR), rtol=0, atol=1e-12
+    )
 
 
 # ------------------------------------------------------------------------------- the fitted maps
@@ -111,8 +113,10 @@ def test_temperature_scaling_equals_netcal_to_the_optimisers_tolerance():
     probs = log_probs.exp().numpy()
     theirs = TemperatureScaling(method="mle").fit(probs, labels.numpy())
     netcal_temperature = 1 / float(np.asarray(theirs.temperature).item())
-    for ours in (DbsnTemperatureScaling().fit(log_probs, labels), DirichletCalibration(map="fixed_diagonal")
-                 .fit(log_probs, labels)):
+    for ours in (
+        DbsnTemperatureScaling().fit(log_probs, labels),
+        DirichletCalibration(map="fixed_diagonal").fit(log_probs, labels),
+    ):
         temperature = ours.scaler.temperature if hasattr(ours, "scaler") else 1 / ours.weight[0, 0].item()
         assert math.isclose(temperature, netcal_temperature, rel_tol=1e-4), (temperature, netcal_temperature)
         calibrated = ours(log_probs).exp()
@@ -159,8 +163,10 @@ def test_ece_equals_netcal_with_confidences_of_one(bins):
     logged.update(probs[300:], labels[300:])
     assert math.isclose(logged.compute().item(), theirs, rel_tol=2**-23, abs_tol=0)
     ones = probs.amax(1) == 1
-    own_bin = (expected_calibration_error(probs[~ones], labels[~ones], n_bins=bins).item() * (~ones).sum().item()
-               + ones.sum().item()) / N  # the 10 wrong ones' gap |Σ (0 − 1)| = 10 in a bin of their own
+    own_bin = (
+        expected_calibration_error(probs[~ones], labels[~ones], n_bins=bins).item() * (~ones).sum().item()
+        + ones.sum().item()
+    ) / N  # the 10 wrong ones' gap |Σ (0 − 1)| = 10 in a bin of their own
     assert abs(own_bin - theirs) > 1e-3
 
 

@@ -94,8 +94,9 @@ def test_max_probability_of_members_equals_pytorch_ood_mc_dropout_mean():
     """Several members: dbsn's ``max_probability`` (1 − max_c of the members' mean softmax) against
     pytorch-ood's MC-dropout detector, whose N forward passes here return the members' logits in
     turn. ``MCD.run`` keeps float64 (1e-12); ``predict`` accumulates in float32 (float32's rounding)."""
-    members = _logits(n=120, seed=8).unsqueeze(0) + 2 * torch.randn(5, 120, 10, generator=torch.Generator()
-                                                                      .manual_seed(9), dtype=torch.float64)
+    members = _logits(n=120, seed=8).unsqueeze(0) + 2 * torch.randn(
+        5, 120, 10, generator=torch.Generator().manual_seed(9), dtype=torch.float64
+    )
 
     class Cycle(nn.Module):
         def __init__(self) -> None:
@@ -154,8 +155,9 @@ def test_feature_score_treatments_are_pytorch_ood_per_member_or_of_the_mean_feat
     train = torch.stack([_features(300, 8, 4, seed=s)[0] for s in range(3)])  # (S, N, D)
     labels = _features(300, 8, 4)[1]
     queries = torch.stack([_features(60, 8, 4, seed=10 + s)[0] for s in range(3)])
-    training = Training(logits=torch.empty(3, 300, 4), features=train, labels=labels, num_classes=4, heads=None,
-                        method="test")
+    training = Training(
+        logits=torch.empty(3, 300, 4), features=train, labels=labels, num_classes=4, heads=None, method="test"
+    )
     batch = Members(n=3, images=torch.empty(0), logits=None, features=queries, logits_of=None, per_forward=3)
     theirs = [KNN(None, k=5).fit_features(f, labels).predict_features(q) for f, q in zip(train, queries)]
     score = KNNScore(members="per_member", k=5)

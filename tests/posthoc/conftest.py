@@ -24,7 +24,9 @@ def _fit_head_by_logistic_regression(head: nn.Linear, features, labels, weight_d
 
     def closure():
         opt.zero_grad()
-        loss = F.cross_entropy(head(features), labels) + weight_decay / 2 * sum(p.square().sum() for p in head.parameters())
+        loss = F.cross_entropy(head(features), labels) + weight_decay / 2 * sum(
+            p.square().sum() for p in head.parameters()
+        )
         loss.backward()
         return loss
 

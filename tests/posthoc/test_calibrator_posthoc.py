@@ -57,8 +57,9 @@ def test_a_calibrated_method_predicts_and_decomposes_through_its_calibrator():
 
 def test_a_calibrator_on_top_of_laplace_calibrates_the_laplace_predictive(digits_map):
     method, dm = digits_map
-    posterior = PosthocCalibration(IsotonicCalibration(),
-                                   base=LastLayerLaplace(n_samples=8, hessian="diag", prior_precision=1.0))
+    posterior = PosthocCalibration(
+        IsotonicCalibration(), base=LastLayerLaplace(n_samples=8, hessian="diag", prior_precision=1.0)
+    )
     assert posterior.name == "laplace+isotonic" and posterior.why_not(method, {}) is None
     assert posterior.n_samples == 8  # its base's S
     posterior.check(method, dm, {}, posterior.n_samples)
@@ -90,8 +91,9 @@ def test_temperature_scaling_predicts_as_the_runs_own_temperature_would(digits_m
     assert calibrated.calibrator.scaler.temperature == temperature
     with torch.no_grad():
         assert torch.equal(calibrated.predict_log_probs(x), own.predict_log_probs(x))
-        assert torch.equal(calibrated.uncertainty_scores(x)["mutual_information"],
-                           own.uncertainty_scores(x)["mutual_information"])
+        assert torch.equal(
+            calibrated.uncertainty_scores(x)["mutual_information"], own.uncertainty_scores(x)["mutual_information"]
+        )
     # stacked on the run's own temperature: a second temperature refits the product, T₁ · T₂ ≈ T₁
     stacked = PosthocCalibration(TemperatureScaling()).fit(copy.deepcopy(own), dm, {})
     assert stacked.calibrator.scaler.temperature == pytest.approx(1.0, abs=1e-3)
@@ -104,10 +106,14 @@ def test_the_posterior_checks_its_inputs_in_one_line():
     no_val = DigitsDataModule(num_workers=0, val_size=0)
     with pytest.raises(PosthocError, match="validation split.*data.val_size=0"):
         posterior.check(MAP(tiny_structure_net(), learn_structure=False), no_val, {})
-    with pytest.raises(PosthocError, match=r"posthoc.calibrator: floor must lie in \(0, 1/C\) = \(0, 0.1\) for 10 "
-                                           r"classes, got 0.2 \(posthoc=isotonic\)"):
-        PosthocCalibration(IsotonicCalibration(floor=0.2)).check(MAP(tiny_structure_net(10), learn_structure=False),
-                                                                  DigitsDataModule(num_workers=0, val_size=50), {})
+    with pytest.raises(
+        PosthocError,
+        match=r"posthoc.calibrator: floor must lie in \(0, 1/C\) = \(0, 0.1\) for 10 "
+        r"classes, got 0.2 \(posthoc=isotonic\)",
+    ):
+        PosthocCalibration(IsotonicCalibration(floor=0.2)).check(
+            MAP(tiny_structure_net(10), learn_structure=False), DigitsDataModule(num_workers=0, val_size=50), {}
+        )
     with pytest.raises(PosthocError, match="posthoc.calibrator must be a dbsn.posthoc.calibrators.Calibrator"):
         PosthocCalibration(torch.nn.Identity())
     with pytest.raises(PosthocError, match="posthoc.base must be a post-hoc posterior"):
@@ -120,17 +126,27 @@ def test_the_posterior_checks_its_inputs_in_one_line():
 
 
 def test_the_shipped_configs_build_their_calibrators(tmp_path):
-    for name, kind in (("temperature", TemperatureScaling), ("histogram_binning", None), ("isotonic", IsotonicCalibration),
-                       ("dirichlet", DirichletCalibration)):
+    for name, kind in (
+        ("temperature", TemperatureScaling),
+        ("histogram_binning", None),
+        ("isotonic", IsotonicCalibration),
+        ("dirichlet", DirichletCalibration),
+    ):
         posterior = build_posterior(compose_config("evaluate", ["ckpt_path=x.ckpt", f"posthoc={name}"], tmp_path))
         assert isinstance(posterior, PosthocCalibration) and posterior.name == name == posterior.calibrator.name
         assert kind is None or isinstance(posterior.calibrator, kind)
     with pytest.raises(ConfigError, match="posthoc: bins must be >= 1, got 0"):
-        build_posterior(compose_config("evaluate", ["ckpt_path=x.ckpt", "posthoc=histogram_binning",
-                                                    "posthoc.calibrator.bins=0"], tmp_path))
+        build_posterior(
+            compose_config(
+                "evaluate", ["ckpt_path=x.ckpt", "posthoc=histogram_binning", "posthoc.calibrator.bins=0"], tmp_path
+            )
+        )
     with pytest.raises(ConfigError, match="posthoc.calibrator: unknown key 'binz'.*Did you mean 'bins'"):
-        build_posterior(compose_config("evaluate", ["ckpt_path=x.ckpt", "posthoc=histogram_binning",
-                                                    "+posthoc.calibrator.binz=3"], tmp_path))
+        build_posterior(
+            compose_config(
+                "evaluate", ["ckpt_path=x.ckpt", "posthoc=histogram_binning", "+posthoc.calibrator.binz=3"], tmp_path
+            )
+        )
 
 
 #: a calibrator of a user's own package and its config, nothing of it in dbsn
@@ -192,28 +208,51 @@ def test_a_calibrator_of_ones_own_package_is_one_class_and_one_yaml(tmp_path, mo
     assert calibrated.run_facts()["calibrator"] == "uniform_mixing"
     assert calibrated.run_facts()["calibrator_nll_after"] < calibrated.run_facts()["calibrator_nll_before"]
     with pytest.raises(ConfigError, match="posthoc: at_most must lie in"):
-        build_posterior(compose_config("evaluate", ["ckpt_path=x.ckpt", search, "posthoc=uniform_mixing",
-                                                    "posthoc.calibrator.at_most=2"], tmp_path / "hydra"))
+        build_posterior(
+            compose_config(
+                "evaluate",
+                ["ckpt_path=x.ckpt", search, "posthoc=uniform_mixing", "posthoc.calibrator.at_most=2"],
+                tmp_path / "hydra",
+            )
+        )
 
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     """A finished map_fixed run on 300 digits with a 100-image validation split."""
     root = tmp_path_factory.mktemp("calibrated")
-    overrides = ["data=digits", "data.num_workers=0", "data.val_size=100", "data.train_subset=300", "model=map_fixed",
-                 *tiny_for("map_fixed"), "trainer.max_epochs=1", "logger=csv"]
+    overrides = [
+        "data=digits",
+        "data.num_workers=0",
+        "data.val_size=100",
+        "data.train_subset=300",
+        "model=map_fixed",
+        *tiny_for("map_fixed"),
+        "trainer.max_epochs=1",
+        "logger=csv",
+    ]
     train(compose_config("train", overrides, root), root)
     return root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, overrides", [
-    ("isotonic", ["posthoc=isotonic"]),
-    ("dirichlet", ["posthoc=dirichlet", "posthoc.calibrator.reg_lambda=0.01"]),
-    ("temperature", ["posthoc=temperature"]),
-    ("laplace+histogram_binning", ["posthoc=histogram_binning", "+posthoc@posthoc.base=laplace",
-                                   "posthoc.base.n_samples=4", "posthoc.base.hessian=diag"]),
-])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("isotonic", ["posthoc=isotonic"]),
+        ("dirichlet", ["posthoc=dirichlet", "posthoc.calibrator.reg_lambda=0.01"]),
+        ("temperature", ["posthoc=temperature"]),
+        (
+            "laplace+histogram_binning",
+            [
+                "posthoc=histogram_binning",
+                "+posthoc@posthoc.base=laplace",
+                "posthoc.base.n_samples=4",
+                "posthoc.base.hessian=diag",
+            ],
+        ),
+    ],
+)
 def test_evaluate_with_a_calibrator_writes_its_posthoc_run(digits_run, tmp_path, name, overrides):
     evaluate_quietly(digits_run / "checkpoints" / "last.ckpt", tmp_path, overrides)
     folder = digits_run / "posthoc" / name

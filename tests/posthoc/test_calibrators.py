@@ -12,8 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from dbsn.methods.temperature import TemperatureScaler
-from dbsn.posthoc.calibrators import (FLOOR, DirichletCalibration, HistogramBinning, IsotonicCalibration,
-                                      TemperatureScaling, floored_log)
+from dbsn.posthoc.calibrators import (
+    FLOOR,
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    TemperatureScaling,
+    floored_log,
+)
 from dbsn.posthoc.calibrators.dirichlet import LOG_EPS, ODIR_GRID, dirichlet_objective
 
 C = 5
@@ -41,8 +47,13 @@ def test_isotonic_equals_scikit_learns_per_class_maps():
     test_lp = torch.cat([test_lp, corners, fit_lp[:20]])  # fitted points themselves: on the thresholds
     iso = IsotonicCalibration().fit(fit_lp, fit_y)
     p_fit, p_test = fit_lp.exp().numpy(), test_lp.exp().numpy()
-    expected = np.stack([IsotonicCalibration.regression(p_fit[:, c], (fit_y.numpy() == c).astype(float))
-                         .predict(p_test[:, c]) for c in range(C)], axis=1)
+    expected = np.stack(
+        [
+            IsotonicCalibration.regression(p_fit[:, c], (fit_y.numpy() == c).astype(float)).predict(p_test[:, c])
+            for c in range(C)
+        ],
+        axis=1,
+    )
     assert torch.equal(iso.class_probabilities(test_lp), torch.from_numpy(expected))
     torch.testing.assert_close(iso(test_lp), floored_log(torch.from_numpy(expected), FLOOR), rtol=0, atol=1e-12)
     assert iso.x_thresholds.shape[0] == C and iso.x_thresholds.dtype == torch.float64
@@ -102,19 +113,29 @@ def test_dirichlet_is_the_identity_at_w_i_b_0_and_its_gradient_is_exact():
     assert lp.min() > LOG_EPS
     for map in ("full", "diagonal", "fixed_diagonal"):
         identity = DirichletCalibration(map)
-        identity.num_classes, identity.weight, identity.bias = C, torch.eye(C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
+        identity.num_classes, identity.weight, identity.bias = (
+            C,
+            torch.eye(C, dtype=torch.float64),
+            torch.zeros(C, dtype=torch.float64),
+        )
         torch.testing.assert_close(identity(lp), lp, rtol=0, atol=1e-12)
     z, onehot = lp.numpy(), np.eye(C)[y.numpy()]
     rng = np.random.default_rng(0)
     for map, size in (("full", C * C + C), ("diagonal", 2 * C), ("fixed_diagonal", 1)):
         params = rng.normal(size=size) * 0.5
         params_t = torch.tensor(params, requires_grad=True)
-        weight = {"full": lambda p: p[:C * C].view(C, C), "diagonal": lambda p: torch.diag(p[:C]),
-                  "fixed_diagonal": lambda p: p[0].exp() * torch.eye(C, dtype=torch.float64)}[map](params_t)
+        weight = {
+            "full": lambda p: p[: C * C].view(C, C),
+            "diagonal": lambda p: torch.diag(p[:C]),
+            "fixed_diagonal": lambda p: p[0].exp() * torch.eye(C, dtype=torch.float64),
+        }[map](params_t)
         bias = params_t[-C:] if map != "fixed_diagonal" else torch.zeros(C, dtype=torch.float64)
         off = weight - torch.diag(weight.diagonal())
-        loss = (F.cross_entropy(lp @ weight.T + bias, y) + 0.7 / (C * (C - 1)) * off.square().sum()
-                + 0.3 / C * bias.square().sum())
+        loss = (
+            F.cross_entropy(lp @ weight.T + bias, y)
+            + 0.7 / (C * (C - 1)) * off.square().sum()
+            + 0.3 / C * bias.square().sum()
+        )
         loss.backward()
         value, grad = dirichlet_objective(params, z, onehot, map, 0.7, 0.3)
         assert value == pytest.approx(loss.item(), rel=1e-12)
@@ -142,15 +163,21 @@ def test_dirichlet_cross_validation_picks_the_grid_value_with_the_least_held_out
 
 def test_which_calibrators_keep_the_argmax_and_the_share_they_change():
     lp, y = miscalibrated(1000, seed=8)
-    random_inputs = (6 * torch.randn(500, C, generator=torch.Generator().manual_seed(9), dtype=torch.float64)).log_softmax(-1)
+    random_inputs = (
+        6 * torch.randn(500, C, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ).log_softmax(-1)
     for keeps in (TemperatureScaling(), DirichletCalibration("fixed_diagonal")):
         assert keeps.preserves_argmax
         keeps.fit(lp, y)
         with torch.no_grad():
             assert torch.equal(keeps(random_inputs).argmax(-1), random_inputs.argmax(-1))
         assert "calibrator_argmax_changed" not in keeps.facts
-    for moves in (HistogramBinning(), IsotonicCalibration(), DirichletCalibration("diagonal"),
-                  DirichletCalibration("full", reg_lambda=1e-3)):
+    for moves in (
+        HistogramBinning(),
+        IsotonicCalibration(),
+        DirichletCalibration("diagonal"),
+        DirichletCalibration("full", reg_lambda=1e-3),
+    ):
         assert not moves.preserves_argmax
         moves.fit(lp, y)
         with torch.no_grad():
@@ -159,11 +186,13 @@ def test_which_calibrators_keep_the_argmax_and_the_share_they_change():
 
 
 def test_settings_and_inputs_are_checked_in_one_line():
-    for make, message in ((lambda: HistogramBinning(bins=0), "bins must be >= 1"),
-                          (lambda: IsotonicCalibration(floor=0.7), r"floor must lie in \(0, 1/C\)"),
-                          (lambda: DirichletCalibration("half"), "map must be one of"),
-                          (lambda: DirichletCalibration(reg_lambda=-1), "reg_lambda must be >= 0"),
-                          (lambda: DirichletCalibration(folds=1), "folds must be >= 2")):
+    for make, message in (
+        (lambda: HistogramBinning(bins=0), "bins must be >= 1"),
+        (lambda: IsotonicCalibration(floor=0.7), r"floor must lie in \(0, 1/C\)"),
+        (lambda: DirichletCalibration("half"), "map must be one of"),
+        (lambda: DirichletCalibration(reg_lambda=-1), "reg_lambda must be >= 0"),
+        (lambda: DirichletCalibration(folds=1), "folds must be >= 2"),
+    ):
         with pytest.raises(ValueError, match=message):
             make()
     with pytest.raises(ValueError, match=r"\(0, 0.1\) for 10 classes, got 0.2"):
@@ -171,7 +200,11 @@ def test_settings_and_inputs_are_checked_in_one_line():
     lp, y = miscalibrated(20)
     with pytest.raises(RuntimeError, match="not fitted"):
         IsotonicCalibration()(lp)
-    for bad_lp, bad_y, message in ((lp[:, :1], y, "C >= 2"), (lp, y.double(), "integer labels"),
-                                   (lp.clone().fill_(float("nan")), y, "NaN"), (lp, y + 10, "must lie in 0..4")):
+    for bad_lp, bad_y, message in (
+        (lp[:, :1], y, "C >= 2"),
+        (lp, y.double(), "integer labels"),
+        (lp.clone().fill_(float("nan")), y, "NaN"),
+        (lp, y + 10, "must lie in 0..4"),
+    ):
         with pytest.raises(ValueError, match=message):
             HistogramBinning().fit(bad_lp, bad_y)

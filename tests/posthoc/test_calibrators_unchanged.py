@@ -36,14 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.functional import hessian, jacobian
 
-from dbsn.posthoc.calibrators import (DirichletCalibration, HistogramBinning, IsotonicCalibration, PosthocCalibration,
-                                      TemperatureScaling, validation_predictive)
+from dbsn.posthoc.calibrators import (
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    PosthocCalibration,
+    TemperatureScaling,
+    validation_predictive,
+)
 from dbsn.posthoc.calibrators.dirichlet import ODIR_GRID
 from dbsn.posthoc.laplace import LastLayerLaplace
 from tests.posthoc.test_calibrators import C, miscalibrated
 
 #: log p is clipped at the float64 machine epsilon before Dirichlet calibration's map
-LOG_EPS = math.log(2.0 ** -52)
+LOG_EPS = math.log(2.0**-52)
 #: the least probability of a one-vs-rest map before renormalising, unless given
 FLOOR = 1e-6
 #: the loss tolerance of torch's L-BFGS (`tolerance_change`), with which temperature scaling stops
@@ -110,9 +116,11 @@ def floored_log(q: np.ndarray, floor: float) -> np.ndarray:
 
 # ------------------------------------------------------------------ one-vs-rest maps
 
+
 def histogram_binning(fit_p: np.ndarray, fit_y: np.ndarray, p: np.ndarray, bins: int) -> np.ndarray:
     """Per class, the fraction of the fit examples of p_c's bin (equal widths, p = 1 in the last) whose
     label is c; a bin that no fit example fell in: its centre."""
+
     def bin_of(values):
         return np.minimum(np.floor(values * bins).astype(int), bins - 1)
 
@@ -157,10 +165,18 @@ def isotonic(fit_p: np.ndarray, fit_y: np.ndarray, p: np.ndarray) -> np.ndarray:
 #: case: (the calibrator, on which inputs, its reference (fit p, fit labels, p) -> per-class values, its floor)
 ONE_VS_REST = {
     "histogram_binning": (lambda: HistogramBinning(), "all", lambda *a: histogram_binning(*a, bins=15), FLOOR),
-    "histogram_binning_bins7": (lambda: HistogramBinning(bins=7), "all", lambda *a: histogram_binning(*a, bins=7),
-                                FLOOR),
-    "histogram_binning_no_class0": (lambda: HistogramBinning(), "no class 0", lambda *a: histogram_binning(*a, bins=15),
-                                    FLOOR),
+    "histogram_binning_bins7": (
+        lambda: HistogramBinning(bins=7),
+        "all",
+        lambda *a: histogram_binning(*a, bins=7),
+        FLOOR,
+    ),
+    "histogram_binning_no_class0": (
+        lambda: HistogramBinning(),
+        "no class 0",
+        lambda *a: histogram_binning(*a, bins=15),
+        FLOOR,
+    ),
     "isotonic": (lambda: IsotonicCalibration(), "all", isotonic, FLOOR),
     "isotonic_no_class0": (lambda: IsotonicCalibration(floor=1e-4), "no class 0", isotonic, 1e-4),
 }
@@ -192,6 +208,7 @@ def test_each_one_vs_rest_map_is_its_algorithm(case):
 
 # ------------------------------------------------------------------ Dirichlet calibration
 
+
 def odir_parameters(weight: torch.Tensor, bias: torch.Tensor, map: str) -> torch.Tensor:
     """The free parameters of a map: full: W then b; diagonal: W's diagonal then b; fixed_diagonal: log w."""
     if map == "full":
@@ -204,7 +221,7 @@ def odir_parameters(weight: torch.Tensor, bias: torch.Tensor, map: str) -> torch
 def odir_map(params: torch.Tensor, c: int, map: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, b) of `odir_parameters`."""
     if map == "full":
-        return params[:c * c].reshape(c, c), params[c * c:]
+        return params[: c * c].reshape(c, c), params[c * c :]
     if map == "diagonal":
         return torch.diag(params[:c]), params[c:]
     return params[0].exp() * torch.eye(c, dtype=torch.float64), torch.zeros(c, dtype=torch.float64)
@@ -218,8 +235,11 @@ def odir_objective(log_probs: torch.Tensor, targets: torch.Tensor, map: str, lam
     def objective(params: torch.Tensor) -> torch.Tensor:
         weight, bias = odir_map(params, c, map)
         off = weight - torch.diag(weight.diagonal())
-        return (F.cross_entropy(z @ weight.T + bias, targets) + lam / (c * (c - 1)) * off.square().sum()
-                + mu / c * bias.square().sum())
+        return (
+            F.cross_entropy(z @ weight.T + bias, targets)
+            + lam / (c * (c - 1)) * off.square().sum()
+            + mu / c * bias.square().sum()
+        )
 
     return objective
 
@@ -310,14 +330,16 @@ def test_each_dirichlet_fit_is_the_optimum_of_its_odir_objective(case):
     least = eigenvalues[eigenvalues > 1e-9 * eigenvalues.max()].min().item()  # not a flat one (b + t·1 at μ = 0)
     rounding = ROUNDING * max(1.0, best)
     gap = {}
-    for name, (weight, bias), result in (("as configured", (as_configured.weight, as_configured.bias), stopped),
-                                         ("tightened", tightened, tight.results[-1])):
+    for name, (weight, bias), result in (
+        ("as configured", (as_configured.weight, as_configured.bias), stopped),
+        ("tightened", tightened, tight.results[-1]),
+    ):
         assert result.status == 0, (name, result.message)  # converged (not stopped by its iteration limit)
         gap[name] = objective(odir_parameters(weight, bias, as_configured.map)).item() - best
         bound = float(np.square(result.jac).sum()) / least + rounding
         assert -rounding <= gap[name] <= bound, (name, gap, bound, result.message)
     # as configured, as close as a point that meets L-BFGS-B's gradient tolerance in every coordinate
-    assert gap["as configured"] <= len(stopped.x) * PGTOL ** 2 / least + rounding, (gap, stopped.message)
+    assert gap["as configured"] <= len(stopped.x) * PGTOL**2 / least + rounding, (gap, stopped.message)
 
     # the map as the docstring writes it, and a log-probability
     out = check_log_probabilities(as_configured, test_lp)
@@ -330,11 +352,13 @@ def test_each_dirichlet_fit_is_the_optimum_of_its_odir_objective(case):
         with torch.no_grad():
             mean = as_configured(fit_lp).exp().mean(0)
         frequency = torch.bincount(fit_y, minlength=c).double() / len(fit_y)
-        np.testing.assert_allclose((mean - frequency + 2 * mu / c * as_configured.bias).numpy(), 0,
-                                   atol=np.abs(stopped.jac).max() + 1e-12)
+        np.testing.assert_allclose(
+            (mean - frequency + 2 * mu / c * as_configured.bias).numpy(), 0, atol=np.abs(stopped.jac).max() + 1e-12
+        )
 
 
 # ------------------------------------------------------------------ temperature scaling
+
 
 def test_temperature_scaling_is_the_nll_optimal_temperature():
     fit_lp, fit_y, test_lp = inputs("all")
@@ -375,11 +399,15 @@ def test_the_recorded_facts_keep_their_names_and_values():
     with torch.no_grad():
         after = calibrator(fit_lp)
     changed = (after.argmax(-1) != fit_lp.argmax(-1)).double().mean().item()
-    assert calibrator.facts == {"calibrator": "histogram_binning", "calibrator_bins": 15, "calibrator_floor": 1e-06,
-                                "calibrator_examples": 600,
-                                "calibrator_nll_before": pytest.approx(nll(fit_lp, fit_y), rel=ROUNDING),
-                                "calibrator_nll_after": pytest.approx(nll(after, fit_y), rel=ROUNDING),
-                                "calibrator_argmax_changed": changed}
+    assert calibrator.facts == {
+        "calibrator": "histogram_binning",
+        "calibrator_bins": 15,
+        "calibrator_floor": 1e-06,
+        "calibrator_examples": 600,
+        "calibrator_nll_before": pytest.approx(nll(fit_lp, fit_y), rel=ROUNDING),
+        "calibrator_nll_after": pytest.approx(nll(after, fit_y), rel=ROUNDING),
+        "calibrator_argmax_changed": changed,
+    }
     fit_lp, fit_y, _ = inputs("3 classes")
     calibrator, _ = fitted_dirichlet("dirichlet_cross_validated")
     with torch.no_grad():
@@ -387,11 +415,17 @@ def test_the_recorded_facts_keep_their_names_and_values():
     changed = (after.argmax(-1) != fit_lp.argmax(-1)).double().mean().item()
     lam = calibrator.chosen[0]
     assert lam in ODIR_GRID
-    assert calibrator.facts == {"calibrator": "dirichlet", "dirichlet_map": "full", "odir_lambda": lam, "odir_mu": lam,
-                                "odir_chosen_by": "3-fold cross-validation", "calibrator_examples": 150,
-                                "calibrator_nll_before": pytest.approx(nll(fit_lp, fit_y), rel=ROUNDING),
-                                "calibrator_nll_after": pytest.approx(nll(after, fit_y), rel=ROUNDING),
-                                "calibrator_argmax_changed": changed}
+    assert calibrator.facts == {
+        "calibrator": "dirichlet",
+        "dirichlet_map": "full",
+        "odir_lambda": lam,
+        "odir_mu": lam,
+        "odir_chosen_by": "3-fold cross-validation",
+        "calibrator_examples": 150,
+        "calibrator_nll_before": pytest.approx(nll(fit_lp, fit_y), rel=ROUNDING),
+        "calibrator_nll_after": pytest.approx(nll(after, fit_y), rel=ROUNDING),
+        "calibrator_argmax_changed": changed,
+    }
 
 
 #: the post-hoc posteriors checked on the digits model of conftest.py: (its calibrator, its base or None)
@@ -400,8 +434,10 @@ METHOD_CASES = {
     "isotonic": (lambda: IsotonicCalibration(), None),
     "dirichlet": (lambda: DirichletCalibration(reg_lambda=0.01), None),
     "temperature": (lambda: TemperatureScaling(), None),
-    "laplace+isotonic": (lambda: IsotonicCalibration(),
-                         lambda: LastLayerLaplace(n_samples=8, hessian="diag", prior_precision=1.0)),
+    "laplace+isotonic": (
+        lambda: IsotonicCalibration(),
+        lambda: LastLayerLaplace(n_samples=8, hessian="diag", prior_precision=1.0),
+    ),
 }
 
 

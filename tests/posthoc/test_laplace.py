@@ -29,7 +29,11 @@ def test_laplace_on_bayesian_linear_regression_is_the_closed_form_posterior():
     g = torch.Generator().manual_seed(0)
     n, d, sigma, lam = 50, 3, 0.3, 2.0
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
-    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.7 + sigma * torch.randn(n, generator=g, dtype=torch.float64)
+    y = (
+        X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+        + 0.7
+        + sigma * torch.randn(n, generator=g, dtype=torch.float64)
+    )
     Phi = torch.cat([X, torch.ones(n, 1, dtype=torch.float64)], 1)
     precision = Phi.T @ Phi / sigma**2 + lam * torch.eye(d + 1, dtype=torch.float64)
     covariance = torch.linalg.inv(precision)
@@ -39,8 +43,16 @@ def test_laplace_on_bayesian_linear_regression_is_the_closed_form_posterior():
         head.weight.copy_(theta[:d].view(1, d))
         head.bias.copy_(theta[d:])
 
-    la = last_layer_laplace(head, X, y.unsqueeze(1), likelihood="regression", hessian_structure="full",
-                            prior_precision=lam, sigma_noise=sigma, batch_size=16)
+    la = last_layer_laplace(
+        head,
+        X,
+        y.unsqueeze(1),
+        likelihood="regression",
+        hessian_structure="full",
+        prior_precision=lam,
+        sigma_noise=sigma,
+        batch_size=16,
+    )
 
     torch.testing.assert_close(la.mean, theta, rtol=0, atol=1e-12)
     torch.testing.assert_close(la.posterior_covariance, covariance, rtol=1e-5, atol=1e-5)
@@ -106,8 +118,14 @@ def test_the_cached_features_give_laplace_torch_on_the_whole_network(digits_map,
     features, labels = head_features(network, DataLoader(images, batch_size=32))
     ours = last_layer_laplace(network.head, features, labels, hessian_structure=structure, prior_precision=3.0)
 
-    theirs = Laplace(network, "classification", subset_of_weights="last_layer", hessian_structure=structure,
-                     prior_precision=3.0, last_layer_name="net.classifier")
+    theirs = Laplace(
+        network,
+        "classification",
+        subset_of_weights="last_layer",
+        hessian_structure=structure,
+        prior_precision=3.0,
+        last_layer_name="net.classifier",
+    )
     theirs.fit(DataLoader(images, batch_size=32))
 
     def matrix(la):
@@ -166,8 +184,13 @@ def full_gridsearch(digits_map):
 
     def jacobians(features):  # (n, C, C·D + C), parameters ordered as (W row-major, b)
         eye = torch.eye(C, dtype=torch.float64)
-        return torch.cat([torch.einsum("ij,nd->nijd", eye, features.double()).reshape(len(features), C, C * D),
-                          eye.expand(len(features), C, C)], dim=2)
+        return torch.cat(
+            [
+                torch.einsum("ij,nd->nijd", eye, features.double()).reshape(len(features), C, C * D),
+                eye.expand(len(features), C, C),
+            ],
+            dim=2,
+        )
 
     head = network.head
     with torch.no_grad():
@@ -183,11 +206,20 @@ def full_gridsearch(digits_map):
             f_var = torch.einsum("nci,ij,ncj->nc", J_val, sigma, J_val)
             kappa = 1 / torch.sqrt(1 + math.pi / 8 * f_var)
             probit.append(F.cross_entropy(kappa * f_mu, y_val_features).item())
-    return {"lm": lm, "grid": grid.double(), "sampled": sampled, "probit": torch.tensor(probit), "H": H,
-            "x_val": x_val, "y_val": y_val}
+    return {
+        "lm": lm,
+        "grid": grid.double(),
+        "sampled": sampled,
+        "probit": torch.tensor(probit),
+        "H": H,
+        "x_val": x_val,
+        "y_val": y_val,
+    }
 
 
-def test_the_prior_precision_minimises_the_laplace_methods_validation_nll_and_the_test_split_is_never_read(full_gridsearch):
+def test_the_prior_precision_minimises_the_laplace_methods_validation_nll_and_the_test_split_is_never_read(
+    full_gridsearch,
+):
     """λ is the grid point whose LaplaceMethod (S members drawn with the method's seed, softmax
     averaged) has the smallest validation NLL, brute-forced end to end; the method returned is
     that very predictor (its NLL is the grid minimum); the curvature is the closed-form GGN."""
@@ -197,7 +229,8 @@ def test_the_prior_precision_minimises_the_laplace_methods_validation_nll_and_th
     assert abs(grid[chosen] - lm.prior_precision) / lm.prior_precision < 1e-6
     assert nll[chosen] <= nll.min() + 1e-5, (lm.prior_precision, nll)
     assert _validation_nll_of(lm, full_gridsearch["x_val"], full_gridsearch["y_val"]) == pytest.approx(
-        nll.min().item(), abs=1e-5)
+        nll.min().item(), abs=1e-5
+    )
     assert 0 < chosen < len(grid) - 1, ("the test wants an optimum inside the grid", nll)
 
 
@@ -237,8 +270,9 @@ def test_laplace_search_draws_with_the_methods_seed(digits_map, full_gridsearch)
     method, dm = digits_map
     grid = full_gridsearch["grid"]
     lm = fit_laplace_on(method, dm, hessian_structure="full", grid_size=17, n_samples=8, seed=3)
-    nll = _laplace_method_nll_over_grid(method, lm.laplace, grid, 8, 3, full_gridsearch["x_val"],
-                                        full_gridsearch["y_val"])
+    nll = _laplace_method_nll_over_grid(
+        method, lm.laplace, grid, 8, 3, full_gridsearch["x_val"], full_gridsearch["y_val"]
+    )
     chosen = torch.argmin((grid - lm.prior_precision).abs())
     seed_0_choice = torch.argmin((grid - full_gridsearch["lm"].prior_precision).abs())
     assert nll[chosen] <= nll.min() + 1e-5, (lm.prior_precision, nll)

@@ -16,8 +16,14 @@ import torch
 import dbsn.runtime.run
 from dbsn.methods import DBSN, MAP, DeepEnsemble, Prediction
 from dbsn.posthoc.base import PosthocError
-from dbsn.posthoc.snapshot_ensemble import (STATE_KEY, SnapshotCollector, SnapshotEnsemble, SnapshotEnsembleMethod,
-                                            SnapshotSchedule, load_snapshot_state)
+from dbsn.posthoc.snapshot_ensemble import (
+    STATE_KEY,
+    SnapshotCollector,
+    SnapshotEnsemble,
+    SnapshotEnsembleMethod,
+    SnapshotSchedule,
+    load_snapshot_state,
+)
 from dbsn.runtime.checkpoint import load_checkpoint
 from dbsn.sampling import CyclicalSchedule
 from tests.support.configs import TINY, compose_config, evaluate_quietly, evaluate_the_whole_suite
@@ -58,9 +64,19 @@ def test_the_lr_is_eq_2_cyclical_schedule_step_for_step_and_the_authors_one_step
     assert last == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)])
 
 
-COMMON = ["model=map_fixed", "data=digits", "data.batch_size=16", "trainer.limit_train_batches=3", "test=false",
-          "seed=3", "callbacks=snapshot_ensemble", "callbacks.snapshot_ensemble.cycles=3", "trainer.max_epochs=6",
-          "~callbacks.progress_bar", *[o for o in TINY if not o.startswith(("model.train_samples", "model.prediction"))]]
+COMMON = [
+    "model=map_fixed",
+    "data=digits",
+    "data.batch_size=16",
+    "trainer.limit_train_batches=3",
+    "test=false",
+    "seed=3",
+    "callbacks=snapshot_ensemble",
+    "callbacks.snapshot_ensemble.cycles=3",
+    "trainer.max_epochs=6",
+    "~callbacks.progress_bar",
+    *[o for o in TINY if not o.startswith(("model.train_samples", "model.prediction"))],
+]
 
 
 class _Spy(pl.Callback):
@@ -84,8 +100,11 @@ def _train(overrides, out, monkeypatch, spy=None):
     with monkeypatch.context() as patch:
         if spy is not None:
             build_trainer = dbsn.runtime.run.build_trainer
-            patch.setattr(dbsn.runtime.run, "build_trainer",
-                          lambda cfg, o, callbacks=(), loggers=(): build_trainer(cfg, o, [*callbacks, spy], loggers))
+            patch.setattr(
+                dbsn.runtime.run,
+                "build_trainer",
+                lambda cfg, o, callbacks=(), loggers=(): build_trainer(cfg, o, [*callbacks, spy], loggers),
+            )
         train(compose_config("train", overrides, out), out)
     return load_checkpoint(out / "checkpoints" / "last.ckpt")
 
@@ -100,7 +119,9 @@ def runs(tmp_path_factory):
         spy = _Spy()
         straight = _train(COMMON, tmp / "straight", patch, spy)
         stopped = _train(COMMON, tmp / "stopped", patch, _Spy(stop_after=2))
-        resumed = _train([*COMMON, f"ckpt_path={tmp / 'stopped' / 'checkpoints' / 'last.ckpt'}"], tmp / "resumed", patch)
+        resumed = _train(
+            [*COMMON, f"ckpt_path={tmp / 'stopped' / 'checkpoints' / 'last.ckpt'}"], tmp / "resumed", patch
+        )
     finally:
         patch.undo()
     return {"straight": straight, "stopped": stopped, "resumed": resumed, "lrs": spy.lrs, "dir": tmp}
@@ -155,8 +176,12 @@ def test_the_prediction_is_the_mean_of_the_snapshots_softmaxes_by_hand(runs):
         expected = torch.stack([_by_hand(s, x) for s in snapshots]).mean(0)
         torch.testing.assert_close(ensemble.predict_log_probs(x).exp(), expected, rtol=1e-5, atol=1e-6)
         last_two = SnapshotEnsemble(last=2).fit(method, None, checkpoint)
-        torch.testing.assert_close(last_two.predict_log_probs(x).exp(),
-                                   torch.stack([_by_hand(s, x) for s in snapshots[1:]]).mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            last_two.predict_log_probs(x).exp(),
+            torch.stack([_by_hand(s, x) for s in snapshots[1:]]).mean(0),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert ensemble.run_facts()["snapshot_epochs"] == [1, 3, 5] and last_two.epochs == [3, 5]
     with pytest.raises(PosthocError, match="posthoc.last=4, but the run collected 3 snapshots"):
         SnapshotEnsemble(last=4).check(method, None, checkpoint)
@@ -252,8 +277,12 @@ def test_a_group_keeps_its_multiple_of_the_methods_lr():
 def test_the_evaluation_suite_runs_on_the_snapshot_ensemble(runs, tmp_path):
     """evaluate.py posthoc=snapshot_ensemble with OOD detection by every score (each snapshot's features and head),
     dataset shift on generated corruptions, conformal sets and the adversarial attacks."""
-    evaluate_the_whole_suite(runs["dir"] / "straight" / "checkpoints" / "last.ckpt", tmp_path, tmp_path,
-                             extra=["posthoc=snapshot_ensemble", f"output_dir={tmp_path / 'out'}"])
+    evaluate_the_whole_suite(
+        runs["dir"] / "straight" / "checkpoints" / "last.ckpt",
+        tmp_path,
+        tmp_path,
+        extra=["posthoc=snapshot_ensemble", f"output_dir={tmp_path / 'out'}"],
+    )
 
 
 @pytest.mark.slow
@@ -263,9 +292,18 @@ def test_a_dbsn_run_collects_snapshots_and_evaluates_as_their_ensemble(tmp_path)
     from dbsn.runtime.run import train
 
     run = tmp_path / "run"
-    overrides = ["model=dbsn", "data=digits", "data.batch_size=16", "trainer.limit_train_batches=2", "test=false",
-                 "callbacks=snapshot_ensemble", "callbacks.snapshot_ensemble.cycles=2", "trainer.max_epochs=2",
-                 "~callbacks.progress_bar", *TINY]
+    overrides = [
+        "model=dbsn",
+        "data=digits",
+        "data.batch_size=16",
+        "trainer.limit_train_batches=2",
+        "test=false",
+        "callbacks=snapshot_ensemble",
+        "callbacks.snapshot_ensemble.cycles=2",
+        "trainer.max_epochs=2",
+        "~callbacks.progress_bar",
+        *TINY,
+    ]
     train(compose_config("train", overrides, run), run)
     state = load_snapshot_state(load_checkpoint(run / "checkpoints" / "last.ckpt"))
     assert state["epochs"] == [0, 1]

@@ -33,7 +33,9 @@ def test_swag_moments_are_those_of_the_stored_iterates():
     w = iterates.astype(np.float32).astype(np.float64)  # what the network holds
     mean = w.mean(0)
     np.testing.assert_allclose(moments.mean.numpy(), mean, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(moments.variance().numpy(), np.maximum((w**2).mean(0) - mean**2, 1e-30), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        moments.variance().numpy(), np.maximum((w**2).mean(0) - mean**2, 1e-30), rtol=1e-9, atol=1e-12
+    )
     np.testing.assert_allclose(moments.variance().numpy(), w.var(0), rtol=1e-9, atol=1e-12)
     # D: the last K = 4 deviations from the running mean after each update, oldest first
     expected_d = np.stack([w[i] - running_means[i] for i in range(2, 6)])
@@ -80,8 +82,15 @@ def test_swag_collector_over_a_lightning_run_and_its_checkpoint(tmp_path):
     data = TensorDataset(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g))
     recorder, collector = _Recorder(), SWAGCollector(start=0.5, max_rank=20)  # ⌊0.5 · 4⌋ = epoch 2
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, collector, checkpoints])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, collector, checkpoints],
+    )
     trainer.fit(method, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
 
     assert collector.epochs == [2, 3]
@@ -142,7 +151,9 @@ def test_swag_members_have_their_own_batchnorm_statistics():
     momentum=None, over the calibration batches in training mode (SWAG's bn_update)."""
     torch.manual_seed(0)
     method = MAP(tiny_structure_net(num_classes=4), learn_structure=False, dataset_size=10).eval()
-    swag = SWAGMethod(method, _swag_of(method), n_samples=4, bn_recalibration=BatchNormRecalibration(enabled=True)).eval()
+    swag = SWAGMethod(
+        method, _swag_of(method), n_samples=4, bn_recalibration=BatchNormRecalibration(enabled=True)
+    ).eval()
     g = torch.Generator().manual_seed(3)
     calibration = [torch.randn(12, 3, 8, 8, generator=g), torch.randn(12, 3, 8, 8, generator=g) + 0.5]
     swag.use_calibration_images(calibration)
@@ -172,8 +183,12 @@ def test_swag_members_have_their_own_batchnorm_statistics():
 def test_swag_method_takes_its_batchnorm_images_from_the_training_split():
     torch.manual_seed(0)
     method = MAP(tiny_structure_net(), learn_structure=False, dataset_size=10).eval()
-    swag = SWAGMethod(method, _swag_of(method), n_samples=2,
-                      bn_recalibration=BatchNormRecalibration(enabled=True, images=24, batch_size=16)).eval()
+    swag = SWAGMethod(
+        method,
+        _swag_of(method),
+        n_samples=2,
+        bn_recalibration=BatchNormRecalibration(enabled=True, images=24, batch_size=16),
+    ).eval()
     dm = DigitsDataModule(num_workers=0, train_subset=100, val_size=20)
     with pytest.raises(ValueError, match="prepare_prediction"):
         swag.predict_members(torch.zeros(1, 3, 32, 32))

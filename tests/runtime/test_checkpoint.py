@@ -57,7 +57,9 @@ def test_restored_random_state_is_shared_by_structure_parallel_ranks_and_split_f
         for rank in (0, 1):
             callback = RandomStateCallback()
             callback.load_state_dict(saved)
-            callback.on_train_epoch_start(SimpleNamespace(world_size=2, global_rank=rank), SimpleNamespace(parallel=parallel))
+            callback.on_train_epoch_start(
+                SimpleNamespace(world_size=2, global_rank=rank), SimpleNamespace(parallel=parallel)
+            )
             draws[parallel, rank] = torch.rand(3)
     assert torch.equal(draws["structure", 0], draws["structure", 1])
     assert not torch.equal(draws["data", 0], draws["data", 1])
@@ -70,16 +72,24 @@ def test_checkpoints_written_before_classes_moved_still_load(tmp_path):
 
     from dbsn.runtime.checkpoint import CONFIG_KEY, load_checkpoint, upgrade_config
 
-    old = {"model": {"tau": {"_target_": "dbsn.schedules.TauSchedule", "decay": 1e-3},
-                     "beta": {"_target_": "dbsn.structure.schedules.BetaSchedule"}},
-           "logger": {"wandb": {"_target_": "dbsn.tracking.WandbLogger"}}, "members": [{"_target_": "dbsn.schedules.X"}]}
+    old = {
+        "model": {
+            "tau": {"_target_": "dbsn.schedules.TauSchedule", "decay": 1e-3},
+            "beta": {"_target_": "dbsn.structure.schedules.BetaSchedule"},
+        },
+        "logger": {"wandb": {"_target_": "dbsn.tracking.WandbLogger"}},
+        "members": [{"_target_": "dbsn.schedules.X"}],
+    }
     new = upgrade_config(old)
     assert new["model"]["tau"] == {"_target_": "dbsn.structure.schedules.TauSchedule", "decay": 1e-3}
     assert new["model"]["beta"]["_target_"] == "dbsn.structure.schedules.BetaSchedule"  # already new: unchanged
     assert new["logger"]["wandb"]["_target_"] == "dbsn.evaluation.tracking.WandbLogger"
     assert new["members"][0]["_target_"] == "dbsn.structure.schedules.X"
     torch.save({"state_dict": {}, CONFIG_KEY: old}, tmp_path / "old.ckpt")
-    assert load_checkpoint(tmp_path / "old.ckpt")[CONFIG_KEY]["model"]["tau"]["_target_"] == "dbsn.structure.schedules.TauSchedule"
+    assert (
+        load_checkpoint(tmp_path / "old.ckpt")[CONFIG_KEY]["model"]["tau"]["_target_"]
+        == "dbsn.structure.schedules.TauSchedule"
+    )
 
 
 def test_run_configs_with_flat_method_settings_build_the_same_method():
@@ -90,13 +100,31 @@ def test_run_configs_with_flat_method_settings_build_the_same_method():
     from dbsn.runtime.checkpoint import upgrade_config
 
     net = {"_target_": "dbsn.nets.StructureNet", "num_nodes": 3, "cells_per_stage": 1, "growth": 4, "stem_channels": 8}
-    old = {"_target_": "dbsn.methods.DBSN", "net": net, "train_samples": 2, "n_samples": 7, "val_samples": 3,
-           "samples_per_forward": 2, "temperature_scaling": True, "channels_last": True,
-           "compile": {"_target_": "dbsn.methods.Compilation", "enabled": False}}
+    old = {
+        "_target_": "dbsn.methods.DBSN",
+        "net": net,
+        "train_samples": 2,
+        "n_samples": 7,
+        "val_samples": 3,
+        "samples_per_forward": 2,
+        "temperature_scaling": True,
+        "channels_last": True,
+        "compile": {"_target_": "dbsn.methods.Compilation", "enabled": False},
+    }
     method = build_model(upgrade_config({"model": old})["model"], num_classes=10)
-    assert (method.n_samples, method.val_samples, method.samples_per_forward, method.temperature_scaling) == (7, 3, 2, True)
+    assert (method.n_samples, method.val_samples, method.samples_per_forward, method.temperature_scaling) == (
+        7,
+        3,
+        2,
+        True,
+    )
     assert method.channels_last and not method.execution.compile.enabled and method.train_samples == 2
-    vogn = {"_target_": "dbsn.methods.natgrad.VOGNMethod", "net": net, "n_samples": 5, "vogn": {"num_samples": 2, "lr": 0.1}}
+    vogn = {
+        "_target_": "dbsn.methods.natgrad.VOGNMethod",
+        "net": net,
+        "n_samples": 5,
+        "vogn": {"num_samples": 2, "lr": 0.1},
+    }
     upgraded = upgrade_config({"model": vogn})["model"]
     assert upgraded["vogn"] == {"draws_per_step": 2, "lr": 0.1} and upgraded["prediction"]["n_samples"] == 5
     assert build_model(upgraded, num_classes=10).vogn["draws_per_step"] == 2
@@ -122,14 +150,18 @@ def test_runs_written_before_the_fused_cell_keep_their_cell_and_refuse_to_resume
     fused.load_state_dict(per_edge.state_dict())  # evaluate.py model.net.cell=fused on an old checkpoint
     torch.save({"state_dict": per_edge.state_dict(), CONFIG_KEY: old}, tmp_path / "old.ckpt")
     today = {"model": {**old["model"], "net": {**net, "cell": "fused"}}, "data": old["data"]}
-    with pytest.raises(CheckpointError, match=r"trained with model.net.cell=per_edge, and this run asks for fused.*"
-                                              r"Resume with model.net.cell=per_edge"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"trained with model.net.cell=per_edge, and this run asks for fused.*"
+        r"Resume with model.net.cell=per_edge",
+    ):
         check_resume_checkpoint(tmp_path / "old.ckpt", today)
     same = {"model": {**old["model"], "net": {**net, "cell": "per_edge"}}, "data": old["data"]}
     assert check_resume_checkpoint(tmp_path / "old.ckpt", same) == tmp_path / "old.ckpt"
 
 
 # ---------------------------------------------------------------------- resuming
+
 
 @pytest.fixture(scope="module")
 def cifar_root(cifar10_files):
@@ -149,8 +181,11 @@ def _equal(a, b) -> bool:
 def _differences(a: dict, b: dict) -> list[str]:
     """Names of the state-dict entries and optimiser states in which two checkpoints differ."""
     names = [k for k in a["state_dict"] if not torch.equal(a["state_dict"][k], b["state_dict"][k])]
-    names += [f"optimizer_states[{i}]" for i, (x, y) in enumerate(zip(a["optimizer_states"], b["optimizer_states"]))
-              if not _equal(x, y)]
+    names += [
+        f"optimizer_states[{i}]"
+        for i, (x, y) in enumerate(zip(a["optimizer_states"], b["optimizer_states"]))
+        if not _equal(x, y)
+    ]
     return names
 
 
@@ -164,32 +199,52 @@ class _StopAfterFirstEpoch(pl.Callback):
 def _three_runs(method: str, root, tmp_path, monkeypatch, extra=()) -> tuple[dict, dict]:
     """Final checkpoints of a 2-epoch run, and of the same run stopped after its first epoch
     then resumed from its `last.ckpt` (the schedules span 2 epochs in both)."""
-    common = [f"model={method}", "data=cifar10", f"data.root={root}", "data.batch_size=16", "data.num_workers=0",
-              *tiny_for(method), "test=false", "seed=3", "trainer.max_epochs=2", *extra]
+    common = [
+        f"model={method}",
+        "data=cifar10",
+        f"data.root={root}",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        *tiny_for(method),
+        "test=false",
+        "seed=3",
+        "trainer.max_epochs=2",
+        *extra,
+    ]
     straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
     train(compose_config("train", common, straight), straight)
     with monkeypatch.context() as patch:
         build_trainer = dbsn.runtime.run.build_trainer
-        patch.setattr(dbsn.runtime.run, "build_trainer",
-                      lambda cfg, out, callbacks=(), loggers=(): build_trainer(cfg, out, [*callbacks, _StopAfterFirstEpoch()], loggers))
+        patch.setattr(
+            dbsn.runtime.run,
+            "build_trainer",
+            lambda cfg, out, callbacks=(), loggers=(): build_trainer(
+                cfg, out, [*callbacks, _StopAfterFirstEpoch()], loggers
+            ),
+        )
         train(compose_config("train", common, first), first)
     last = first / "checkpoints" / "last.ckpt"
     assert load_checkpoint(last)["epoch"] == 0
     train(compose_config("train", [*common, f"ckpt_path={last}"], resumed), resumed)
-    return (load_checkpoint(straight / "checkpoints" / "last.ckpt"),
-            load_checkpoint(resumed / "checkpoints" / "last.ckpt"))
+    return (
+        load_checkpoint(straight / "checkpoints" / "last.ckpt"),
+        load_checkpoint(resumed / "checkpoints" / "last.ckpt"),
+    )
 
 
 # Validation between epochs draws random numbers too (DBSN samples structures): dbsn runs with a
 # validation split, so its checkpoint is written after validation, not after training.
-@pytest.mark.parametrize("method, extra", [
-    ("dbsn", ["data.val_size=16", "model.prediction.val_samples=2"]),
-    ("mc_dropout", []),
-    ("bbb", []),
-    ("vogn", []),
-    ("vogn_fbn", []),
-    ("nekfac", []),
-])
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("dbsn", ["data.val_size=16", "model.prediction.val_samples=2"]),
+        ("mc_dropout", []),
+        ("bbb", []),
+        ("vogn", []),
+        ("vogn_fbn", []),
+        ("nekfac", []),
+    ],
+)
 def test_resumed_run_equals_the_uninterrupted_run(method, extra, cifar_root, tmp_path, monkeypatch):
     straight, resumed = _three_runs(method, cifar_root, tmp_path, monkeypatch, extra)
     assert straight["epoch"] == resumed["epoch"] == 1

@@ -30,8 +30,15 @@ def test_multirun_writes_one_folder_per_job(tmp_path):
 
 def test_ddp_two_cpu_processes_one_run_folder(tmp_path):
     run_dir = tmp_path / "outputs" / "ddp"
-    run_python(ROOT / "train.py", *QUICK, "trainer.devices=2", "trainer.strategy=ddp", "trainer.limit_train_batches=3",
-               f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    run_python(
+        ROOT / "train.py",
+        *QUICK,
+        "trainer.devices=2",
+        "trainer.strategy=ddp",
+        "trainer.limit_train_batches=3",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     record = json.loads((run_dir / "metrics.json").read_text())
     assert record["world_size"] == 2
     assert set(record["metrics"]) >= {"test/error", "test/nll", "test/brier", "test/ece"}
@@ -43,8 +50,14 @@ def test_ddp_two_cpu_processes_one_run_folder(tmp_path):
 
 def test_wandb_offline_records_test_ece(tmp_path):
     run_dir = tmp_path / "run"
-    run_python(ROOT / "train.py", *QUICK, "logger=wandb", f"hydra.run.dir={run_dir}",
-               cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    run_python(
+        ROOT / "train.py",
+        *QUICK,
+        "logger=wandb",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     expected = json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/ece"]
     runs = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(run_dir.rglob("*"))[:50]
@@ -53,7 +66,8 @@ def test_wandb_offline_records_test_ece(tmp_path):
     assert logged["test/reliability_diagram/_type"] == "images/separated"
     # the suite's numbers and figures reach W&B too
     assert logged["test/mutual_information"] == pytest.approx(
-        json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/mutual_information"], rel=1e-6)
+        json.loads((run_dir / "metrics.json").read_text())["metrics"]["test/mutual_information"], rel=1e-6
+    )
     assert "structure/edge_entropy_mean" in logged
     assert logged["structure/heatmap/_type"] == "images/separated"
     assert logged["test/sample_ablation/_type"] == "images/separated"
@@ -70,7 +84,9 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     run_python(*common, "trainer.max_epochs=1", cwd=tmp_path, env=env)
     run_id = (run_dir / "wandb_id").read_text().strip()
-    run_python(*common, "trainer.max_epochs=2", "resume=true", "resume_changes=[trainer.max_epochs]", cwd=tmp_path, env=env)
+    run_python(
+        *common, "trainer.max_epochs=2", "resume=true", "resume_changes=[trainer.max_epochs]", cwd=tmp_path, env=env
+    )
     files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files), files
     ids = {r.run.run_id for f in files for r in read_records(f) if r.WhichOneof("record_type") == "run"}

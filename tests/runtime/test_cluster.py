@@ -50,24 +50,41 @@ UNSET = {"nodes": None, "tasks_per_node": None, "gpus_per_node": None}
 
 
 def test_the_request_follows_the_trainer():
-    assert slurm_request(_job(devices=4, num_nodes=2, accelerator="gpu"), UNSET) == \
-        {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 4}
+    assert slurm_request(_job(devices=4, num_nodes=2, accelerator="gpu"), UNSET) == {
+        "nodes": 2,
+        "tasks_per_node": 4,
+        "gpus_per_node": 4,
+    }
     assert slurm_request(_job(devices=4), UNSET)["gpus_per_node"] == 4  # "auto" on a GPU cluster: the GPUs
-    assert slurm_request(_job(devices=2, accelerator="cpu"), UNSET) == {"nodes": 1, "tasks_per_node": 2, "gpus_per_node": None}
+    assert slurm_request(_job(devices=2, accelerator="cpu"), UNSET) == {
+        "nodes": 1,
+        "tasks_per_node": 2,
+        "gpus_per_node": None,
+    }
     assert slurm_request(_job(devices=[0, 1]), UNSET)["tasks_per_node"] == 2
     assert slurm_request(_job(devices=4), {**UNSET, "gres": "gpu:a100:4"})["gpus_per_node"] is None
     # values the user set that agree are kept
-    assert slurm_request(_job(devices=4, num_nodes=2), {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 8}) == \
-        {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 8}
+    assert slurm_request(_job(devices=4, num_nodes=2), {"nodes": 2, "tasks_per_node": 4, "gpus_per_node": 8}) == {
+        "nodes": 2,
+        "tasks_per_node": 4,
+        "gpus_per_node": 8,
+    }
 
 
-@pytest.mark.parametrize("launcher, trainer, message", [
-    ({"nodes": 1}, {"num_nodes": 2}, r"hydra\.launcher\.nodes=1 but trainer\.num_nodes=2"),
-    ({"tasks_per_node": 1}, {"devices": 4}, r"hydra\.launcher\.tasks_per_node=1 but trainer\.devices=4"),
-    ({"gpus_per_node": 2}, {"devices": 4, "accelerator": "gpu"}, r"hydra\.launcher\.gpus_per_node=2 but trainer\.devices=4"),
-    ({}, {"devices": "auto"}, r"trainer\.devices='auto': a SLURM job asks for a number of devices"),
-    ({}, {"devices": -1}, r"trainer\.devices=-1"),
-])
+@pytest.mark.parametrize(
+    "launcher, trainer, message",
+    [
+        ({"nodes": 1}, {"num_nodes": 2}, r"hydra\.launcher\.nodes=1 but trainer\.num_nodes=2"),
+        ({"tasks_per_node": 1}, {"devices": 4}, r"hydra\.launcher\.tasks_per_node=1 but trainer\.devices=4"),
+        (
+            {"gpus_per_node": 2},
+            {"devices": 4, "accelerator": "gpu"},
+            r"hydra\.launcher\.gpus_per_node=2 but trainer\.devices=4",
+        ),
+        ({}, {"devices": "auto"}, r"trainer\.devices='auto': a SLURM job asks for a number of devices"),
+        ({}, {"devices": -1}, r"trainer\.devices=-1"),
+    ],
+)
 def test_a_request_that_contradicts_the_trainer_names_both_values(launcher, trainer, message):
     with pytest.raises(ConfigError, match=message):
         slurm_request(_job(**trainer), {**UNSET, **launcher})
@@ -77,7 +94,9 @@ def test_the_sweep_is_checked_job_by_job_before_submission(tmp_path):
     good = compose_config("train", ["experiment=quick"], tmp_path)
     bad = compose_config("train", ["experiment=quick", "model.train_samples=abc"], tmp_path)
     assert check_sweep([good, good], UNSET) == {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": None}
-    with pytest.raises(ConfigError, match=r"sweep job #1 .*model\.train_samples='abc': expected int.*Nothing was submitted"):
+    with pytest.raises(
+        ConfigError, match=r"sweep job #1 .*model\.train_samples='abc': expected int.*Nothing was submitted"
+    ):
         check_sweep([good, bad], UNSET)
     missing = compose_config("train", ["experiment=quick", f"ckpt_path={tmp_path / 'nope.ckpt'}"], tmp_path)
     with pytest.raises(ConfigError, match=r"sweep job #0 .*Checkpoint not found"):
@@ -87,16 +106,33 @@ def test_the_sweep_is_checked_job_by_job_before_submission(tmp_path):
         check_sweep([good, two], UNSET)
 
 
-@pytest.mark.parametrize("constraint, fits", [(None, True), ("a100", True), ("v100", False), ("a100&ib", True),
-                                              ("a100&v100", False), ("v100|a100&ib", True), ("v100|h100", False),
-                                              ("[a100|v100]", True)])  # brackets: not checked, SLURM decides
+@pytest.mark.parametrize(
+    "constraint, fits",
+    [
+        (None, True),
+        ("a100", True),
+        ("v100", False),
+        ("a100&ib", True),
+        ("a100&v100", False),
+        ("v100|a100&ib", True),
+        ("v100|h100", False),
+        ("[a100|v100]", True),
+    ],
+)  # brackets: not checked, SLURM decides
 def test_a_constraint_is_matched_against_a_nodes_features(constraint, fits):
     assert _has_features({"a100", "ib"}, constraint) is fits
 
 
 def test_slurm_time_limits_read_as_minutes():
     assert [_minutes(t) for t in ("30", "1:30:00", "2-00:00:00", "1-12", "2-12:30", "45:30", "INFINITE")] == [
-        30.0, 90.0, 2880.0, 2160.0, 3630.0, 45.5, None]
+        30.0,
+        90.0,
+        2880.0,
+        2160.0,
+        3630.0,
+        45.5,
+        None,
+    ]
 
 
 def test_training_jobs_resume_from_their_own_checkpoint():
@@ -107,9 +143,11 @@ def test_training_jobs_resume_from_their_own_checkpoint():
 
 
 def test_error_line_finds_the_exception_in_a_jobs_traceback():
-    trace = ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call last):\n"
-             '  File "x.py", line 3, in f\nValueError: data.train_subset=99999: expected a count\n'
-             "----------------------\nYou can check full logs with 'job.stderr(0)'")
+    trace = (
+        "Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call last):\n"
+        '  File "x.py", line 3, in f\nValueError: data.train_subset=99999: expected a count\n'
+        "----------------------\nYou can check full logs with 'job.stderr(0)'"
+    )
     assert error_line(RuntimeError(trace)) == "ValueError: data.train_subset=99999: expected a count"
     assert error_line(KeyError("k")) == "KeyError: 'k'"
 
@@ -157,11 +195,22 @@ def test_the_handler_wraps_submitits_and_calls_it_once(monkeypatch):
 # ---------------------------------------------------------------------- on a real SLURM cluster
 
 # tiny digits runs: 256 training images (4 batches), S = 2, no per-epoch figures
-TINY_RUN = ["experiment=quick", "data.train_subset=256", "model.prediction.n_samples=2", "model.prediction.samples_per_forward=2",
-            "callbacks.structure_posterior.save_figures=false", "callbacks.structure_posterior.n_samples=10"]
+TINY_RUN = [
+    "experiment=quick",
+    "data.train_subset=256",
+    "model.prediction.n_samples=2",
+    "model.prediction.samples_per_forward=2",
+    "callbacks.structure_posterior.save_figures=false",
+    "callbacks.structure_posterior.n_samples=10",
+]
 # the local cluster's jobs: one thread each, rendezvous on 127.0.0.1 (the node names do not resolve)
-LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=null",
-            "hydra.launcher.timeout_min=30", "hydra.launcher.setup=['export MASTER_ADDR=127.0.0.1']"]
+LAUNCHER = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=null",
+    "hydra.launcher.timeout_min=30",
+    "hydra.launcher.setup=['export MASTER_ADDR=127.0.0.1']",
+]
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +237,14 @@ def _run(cluster, command: list[str], timeout: float, cwd=ROOT, check: bool = Tr
     try:
         done = subprocess.run(command, cwd=cwd, env=_job_env(cluster), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        raise AssertionError(f"{' '.join(command)} took over {timeout} s:\n{err.stdout}\n{err.stderr}{cluster.logs()}") from err
+        raise AssertionError(
+            f"{' '.join(command)} took over {timeout} s:\n{err.stdout}\n{err.stderr}{cluster.logs()}"
+        ) from err
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
-                             f"{done.stderr[-6000:]}{cluster.logs()}")
+        raise AssertionError(
+            f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
+            f"{done.stderr[-6000:]}{cluster.logs()}"
+        )
     return done
 
 
@@ -202,8 +255,11 @@ def _train(*overrides: str) -> list[str]:
 @pytest.mark.slow
 def test_a_sweep_runs_as_slurm_jobs_and_ends_with_a_report(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=1", "seed=1,2,3",
-                                f"hydra.sweep.dir={sweep}"), timeout=300)
+    done = _run(
+        cluster,
+        _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=1", "seed=1,2,3", f"hydra.sweep.dir={sweep}"),
+        timeout=300,
+    )
     assert "3 of 3 jobs finished" in done.stdout, done.stdout
     runs = sorted(p.parent for p in sweep.glob("*/metrics.json"))
     assert [r.name for r in runs] == ["0", "1", "2"]
@@ -226,10 +282,22 @@ def test_a_sweep_runs_as_slurm_jobs_and_ends_with_a_report(cluster, tmp_path):
 def test_a_failed_job_does_not_stop_the_others_and_is_reported_with_its_log(cluster, tmp_path):
     sweep = tmp_path / "sweep"
     # the middle job fails in the job, on the cluster, where no check before submission can see it
-    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.max_epochs=1", "seed=1,2,3",
-                                "+callbacks.fail._target_=tests.support.cluster_probe.FailInJob",
-                                "+callbacks.fail.seed=${seed}", "+callbacks.fail.fail_seed=2", f"hydra.sweep.dir={sweep}"),
-                timeout=300, check=False)
+    done = _run(
+        cluster,
+        _train(
+            "-m",
+            *LAUNCHER,
+            *TINY_RUN,
+            "trainer.max_epochs=1",
+            "seed=1,2,3",
+            "+callbacks.fail._target_=tests.support.cluster_probe.FailInJob",
+            "+callbacks.fail.seed=${seed}",
+            "+callbacks.fail.fail_seed=2",
+            f"hydra.sweep.dir={sweep}",
+        ),
+        timeout=300,
+        check=False,
+    )
     failure = "injected failure in the job of seed 2"
     assert done.returncode != 0  # the sweep command says that a job failed ...
     assert "2 of 3 jobs finished" in done.stdout, done.stdout + done.stderr
@@ -248,10 +316,23 @@ def test_a_failed_job_does_not_stop_the_others_and_is_reported_with_its_log(clus
 def test_two_nodes_through_srun_train_one_run_with_world_size_two(cluster, tmp_path):
     run = tmp_path / "run"
     probe = tmp_path / "probe"
-    command = ["srun", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", *_train(
-        *TINY_RUN, "trainer.max_epochs=1", "trainer.num_nodes=2", "trainer.devices=1", "trainer.strategy=ddp",
-        "model.train_samples=2", f"hydra.run.dir={run}",
-        "+callbacks.probe._target_=tests.support.cluster_probe.RecordRankStructures", f"+callbacks.probe.folder={probe}")]
+    command = [
+        "srun",
+        "-N2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        *_train(
+            *TINY_RUN,
+            "trainer.max_epochs=1",
+            "trainer.num_nodes=2",
+            "trainer.devices=1",
+            "trainer.strategy=ddp",
+            "model.train_samples=2",
+            f"hydra.run.dir={run}",
+            "+callbacks.probe._target_=tests.support.cluster_probe.RecordRankStructures",
+            f"+callbacks.probe.folder={probe}",
+        ),
+    ]
     env_run = _run(cluster, ["env", "MASTER_ADDR=127.0.0.1", *command], timeout=300)
     record = json.loads((run / "metrics.json").read_text())
     assert record["world_size"] == 2 and record["parallel"] == "structure"
@@ -279,10 +360,18 @@ def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_sta
     both stops: the cluster runs the three jobs side by side.)"""
     sweep = tmp_path / "sweep"
     epochs = 6
-    command = _train("-m", *LAUNCHER, *TINY_RUN, f"trainer.max_epochs={epochs}", "seed=5",
-                     f"task_name=through,{','.join(STOPS)}", f"hydra.sweep.dir={sweep}")
-    sweeping = subprocess.Popen(command, cwd=ROOT, env=_job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    command = _train(
+        "-m",
+        *LAUNCHER,
+        *TINY_RUN,
+        f"trainer.max_epochs={epochs}",
+        "seed=5",
+        f"task_name=through,{','.join(STOPS)}",
+        f"hydra.sweep.dir={sweep}",
+    )
+    sweeping = subprocess.Popen(
+        command, cwd=ROOT, env=_job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     epoch_at_stop = {}
     try:
         deadline = time.time() + 300
@@ -293,9 +382,15 @@ def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_sta
                     continue
                 job_id = json.loads((job / "slurm.json").read_text())["job_id"]
                 epoch_at_stop[name] = load_checkpoint(job / "checkpoints" / "last.ckpt")["epoch"]
-                action = ["scontrol", "requeue", job_id] if STOPS[name] == "scontrol requeue" else ["scancel", "--signal=USR2", job_id]
+                action = (
+                    ["scontrol", "requeue", job_id]
+                    if STOPS[name] == "scontrol requeue"
+                    else ["scancel", "--signal=USR2", job_id]
+                )
                 subprocess.run(action, env=cluster.env, check=True, capture_output=True)
-            assert time.time() < deadline and sweeping.poll() is None, f"jobs wrote no checkpoint: {sorted(set(STOPS) - set(epoch_at_stop))}"
+            assert time.time() < deadline and sweeping.poll() is None, (
+                f"jobs wrote no checkpoint: {sorted(set(STOPS) - set(epoch_at_stop))}"
+            )
             time.sleep(0.2)
         out, _ = sweeping.communicate(timeout=400)
     finally:
@@ -309,11 +404,16 @@ def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_sta
         facts = json.loads((stopped / "slurm.json").read_text())
         assert facts["restarts"] >= 1, name  # SLURM_RESTART_COUNT of the run that finished
         log = Path(facts["stdout"]).read_text()
-        before, resumed_part = log.split(f"Resuming from this run's own checkpoint {stopped / 'checkpoints' / 'last.ckpt'}")
+        before, resumed_part = log.split(
+            f"Resuming from this run's own checkpoint {stopped / 'checkpoints' / 'last.ckpt'}"
+        )
         # progress lines count epochs from 1; the checkpoint's "epoch" from 0
         first_resumed_epoch = int(resumed_part.split("\nepoch ", 1)[1].split("/", 1)[0])
-        last_epoch_before = max(int(line.split("/", 1)[0].removeprefix("epoch ")) for line in before.splitlines()
-                                if line.startswith("epoch "))
+        last_epoch_before = max(
+            int(line.split("/", 1)[0].removeprefix("epoch "))
+            for line in before.splitlines()
+            if line.startswith("epoch ")
+        )
         if stop == "preemption signal":
             assert "Preemption signal SIGUSR2: requeueing after this epoch's checkpoint" in before
             # the epoch in progress at the signal was finished and saved before the job stopped
@@ -321,7 +421,10 @@ def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_sta
         else:
             # continued, not restarted: the first epoch after the requeue follows the checkpointed
             # one (a run from scratch ends bit-identical too, so the final state alone cannot tell)
-            assert epoch_at_stop[name] + 2 <= first_resumed_epoch <= last_epoch_before + 1, (epoch_at_stop, first_resumed_epoch)
+            assert epoch_at_stop[name] + 2 <= first_resumed_epoch <= last_epoch_before + 1, (
+                epoch_at_stop,
+                first_resumed_epoch,
+            )
         resumed = load_checkpoint(stopped / "checkpoints" / "last.ckpt")
         assert through["epoch"] == resumed["epoch"] == epochs - 1 and through["global_step"] == resumed["global_step"]
         assert through["state_dict"].keys() == resumed["state_dict"].keys()
@@ -333,8 +436,19 @@ def test_a_requeued_or_preempted_job_resumes_to_the_uninterrupted_runs_final_sta
 @pytest.mark.slow
 def test_a_launcher_request_that_contradicts_the_trainer_is_refused_before_submission(cluster, tmp_path):
     sweep = tmp_path / "sweep"
-    done = _run(cluster, _train("-m", *LAUNCHER, *TINY_RUN, "trainer.devices=2", "hydra.launcher.tasks_per_node=1",
-                                f"hydra.sweep.dir={sweep}"), timeout=120, check=False)
+    done = _run(
+        cluster,
+        _train(
+            "-m",
+            *LAUNCHER,
+            *TINY_RUN,
+            "trainer.devices=2",
+            "hydra.launcher.tasks_per_node=1",
+            f"hydra.sweep.dir={sweep}",
+        ),
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
     assert "hydra.launcher.tasks_per_node=1 but trainer.devices=2" in done.stderr
     assert "Nothing was submitted" in done.stderr
@@ -349,8 +463,17 @@ def test_a_request_no_node_can_satisfy_is_refused_with_the_numbers_and_the_fix(c
     would pend forever: refused before submission, with what the nodes have and the overrides
     that fit."""
     sweep = tmp_path / "sweep"
-    done = _run(cluster, _train("-m", *[o for o in LAUNCHER if "cpus_per_task" not in o and "mem_gb" not in o],
-                                *TINY_RUN, f"hydra.sweep.dir={sweep}"), timeout=120, check=False)
+    done = _run(
+        cluster,
+        _train(
+            "-m",
+            *[o for o in LAUNCHER if "cpus_per_task" not in o and "mem_gb" not in o],
+            *TINY_RUN,
+            f"hydra.sweep.dir={sweep}",
+        ),
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("Error: ") and "would pend forever" in line and "Traceback" not in done.stderr
@@ -365,11 +488,18 @@ def test_a_job_pending_for_a_reason_that_never_clears_is_reported_while_waiting(
     """With the check off, the same request is submitted and pends; the waiting sweep says so,
     with the reason and what to do, instead of waiting without a word. The test then cancels it."""
     sweep = tmp_path / "sweep"
-    command = _train("-m", *[o for o in LAUNCHER if "cpus_per_task" not in o], "hydra.launcher.cpus_per_task=8",
-                     "hydra.launcher.check_partition=false", "hydra.launcher.poll_s=1", *TINY_RUN,
-                     f"hydra.sweep.dir={sweep}")
-    sweeping = subprocess.Popen(command, cwd=ROOT, env=_job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    command = _train(
+        "-m",
+        *[o for o in LAUNCHER if "cpus_per_task" not in o],
+        "hydra.launcher.cpus_per_task=8",
+        "hydra.launcher.check_partition=false",
+        "hydra.launcher.poll_s=1",
+        *TINY_RUN,
+        f"hydra.sweep.dir={sweep}",
+    )
+    sweeping = subprocess.Popen(
+        command, cwd=ROOT, env=_job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, rest = [], ""
     watchdog = threading.Timer(180, sweeping.kill)  # a sweep that never says it stays stuck here otherwise
     watchdog.start()

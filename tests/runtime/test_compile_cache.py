@@ -10,8 +10,13 @@ import torch
 
 from dbsn.methods import DBSN, Compilation, Execution
 from dbsn.nets import StructureNet
-from dbsn.runtime.compile_cache import (CACHE_FILE, CompileCache, compile_cache_callbacks, load_compile_cache,
-                                        save_compile_cache)
+from dbsn.runtime.compile_cache import (
+    CACHE_FILE,
+    CompileCache,
+    compile_cache_callbacks,
+    load_compile_cache,
+    save_compile_cache,
+)
 
 
 def _serialised(monkeypatch, data: bytes | None) -> None:
@@ -37,6 +42,7 @@ def test_a_file_this_torch_cannot_read_is_noted_and_the_run_compiles_cold(tmp_pa
 
     def broken(data):
         raise RuntimeError("another torch's format")
+
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
     assert load_compile_cache(path) is None
     assert "RuntimeError: another torch's format" in capsys.readouterr().out
@@ -67,8 +73,11 @@ def test_the_callback_loads_the_runs_own_file_first_and_replaces_it_only_with_mo
 
 def test_a_run_that_compiles_with_the_cache_on_gets_the_callback(tmp_path):
     net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=1, num_stages=2, growth=4, stem_channels=8)
-    for compile, expected in ((Compilation(), 0), (Compilation(enabled=True, backend="eager", cache=False), 0),
-                              (Compilation(enabled=True, backend="eager", cache_from="x.bin"), 1)):
+    for compile, expected in (
+        (Compilation(), 0),
+        (Compilation(enabled=True, backend="eager", cache=False), 0),
+        (Compilation(enabled=True, backend="eager", cache_from="x.bin"), 1),
+    ):
         method = DBSN(net, train_samples=2, dataset_size=10, execution=Execution(compile=compile))
         callbacks = compile_cache_callbacks(method, tmp_path)
         assert len(callbacks) == expected

@@ -59,7 +59,9 @@ def test_overriding_a_missing_key_is_refused(tmp_path):
 
 
 def test_unknown_choice_lists_valid_choices(tmp_path):
-    result = run_python(ROOT / "train.py", "model=dbsnn", f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=120, check=False)
+    result = run_python(
+        ROOT / "train.py", "model=dbsnn", f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=120, check=False
+    )
     assert result.returncode != 0
     assert "Could not find 'model/dbsnn'" in result.stderr
     assert "Available options in 'model'" in result.stderr and "dbsn" in result.stderr
@@ -89,27 +91,49 @@ def test_sweep_experiment_holds_the_paper_classification_sweep(dataset, tmp_path
         validate_config(compose_config("train", [f"data={dataset}", f"model={model}"], tmp_path))
 
 
-@pytest.mark.parametrize("model", ["dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "vogn",
-                                   "vogn_fbn", "batch_ensemble", "packed_ensemble", "mimo", "sngp"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "dbsn",
+        "fbn",
+        "map",
+        "map_fixed",
+        "mc_dropout",
+        "bbb",
+        "deep_ensemble",
+        "vogn",
+        "vogn_fbn",
+        "batch_ensemble",
+        "packed_ensemble",
+        "mimo",
+        "sngp",
+    ],
+)
 def test_every_method_config_builds(model, tmp_path):
     prefix = "model.member.net" if model == "deep_ensemble" else "model.net"
     net = [] if model in ("dbsn", "fbn", "vogn", "vogn_fbn", "deep_ensemble") else ["model/net=structure_net"]
-    cfg = compose_config("train", [f"model={model}", *net, f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1",
-                                   f"{prefix}.compression=0.5"], tmp_path)  # 0.5: channel counts the packed groups divide
+    cfg = compose_config(
+        "train",
+        [f"model={model}", *net, f"{prefix}.num_nodes=3", f"{prefix}.cells_per_stage=1", f"{prefix}.compression=0.5"],
+        tmp_path,
+    )  # 0.5: channel counts the packed groups divide
     validate_config(cfg)
     method = build_model(cfg.model, num_classes=10)
     assert method.is_stochastic == (model not in ("map", "map_fixed", "sngp"))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.train_samples=abc", r"model\.train_samples='abc': expected int, got str"),
-    ("model.prediction.n_samples=2.5", r"model\.prediction\.n_samples=2\.5: expected int, got float"),
-    ("trainer.max_epochs=ten", r"trainer\.max_epochs='ten': expected int"),
-    ("data.batch_size=true", r"data\.batch_size=True: expected int, got bool"),
-    ("model.parallel=model", r"model\.parallel='model': expected one of 'data', 'structure'"),
-    ("seed=first", r"seed='first': expected int or null, got str"),
-    ("resume=maybe", r"resume='maybe': expected bool, got str"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.train_samples=abc", r"model\.train_samples='abc': expected int, got str"),
+        ("model.prediction.n_samples=2.5", r"model\.prediction\.n_samples=2\.5: expected int, got float"),
+        ("trainer.max_epochs=ten", r"trainer\.max_epochs='ten': expected int"),
+        ("data.batch_size=true", r"data\.batch_size=True: expected int, got bool"),
+        ("model.parallel=model", r"model\.parallel='model': expected one of 'data', 'structure'"),
+        ("seed=first", r"seed='first': expected int or null, got str"),
+        ("resume=maybe", r"resume='maybe': expected bool, got str"),
+    ],
+)
 def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path, override, message):
     cfg = compose_config("train", ["experiment=quick", override], tmp_path)
     with pytest.raises(ConfigError, match=message):
@@ -117,19 +141,32 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_type(tmp_path, override
 
 
 def test_values_of_the_right_type_pass_the_type_check(tmp_path):
-    cfg = compose_config("train", ["experiment=quick", "model.tau.decay=1", "model.test_tau=2",
-                                   "trainer.devices=auto", "trainer.precision=bf16-mixed", "seed=null"], tmp_path)
+    cfg = compose_config(
+        "train",
+        [
+            "experiment=quick",
+            "model.tau.decay=1",
+            "model.test_tau=2",
+            "trainer.devices=auto",
+            "trainer.precision=bf16-mixed",
+            "seed=null",
+        ],
+        tmp_path,
+    )
     validate_config(cfg)  # an int where a float is expected, Trainer's str-or-int unions, a null seed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, message", [
-    ("model.tau.decay=nan", "model.tau.decay=nan: expected a finite number"),
-    ("model.beta.decay_per_epoch=-0.1", "model.beta: BetaSchedule.decay_per_epoch must be >= 0"),
-    ("model.tau.minimum=0", "model.tau: TauSchedule.minimum must be > 0"),
-    ("model.optim.lr=inf", "model.optim.lr=inf: expected a finite number"),
-    ("trainer.sync_batchnorm=true", "trainer.sync_batchnorm=true is refused: model.net (StructureNet)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.tau.decay=nan", "model.tau.decay=nan: expected a finite number"),
+        ("model.beta.decay_per_epoch=-0.1", "model.beta: BetaSchedule.decay_per_epoch must be >= 0"),
+        ("model.tau.minimum=0", "model.tau: TauSchedule.minimum must be > 0"),
+        ("model.optim.lr=inf", "model.optim.lr=inf: expected a finite number"),
+        ("trainer.sync_batchnorm=true", "trainer.sync_batchnorm=true is refused: model.net (StructureNet)"),
+    ],
+)
 def test_values_that_would_change_or_break_the_method_are_refused_at_config_time(override, message, tmp_path):
     """Out-of-range schedules fail before training (not as a NaN loss at step 0); the settings
     objects' own checks run at config time. SyncBatchNorm would pool the per-structure statistics."""
@@ -142,6 +179,7 @@ def test_values_that_would_change_or_break_the_method_are_refused_at_config_time
 
 
 # ---------------------------------------------------------------------- precision
+
 
 @pytest.mark.parametrize("precision", ["16-mixed", 16, "16", "bf16-true", "16-true", "half", "transformer-engine"])
 def test_precisions_that_change_the_method_are_refused(precision):
@@ -188,8 +226,11 @@ def test_a_cuda_graph_is_refused_before_training_where_it_cannot_run(tmp_path):
     from dbsn.runtime.config import ConfigError
 
     cfg = compose_config("train", ["data=digits", "trainer=cpu", "model.execution.cuda_graph=true"], tmp_path)
-    with pytest.raises(ConfigError, match=r"model.execution.cuda_graph=true captures the training step on a CUDA "
-                                          r"device, and this run trains on the CPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.execution.cuda_graph=true captures the training step on a CUDA "
+        r"device, and this run trains on the CPU",
+    ):
         validate_config(cfg)
     validate_config(compose_config("train", ["data=digits", "trainer=cpu", "speed=fast"], tmp_path))
     ensemble = compose_config("train", ["data=digits", "trainer=cpu", "model=deep_ensemble", "speed=fast"], tmp_path)

@@ -32,7 +32,9 @@ def test_lightning_messages_reach_the_console_once_and_tips_not_at_all(capfd):
     root = logging.getLogger()
     handler = logging.StreamHandler()  # stands in for the console handler Hydra configures
     root.addHandler(handler)
-    saved = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate) for name in LIGHTNING_LOGGERS}
+    saved = {
+        name: (logging.getLogger(name).handlers[:], logging.getLogger(name).propagate) for name in LIGHTNING_LOGGERS
+    }
     try:
         quiet_console()
         quiet_console()  # twice changes nothing
@@ -64,8 +66,18 @@ def test_the_model_summary_has_no_flops_and_keeps_the_rest(tmp_path, capsys, cap
     logging.getLogger("lightning.pytorch").propagate = True
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), batch_size=4)
     for callbacks in ([RichProgressBar()], []):
-        trainer = build_trainer(OmegaConf.create({"accelerator": "cpu", "max_steps": 1, "enable_checkpointing": False,
-                                                  "enable_progress_bar": bool(callbacks)}), tmp_path, callbacks)
+        trainer = build_trainer(
+            OmegaConf.create(
+                {
+                    "accelerator": "cpu",
+                    "max_steps": 1,
+                    "enable_checkpointing": False,
+                    "enable_progress_bar": bool(callbacks),
+                }
+            ),
+            tmp_path,
+            callbacks,
+        )
         trainer.fit(_tiny_module(0.1), data)
         out = capsys.readouterr().out + caplog.text
         caplog.clear()
@@ -84,9 +96,16 @@ def test_a_learning_rate_that_is_a_tensor_is_monitored_without_a_warning(tmp_pat
 
     quiet_console()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), batch_size=4)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, log_every_n_steps=1, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[LearningRateMonitor()],
-                         logger=CSVLogger(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[LearningRateMonitor()],
+        logger=CSVLogger(tmp_path),
+    )
     trainer.fit(_tiny_module(torch.tensor(0.25)), data)
     assert not [w for w in recwarn if "copy construct from a tensor" in str(w.message)]
     assert trainer.callback_metrics["lr-SGD"].item() == 0.25

@@ -20,19 +20,31 @@ pytestmark = pytest.mark.slow
 def _run(script: str, args: list[str], cwd, env=None) -> subprocess.CompletedProcess:
     """`script` with Hydra's output in `cwd`/out and tracebacks off unless `env` turns them on;
     its exit status is for the test to judge."""
-    return run_python(ROOT / script, *args, f"hydra.run.dir={cwd / 'out'}", cwd=cwd, timeout=300,
-                      env={"HYDRA_FULL_ERROR": "0", **(env or {})}, check=False)
+    return run_python(
+        ROOT / script,
+        *args,
+        f"hydra.run.dir={cwd / 'out'}",
+        cwd=cwd,
+        timeout=300,
+        env={"HYDRA_FULL_ERROR": "0", **(env or {})},
+        check=False,
+    )
 
 
 CASES = {
-    "a value of the wrong type": (["experiment=quick", "model.train_samples=abc"],
-                                  ["model.train_samples='abc'", "expected int"]),
+    "a value of the wrong type": (
+        ["experiment=quick", "model.train_samples=abc"],
+        ["model.train_samples='abc'", "expected int"],
+    ),
     "a checkpoint that is not there": (["experiment=quick", "ckpt_path=/nope.ckpt"], ["/nope.ckpt", "not found"]),
-    "a dataset that is not there": (["data=cifar10", "data.root=/nonexistent"],
-                                    ["CIFAR-10", "missing under /nonexistent", "data_batch_1", "data.download=true"]),
-    "a setting under its old name": (["experiment=quick", "model.n_samples=4"],
-                                     ["model.n_samples was renamed model.prediction.n_samples",
-                                      "use model.prediction.n_samples=4"]),
+    "a dataset that is not there": (
+        ["data=cifar10", "data.root=/nonexistent"],
+        ["CIFAR-10", "missing under /nonexistent", "data_batch_1", "data.download=true"],
+    ),
+    "a setting under its old name": (
+        ["experiment=quick", "model.n_samples=4"],
+        ["model.n_samples was renamed model.prediction.n_samples", "use model.prediction.n_samples=4"],
+    ),
 }
 
 
@@ -44,11 +56,15 @@ def test_every_old_name_answers_with_a_key_that_exists(tmp_path):
     from dbsn.runtime.cli import RENAMED, renamed_option
     from tests.support.configs import compose_config
 
-    configs = {"model": compose_config("train", ["model=vogn"], tmp_path),
-               "model.member": compose_config("train", ["model=deep_ensemble"], tmp_path),
-               "evaluations": compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]"], tmp_path)}
-    calibrators = [compose_config("evaluate", ["ckpt_path=x", f"posthoc={name}"], tmp_path)
-                   for name in ("dirichlet", "histogram_binning")]
+    configs = {
+        "model": compose_config("train", ["model=vogn"], tmp_path),
+        "model.member": compose_config("train", ["model=deep_ensemble"], tmp_path),
+        "evaluations": compose_config("evaluate", ["ckpt_path=x", "evaluations=[ood]"], tmp_path),
+    }
+    calibrators = [
+        compose_config("evaluate", ["ckpt_path=x", f"posthoc={name}"], tmp_path)
+        for name in ("dirichlet", "histogram_binning")
+    ]
     for old, new in RENAMED.items():
         if old.startswith("posthoc."):  # a calibrator's: in the config of one calibrator or another
             assert any(OmegaConf.select(cfg, new, default="absent") != "absent" for cfg in calibrators), (old, new)
@@ -58,11 +74,13 @@ def test_every_old_name_answers_with_a_key_that_exists(tmp_path):
         assert OmegaConf.select(cfg, new, default="absent") != "absent", (old, new)
         assert OmegaConf.select(cfg, old, default="absent") == "absent", old
     assert renamed_option(["model.compile.enabled=true"]) == (
-        "model.compile.enabled was renamed model.execution.compile.enabled: use model.execution.compile.enabled=true")
+        "model.compile.enabled was renamed model.execution.compile.enabled: use model.execution.compile.enabled=true"
+    )
     assert renamed_option(["++model.channels_last=true"]).endswith("use ++model.execution.channels_last=true")
     assert renamed_option(["model.prediction.n_samples=4", "n_samples=3"]) is None
     assert renamed_option(["posthoc=dirichlet", "posthoc.map=diagonal"]) == (
-        "posthoc.map was renamed posthoc.calibrator.map: use posthoc.calibrator.map=diagonal")
+        "posthoc.map was renamed posthoc.calibrator.map: use posthoc.calibrator.map=diagonal"
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,21 +145,30 @@ EVALUATE_CASES = {
     "no checkpoint": ([], ["ckpt_path is needed"]),
     "a folder without runs": (["ckpt_path={tmp}"], ["is a folder without training runs"]),
     "OOD sets without the OOD evaluation": (["ckpt_path=x.ckpt", "ood=textures"], ["add evaluations=[ood]"]),
-    "an option of an OOD set not chosen": (["ckpt_path=x.ckpt", "evaluations=[ood]", "ood=svhn",
-                                            "ood.textures.download=true"],
-                                           ["ood.textures.download", "OOD set textures, which is not chosen"]),
-    "an option of an evaluation not chosen": (["ckpt_path=x.ckpt", "evaluations.shift.generate=true"],
-                                              ["evaluation shift, which is not chosen", "evaluations=[shift]"]),
-    "an OOD score's option without the OOD evaluation": (["ckpt_path=x.ckpt", "ood_score.knn.k=3"],
-                                                        ["ood_score.knn.k sets the OOD evaluation's scores",
-                                                         "add evaluations=[ood]"]),
-    "an OOD score's setting under its old name": (["ckpt_path=x.ckpt", "evaluations=[ood]", "evaluations.ood.knn_k=20"],
-                                                  ["evaluations.ood.knn_k was renamed ood_score.knn.k",
-                                                   "use ood_score.knn.k=20"]),
-    "an option of a posterior not chosen": (["ckpt_path=x.ckpt", "posthoc.hessian=full"],
-                                            ["post-hoc posterior, and none is chosen", "laplace"]),
-    "a misspelled option of a posterior": (["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],
-                                           ["posthoc: unknown key 'hesian'", "Did you mean 'hessian'?"]),
+    "an option of an OOD set not chosen": (
+        ["ckpt_path=x.ckpt", "evaluations=[ood]", "ood=svhn", "ood.textures.download=true"],
+        ["ood.textures.download", "OOD set textures, which is not chosen"],
+    ),
+    "an option of an evaluation not chosen": (
+        ["ckpt_path=x.ckpt", "evaluations.shift.generate=true"],
+        ["evaluation shift, which is not chosen", "evaluations=[shift]"],
+    ),
+    "an OOD score's option without the OOD evaluation": (
+        ["ckpt_path=x.ckpt", "ood_score.knn.k=3"],
+        ["ood_score.knn.k sets the OOD evaluation's scores", "add evaluations=[ood]"],
+    ),
+    "an OOD score's setting under its old name": (
+        ["ckpt_path=x.ckpt", "evaluations=[ood]", "evaluations.ood.knn_k=20"],
+        ["evaluations.ood.knn_k was renamed ood_score.knn.k", "use ood_score.knn.k=20"],
+    ),
+    "an option of a posterior not chosen": (
+        ["ckpt_path=x.ckpt", "posthoc.hessian=full"],
+        ["post-hoc posterior, and none is chosen", "laplace"],
+    ),
+    "a misspelled option of a posterior": (
+        ["ckpt_path=x.ckpt", "posthoc=laplace", "+posthoc.hesian=full"],
+        ["posthoc: unknown key 'hesian'", "Did you mean 'hessian'?"],
+    ),
     # before any checkpoint is read (x.ckpt is not there)
     "an ensemble of no members": (["ckpt_path=x.ckpt", "n_samples=0"], ["n_samples must be >= 1"]),
     "a forward of no rows": (["ckpt_path=x.ckpt", "rows_per_forward=0"], ["rows_per_forward must be >= 1"]),
@@ -156,7 +183,13 @@ def test_evaluate_py_says_what_is_wrong_in_one_line(case, tmp_path):
 
 
 def test_structure_parallel_devices_that_do_not_divide_t_are_refused_in_one_line(tmp_path):
-    assert_one_line(_run("train.py", ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu",
-                                       "trainer.devices=3"], tmp_path),
-                     "T = 4 structures of a step over 3 devices", "model.parallel=data")
+    assert_one_line(
+        _run(
+            "train.py",
+            ["experiment=quick", "model.train_samples=4", "trainer.accelerator=cpu", "trainer.devices=3"],
+            tmp_path,
+        ),
+        "T = 4 structures of a step over 3 devices",
+        "model.parallel=data",
+    )
     assert not (tmp_path / "out" / "checkpoints").exists()

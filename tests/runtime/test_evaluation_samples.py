@@ -73,8 +73,11 @@ def test_n_samples_reaches_a_dbsn_and_every_member_of_an_ensemble(tmp_path):
     with torch.no_grad():
         assert dbsn.predict_members(torch.randn(2, 3, 32, 32)).shape == (7, 2, 10)
 
-    with pytest.raises(ConfigError, match=r"^n_samples must be >= 1 \(or null: the posterior's or the run's own S\), "
-                                          r"got 0.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^n_samples must be >= 1 \(or null: the posterior's or the run's own S\), "
+        r"got 0.$",
+    ):
         _resolved(tmp_path, "n_samples=0")
 
     own, _ = _resolved(tmp_path)  # no n_samples=: each keeps its own
@@ -102,8 +105,11 @@ def test_a_posterior_that_draws_members_refuses_no_s_in_its_check(tmp_path):
     for name in ("swag", "laplace"):
         n_samples, posterior = _resolved(tmp_path, f"posthoc={name}", "posthoc.n_samples=null")
         assert n_samples is None
-        with pytest.raises(PosthocError, match=rf"^posthoc={name} draws members of its own and needs their number S: "
-                                               r"set posthoc.n_samples \(e.g. 30\) or evaluate.py n_samples=, not null.$"):
+        with pytest.raises(
+            PosthocError,
+            match=rf"^posthoc={name} draws members of its own and needs their number S: "
+            r"set posthoc.n_samples \(e.g. 30\) or evaluate.py n_samples=, not null.$",
+        ):
             posterior.check(method, None, {}, n_samples)
         assert _resolved(tmp_path, f"posthoc={name}", "posthoc.n_samples=null", "n_samples=7")[0] == 7
 
@@ -116,4 +122,6 @@ def test_a_calibrator_keeps_the_methods_s_unless_n_samples_says_otherwise(tmp_pa
         posterior.check(method, dm, {}, n_samples)
         assert fit_posterior(posterior, method, dm, {}, n_samples, CPU).num_members == expected
     # on top of a posterior that draws members, its S is its base's
-    assert _resolved(tmp_path, "posthoc=temperature", "+posthoc@posthoc.base=laplace", "posthoc.base.n_samples=4")[0] == 4
+    assert (
+        _resolved(tmp_path, "posthoc=temperature", "+posthoc@posthoc.base=laplace", "posthoc.base.n_samples=4")[0] == 4
+    )

@@ -12,9 +12,14 @@ from dbsn.runtime.progress import LineProgress
 
 def _trainer(done: int, epoch: int, loss: float | None = 2.5):
     progress = SimpleNamespace(total=SimpleNamespace(completed=done))
-    return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-                           num_training_batches=10, max_epochs=5, max_steps=-1, current_epoch=epoch,
-                           progress_bar_metrics={} if loss is None else {"train/loss_step": loss})
+    return SimpleNamespace(
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        num_training_batches=10,
+        max_epochs=5,
+        max_steps=-1,
+        current_epoch=epoch,
+        progress_bar_metrics={} if loss is None else {"train/loss_step": loss},
+    )
 
 
 def test_progress_lines_give_step_loss_throughput_and_time_left(monkeypatch, capsys):
@@ -24,8 +29,10 @@ def test_progress_lines_give_step_loss_throughput_and_time_left(monkeypatch, cap
     progress.on_train_start(_trainer(10, 1), None)  # resumed after one epoch of 10 batches
     progress._examples = 640
     progress.print_line(_trainer(20, 1))  # 10 batches in 10 s; 30 left
-    assert capsys.readouterr().out.strip() == \
-        "epoch 2/5 | step 20/50 | train/loss 2.5 | 64 img/s | elapsed 0:00:10 | left 0:00:30"
+    assert (
+        capsys.readouterr().out.strip()
+        == "epoch 2/5 | step 20/50 | train/loss 2.5 | 64 img/s | elapsed 0:00:10 | left 0:00:30"
+    )
     progress.disable()
     progress.print_line(_trainer(20, 1))
     assert capsys.readouterr().out == ""  # ranks other than 0
@@ -43,4 +50,5 @@ def test_a_test_pass_says_when_it_starts_how_far_it_is_every_few_minutes_and_whe
     assert capsys.readouterr().out.splitlines() == [
         "test: 40 batches, S = 100000 members each",
         "test: batch 10/40 | elapsed 0:06:40 | left 0:20:00",
-        "test: 40 batches done in 0:20:00"]
+        "test: 40 batches done in 0:20:00",
+    ]

@@ -28,8 +28,13 @@ def cifar_root(cifar10_files):
 
 def _cifar_overrides(root, epochs: int) -> list[str]:
     return [
-        "data=cifar10", f"data.root={root}", "data.batch_size=32", "data.num_workers=0",
-        *TINY, f"trainer.max_epochs={epochs}", "model.structure_optim.lr=0.01",
+        "data=cifar10",
+        f"data.root={root}",
+        "data.batch_size=32",
+        "data.num_workers=0",
+        *TINY,
+        f"trainer.max_epochs={epochs}",
+        "model.structure_optim.lr=0.01",
     ]
 
 
@@ -76,8 +81,13 @@ def test_training_decreases_loss_and_moves_theta(trained_run):
 
 
 def cfg_overrides(out) -> list[str]:
-    return [f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "n_samples=3", "trainer.accelerator=cpu",
-            "trainer.enable_progress_bar=false", "~callbacks.progress_bar"]
+    return [
+        f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}",
+        "n_samples=3",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar",
+    ]
 
 
 def test_evaluate_reloads_checkpoint_and_overrides_samples(trained_run, tmp_path):
@@ -123,8 +133,11 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     assert len(saved["optimizer_states"]) == 2  # SGD on weights, Adam on theta
 
     resumed_dir = tmp_path / "resumed"
-    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=5), f"ckpt_path={last}",
-                                   "resume_changes=[trainer.max_epochs]"], resumed_dir)
+    cfg = compose_config(
+        "train",
+        [*_cifar_overrides(cifar_root, epochs=5), f"ckpt_path={last}", "resume_changes=[trainer.max_epochs]"],
+        resumed_dir,
+    )
     train(cfg, resumed_dir)
     after = load_checkpoint(resumed_dir / "checkpoints" / "last.ckpt")
     assert after["epoch"] == 4  # 0-based: the fifth epoch
@@ -133,14 +146,22 @@ def test_resume_restores_structure_optimisers_and_counters(cifar_root, trained_r
     # the lr schedule continued from where it was (5 epochs stepped in total)
     assert after["lr_schedulers"][0]["last_epoch"] == 5
     # Adam's state for theta was carried over and advanced
-    assert after["optimizer_states"][1]["state"][0]["step"] == saved["optimizer_states"][1]["state"][0]["step"] + steps_per_epoch
+    assert (
+        after["optimizer_states"][1]["state"][0]["step"]
+        == saved["optimizer_states"][1]["state"][0]["step"] + steps_per_epoch
+    )
     assert not torch.equal(after["state_dict"]["structure.theta"], saved["state_dict"]["structure.theta"])
     # the training time adds the resumed epoch to the first four (the Timer's state is in the checkpoint)
     first, total = (json.loads((d / "metrics.json").read_text())["train_seconds"] for d in (out, resumed_dir))
     assert total > first + 0.01
     # and the budget its steps and images (TrainingBudget's counts are in the checkpoint too); 320 training images
     first, total = (json.loads((d / "metrics.json").read_text())["budget"] for d in (out, resumed_dir))
-    assert first == {"steps": 4 * steps_per_epoch, "images": 4 * steps_per_epoch * 32, "train_images": 320, "batch_size": 32}
+    assert first == {
+        "steps": 4 * steps_per_epoch,
+        "images": 4 * steps_per_epoch * 32,
+        "train_images": 320,
+        "batch_size": 32,
+    }
     assert (total["steps"], total["images"]) == (5 * steps_per_epoch, 5 * steps_per_epoch * 32)
 
 
@@ -183,8 +204,13 @@ def test_init_from_continues_tau_and_beta_where_the_first_run_ended(trained_run,
     first_beta = _epoch_values(out, "structure/beta")
     first_tau = _epoch_values(out, "structure/tau")
     saved = load_checkpoint(out / "checkpoints" / "last.ckpt")
-    overrides = [*_cifar_overrides(cfg.data.root, 1), f"init_from={out / 'checkpoints' / 'last.ckpt'}",
-                 "test=false", "model.beta.decay_per_epoch=0.1", "model.tau.decay=0.01"]
+    overrides = [
+        *_cifar_overrides(cfg.data.root, 1),
+        f"init_from={out / 'checkpoints' / 'last.ckpt'}",
+        "test=false",
+        "model.beta.decay_per_epoch=0.1",
+        "model.tau.decay=0.01",
+    ]
     second = train(compose_config("train", overrides, tmp_path), tmp_path)
     assert second == {}
     model = build_model(compose_config("train", overrides, tmp_path).model, num_classes=10)
@@ -212,13 +238,26 @@ def test_train_checks_ckpt_path_before_building_anything(trained_run, tmp_path, 
     (tmp_path / "truncated.ckpt").write_bytes(good[: len(good) // 2])
     torch.save({"state_dict": {}, "epoch": 3}, tmp_path / "foreign.ckpt")
     base = ["data=cifar10", f"data.root={empty}", *TINY]
-    for path, message in ((tmp_path / "nope.ckpt", "not found"), (tmp_path / "truncated.ckpt", "corrupt"),
-                          (tmp_path / "foreign.ckpt", "did not write")):
+    for path, message in (
+        (tmp_path / "nope.ckpt", "not found"),
+        (tmp_path / "truncated.ckpt", "corrupt"),
+        (tmp_path / "foreign.ckpt", "did not write"),
+    ):
         with pytest.raises(CheckpointError, match=message):
             train(compose_config("train", [*base, f"ckpt_path={path}"], tmp_path / "run"), tmp_path / "run")
-    other_method = compose_config("train", ["data=cifar10", f"data.root={empty}", "model=map", f"ckpt_path={trained_run[1] / 'checkpoints' / 'last.ckpt'}"],
-                                  tmp_path / "run")
-    with pytest.raises(CheckpointError, match=r"is a model dbsn\.methods\.DBSN checkpoint, but this run's model is dbsn\.methods\.MAP"):
+    other_method = compose_config(
+        "train",
+        [
+            "data=cifar10",
+            f"data.root={empty}",
+            "model=map",
+            f"ckpt_path={trained_run[1] / 'checkpoints' / 'last.ckpt'}",
+        ],
+        tmp_path / "run",
+    )
+    with pytest.raises(
+        CheckpointError, match=r"is a model dbsn\.methods\.DBSN checkpoint, but this run's model is dbsn\.methods\.MAP"
+    ):
         train(other_method, tmp_path / "run")
 
 
@@ -227,13 +266,24 @@ def test_resume_true_continues_from_the_run_folders_own_last_checkpoint(cifar_ro
     last.ckpt continues from it, ckpt_path or not (what a requeued cluster job does)."""
     _, out, _ = trained_run
     run_dir = tmp_path / "run"
-    train(compose_config("train", [*_cifar_overrides(cifar_root, epochs=1), "resume=true", "test=false"], run_dir), run_dir)
+    train(
+        compose_config("train", [*_cifar_overrides(cifar_root, epochs=1), "resume=true", "test=false"], run_dir),
+        run_dir,
+    )
     first = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert first["epoch"] == 0 and first["global_step"] > 0  # from scratch: one epoch
     # the same folder again, two epochs, and a ckpt_path that would start from a 4-epoch run
-    cfg = compose_config("train", [*_cifar_overrides(cifar_root, epochs=2), "resume=true", "test=false",
-                                   "resume_changes=[trainer.max_epochs]", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"],
-                         run_dir)
+    cfg = compose_config(
+        "train",
+        [
+            *_cifar_overrides(cifar_root, epochs=2),
+            "resume=true",
+            "test=false",
+            "resume_changes=[trainer.max_epochs]",
+            f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}",
+        ],
+        run_dir,
+    )
     train(cfg, run_dir)
     second = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert second["epoch"] == 1 and second["global_step"] == 2 * first["global_step"]  # continued its own run

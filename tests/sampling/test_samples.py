@@ -23,8 +23,13 @@ def test_samples_round_trip_through_the_state_dict():
     for step in (4, 9):
         owner.samples.append({"weight": owner.layer.weight * step, "bias": owner.layer.bias}, step)
     state = owner.state_dict()
-    assert {k for k in state if k.startswith("samples.")} == {"samples.0.weight", "samples.0.bias", "samples.1.weight",
-                                                              "samples.1.bias", "samples.steps"}
+    assert {k for k in state if k.startswith("samples.")} == {
+        "samples.0.weight",
+        "samples.0.bias",
+        "samples.1.weight",
+        "samples.1.bias",
+        "samples.steps",
+    }
     assert state["samples.steps"].tolist() == [4, 9] and not state["samples.1.weight"].requires_grad
     fresh = Owner()
     fresh.load_state_dict(state, strict=True)

@@ -20,7 +20,8 @@ def test_cycles_partition_the_run_and_restart_the_cosine():
     for start, end in bounds:
         length = end - start
         assert [schedule.lr_factor(k, total) for k in range(start, end)] == pytest.approx(
-            [(math.cos(math.pi * j / length) + 1) / 2 for j in range(length)])
+            [(math.cos(math.pi * j / length) + 1) / 2 for j in range(length)]
+        )
         assert schedule.lr_factor(start, total) == 1.0  # a warm restart at every cycle's first step
     with pytest.raises(ValueError, match="step 10 is outside the schedule's 10 steps"):
         schedule.cycle(10, total)
@@ -52,7 +53,12 @@ def test_the_authors_cifar_recipe_step_for_step():
     batches, epochs, cycles = 782, 200, 4
     total = epochs * batches
     schedule = CyclicalSchedule()  # the defaults are their recipe
-    assert (schedule.cycles, schedule.exploration, schedule.samples_per_cycle, schedule.sample_spacing) == (4, 0.9, 3, 0.02)
+    assert (schedule.cycles, schedule.exploration, schedule.samples_per_cycle, schedule.sample_spacing) == (
+        4,
+        0.9,
+        3,
+        0.02,
+    )
     length = total // cycles
     for epoch in (0, 3, 44, 45, 47, 49, 50, 95, 99, 100, 149, 150, 199):
         for batch in (0, 1, 390, 781):
@@ -66,12 +72,15 @@ def test_the_authors_cifar_recipe_step_for_step():
     assert len(kept) == 12
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(cycles=0), "cycles"),
-    (dict(exploration=1.5), "exploration"),
-    (dict(samples_per_cycle=0), "samples_per_cycle"),
-    (dict(samples_per_cycle=3, sample_spacing=0.5), "sample_spacing"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(cycles=0), "cycles"),
+        (dict(exploration=1.5), "exploration"),
+        (dict(samples_per_cycle=0), "samples_per_cycle"),
+        (dict(samples_per_cycle=3, sample_spacing=0.5), "sample_spacing"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(ValueError, match=message):
         CyclicalSchedule(**settings)

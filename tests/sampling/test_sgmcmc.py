@@ -28,8 +28,18 @@ def _standard_errors(cov: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sqrt(diag / n), np.sqrt((np.outer(diag, diag) + cov**2) / n)
 
 
-def _exact_moments(x0, grad: np.ndarray, b: np.ndarray, dataset_size: int, lr: float, friction: float,
-                   temperature: float, grad_noise: float, schedule: CyclicalSchedule, total: int):
+def _exact_moments(
+    x0,
+    grad: np.ndarray,
+    b: np.ndarray,
+    dataset_size: int,
+    lr: float,
+    friction: float,
+    temperature: float,
+    grad_noise: float,
+    schedule: CyclicalSchedule,
+    total: int,
+):
     """Mean and covariance of the position at every kept step, by the linear recursion that the update
     (v ← (1 − a) v − α_k (G x − b + σ_g ξ) + √(2 α_k a T / N) ε, x ← x + v) is on a Gaussian target:
     the chain's exact law, discretisation included."""
@@ -49,13 +59,34 @@ def _exact_moments(x0, grad: np.ndarray, b: np.ndarray, dataset_size: int, lr: f
     return np.mean([m for m, _ in kept], 0), np.mean([c for _, c in kept], 0)
 
 
-def _sample(x0, grad: np.ndarray, b: np.ndarray, dataset_size: int, lr: float, friction: float, temperature: float,
-            grad_noise: float, schedule: CyclicalSchedule, total: int, chains: int, weight_decay: float = 0.0):
+def _sample(
+    x0,
+    grad: np.ndarray,
+    b: np.ndarray,
+    dataset_size: int,
+    lr: float,
+    friction: float,
+    temperature: float,
+    grad_noise: float,
+    schedule: CyclicalSchedule,
+    total: int,
+    chains: int,
+    weight_decay: float = 0.0,
+):
     """The kept samples of `chains` chains on the mean loss ½ xᵀ G x − bᵀ x (+ weight decay), with
     Gaussian noise of std `grad_noise` on every gradient entry."""
     x = _chains(x0, chains)
-    opt = CyclicalSGMCMC([x], lr=lr, schedule=schedule, total_steps=total, dataset_size=dataset_size,
-                         friction=friction, weight_decay=weight_decay, temperature=temperature, seed=1)
+    opt = CyclicalSGMCMC(
+        [x],
+        lr=lr,
+        schedule=schedule,
+        total_steps=total,
+        dataset_size=dataset_size,
+        friction=friction,
+        weight_decay=weight_decay,
+        temperature=temperature,
+        seed=1,
+    )
     g, grad, b = torch.Generator().manual_seed(2), torch.as_tensor(grad), torch.as_tensor(b)
     kept = []
     for _ in range(total):
@@ -68,12 +99,15 @@ def _sample(x0, grad: np.ndarray, b: np.ndarray, dataset_size: int, lr: float, f
     return torch.cat(kept).numpy()
 
 
-@pytest.mark.parametrize("friction, temperature, grad_noise", [
-    (1.0, 1.0, 0.0),    # cSGLD on the posterior
-    (0.9, 1.0, 0.0),    # cSGHMC
-    (0.9, 1.0, 0.1),    # cSGHMC with noisy gradients
-    (0.9, 0.25, 0.0),   # cSGHMC on a cold posterior
-])
+@pytest.mark.parametrize(
+    "friction, temperature, grad_noise",
+    [
+        (1.0, 1.0, 0.0),  # cSGLD on the posterior
+        (0.9, 1.0, 0.0),  # cSGHMC
+        (0.9, 1.0, 0.1),  # cSGHMC with noisy gradients
+        (0.9, 0.25, 0.0),  # cSGHMC on a cold posterior
+    ],
+)
 def test_the_samples_have_the_gaussian_posteriors_moments(friction, temperature, grad_noise):
     """U(x) = ½ xᵀ A x over N = 10 "examples": the loss is the mean U / N, its gradient A x / N, and the
     kept samples are N(0, T A⁻¹) within Monte Carlo error: their mean and covariance against the
@@ -83,11 +117,14 @@ def test_the_samples_have_the_gaussian_posteriors_moments(friction, temperature,
     dataset_size, chains, schedule = 10, 4000, CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1)
     total, lr, x0, b = 2 * 550, 1.0, np.array([3.0, -2.0]), np.zeros(2)
     posterior = temperature * np.linalg.inv(A)
-    samples = _sample(x0, A / dataset_size, b, dataset_size, lr, friction, temperature, grad_noise, schedule, total, chains)
+    samples = _sample(
+        x0, A / dataset_size, b, dataset_size, lr, friction, temperature, grad_noise, schedule, total, chains
+    )
     n = samples.shape[0]
     se_mean, se_cov = _standard_errors(posterior, n)
-    exact_mean, exact_cov = _exact_moments(x0, A / dataset_size, b, dataset_size, lr, friction, temperature, grad_noise,
-                                           schedule, total)
+    exact_mean, exact_cov = _exact_moments(
+        x0, A / dataset_size, b, dataset_size, lr, friction, temperature, grad_noise, schedule, total
+    )
     assert np.all(np.abs(exact_cov - posterior) < se_cov) and np.all(np.abs(exact_mean) < se_mean)  # the set-up is fair
     assert np.all(np.abs(samples.mean(0)) < 4 * se_mean), samples.mean(0) / se_mean
     assert np.all(np.abs(np.cov(samples.T) - posterior) < 4 * se_cov), (np.cov(samples.T) - posterior) / se_cov
@@ -107,8 +144,20 @@ def test_the_samples_have_the_bayesian_linear_regressions_posterior():
     cov = np.linalg.inv(precision)
     mean = cov @ X.T @ y / sigma**2
     schedule = CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1)
-    samples = _sample(np.zeros(2), X.T @ X / (n_data * sigma**2), X.T @ y / (n_data * sigma**2), n_data, 0.02, 0.9, 1.0,
-                      0.0, schedule, 2 * 600, 4000, weight_decay=prior / n_data)
+    samples = _sample(
+        np.zeros(2),
+        X.T @ X / (n_data * sigma**2),
+        X.T @ y / (n_data * sigma**2),
+        n_data,
+        0.02,
+        0.9,
+        1.0,
+        0.0,
+        schedule,
+        2 * 600,
+        4000,
+        weight_decay=prior / n_data,
+    )
     se_mean, se_cov = _standard_errors(cov, samples.shape[0])
     assert np.all(np.abs(samples.mean(0) - mean) < 4 * se_mean), (samples.mean(0) - mean) / se_mean
     assert np.all(np.abs(np.cov(samples.T) - cov) < 4 * se_cov), (np.cov(samples.T) - cov) / se_cov
@@ -137,8 +186,16 @@ def test_at_temperature_zero_sgld_is_sgd_on_the_cyclical_step_size():
     schedule, total, lr, decay = CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1), 24, 0.3, 5e-4
     net, batches = _network_and_batches()
     copy, _ = _network_and_batches()
-    sampler = CyclicalSGMCMC(net.parameters(), lr=lr, schedule=schedule, total_steps=total, dataset_size=50,
-                             friction=1.0, weight_decay=decay, temperature=0.0)
+    sampler = CyclicalSGMCMC(
+        net.parameters(),
+        lr=lr,
+        schedule=schedule,
+        total_steps=total,
+        dataset_size=50,
+        friction=1.0,
+        weight_decay=decay,
+        temperature=0.0,
+    )
     sgd = torch.optim.SGD(copy.parameters(), lr=lr, momentum=0.0, weight_decay=decay)
 
     def set_lr(k):
@@ -154,11 +211,25 @@ def test_at_temperature_zero_sghmc_is_sgd_with_momentum_on_the_cyclical_step_siz
     """Friction a, T = 0: the authors' velocity v ← (1 − a) v − α_k d carries the step size inside it,
     so it is torch.optim.SGD with momentum 1 − a at lr 1 on the gradients α_k (g + λ w) (under a
     constant step size, SGD with momentum 1 − a and lr α₀ itself). Over two cycles, restarts included."""
-    schedule, total, lr, decay, friction = CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1), 24, 0.3, 5e-4, 0.9
+    schedule, total, lr, decay, friction = (
+        CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1),
+        24,
+        0.3,
+        5e-4,
+        0.9,
+    )
     net, batches = _network_and_batches()
     copy, _ = _network_and_batches()
-    sampler = CyclicalSGMCMC(net.parameters(), lr=lr, schedule=schedule, total_steps=total, dataset_size=50,
-                             friction=friction, weight_decay=decay, temperature=0.0)
+    sampler = CyclicalSGMCMC(
+        net.parameters(),
+        lr=lr,
+        schedule=schedule,
+        total_steps=total,
+        dataset_size=50,
+        friction=friction,
+        weight_decay=decay,
+        temperature=0.0,
+    )
     sgd = torch.optim.SGD(copy.parameters(), lr=1.0, momentum=1 - friction)
 
     def scale_gradients(k):
@@ -175,10 +246,17 @@ def test_at_temperature_zero_sghmc_is_sgd_with_momentum_on_the_cyclical_step_siz
 def test_the_noise_has_the_authors_scale_and_only_in_the_sampling_stage():
     """With no gradient and friction 1 a step moves each coordinate by √(2 α_k T / N) ε: the
     authors' `(2 lr alpha temperature / datasize) ** .5 * eps`, in the sampling stage only."""
-    schedule, total, lr, n, temperature = CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1), 40, 0.4, 1000, 0.3
+    schedule, total, lr, n, temperature = (
+        CyclicalSchedule(cycles=2, exploration=0.5, samples_per_cycle=1),
+        40,
+        0.4,
+        1000,
+        0.3,
+    )
     x = torch.nn.Parameter(torch.zeros(200_000, dtype=torch.float64))
-    opt = CyclicalSGMCMC([x], lr=lr, schedule=schedule, total_steps=total, dataset_size=n, friction=1.0,
-                         temperature=temperature, seed=0)
+    opt = CyclicalSGMCMC(
+        [x], lr=lr, schedule=schedule, total_steps=total, dataset_size=n, friction=1.0, temperature=temperature, seed=0
+    )
     for k in range(total):
         before = x.detach().clone()
         x.grad = torch.zeros_like(x)
@@ -197,8 +275,17 @@ def test_a_resumed_chain_continues_exactly():
     schedule = CyclicalSchedule(cycles=3, exploration=0.3, samples_per_cycle=2, sample_spacing=0.1)
 
     def sampler(net, seed):
-        return CyclicalSGMCMC(net.parameters(), lr=0.2, schedule=schedule, total_steps=60, dataset_size=20,
-                              friction=0.8, weight_decay=1e-3, temperature=1.0, seed=seed)
+        return CyclicalSGMCMC(
+            net.parameters(),
+            lr=0.2,
+            schedule=schedule,
+            total_steps=60,
+            dataset_size=20,
+            friction=0.8,
+            weight_decay=1e-3,
+            temperature=1.0,
+            seed=seed,
+        )
 
     straight, batches = _network_and_batches()
     _train(straight, sampler(straight, 7), batches, 60)
@@ -226,8 +313,12 @@ def test_the_settings_build_the_sampler_with_the_authors_temperature():
     opt = settings.build([torch.nn.Parameter(torch.zeros(3))], total_steps=400, dataset_size=50_000)
     assert opt.param_groups[0]["temperature"] == 1 / 50_000 and opt.total_steps == 400 and opt.dataset_size == 50_000
     assert CyclicalSampler(temperature=1.0).posterior_temperature(50_000) == 1.0
-    for bad, message in ((dict(lr=0), "lr"), (dict(friction=1.5), "friction"), (dict(temperature=-1), "temperature"),
-                         (dict(weight_decay=-1), "weight_decay")):
+    for bad, message in (
+        (dict(lr=0), "lr"),
+        (dict(friction=1.5), "friction"),
+        (dict(temperature=-1), "temperature"),
+        (dict(weight_decay=-1), "weight_decay"),
+    ):
         with pytest.raises(ValueError, match=message):
             CyclicalSampler(**bad)
 
@@ -236,8 +327,15 @@ def test_the_settings_build_the_sampler_with_the_authors_temperature():
 def test_the_peak_noise_is_the_largest_of_every_step(total, exploration):
     """`peak_noise_std` (the first sampling step of each cycle) against the loop over every step's noise."""
     schedule = CyclicalSchedule(cycles=3, exploration=exploration, samples_per_cycle=1)
-    opt = CyclicalSGMCMC([torch.nn.Parameter(torch.zeros(2))], lr=0.4, schedule=schedule, total_steps=total,
-                         dataset_size=1000, friction=0.9, temperature=0.3)
+    opt = CyclicalSGMCMC(
+        [torch.nn.Parameter(torch.zeros(2))],
+        lr=0.4,
+        schedule=schedule,
+        total_steps=total,
+        dataset_size=1000,
+        friction=0.9,
+        temperature=0.3,
+    )
     group = opt.param_groups[0]
     assert opt.peak_noise_std() == max(opt.noise_std(group, k) for k in range(total))
 

@@ -48,12 +48,7 @@ def log_logistic_pdf(x):
 def binary_log_density(a1, dtheta, beta, tau):
     """Density of alpha_1 for K = 2: x = logit(alpha_1) = (dtheta + beta L) / tau."""
     x = np.log(a1) - np.log1p(-a1)
-    return (
-        np.log(tau / beta)
-        + log_logistic_pdf((tau * x - dtheta) / beta)
-        - np.log(a1)
-        - np.log1p(-a1)
-    )
+    return np.log(tau / beta) + log_logistic_pdf((tau * x - dtheta) / beta) - np.log(a1) - np.log1p(-a1)
 
 
 def numpy_sample(logits, beta, tau, n, rng):
@@ -63,6 +58,7 @@ def numpy_sample(logits, beta, tau, n, rng):
 
 
 # --- Eq. 5 is a normalised density ------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "logits, beta, tau, tol",
@@ -124,6 +120,7 @@ def test_log_prob_matches_histogram_of_rsample_k3(logits, beta, tau):
 
 
 # --- Eq. 5 against independent formulas -------------------------------------------------
+
 
 @pytest.mark.parametrize("tau", [0.5, 1.0, 2.0, 3.0])
 def test_beta_one_is_maddison_concrete(tau):
@@ -195,6 +192,7 @@ def test_invalid_arguments_raise():
 
 # --- Eq. 4 sampling ----------------------------------------------------------------------
 
+
 def test_rsample_gradients_reach_logits():
     logits = torch.randn(3, 4, dtype=F64, requires_grad=True)
     alpha = SharpenedConcrete(logits, 0.7, 1.5).rsample((8,))
@@ -235,6 +233,7 @@ def test_float32_underflow_gives_finite_log_prob_and_gradients():
 
 # --- KL(q || p) ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tau", [1.0, 2.7])
 def test_kl_is_zero_when_posterior_is_the_prior(tau):
     alpha = Dirichlet(torch.ones(5, 4, dtype=F64)).sample((7,))
@@ -270,8 +269,7 @@ def test_kl_estimate_matches_quadrature_k2(tau):
     logits = torch.tensor([[0.8, -0.4], [0.0, 0.0], [-1.5, 0.5]], dtype=F64)
     beta = torch.tensor([0.5, 0.8, 1.0], dtype=F64)
     reference = sum(
-        binary_kl_by_quadrature((logits[e, 0] - logits[e, 1]).item(), beta[e].item(), tau)
-        for e in range(3)
+        binary_kl_by_quadrature((logits[e, 0] - logits[e, 1]).item(), beta[e].item(), tau) for e in range(3)
     )
     posterior = SharpenedConcrete(logits, beta, tau)
     alpha = posterior.rsample((200_000,))
@@ -303,6 +301,7 @@ def test_kl_estimate_matches_monte_carlo_reference_k3():
 
 
 # --- StructureLogits ---------------------------------------------------------------------
+
 
 def test_structure_logits_shapes_and_init():
     torch.manual_seed(0)
@@ -347,6 +346,7 @@ def test_structure_logits_rejects_bad_sizes():
 
 # ---------------------------------------------------------------------- mixed precision
 # The structure distribution's density and KL are float32 islands (dbsn.precision).
+
 
 def test_structure_density_and_kl_are_float32_under_autocast():
     torch.manual_seed(0)

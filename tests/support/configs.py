@@ -34,7 +34,10 @@ def tiny_for(model: str) -> list[str]:
     VGG16-BN is made tiny by width (and refreshes its Kronecker factors every 2 steps)."""
     tiny = [o for o in TINY if model in ("dbsn", "fbn") or not o.startswith("model.train_samples")]
     if model == "nekfac":
-        tiny = [o for o in tiny if not o.startswith("model.net.")] + ["model.net.width=0.25", "model.nekfac.cov_update_every=2"]
+        tiny = [o for o in tiny if not o.startswith("model.net.")] + [
+            "model.net.width=0.25",
+            "model.nekfac.cov_update_every=2",
+        ]
     return tiny
 
 
@@ -60,15 +63,33 @@ def evaluate_the_whole_suite(ckpt, out: Path, tmp_path: Path, extra=()) -> dict:
     """`evaluate_quietly` with OOD detection (every default score), dataset shift on generated
     corruptions, conformal sets and the adversarial attacks, all at test size (the post-hoc OOD scores
     on the first 2 members, the test images in batches of 256); asserts that each ran."""
-    results = evaluate_quietly(ckpt, out, [
-        *extra, "evaluations=[ood,shift,conformal,adversarial]", "ood=[photos,noise]", "ood.photos.size=32",
-        "ood.noise.size=32", "evaluations.ood.fit_images=64", "evaluations.ood.members=2", "ood_score.knn.k=5",
-        "batch_size=256", "ood_score.odin.batch_size=256", "statistics.resamples=100",
-        f"evaluations.shift.root={tmp_path / 'digits-C'}", "evaluations.shift.generate=true",
-        "evaluations.shift.corruptions=[gaussian_noise]", "evaluations.shift.severities=[3]",
-        "evaluations.adversarial.epsilons=[0.0,0.1]", "evaluations.adversarial.attack_samples=2",
-        "evaluations.adversarial.eval_samples=2", "evaluations.adversarial.max_examples=20",
-        "evaluations.adversarial.batch_size=20", "evaluations.conformal.levels=[0.9]"])
+    results = evaluate_quietly(
+        ckpt,
+        out,
+        [
+            *extra,
+            "evaluations=[ood,shift,conformal,adversarial]",
+            "ood=[photos,noise]",
+            "ood.photos.size=32",
+            "ood.noise.size=32",
+            "evaluations.ood.fit_images=64",
+            "evaluations.ood.members=2",
+            "ood_score.knn.k=5",
+            "batch_size=256",
+            "ood_score.odin.batch_size=256",
+            "statistics.resamples=100",
+            f"evaluations.shift.root={tmp_path / 'digits-C'}",
+            "evaluations.shift.generate=true",
+            "evaluations.shift.corruptions=[gaussian_noise]",
+            "evaluations.shift.severities=[3]",
+            "evaluations.adversarial.epsilons=[0.0,0.1]",
+            "evaluations.adversarial.attack_samples=2",
+            "evaluations.adversarial.eval_samples=2",
+            "evaluations.adversarial.max_examples=20",
+            "evaluations.adversarial.batch_size=20",
+            "evaluations.conformal.levels=[0.9]",
+        ],
+    )
     for score in ("max_logit", "energy", "mahalanobis", "gda", "knn", "vim", "odin"):
         assert 0 <= results[f"ood/noise/{score}/auroc"] <= 1, score
     assert 0 <= results["test/error"] <= 1 and results["adversarial/fgsm/accuracy@0.1"] <= 1

@@ -22,7 +22,7 @@ def entry_span(path: Path, name: str) -> tuple[int, int]:
     with zipfile.ZipFile(path) as archive:
         info = archive.getinfo(name)
     data = Path(path).read_bytes()
-    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
     return info.header_offset + 30 + name_length + extra_length, info.file_size
 
 
@@ -30,7 +30,9 @@ def storage_entry(path: Path, tensor: torch.Tensor) -> str:
     """The zip entry that holds `tensor`'s storage (a whole, contiguous storage: found by content)."""
     content = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     with zipfile.ZipFile(path) as archive:
-        found = [i.filename for i in archive.infolist() if "/data/" in i.filename and archive.read(i.filename) == content]
+        found = [
+            i.filename for i in archive.infolist() if "/data/" in i.filename and archive.read(i.filename) == content
+        ]
     assert len(found) == 1, f"{len(found)} storages hold that tensor"
     return found[0]
 
@@ -51,13 +53,13 @@ def flip_byte(path: Path, offset: int, out: Path, agreeing_crc: bool = False) ->
         for info in infos:
             start, size = entry_span(path, info.filename)
             if start <= offset < start + size:
-                crc = struct.pack("<I", zlib.crc32(bytes(data[start:start + size])))
-                data[info.header_offset + 14:info.header_offset + 18] = crc
+                crc = struct.pack("<I", zlib.crc32(bytes(data[start : start + size])))
+                data[info.header_offset + 14 : info.header_offset + 18] = crc
                 position = directory
-                while data[position:position + 4] == b"PK\x01\x02":
-                    lengths = struct.unpack("<HHH", data[position + 28:position + 34])
-                    if bytes(data[position + 46:position + 46 + lengths[0]]).decode() == info.filename:
-                        data[position + 16:position + 20] = crc
+                while data[position : position + 4] == b"PK\x01\x02":
+                    lengths = struct.unpack("<HHH", data[position + 28 : position + 34])
+                    if bytes(data[position + 46 : position + 46 + lengths[0]]).decode() == info.filename:
+                        data[position + 16 : position + 20] = crc
                     position += 46 + sum(lengths)
     Path(out).write_bytes(bytes(data))
     return Path(out)

@@ -129,8 +129,13 @@ def fake_camvid_split(split: str, n: int, size: tuple[int, int] = (36, 48), seed
 
 
 def write_camvid(
-    root, n_train: int = 4, n_val: int = 2, n_test: int = 2, size: tuple[int, int] = (36, 48),
-    seed: int = 0, with_lists: bool = True,
+    root,
+    n_train: int = 4,
+    n_val: int = 2,
+    n_test: int = 2,
+    size: tuple[int, int] = (36, 48),
+    seed: int = 0,
+    with_lists: bool = True,
 ) -> Path:
     """<root>/{train,trainannot,val,valannot,test,testannot}/*.png and, if `with_lists`,
     <root>/{train,val,test}.txt with SegNet's "/SegNet/CamVid/<split>/<name> /SegNet/CamVid/

@@ -30,8 +30,9 @@ def write_yaml(path: Path, data) -> None:
     path.write_text(yaml.safe_dump(data))
 
 
-def write_run(folder: Path, model: dict, data_target: str, seed: int, error: float | None,
-              train_seconds: float | None = None) -> Path:
+def write_run(
+    folder: Path, model: dict, data_target: str, seed: int, error: float | None, train_seconds: float | None = None
+) -> Path:
     write_yaml(folder / "resolved_config.yaml", {"model": model, "data": {"_target_": data_target}, "seed": seed})
     if error is not None:
         metrics = {"test/error": error, "test/nll": 10 * error, "test/ece": ECES.get(seed, 0.02)}
@@ -50,10 +51,19 @@ def write_outputs(tmp_path: Path) -> Path:
     """One Hydra sweep (model=dbsn,map x seed=1,2,3 from the sweeper, data=cifar10,cifar100 from the
     command line) with one failed and one missing job, plus a hand-made fbn run without .hydra."""
     root = tmp_path / "outputs" / "sweep" / "multiruns" / "2024-01-01_00-00-00"
-    write_yaml(root / "multirun.yaml", {"seed": 0, "hydra": {
-        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
-                    "params": {"model": "dbsn,map", "seed": "1,2,3"}},
-        "overrides": {"task": ["data=cifar10,cifar100", "trainer=cpu"]}}})
+    write_yaml(
+        root / "multirun.yaml",
+        {
+            "seed": 0,
+            "hydra": {
+                "sweeper": {
+                    "_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                    "params": {"model": "dbsn,map", "seed": "1,2,3"},
+                },
+                "overrides": {"task": ["data=cifar10,cifar100", "trainer=cpu"]},
+            },
+        },
+    )
     job = 0
     for model in ("dbsn", "map"):
         for seed in (1, 2, 3):
@@ -62,15 +72,31 @@ def write_outputs(tmp_path: Path) -> Path:
                 if (model, data, seed) == ("map", "cifar100", 3):
                     continue  # the missing job: no folder at all
                 folder = root / str(job - 1)
-                write_yaml(folder / ".hydra" / "hydra.yaml", {"hydra": {"runtime": {"choices": {"model": model, "data": data}}}})
-                write_yaml(folder / ".hydra" / "overrides.yaml", [f"model={model}", f"seed={seed}", f"data={data}", "trainer=cpu"])
-                write_run(folder, MODELS[model], DATA[data], seed, ERRORS[model, data].get(seed),
-                          train_seconds=TIMES[model] * seed)
+                write_yaml(
+                    folder / ".hydra" / "hydra.yaml",
+                    {"hydra": {"runtime": {"choices": {"model": model, "data": data}}}},
+                )
+                write_yaml(
+                    folder / ".hydra" / "overrides.yaml",
+                    [f"model={model}", f"seed={seed}", f"data={data}", "trainer=cpu"],
+                )
+                write_run(
+                    folder,
+                    MODELS[model],
+                    DATA[data],
+                    seed,
+                    ERRORS[model, data].get(seed),
+                    train_seconds=TIMES[model] * seed,
+                )
                 write_yaml(folder / "checkpoints" / "resolved_config.yaml", {})  # skipped folders are not runs
     # fbn, launched without Hydra: the method comes from the resolved config
-    write_run(tmp_path / "outputs" / "single" / "fbn_run",
-              {"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.weights.GaussianWeights"}},
-              DATA["cifar10"], 7, 0.04)
+    write_run(
+        tmp_path / "outputs" / "single" / "fbn_run",
+        {"_target_": "dbsn.methods.DBSN", "weights": {"_target_": "dbsn.methods.weights.GaussianWeights"}},
+        DATA["cifar10"],
+        7,
+        0.04,
+    )
     return tmp_path / "outputs"
 
 
@@ -85,8 +111,13 @@ def write_identity(folder: Path, run_id: str, **record) -> dict:
     import hashlib
 
     config = folder / "resolved_config.yaml"
-    run = {"run_id": run_id, "status": "finished", "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
-           "history": [{"event": "started"}, {"event": "finished"}], **record}
+    run = {
+        "run_id": run_id,
+        "status": "finished",
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+        "history": [{"event": "started"}, {"event": "finished"}],
+        **record,
+    }
     (folder / "run.json").write_text(json.dumps(run))
     return run
 
@@ -105,13 +136,22 @@ def write_checkpoint(path: Path, run_id: str | None, epoch: int = 0, global_step
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": epoch, "global_step": global_step,
-                **({"dbsn_run_id": run_id} if run_id else {}), **extra}, path)
+    torch.save(
+        {
+            "state_dict": {"w": torch.zeros(2)},
+            "epoch": epoch,
+            "global_step": global_step,
+            **({"dbsn_run_id": run_id} if run_id else {}),
+            **extra,
+        },
+        path,
+    )
     return path
 
 
-def write_trained_run(folder: Path, run_id: str | None, seed: int = 0, epoch: int = 1, global_step: int = 20,
-                      extra: tuple[str, ...] = ()) -> Path:
+def write_trained_run(
+    folder: Path, run_id: str | None, seed: int = 0, epoch: int = 1, global_step: int = 20, extra: tuple[str, ...] = ()
+) -> Path:
     """A run folder as train.py leaves it, without training: a tiny DBSN on digits, freshly
     initialised (`seed`), saved as checkpoints/last.ckpt with the run's config and id; its
     resolved_config.yaml, metrics.json and (with `run_id`) run.json. evaluate.py evaluates it."""
@@ -127,8 +167,14 @@ def write_trained_run(folder: Path, run_id: str | None, seed: int = 0, epoch: in
     torch.manual_seed(seed)
     model = build_model(cfg.model, 10)
     write_yaml(folder / "resolved_config.yaml", plain)
-    checkpoint = {"state_dict": model.state_dict(), "dbsn_config": plain, "dbsn_version": __version__, "epoch": epoch,
-                  "global_step": global_step, **({"dbsn_run_id": run_id} if run_id else {})}
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "dbsn_config": plain,
+        "dbsn_version": __version__,
+        "epoch": epoch,
+        "global_step": global_step,
+        **({"dbsn_run_id": run_id} if run_id else {}),
+    }
     (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, folder / "checkpoints" / "last.ckpt")
     record = {"metrics": {"test/error": 0.9}, "seed": seed, "epochs": epoch, "n_samples": 4}

@@ -15,8 +15,15 @@ class SignalAt(pl.Callback):
     ("train" or "test") starts, `times` times in a row. With `once_file`, only in a process that
     finds no such file (it is created): a resumed run is not signalled again."""
 
-    def __init__(self, signum: int | str = "SIGTERM", epoch: int = 0, batch: int = 0, stage: str = "train",
-                 times: int = 1, once_file: str | None = None) -> None:
+    def __init__(
+        self,
+        signum: int | str = "SIGTERM",
+        epoch: int = 0,
+        batch: int = 0,
+        stage: str = "train",
+        times: int = 1,
+        once_file: str | None = None,
+    ) -> None:
         self.signum = getattr(signal, signum) if isinstance(signum, str) else signal.Signals(signum)
         self.epoch, self.batch, self.stage, self.times = epoch, batch, stage, times
         self.once_file = None if once_file is None else Path(once_file)

@@ -19,8 +19,9 @@ from torch import nn
 from tests.support.netutil import join_groups, split_groups
 
 
-def assert_grouped_equals_copies(net: nn.Module, x: torch.Tensor, alpha: torch.Tensor,
-                                 grad_atol_scales: bool = False) -> torch.Tensor:
+def assert_grouped_equals_copies(
+    net: nn.Module, x: torch.Tensor, alpha: torch.Tensor, grad_atol_scales: bool = False
+) -> torch.Tensor:
     """`net(x, alpha)` on a grouped batch (row r in group r mod G, `alpha` (G, E, K)) equals G
     separate networks, group g run with alpha[g]. In eval mode: the outputs (the same network,
     its running statistics). In training mode, against G deep copies: the outputs, every
@@ -78,6 +79,6 @@ def assert_fixed_members(method, x, count: int, classes: int, first: int, n: int
     torch.testing.assert_close(members.logsumexp(-1), torch.zeros(count, len(x)), rtol=0, atol=1e-5)
     assert (members[1:] - members[:1]).abs().amax() > differ  # the members differ
     torch.testing.assert_close(again, members, rtol=0, atol=0)  # fixed members: every batch sees the same
-    torch.testing.assert_close(tail, members[first:first + n], rtol=0, atol=1e-6)
+    torch.testing.assert_close(tail, members[first : first + n], rtol=0, atol=1e-6)
     torch.testing.assert_close(log_probs, members.logsumexp(0) - math.log(count), rtol=0, atol=1e-6)
     return members

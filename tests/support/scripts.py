@@ -15,13 +15,20 @@ from tests.support.configs import ROOT
 SUPPORT_ON_PATH = {"PYTHONPATH": str(ROOT)}
 
 
-def run_python(*args, cwd=None, env: dict[str, str] | None = None, timeout: float = 600,
-               check: bool = True) -> subprocess.CompletedProcess:
+def run_python(
+    *args, cwd=None, env: dict[str, str] | None = None, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     """`python *args` (e.g. `ROOT / "train.py", "model=map"`) in `cwd`, with this process's
     environment plus unbuffered output plus `env`, its output captured as text. With `check`,
     a non-zero exit fails the test with the tails of stdout and stderr."""
-    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    done = subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
@@ -46,5 +53,8 @@ def digests(folder) -> dict[str, str]:
     from pathlib import Path
 
     folder = Path(folder)
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }

@@ -38,11 +38,15 @@ def ensure_slurm_installed() -> str | None:
     if shutil.which("apt-get") is None:
         return f"SLURM is not installed ({', '.join(missing)} missing) and there is no apt-get"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
     return None
 
 
@@ -89,7 +93,8 @@ class LocalSlurmCluster:
             (f / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(f / "munge", 0o755)
         os.chmod(f, 0o755)
-        self.conf.write_text(textwrap.dedent(f"""\
+        self.conf.write_text(
+            textwrap.dedent(f"""\
             ClusterName=dbsntest
             SlurmctldHost={self.host}(127.0.0.1)
             SlurmctldPort={self.port}
@@ -117,7 +122,8 @@ class LocalSlurmCluster:
             SchedulerParameters=sched_interval=2
             NodeName=n[1-2] NodeHostname={self.host} NodeAddr=127.0.0.1 Port=[{self.port + 1}-{self.port + 2}] CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
             PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
-            """))
+            """)
+        )
         sacct = self.bin / "sacct"
         sacct.write_text(SACCT.format(python=sys.executable))
         sacct.chmod(0o755)
@@ -128,15 +134,22 @@ class LocalSlurmCluster:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr}{self.logs()}")
         return done
 
-    def start(self) -> "LocalSlurmCluster":
+    def start(self) -> LocalSlurmCluster:
         self._write_files()
         f = self.folder
         try:
             self._run(_sbin("mungekey"), "-c", "-f", "-k", str(f / "munge" / "munge.key"))
             self.pid_files.append(f / "munge" / "munged.pid")
-            self._run(_sbin("munged"), "-S", str(f / "munge" / "munge.socket"), f"--key-file={f}/munge/munge.key",
-                      f"--log-file={f}/log/munged.log", f"--pid-file={f}/munge/munged.pid",
-                      f"--seed-file={f}/munge/munged.seed", "--force")
+            self._run(
+                _sbin("munged"),
+                "-S",
+                str(f / "munge" / "munge.socket"),
+                f"--key-file={f}/munge/munge.key",
+                f"--log-file={f}/log/munged.log",
+                f"--pid-file={f}/munge/munged.pid",
+                f"--seed-file={f}/munge/munged.seed",
+                "--force",
+            )
             self.pid_files.insert(0, f / "slurmctld.pid")
             self._run(_sbin("slurmctld"), "-c", "-f", str(self.conf))
             for node in ("n1", "n2"):
@@ -186,7 +199,9 @@ class LocalSlurmCluster:
         """Cancel this cluster's jobs, then stop the daemons this object started (slurm first,
         munged last), by their pid files."""
         if self.pid_files and self.conf.is_file():
-            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True, timeout=30)
+            subprocess.run(
+                ["scancel", "--full", "--user", str(os.getuid())], env=self.env, capture_output=True, timeout=30
+            )
             deadline = time.time() + 20
             while time.time() < deadline:
                 queue = subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True, timeout=30)

@@ -20,10 +20,12 @@ def step_state(method: Method, x: torch.Tensor, y: torch.Tensor, seed: int = 7) 
         torch.manual_seed(seed)
         logs = method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
     state = {"loss": logs["loss"].detach()}
-    state.update({f"grad/{name}": p.grad.detach().clone() for name, p in method.named_parameters()
-                  if p.grad is not None})
-    state.update({name: b.detach().clone() for name, b in method.named_buffers()
-                  if "running_" in name or "num_batches" in name})
+    state.update(
+        {f"grad/{name}": p.grad.detach().clone() for name, p in method.named_parameters() if p.grad is not None}
+    )
+    state.update(
+        {name: b.detach().clone() for name, b in method.named_buffers() if "running_" in name or "num_batches" in name}
+    )
     return state
 
 
@@ -45,7 +47,14 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: fl
             torch.testing.assert_close(b[key], a[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
         else:
             assert torch.equal(a[key], b[key]), key
-        kind = ("loss" if key == "loss" else "theta gradient" if key.endswith("theta") and key.startswith("grad/")
-                else "weight gradients" if key.startswith("grad/") else "running statistics")
+        kind = (
+            "loss"
+            if key == "loss"
+            else "theta gradient"
+            if key.endswith("theta") and key.startswith("grad/")
+            else "weight gradients"
+            if key.startswith("grad/")
+            else "running statistics"
+        )
         kinds[kind] += 1
     return kinds

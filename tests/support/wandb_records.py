@@ -26,9 +26,9 @@ def read_records(path: Path) -> list:
         if BLOCK - pos % BLOCK < HEADER:  # block trailer too small for a chunk header
             pos += BLOCK - pos % BLOCK
             continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + HEADER])
         pos += HEADER
-        pending += raw[pos:pos + length]
+        pending += raw[pos : pos + length]
         pos += length
         if kind in (FULL, LAST):
             record = wandb_internal_pb2.Record()
@@ -52,7 +52,8 @@ def logged_values(path: Path) -> dict[str, object]:
 def config_keys(path: Path) -> set[str]:
     return {
         item.key or "/".join(item.nested_key)
-        for record in read_records(path) if record.WhichOneof("record_type") == "config"
+        for record in read_records(path)
+        if record.WhichOneof("record_type") == "config"
         for item in record.config.update
     }
 
@@ -62,7 +63,9 @@ def history(path: Path) -> list[dict[str, object]]:
     rows = []
     for record in read_records(path):
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows
 
 
@@ -73,15 +76,21 @@ def run_record(path: Path):
 
 def config(path: Path) -> dict[str, object]:
     """The run's config, each key's last value."""
-    return {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-            for record in read_records(path) if record.WhichOneof("record_type") == "config"
-            for item in record.config.update}
+    return {
+        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+        for record in read_records(path)
+        if record.WhichOneof("record_type") == "config"
+        for item in record.config.update
+    }
 
 
 def metric_definitions(path: Path) -> dict[str, object]:
     """`define_metric` records by metric name (or glob)."""
-    return {(r.metric.name or r.metric.glob_name): r.metric for r in read_records(path)
-            if r.WhichOneof("record_type") == "metric"}
+    return {
+        (r.metric.name or r.metric.glob_name): r.metric
+        for r in read_records(path)
+        if r.WhichOneof("record_type") == "metric"
+    }
 
 
 def summary(path: Path) -> dict[str, object]:

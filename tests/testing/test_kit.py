@@ -7,12 +7,16 @@ import importlib
 import sys
 
 import pytest
-import torch
 
 from dbsn.evaluation.detection import EnergyScore, KNNScore, MahalanobisScore, MaxLogitScore, ODINScore, ViMScore
 from dbsn.methods import DBSN, MAP, DeepEnsemble, Prediction
-from dbsn.posthoc.calibrators import (Calibrator, DirichletCalibration, HistogramBinning, IsotonicCalibration,
-                                      TemperatureScaling)
+from dbsn.posthoc.calibrators import (
+    Calibrator,
+    DirichletCalibration,
+    HistogramBinning,
+    IsotonicCalibration,
+    TemperatureScaling,
+)
 from dbsn.testing import check_calibrator, check_evaluation, check_method, check_ood_score, make_subject, tiny_net
 from tests.docs.test_extending import page_files
 
@@ -34,32 +38,49 @@ def myext(tmp_path_factory):
 
 
 def test_the_page_s_extensions_pass_the_kit(myext):
-    assert check_method(myext("random_structures").RandomStructures, train_samples=2,
-                        prediction=Prediction(n_samples=3))["features"]
+    assert check_method(
+        myext("random_structures").RandomStructures, train_samples=2, prediction=Prediction(n_samples=3)
+    )["features"]
     check_ood_score(myext("class_cosine").ClassCosine())
     check_calibrator(myext("label_prior").LabelPrior())
     results = check_evaluation(myext("misclassification").Misclassification())
     assert 0 <= results.metrics["misclassification/predictive_entropy/auroc"] <= 1
 
 
-@pytest.mark.parametrize("make", [
-    lambda: MAP(tiny_net(), learn_structure=False, dataset_size=10),
-    lambda: DBSN(tiny_net(), dataset_size=10, prediction=Prediction(n_samples=3)),
-    lambda: DeepEnsemble([MAP(tiny_net(), learn_structure=False, dataset_size=10) for _ in range(2)]),
-], ids=["map_fixed", "dbsn", "deep_ensemble"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MAP(tiny_net(), learn_structure=False, dataset_size=10),
+        lambda: DBSN(tiny_net(), dataset_size=10, prediction=Prediction(n_samples=3)),
+        lambda: DeepEnsemble([MAP(tiny_net(), learn_structure=False, dataset_size=10) for _ in range(2)]),
+    ],
+    ids=["map_fixed", "dbsn", "deep_ensemble"],
+)
 def test_dbsn_s_methods_pass(make):
     assert check_method(make())["members"]
 
 
-@pytest.mark.parametrize("score", [MaxLogitScore("mean_logits"), EnergyScore("per_member", 1.0),
-                                   MahalanobisScore("pooled"), KNNScore("per_member", 5), ViMScore("per_member", 4),
-                                   ODINScore("predictive", 1000.0, 0.0014)], ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize(
+    "score",
+    [
+        MaxLogitScore("mean_logits"),
+        EnergyScore("per_member", 1.0),
+        MahalanobisScore("pooled"),
+        KNNScore("per_member", 5),
+        ViMScore("per_member", 4),
+        ODINScore("predictive", 1000.0, 0.0014),
+    ],
+    ids=lambda s: type(s).__name__,
+)
 def test_dbsn_s_ood_scores_pass_in_every_treatment(score):
     assert set(check_ood_score(score)) == set(score.treatments)
 
 
-@pytest.mark.parametrize("calibrator", [TemperatureScaling(), HistogramBinning(), IsotonicCalibration(),
-                                        DirichletCalibration()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "calibrator",
+    [TemperatureScaling(), HistogramBinning(), IsotonicCalibration(), DirichletCalibration()],
+    ids=lambda c: c.name,
+)
 def test_dbsn_s_calibrators_pass(calibrator):
     check_calibrator(calibrator)
 

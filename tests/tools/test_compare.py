@@ -41,7 +41,16 @@ def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(ba
     from dbsn.tools.compare import BACKBONES
 
     target = {"resnet18": "dbsn.nets.ResNet18", "wrn28_10": "dbsn.nets.WideResNet"}[backbone]
-    for method in ("dbsn", "map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "packed_ensemble", "mimo", "sngp"):
+    for method in (
+        "dbsn",
+        "map_fixed",
+        "mc_dropout",
+        "deep_ensemble",
+        "batch_ensemble",
+        "packed_ensemble",
+        "mimo",
+        "sngp",
+    ):
         overrides = method_overrides(method, 10, 21, backbone=backbone)
         cfg = compose_config("train", [*overrides, *shared_overrides()], tmp_path)
         validate_config(cfg)
@@ -52,11 +61,21 @@ def test_a_comparison_on_a_backbone_puts_every_method_but_the_cell_ones_on_it(ba
             assert str(net[key]) == value, (method, setting)
         optim = (cfg.model.member if method == "deep_ensemble" else cfg.model).optim  # the shared schedule's shape
         assert (optim.schedule, list(optim.milestones), optim.gamma) == ("multistep", [0.5, 0.75], 0.1), method
-        shared = compose_config("train", [*method_overrides(method, 10, 21, backbone=backbone, protocol="shared"),
-                                          *shared_overrides()], tmp_path)
-        optim = (shared.model.member if method == "deep_ensemble" else shared.model).optim  # one weight optimiser for all
+        shared = compose_config(
+            "train",
+            [*method_overrides(method, 10, 21, backbone=backbone, protocol="shared"), *shared_overrides()],
+            tmp_path,
+        )
+        optim = (
+            shared.model.member if method == "deep_ensemble" else shared.model
+        ).optim  # one weight optimiser for all
         assert (optim.lr, optim.weight_decay, optim.nesterov, list(optim.milestones), optim.warmup_epochs) == (
-            0.1, 1e-4, False, [0.5, 0.75], 0), method
+            0.1,
+            1e-4,
+            False,
+            [0.5, 0.75],
+            0,
+        ), method
         if method == "mc_dropout":  # no cells: a placement that exists on this network
             assert cfg.model.weights.placement == ("every_conv" if backbone == "resnet18" else "existing")
 
@@ -74,7 +93,9 @@ def compose_data(overrides: list[str], tmp_path):
     return compose_config("train", overrides, tmp_path).data
 
 
-@pytest.mark.parametrize("subset, drop_last, steps", [(640, True, 10), (650, True, 10), (650, False, 11), (None, True, 21)])
+@pytest.mark.parametrize(
+    "subset, drop_last, steps", [(640, True, 10), (650, True, 10), (650, False, 11), (None, True, 21)]
+)
 def test_steps_per_epoch_come_from_the_data_modules_training_images(tmp_path, subset, drop_last, steps):
     data = compose_data([*shared_overrides("digits", 64, subset), f"data.drop_last={drop_last}"], tmp_path)
     assert epoch_size(data) == (subset or 1347, steps)
@@ -99,14 +120,20 @@ def test_missing_dataset_or_bad_subset_fails_before_any_training(tmp_path, monke
 def test_cli_passes_dataset_subset_and_overrides(monkeypatch):
     calls = []
     monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: calls.append((args, kwargs)))
-    main(["--data", "cifar10", "--subset", "5000", "--epochs", "3", "--samples", "10", "data.root=/data", "trainer=gpu"])
+    main(
+        ["--data", "cifar10", "--subset", "5000", "--epochs", "3", "--samples", "10", "data.root=/data", "trainer=gpu"]
+    )
     main(["--subset", "0.1"])
     ((_, epochs, _, overrides), kwargs), (_, fraction) = calls
     assert (epochs, overrides) == (3, ["data.root=/data", "trainer=gpu"])
     assert (kwargs["data"], kwargs["subset"], kwargs["n_samples"]) == ("cifar10", 5000, 10)
     assert (fraction["data"], fraction["subset"], fraction["n_samples"]) == ("digits", 0.1, 100)
-    assert shared_overrides("cifar10", 64, 5000) == ["trainer=cpu", "data=cifar10", "data.batch_size=64",
-                                                     "data.train_subset=5000"]  # the config's num_workers
+    assert shared_overrides("cifar10", 64, 5000) == [
+        "trainer=cpu",
+        "data=cifar10",
+        "data.batch_size=64",
+        "data.train_subset=5000",
+    ]  # the config's num_workers
 
 
 def test_an_extra_trainer_override_replaces_the_cpu_default(tmp_path):
@@ -114,9 +141,14 @@ def test_an_extra_trainer_override_replaces_the_cpu_default(tmp_path):
     assert compose_config("train", [*shared_overrides("digits"), "trainer=gpu"], tmp_path).trainer.accelerator == "gpu"
 
 
-@pytest.mark.parametrize("argv, message", [(["--data", "cifar11"], "unknown dataset 'cifar11'; choose from cifar10, cifar100, digits, svhn"),
-                                           (["--data", "camvid"], "unknown dataset 'camvid'"),
-                                           (["data=cifar10"], "--data")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "cifar11"], "unknown dataset 'cifar11'; choose from cifar10, cifar100, digits, svhn"),
+        (["--data", "camvid"], "unknown dataset 'camvid'"),
+        (["data=cifar10"], "--data"),
+    ],
+)
 def test_unknown_or_overridden_dataset_is_refused_with_the_choices(capsys, argv, message):
     with pytest.raises(SystemExit):
         main(argv)
@@ -135,8 +167,14 @@ def test_table_title_and_json_carry_the_dataset_and_subset(tmp_path, capsys):
 
 
 def test_the_table_says_where_an_estimate_lies_outside_its_interval(tmp_path):
-    results = {"map": {"test/error": 0.1, "test/ce2": 0.004, "train_seconds": 60.0,
-                       "intervals": {"test/error": [0.05, 0.15], "test/ce2": [0.005, 0.009]}}}
+    results = {
+        "map": {
+            "test/error": 0.1,
+            "test/ce2": 0.004,
+            "train_seconds": 60.0,
+            "intervals": {"test/error": [0.05, 0.15], "test/ce2": [0.005, 0.009]},
+        }
+    }
     table = write_table(results, tmp_path, epochs=10)
     assert "10.00 [5.00, 15.00] |" in table  # inside: the interval alone
     assert "0.00400 [0.00500, 0.00900] (the estimate lies outside its interval" in table
@@ -168,12 +206,26 @@ def test_comparison_runs_every_method(tmp_path):
     methods = [m for m in compared_methods() if "sampler" not in method_config(m).config]
     masked = [m for m in methods if issubclass(method_config(m).cls, Masksembles)]
     assert masked == ["masksembles"]
-    settings = dict(epochs=1, n_samples=3, extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                                                  "trainer.limit_train_batches=2", "trainer.limit_test_batches=1"])
-    for group, width, out in (([m for m in methods if m not in masked], (4, 8), tmp_path),
-                              (masked, (MIN_CHANNELS, MIN_CHANNELS), tmp_path / "masked")):
-        results = run_comparison(group, output_dir=out, **settings,
-                                 net_overrides=["num_nodes=3", f"growth={width[0]}", f"stem_channels={width[1]}"])
+    settings = dict(
+        epochs=1,
+        n_samples=3,
+        extra=[
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "trainer.limit_train_batches=2",
+            "trainer.limit_test_batches=1",
+        ],
+    )
+    for group, width, out in (
+        ([m for m in methods if m not in masked], (4, 8), tmp_path),
+        (masked, (MIN_CHANNELS, MIN_CHANNELS), tmp_path / "masked"),
+    ):
+        results = run_comparison(
+            group,
+            output_dir=out,
+            **settings,
+            net_overrides=["num_nodes=3", f"growth={width[0]}", f"stem_channels={width[1]}"],
+        )
         assert list(results) == group
         table = (out / "comparison.md").read_text()
         for method in group:
@@ -187,26 +239,50 @@ def test_evaluation_passes_reuse_the_trainer_and_route_evaluate_overrides(tmp_pa
     from dbsn.tools.compare import evaluation_passes
 
     train = [*shared_overrides("digits"), "trainer=gpu", "statistics.resamples=50", "seed=3", "model.x=1"]
-    passes = evaluation_passes(["ood", "shift", "conformal"], ["temperature", "dirichlet"], ["photos", "noise"], "digits",
-                               tmp_path, train, ["ood.noise.size=32", "n_samples=3", "posthoc.calibrator.map=diagonal"])
+    passes = evaluation_passes(
+        ["ood", "shift", "conformal"],
+        ["temperature", "dirichlet"],
+        ["photos", "noise"],
+        "digits",
+        tmp_path,
+        train,
+        ["ood.noise.size=32", "n_samples=3", "posthoc.calibrator.map=diagonal"],
+    )
     assert list(passes) == ["evaluations", "posthoc=temperature", "posthoc=dirichlet"]
-    assert passes["evaluations"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50",
-                                     "evaluations=[ood,shift,conformal]", "ood=[photos,noise]",
-                                     "evaluations.shift.generate=true", f"evaluations.shift.root={tmp_path.resolve() / 'digits-C'}",
-                                     "ood.noise.size=32", "n_samples=3"]
-    assert passes["posthoc=dirichlet"] == ["trainer=cpu", "trainer=gpu", "statistics.resamples=50", "posthoc=dirichlet",
-                                           "n_samples=3", "posthoc.calibrator.map=diagonal"]
+    assert passes["evaluations"] == [
+        "trainer=cpu",
+        "trainer=gpu",
+        "statistics.resamples=50",
+        "evaluations=[ood,shift,conformal]",
+        "ood=[photos,noise]",
+        "evaluations.shift.generate=true",
+        f"evaluations.shift.root={tmp_path.resolve() / 'digits-C'}",
+        "ood.noise.size=32",
+        "n_samples=3",
+    ]
+    assert passes["posthoc=dirichlet"] == [
+        "trainer=cpu",
+        "trainer=gpu",
+        "statistics.resamples=50",
+        "posthoc=dirichlet",
+        "n_samples=3",
+        "posthoc.calibrator.map=diagonal",
+    ]
     cifar = evaluation_passes(["shift"], data="cifar10", output_dir=tmp_path)["evaluations"]
     assert cifar == ["evaluations=[shift]"]  # the published CIFAR-10-C under the data root
     assert evaluation_passes() == {}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--data", "cifar10", "--evaluations", "ood"], "--evaluations ood on cifar10 needs --ood"),
-    (["--ood", "noise"], "--ood noise chooses the sets of the ood evaluation, which is not chosen"),
-    (["--evaluations", "ood,drift"], "unknown --evaluations ['drift']"),
-    (["--posthoc", "platt"], "unknown --posthoc ['platt']"),
-    (["--evaluations", "ood", "--ood", "svhm"], "unknown --ood ['svhm']")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "cifar10", "--evaluations", "ood"], "--evaluations ood on cifar10 needs --ood"),
+        (["--ood", "noise"], "--ood noise chooses the sets of the ood evaluation, which is not chosen"),
+        (["--evaluations", "ood,drift"], "unknown --evaluations ['drift']"),
+        (["--posthoc", "platt"], "unknown --posthoc ['platt']"),
+        (["--evaluations", "ood", "--ood", "svhm"], "unknown --ood ['svhm']"),
+    ],
+)
 def test_evaluation_choices_are_refused_before_anything_trains(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: pytest.fail("trained before refusing"))
     with pytest.raises(SystemExit):
@@ -229,12 +305,27 @@ def test_a_bad_evaluate_override_or_no_validation_split_fails_before_any_trainin
 def test_one_command_trains_evaluates_and_calibrates_every_method_into_the_report(tmp_path, capsys):
     """Two cheap methods on a tiny network, 1 epoch on 128 images, S = 2; the evaluations made
     small through the evaluate overrides; SWAG does not apply (no moments collected): skipped."""
-    cheap = ["ood.photos.size=32", "ood.noise.size=32", "evaluations.ood.scores=[max_logit]", "evaluations.ood.fit_images=64",
-             "evaluations.shift.corruptions=[contrast]", "evaluations.shift.severities=[1]", "ablation.sizes=[]"]
-    run_comparison(["map", "mc_dropout"], epochs=1, output_dir=tmp_path, subset=128, n_samples=2,
-                   net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"],
-                   extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"],
-                   evaluations=["ood", "shift", "conformal"], posthoc=["temperature", "swag"], evaluate_extra=cheap)
+    cheap = [
+        "ood.photos.size=32",
+        "ood.noise.size=32",
+        "evaluations.ood.scores=[max_logit]",
+        "evaluations.ood.fit_images=64",
+        "evaluations.shift.corruptions=[contrast]",
+        "evaluations.shift.severities=[1]",
+        "ablation.sizes=[]",
+    ]
+    run_comparison(
+        ["map", "mc_dropout"],
+        epochs=1,
+        output_dir=tmp_path,
+        subset=128,
+        n_samples=2,
+        net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"],
+        extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"],
+        evaluations=["ood", "shift", "conformal"],
+        posthoc=["temperature", "swag"],
+        evaluate_extra=cheap,
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "every method trains with data.val_size=0.15" in out
     assert out.count("posthoc=swag skipped for") == 2
@@ -254,11 +345,26 @@ def test_one_command_trains_evaluates_and_calibrates_every_method_into_the_repor
 def test_cli_passes_the_evaluations_posthoc_and_evaluate_overrides(monkeypatch):
     calls = []
     monkeypatch.setattr(compare, "run_comparison", lambda *args, **kwargs: calls.append(kwargs))
-    main(["--evaluations", "ood,shift,conformal", "--posthoc", "temperature,isotonic", "--evaluate-overrides",
-          "ood.noise.size=32 evaluations.ood.scores=[energy,knn]", "--evaluate-overrides", "n_samples=3", "trainer=gpu"])
+    main(
+        [
+            "--evaluations",
+            "ood,shift,conformal",
+            "--posthoc",
+            "temperature,isotonic",
+            "--evaluate-overrides",
+            "ood.noise.size=32 evaluations.ood.scores=[energy,knn]",
+            "--evaluate-overrides",
+            "n_samples=3",
+            "trainer=gpu",
+        ]
+    )
     main(["--data", "cifar10", "--evaluations", "ood", "--ood", "svhn,cifar100"])
     first, second = calls
-    assert (first["evaluations"], first["posthoc"], first["ood"]) == (["ood", "shift", "conformal"], ["temperature", "isotonic"], None)
+    assert (first["evaluations"], first["posthoc"], first["ood"]) == (
+        ["ood", "shift", "conformal"],
+        ["temperature", "isotonic"],
+        None,
+    )
     assert first["evaluate_extra"] == ["ood.noise.size=32", "evaluations.ood.scores=[energy,knn]", "n_samples=3"]
     assert (second["ood"], second["posthoc"], second["evaluate_extra"]) == (["svhn", "cifar100"], [], [])
 
@@ -272,17 +378,24 @@ def test_the_fair_protocol_keeps_each_methods_own_settings_and_shares_the_schedu
 
     def model(method, **kwargs):
         backbone = "structure_net" if method.startswith("vogn") else "resnet18"  # VOGN: the cell network's
-        cfg = compose_config("train", [*method_overrides(method, 10, 21, backbone=backbone, **kwargs),
-                                       *shared_overrides()], tmp_path)
+        cfg = compose_config(
+            "train", [*method_overrides(method, 10, 21, backbone=backbone, **kwargs), *shared_overrides()], tmp_path
+        )
         validate_config(cfg)
         return cfg.model
 
-    own = {m: compose_config("train", [f"model={m}", "model/net=resnet18", *shared_overrides()], tmp_path).model.optim
-           for m in ("packed_ensemble", "batch_ensemble", "sngp")}
+    own = {
+        m: compose_config("train", [f"model={m}", "model/net=resnet18", *shared_overrides()], tmp_path).model.optim
+        for m in ("packed_ensemble", "batch_ensemble", "sngp")
+    }
     for method, recipe in own.items():
         fair = model(method).optim
         assert (fair.lr, fair.weight_decay, fair.nesterov, fair.momentum) == (
-            recipe.lr, recipe.weight_decay, recipe.nesterov, recipe.momentum), method
+            recipe.lr,
+            recipe.weight_decay,
+            recipe.nesterov,
+            recipe.momentum,
+        ), method
     assert model("mimo").member_loss == "sum" and model("mimo", protocol="shared").member_loss == "mean"
     assert model("packed_ensemble", lr=0.4).optim.lr == 0.4 and model("mimo", lr=0.025).optim.lr == 0.025
     assert model("deep_ensemble", lr=0.2).member.optim.lr == 0.2
@@ -307,12 +420,26 @@ def test_the_search_trains_every_rate_validates_and_never_reads_the_test_set(tmp
         raise AssertionError("the learning-rate search read the test set")
 
     monkeypatch.setattr(DigitsDataModule, "test_dataloader", poisoned)
-    shared = [*shared_overrides("digits", 64, 200), "data.val_size=0.25", "trainer.enable_progress_bar=false",
-              "trainer.enable_model_summary=false"]
-    record = compare.tune("map_fixed", [0.02, 0.3], lambda lr: method_overrides(
-        "map_fixed", 2, 3, net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr=lr), shared, tmp_path, 2)
+    shared = [
+        *shared_overrides("digits", 64, 200),
+        "data.val_size=0.25",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+    ]
+    record = compare.tune(
+        "map_fixed",
+        [0.02, 0.3],
+        lambda lr: method_overrides(
+            "map_fixed", 2, 3, net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr=lr
+        ),
+        shared,
+        tmp_path,
+        2,
+    )
     nlls = {lr: compare.last_validation_nll(tmp_path / "tune" / "map_fixed" / f"lr_{lr:g}") for lr in (0.02, 0.3)}
-    assert record["validation_nll"] == {"0.02": nlls[0.02], "0.3": nlls[0.3]} and all(math.isfinite(v) for v in nlls.values())
+    assert record["validation_nll"] == {"0.02": nlls[0.02], "0.3": nlls[0.3]} and all(
+        math.isfinite(v) for v in nlls.values()
+    )
     assert record["chosen"] == min(nlls, key=nlls.get)
     assert not list(tmp_path.rglob("metrics.json"))  # no run was tested
 
@@ -342,9 +469,16 @@ def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path, ca
 
     caplog.set_level(logging.INFO)
     logging.getLogger("lightning.pytorch").propagate = True  # to caplog's handler
-    run_comparison(["map_fixed", "deep_ensemble"], epochs=1, output_dir=tmp_path, subset=128, n_samples=2,
-                   net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"], lr_grid=[0.05, 0.2],
-                   extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"])
+    run_comparison(
+        ["map_fixed", "deep_ensemble"],
+        epochs=1,
+        output_dir=tmp_path,
+        subset=128,
+        n_samples=2,
+        net_overrides=["num_nodes=3", "growth=4", "stem_channels=8"],
+        lr_grid=[0.05, 0.2],
+        extra=["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "statistics.resamples=20"],
+    )
     search = json.loads((tmp_path / "map_fixed" / compare.TUNING_FILE).read_text())
     assert search["grid"] == [0.05, 0.2] and search["chosen"] in (0.05, 0.2) and search["key"] == "model.optim.lr"
     assert sorted(p.name for p in (tmp_path / "tune" / "map_fixed").iterdir()) == ["lr_0.05", "lr_0.2"]

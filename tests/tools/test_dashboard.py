@@ -24,8 +24,15 @@ pytestmark = pytest.mark.slow
 
 
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-DIGITS = ["experiment=quick", *TINY, "trainer.max_epochs=2", "data.train_subset=256", "data.val_size=64", "logger=wandb",
-          "callbacks.structure_posterior.n_samples=10"]
+DIGITS = [
+    "experiment=quick",
+    *TINY,
+    "trainer.max_epochs=2",
+    "data.train_subset=256",
+    "data.val_size=64",
+    "logger=wandb",
+    "callbacks.structure_posterior.n_samples=10",
+]
 OOD_SETS = ("photos", "noise")
 
 
@@ -41,43 +48,132 @@ def logged(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb")
     sweep = tmp / "sweep"
     run_python(ROOT / "train.py", "-m", *DIGITS, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp, env=OFFLINE)
-    run_python(ROOT / "evaluate.py", f"ckpt_path={sweep}", "logger=wandb", "evaluations=[ood,adversarial,shift,conformal]",
-               f"ood=[{','.join(OOD_SETS)}]", "ood.photos.size=64", "ood.noise.size=32", "n_samples=3",
-               "evaluations.ood.fit_images=128", "evaluations.ood.members=2",
-               "evaluations.ood.groups={near:[photos],far:[noise]}", f"evaluations.shift.root={tmp / 'digits-C'}", "evaluations.shift.generate=true",
-               "evaluations.shift.corruptions=[contrast]",
-               "evaluations.adversarial.epsilons=[0.0,0.05]", "evaluations.adversarial.attack_samples=2", "evaluations.adversarial.eval_samples=2",
-               "evaluations.adversarial.max_examples=20", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'eval'}", cwd=tmp, env=OFFLINE)
+    run_python(
+        ROOT / "evaluate.py",
+        f"ckpt_path={sweep}",
+        "logger=wandb",
+        "evaluations=[ood,adversarial,shift,conformal]",
+        f"ood=[{','.join(OOD_SETS)}]",
+        "ood.photos.size=64",
+        "ood.noise.size=32",
+        "n_samples=3",
+        "evaluations.ood.fit_images=128",
+        "evaluations.ood.members=2",
+        "evaluations.ood.groups={near:[photos],far:[noise]}",
+        f"evaluations.shift.root={tmp / 'digits-C'}",
+        "evaluations.shift.generate=true",
+        "evaluations.shift.corruptions=[contrast]",
+        "evaluations.adversarial.epsilons=[0.0,0.05]",
+        "evaluations.adversarial.attack_samples=2",
+        "evaluations.adversarial.eval_samples=2",
+        "evaluations.adversarial.max_examples=20",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp / 'eval'}",
+        cwd=tmp,
+        env=OFFLINE,
+    )
     # a deep ensemble of finished runs (point-structure members: map_fixed; one run twice keeps it short)
-    run_python(ROOT / "train.py", "model=map_fixed", "data=digits", "data.train_subset=256", *tiny_for("map_fixed"),
-               "trainer.max_epochs=1", "model.prediction.n_samples=1", "logger=wandb", "callbacks=swag", "callbacks.swag.start=0", "callbacks.swag.collect=step",
-               f"hydra.run.dir={tmp / 'map'}", cwd=tmp, env=OFFLINE)
+    run_python(
+        ROOT / "train.py",
+        "model=map_fixed",
+        "data=digits",
+        "data.train_subset=256",
+        *tiny_for("map_fixed"),
+        "trainer.max_epochs=1",
+        "model.prediction.n_samples=1",
+        "logger=wandb",
+        "callbacks=swag",
+        "callbacks.swag.start=0",
+        "callbacks.swag.collect=step",
+        f"hydra.run.dir={tmp / 'map'}",
+        cwd=tmp,
+        env=OFFLINE,
+    )
     member = str(tmp / "map" / "checkpoints" / "last.ckpt")
     # its post-hoc SWAG posterior, a method of its own
-    run_python(ROOT / "evaluate.py", f"ckpt_path={member}", "posthoc=swag", "n_samples=2", "logger=wandb",
-               "ablation.sizes=[]", "trainer.enable_progress_bar=false", cwd=tmp, env=OFFLINE)
-    run_python(ROOT / "evaluate.py", f"ckpt_path=[{member},{member}]", "logger=wandb", "ablation.sizes=[]",
-               "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp / 'ensemble'}", cwd=tmp, env=OFFLINE)
+    run_python(
+        ROOT / "evaluate.py",
+        f"ckpt_path={member}",
+        "posthoc=swag",
+        "n_samples=2",
+        "logger=wandb",
+        "ablation.sizes=[]",
+        "trainer.enable_progress_bar=false",
+        cwd=tmp,
+        env=OFFLINE,
+    )
+    run_python(
+        ROOT / "evaluate.py",
+        f"ckpt_path=[{member},{member}]",
+        "logger=wandb",
+        "ablation.sizes=[]",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp / 'ensemble'}",
+        cwd=tmp,
+        env=OFFLINE,
+    )
     camvid = tmp / "camvid"
     write_camvid(camvid, n_train=4, n_val=2, n_test=2, size=(36, 50), seed=0)
-    run_python(ROOT / "train.py", "model=dbsn_seg", "data=camvid", f"data.root={camvid}", "data.crop_size=32",
-               "data.batch_size=2", "data.num_workers=0", "data.eval_batch_size=2", "model.net.first_channels=8",
-               "model.net.growth=4", "model.net.num_nodes=3", "model.net.num_down=2", "model.prediction.n_samples=2",
-               "model.prediction.val_samples=2", "model.prediction.samples_per_forward=2", "trainer.max_epochs=2", "trainer.accelerator=cpu",
-               "trainer.enable_progress_bar=false", "logger=wandb", f"hydra.run.dir={tmp / 'seg'}", cwd=tmp, env=OFFLINE)
+    run_python(
+        ROOT / "train.py",
+        "model=dbsn_seg",
+        "data=camvid",
+        f"data.root={camvid}",
+        "data.crop_size=32",
+        "data.batch_size=2",
+        "data.num_workers=0",
+        "data.eval_batch_size=2",
+        "model.net.first_channels=8",
+        "model.net.growth=4",
+        "model.net.num_nodes=3",
+        "model.net.num_down=2",
+        "model.prediction.n_samples=2",
+        "model.prediction.val_samples=2",
+        "model.prediction.samples_per_forward=2",
+        "trainer.max_epochs=2",
+        "trainer.accelerator=cpu",
+        "trainer.enable_progress_bar=false",
+        "logger=wandb",
+        f"hydra.run.dir={tmp / 'seg'}",
+        cwd=tmp,
+        env=OFFLINE,
+    )
     # the training signals of a posterior over weights (the rank-1 BNN's KL terms, an SGD of two groups) and of a
     # sampler (cSGLD's step size, noise and samples; 20 steps: its 4 cycles of 5, 3 samples and 1 noisy step each)
     signals = tmp / "signals"
-    run_python(ROOT / "train.py", "-m", "model=rank1_bnn,csgld", "model/net=resnet18", "model.net.width=8", "data=digits",
-               "data.train_subset=160", "data.batch_size=8", "trainer.max_epochs=1", "trainer.accelerator=cpu",
-               "trainer.log_every_n_steps=1", "trainer.limit_test_batches=1", "trainer.enable_progress_bar=false",
-               "statistics.resamples=20", "logger=wandb", f"hydra.sweep.dir={signals}", cwd=tmp, env=OFFLINE)
+    run_python(
+        ROOT / "train.py",
+        "-m",
+        "model=rank1_bnn,csgld",
+        "model/net=resnet18",
+        "model.net.width=8",
+        "data=digits",
+        "data.train_subset=160",
+        "data.batch_size=8",
+        "trainer.max_epochs=1",
+        "trainer.accelerator=cpu",
+        "trainer.log_every_n_steps=1",
+        "trainer.limit_test_batches=1",
+        "trainer.enable_progress_bar=false",
+        "statistics.resamples=20",
+        "logger=wandb",
+        f"hydra.sweep.dir={signals}",
+        cwd=tmp,
+        env=OFFLINE,
+    )
     runs = [sweep / "0", sweep / "1"]
-    return {"sweep": sweep, "runs": runs, "train": [_run_file(r) for r in runs],
-            "signals": [_run_file(signals / "0"), _run_file(signals / "1")], "signals_dir": signals,
-            "evaluate": [_run_file(r / "evaluation") for r in runs], "camvid": _run_file(tmp / "seg"),
-            "ensemble": tmp / "ensemble", "map": _run_file(tmp / "map"),
-            "posthoc": _run_file(tmp / "map" / "posthoc" / "swag" / "evaluation")}
+    return {
+        "sweep": sweep,
+        "runs": runs,
+        "train": [_run_file(r) for r in runs],
+        "signals": [_run_file(signals / "0"), _run_file(signals / "1")],
+        "signals_dir": signals,
+        "evaluate": [_run_file(r / "evaluation") for r in runs],
+        "camvid": _run_file(tmp / "seg"),
+        "ensemble": tmp / "ensemble",
+        "map": _run_file(tmp / "map"),
+        "posthoc": _run_file(tmp / "map" / "posthoc" / "swag" / "evaluation"),
+    }
 
 
 def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
@@ -89,8 +185,14 @@ def test_a_sweeps_runs_share_its_group_and_say_method_seed_and_job_type(logged):
         assert run.run_id == (run_dir / "wandb_id").read_text().strip()
         facts = config(path)
         assert {k: facts[k] for k in ("method", "dataset", "seed", "T", "S", "job_type", "sweep")} == {
-            "method": "dbsn", "dataset": "digits", "seed": seed, "T": 2, "S": 4, "job_type": "train",
-            "sweep": f"quick {sweep.name}"}
+            "method": "dbsn",
+            "dataset": "digits",
+            "seed": seed,
+            "T": 2,
+            "S": 4,
+            "job_type": "train",
+            "sweep": f"quick {sweep.name}",
+        }
         assert facts["model"]["prediction"]["n_samples"] == 4  # the whole resolved config too
 
 
@@ -132,8 +234,13 @@ def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
     for run_dir, train_path, path in zip(logged["runs"], logged["train"], logged["evaluate"]):
         metrics = json.loads((run_dir / "metrics.json").read_text())["metrics"]
         stored = summary(train_path)
-        for key in ("test/adaptive_ece", "test/classwise_ece", "selective/max_probability/aurc",
-                    "selective/mutual_information/eaurc", "selective/predictive_entropy/risk@80"):
+        for key in (
+            "test/adaptive_ece",
+            "test/classwise_ece",
+            "selective/max_probability/aurc",
+            "selective/mutual_information/eaurc",
+            "selective/predictive_entropy/risk@80",
+        ):
             assert stored[key] == {"min": pytest.approx(metrics[key], rel=1e-6)}, key
         curve = table(train_path, "selective/risk_coverage_curve")
         assert curve["columns"] == ["score", "coverage", "risk"]
@@ -142,12 +249,20 @@ def test_the_field_benchmarks_numbers_reach_wandb_as_their_best_values(logged):
         stored = summary(path)
         groups = json.loads((run_dir / "evaluation" / "ood" / "groups.json").read_text())
         assert groups["groups"] == {"near": ["photos"], "far": ["noise"]}
-        for key in ("ood/near/entropy/auroc", "ood/far/mutual_information/auroc", "ood/near/knn/auroc",
-                    "ood/far/energy_members/fpr95"):
+        for key in (
+            "ood/near/entropy/auroc",
+            "ood/far/mutual_information/auroc",
+            "ood/near/knn/auroc",
+            "ood/far/energy_members/fpr95",
+        ):
             best = "min" if key.endswith("fpr95") else "max"
             assert stored[key] == {best: pytest.approx(groups["metrics"][key], rel=1e-6)}, key
         conformal = json.loads((run_dir / "evaluation" / "conformal" / "metrics.json").read_text())["metrics"]
-        for key in ("conformal/90/aps/coverage", "conformal/95/raps_randomized/size", "conformal/90/thr/shift/3/coverage"):
+        for key in (
+            "conformal/90/aps/coverage",
+            "conformal/95/raps_randomized/size",
+            "conformal/90/thr/shift/3/coverage",
+        ):
             assert stored[key] == pytest.approx(conformal[key], rel=1e-6), key  # no best value: the last
         shift = json.loads((run_dir / "evaluation" / "shift" / "metrics.json").read_text())
         assert shift["generated"] and stored["shift/generated"] == 1.0
@@ -164,7 +279,11 @@ def test_a_post_hoc_evaluation_is_a_method_of_its_own_on_wandb(logged):
     train, run = run_record(logged["map"]), run_record(logged["posthoc"])
     facts = config(logged["posthoc"])
     assert {k: facts[k] for k in ("method", "posthoc", "base_method", "job_type")} == {
-        "method": "map_fixed+swag", "posthoc": "swag", "base_method": "map_fixed", "job_type": "evaluate"}
+        "method": "map_fixed+swag",
+        "posthoc": "swag",
+        "base_method": "map_fixed",
+        "job_type": "evaluate",
+    }
     assert facts["train_run_id"] == train.run_id and run.run_group == train.run_group
     assert run.display_name.startswith("map_fixed+swag digits") and run.job_type == "evaluate"
     assert "test/ece" in summary(logged["posthoc"]) and "selective/max_probability/aurc" in summary(logged["posthoc"])
@@ -187,10 +306,15 @@ def test_evaluate_logs_a_linked_run_with_every_ood_set_and_attacks_against_epsil
             assert metric_definitions(path)[f"ood/{name}/entropy/auroc"].summary.max
         defined = metric_definitions(path)
         assert defined["adversarial/fgsm/accuracy"].step_metric == "adversarial/epsilon"
-        curve = [(row["adversarial/epsilon"], row["adversarial/bim/accuracy"]) for row in history(path)
-                 if "adversarial/bim/accuracy" in row]
-        results = {(float(r["epsilon"]), r["attack"]): r for r in
-                   json.loads((run_dir / "evaluation" / "adversarial" / "results.json").read_text())}
+        curve = [
+            (row["adversarial/epsilon"], row["adversarial/bim/accuracy"])
+            for row in history(path)
+            if "adversarial/bim/accuracy" in row
+        ]
+        results = {
+            (float(r["epsilon"]), r["attack"]): r
+            for r in json.loads((run_dir / "evaluation" / "adversarial" / "results.json").read_text())
+        }
         assert curve == [(eps, pytest.approx(results[eps, "bim"]["accuracy"])) for eps in (0.0, 0.05)]
 
 
@@ -232,7 +356,8 @@ def _logged_reads(paths: list[Path]) -> dict[str, set]:
             for key, value in row.items():
                 if key.endswith("/_type"):
                     (tables if value == "table-file" else images if value.startswith("images") else set()).add(
-                        key.removesuffix("/_type"))
+                        key.removesuffix("/_type")
+                    )
                 elif not key.startswith("_"):
                     scalars.add(key)
         for key in tables:
@@ -251,30 +376,63 @@ def missing_reads(dashboard: list[Section], logged_by_job: dict[str, dict[str, s
             reads = panel.reads()
             if panel.kind == "bar":  # a bar reads the summary: the best value where it is defined so
                 reads += [(summary_key(m), "summary") for m in panel.metrics if summary_of(m)]
-            missing += [f"{section.name} / {panel.title}: {key} ({what})" for key, what in reads if key not in found[what]]
+            missing += [
+                f"{section.name} / {panel.title}: {key} ({what})" for key, what in reads if key not in found[what]
+            ]
     return missing
 
 
 def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
-    dry = run_python("-m", "dbsn.tools.dashboard", "--entity", "lab", "--project", "dbsn", "--group",
-                     f"quick {logged['sweep'].name}", "--ood-sets", ",".join(OOD_SETS), "--dry-run",
-                     timeout=120, env=OFFLINE, check=False)
+    dry = run_python(
+        "-m",
+        "dbsn.tools.dashboard",
+        "--entity",
+        "lab",
+        "--project",
+        "dbsn",
+        "--group",
+        f"quick {logged['sweep'].name}",
+        "--ood-sets",
+        ",".join(OOD_SETS),
+        "--dry-run",
+        timeout=120,
+        env=OFFLINE,
+        check=False,
+    )
     assert dry.returncode == 0, dry.stderr
     spec = json.loads(dry.stdout)
-    assert [s["name"] for s in spec["sections"]] == ["Calibration", "Intervals", "Accuracy", "Selective prediction", "OOD",
-                                                     "Conformal", "Dataset shift", "Adversarial", "Segmentation",
-                                                     "Structure posterior", "Training"]
+    assert [s["name"] for s in spec["sections"]] == [
+        "Calibration",
+        "Intervals",
+        "Accuracy",
+        "Selective prediction",
+        "OOD",
+        "Conformal",
+        "Dataset shift",
+        "Adversarial",
+        "Segmentation",
+        "Structure posterior",
+        "Training",
+    ]
     dashboard = sections(OOD_SETS)
-    assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [[p.title for p in s.panels] for s in dashboard]
-    logged_by_job = {"train": _logged_reads([*logged["train"], logged["camvid"], logged["map"], *logged["signals"]]),
-                     "evaluate": _logged_reads(logged["evaluate"])}
+    assert [[p["title"] for p in s["panels"]] for s in spec["sections"]] == [
+        [p.title for p in s.panels] for s in dashboard
+    ]
+    logged_by_job = {
+        "train": _logged_reads([*logged["train"], logged["camvid"], logged["map"], *logged["signals"]]),
+        "evaluate": _logged_reads(logged["evaluate"]),
+    }
     assert missing_reads(dashboard, logged_by_job) == []
     # a panel for a metric that no run logs is caught
-    broken = [Section("Calibration", "train", "", (Panel("bar", "typo", ("test/eec",)),)),
-              Section("OOD", "evaluate", "", (Panel("line", "wrong job", ("val/error",), x="epoch"),))]
-    assert missing_reads(broken, logged_by_job) == ["Calibration / typo: test/eec (scalar)",
-                                                    "OOD / wrong job: epoch (scalar)",  # evaluations have no epochs
-                                                    "OOD / wrong job: val/error (scalar)"]
+    broken = [
+        Section("Calibration", "train", "", (Panel("bar", "typo", ("test/eec",)),)),
+        Section("OOD", "evaluate", "", (Panel("line", "wrong job", ("val/error",), x="epoch"),)),
+    ]
+    assert missing_reads(broken, logged_by_job) == [
+        "Calibration / typo: test/eec (scalar)",
+        "OOD / wrong job: epoch (scalar)",  # evaluations have no epochs
+        "OOD / wrong job: val/error (scalar)",
+    ]
     # the W&B report that is saved names the same metrics, in the same panels, and each section
     # reads the runs of its job type in the group, grouped by method
     report = build_report("lab", "dbsn", f"quick {logged['sweep'].name}", OOD_SETS)
@@ -300,8 +458,12 @@ def test_every_metric_the_dashboard_names_is_logged_by_a_real_run(logged):
         text = json.dumps(stored)
         names = [summary_key(m) for m in panel.metrics] if panel.kind == "bar" else list(panel.metrics)
         assert all(json.dumps(name) in text for name in names), (panel.title, text[:400])
-    assert_stored_axes(panels, specs, logged_by_job, _step_metrics([*logged["train"], logged["camvid"], logged["map"],
-                                                                    *logged["signals"], *logged["evaluate"]]))
+    assert_stored_axes(
+        panels,
+        specs,
+        logged_by_job,
+        _step_metrics([*logged["train"], logged["camvid"], logged["map"], *logged["signals"], *logged["evaluate"]]),
+    )
 
 
 def _step_metrics(paths: list[Path]) -> dict[str, str]:
@@ -326,8 +488,12 @@ def assert_stored_axes(panels, specs, logged_by_job, step_metrics) -> None:
         elif panel.kind == "table":
             fields = panel.fields()
             assert config["panelDefId"] == panel.chart and config["fieldSettings"] == fields, (panel.title, config)
-            table_keys = [arg["value"] for field_ in config["userQuery"]["queryFields"][0]["fields"]
-                          for arg in field_.get("args", []) if arg.get("name") == "tableKey"]
+            table_keys = [
+                arg["value"]
+                for field_ in config["userQuery"]["queryFields"][0]["fields"]
+                for arg in field_.get("args", [])
+                if arg.get("name") == "tableKey"
+            ]
             assert table_keys == [panel.metrics[0]], (panel.title, table_keys)
             assert {f"{panel.metrics[0]}:{c}" for c in fields.values()} <= columns, (panel.title, fields)
 
@@ -338,19 +504,35 @@ def test_the_stored_axes_check_sees_a_wrong_x_axis_and_swapped_fields():
     from dataclasses import replace
 
     line = Panel("line", "Validation ECE per epoch", ("val/ece",), x="epoch")
-    chart = Panel("table", "Reliability", ("test/reliability_bins",), x="confidence", y="accuracy", chart="wandb/line/v0")
+    chart = Panel(
+        "table", "Reliability", ("test/reliability_bins",), x="confidence", y="accuracy", chart="wandb/line/v0"
+    )
     logged = {"train": {"column": {"test/reliability_bins:confidence", "test/reliability_bins:accuracy"}}}
     steps = {"val/ece": "epoch"}
-    good = [{"config": {"xAxis": "epoch", "metrics": ["val/ece"]}},
-            {"config": {"panelDefId": "wandb/line/v0", "fieldSettings": {"x": "confidence", "y": "accuracy"},
-                        "userQuery": {"queryFields": [{"fields": [{"args": [{"name": "tableKey",
-                                                                              "value": "test/reliability_bins"}]}]}]}}}]
+    good = [
+        {"config": {"xAxis": "epoch", "metrics": ["val/ece"]}},
+        {
+            "config": {
+                "panelDefId": "wandb/line/v0",
+                "fieldSettings": {"x": "confidence", "y": "accuracy"},
+                "userQuery": {
+                    "queryFields": [{"fields": [{"args": [{"name": "tableKey", "value": "test/reliability_bins"}]}]}]
+                },
+            }
+        },
+    ]
     assert_stored_axes([line, chart], good, logged, steps)  # passes: its assertions hold
     with pytest.raises(AssertionError):
-        assert_stored_axes([replace(line, x="_step")], [{"config": {"xAxis": "_step", "metrics": ["val/ece"]}}], logged, steps)
+        assert_stored_axes(
+            [replace(line, x="_step")], [{"config": {"xAxis": "_step", "metrics": ["val/ece"]}}], logged, steps
+        )
     swapped = {"config": {**good[1]["config"], "fieldSettings": {"x": "accuracy", "y": "confidence"}}}
     with pytest.raises(AssertionError):
         assert_stored_axes([chart], [swapped], logged, steps)
     with pytest.raises(AssertionError):  # a field the table does not have
-        assert_stored_axes([replace(chart, y="acc")], [{"config": {**good[1]["config"], "fieldSettings": {
-            "x": "confidence", "y": "acc"}}}], logged, steps)
+        assert_stored_axes(
+            [replace(chart, y="acc")],
+            [{"config": {**good[1]["config"], "fieldSettings": {"x": "confidence", "y": "acc"}}}],
+            logged,
+            steps,
+        )

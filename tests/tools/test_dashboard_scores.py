@@ -17,15 +17,32 @@ def _ood_bar(sections) -> tuple[str, ...]:
 
 def test_the_ood_bars_follow_the_configured_scores(tmp_path, monkeypatch):
     assert dashboard.ood_score_names() == [
-        "entropy", "mutual_information", "max_probability", "max_logit", "max_logit_members", "energy", "energy_members",
-        "mahalanobis", "gda", "knn", "vim", "odin", "odin_members"]
+        "entropy",
+        "mutual_information",
+        "max_probability",
+        "max_logit",
+        "max_logit_members",
+        "energy",
+        "energy_members",
+        "mahalanobis",
+        "gda",
+        "knn",
+        "vim",
+        "odin",
+        "odin_members",
+    ]
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     (conf / "ood_score" / "hot_energy.yaml").write_text(
-        "hot_energy:\n  _target_: dbsn.evaluation.detection.EnergyScore\n  temperature: 10.0\n  members: mean_logits\n")
+        "hot_energy:\n  _target_: dbsn.evaluation.detection.EnergyScore\n  temperature: 10.0\n  members: mean_logits\n"
+    )
     ood = conf / "evaluations" / "ood.yaml"
     ood.write_text(ood.read_text().replace("knn, vim, odin]", "knn, vim, odin, hot_energy]"))
     monkeypatch.setattr(dashboard, "CONF_DIR", conf)
     bars = _ood_bar(dashboard.sections(("noise",), ood_scores=("gram",)))
-    assert bars[-4:] == ("ood/noise/odin_members/auroc", "ood/noise/hot_energy/auroc",
-                         "ood/noise/hot_energy_members/auroc", "ood/noise/gram/auroc")
+    assert bars[-4:] == (
+        "ood/noise/odin_members/auroc",
+        "ood/noise/hot_energy/auroc",
+        "ood/noise/hot_energy_members/auroc",
+        "ood/noise/gram/auroc",
+    )

@@ -52,8 +52,14 @@ def script(name: str) -> str:
 
 
 def run(*args, env: dict, cwd: Path, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-    done = subprocess.run([*map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env})
+    done = subprocess.run(
+        [*map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env},
+    )
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
@@ -65,8 +71,21 @@ def installed(tmp_path_factory) -> dict:
     tests' processes put on their path: an installed distribution with its entry point."""
     source = write_package(tmp_path_factory.mktemp("myext_source"))
     target = tmp_path_factory.mktemp("site")
-    run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
-        "--target", target, source, env={}, cwd=source)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-index",
+        "--no-build-isolation",
+        "--target",
+        target,
+        source,
+        env={},
+        cwd=source,
+    )
     assert (next(target.glob("myext-0.1.dist-info")) / "entry_points.txt").read_text().count("myext.conf") == 1
     return {"PYTHONPATH": str(target)}
 
@@ -74,24 +93,44 @@ def installed(tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_an_installed_extension_is_compared_by_name(installed, tmp_path):
     out = tmp_path / "cmp"
-    run(script("dbsn-compare"), "--data", "digits", "--subset", "200", "--epochs", "1", "--samples", "4",
-        "--methods", "map_fixed,random_structures", "--out", out, env=installed, cwd=tmp_path)
+    run(
+        script("dbsn-compare"),
+        "--data",
+        "digits",
+        "--subset",
+        "200",
+        "--epochs",
+        "1",
+        "--samples",
+        "4",
+        "--methods",
+        "map_fixed,random_structures",
+        "--out",
+        out,
+        env=installed,
+        cwd=tmp_path,
+    )
     results = json.loads((out / "comparison.json").read_text())["results"]
     assert {"map_fixed", "random_structures"} <= set(results)
     assert results["random_structures"]["test/mutual_information"] > 0  # its members' structures differ
     assert results["random_structures"]["cost"]["n_samples"] == 4  # --samples reaches the extension's method
-    assert "myext.random_structures.RandomStructures" in (out / "random_structures" / "resolved_config.yaml").read_text()
+    assert (
+        "myext.random_structures.RandomStructures" in (out / "random_structures" / "resolved_config.yaml").read_text()
+    )
     report = (out / "report" / "report.md").read_text()
     assert "| random_structures |" in report
 
 
 def test_the_tools_see_an_installed_extension(installed, tmp_path):
-    probe = ("from dbsn import conf_choices; from dbsn.tools.compare import backbone_choices, compared_methods, data_choices; "
-             "from dbsn.tools.dashboard import posthoc_names; import json; "
-             "print(json.dumps([compared_methods(), data_choices(), backbone_choices(), posthoc_names(), "
-             "conf_choices('evaluations'), conf_choices('ood_score')]))")
+    probe = (
+        "from dbsn import conf_choices; from dbsn.tools.compare import backbone_choices, compared_methods, data_choices; "
+        "from dbsn.tools.dashboard import posthoc_names; import json; "
+        "print(json.dumps([compared_methods(), data_choices(), backbone_choices(), posthoc_names(), "
+        "conf_choices('evaluations'), conf_choices('ood_score')]))"
+    )
     methods, data, backbones, posthoc, evaluations, scores = json.loads(
-        run(sys.executable, "-c", probe, env=installed, cwd=tmp_path).stdout.strip().splitlines()[-1])
+        run(sys.executable, "-c", probe, env=installed, cwd=tmp_path).stdout.strip().splitlines()[-1]
+    )
     assert "random_structures" in methods and "map" in methods
     assert "image_folder" in data and "digits" in data
     assert "small_cnn" in backbones and "resnet18" in backbones
@@ -117,11 +156,20 @@ def test_a_clash_or_a_broken_extension_is_refused_in_one_line(tmp_path):
     clash = tmp_path / "clash"
     (clash / "model").mkdir(parents=True)
     (clash / "model" / "map.yaml").write_text("_target_: myext.random_structures.RandomStructures\n")
-    line = assert_one_line(run(script("dbsn-train"), "data=digits", env={"DBSN_CONFIG_PATH": str(clash)},
-                               cwd=tmp_path, check=False), "model/map.yaml", "rename it")
+    line = assert_one_line(
+        run(script("dbsn-train"), "data=digits", env={"DBSN_CONFIG_PATH": str(clash)}, cwd=tmp_path, check=False),
+        "model/map.yaml",
+        "rename it",
+    )
     assert "dbsn's" in line
-    missing = run(script("dbsn-compare"), "--epochs", "1", env={"DBSN_CONFIG_PATH": str(tmp_path / "nowhere")},
-                  cwd=tmp_path, check=False)
+    missing = run(
+        script("dbsn-compare"),
+        "--epochs",
+        "1",
+        env={"DBSN_CONFIG_PATH": str(tmp_path / "nowhere")},
+        cwd=tmp_path,
+        check=False,
+    )
     assert_one_line(missing, "DBSN_CONFIG_PATH", "not a folder")
     # an installed entry point whose package does not import
     site = tmp_path / "site"
@@ -129,6 +177,10 @@ def test_a_clash_or_a_broken_extension_is_refused_in_one_line(tmp_path):
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[dbsn.extensions]\nbroken = broken_ext.conf\n")
-    assert_one_line(run(script("dbsn-train"), env={"PYTHONPATH": str(site)}, cwd=tmp_path, check=False),
-                    "broken_ext.conf", "does not import", "uninstall")
+    assert_one_line(
+        run(script("dbsn-train"), env={"PYTHONPATH": str(site)}, cwd=tmp_path, check=False),
+        "broken_ext.conf",
+        "does not import",
+        "uninstall",
+    )
     assert not list(tmp_path.glob("outputs")) and package.is_dir()

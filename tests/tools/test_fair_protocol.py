@@ -4,6 +4,7 @@ shared grid that its validation NLL chooses, fit it too; under the shared one-re
 does not (its heads get 1 / M of their gradient) and Packed-Ensembles lags (each member at lr / M).
 
 The steps run as train.py's would (`train_steps`: `step_body`, the schedules stepped per epoch), without Lightning."""
+
 import math
 from types import SimpleNamespace
 
@@ -45,14 +46,27 @@ def train(method, protocol, lr, data, tmp_path):
     its training and validation NLL (of its prediction: the members' Bayes ensemble)."""
     (x, y), (x_val, y_val) = data
     epochs = STEPS // STEPS_PER_EPOCH
-    cfg = compose_config("train", [*method_overrides(method, epochs, STEPS_PER_EPOCH, net_overrides=NET,
-                                                     batch_size=BATCH, protocol=protocol, lr=lr),
-                                   *shared_overrides(batch_size=BATCH)], tmp_path)
+    cfg = compose_config(
+        "train",
+        [
+            *method_overrides(
+                method, epochs, STEPS_PER_EPOCH, net_overrides=NET, batch_size=BATCH, protocol=protocol, lr=lr
+            ),
+            *shared_overrides(batch_size=BATCH),
+        ],
+        tmp_path,
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model, CLASSES)
     model.dataset_size = N
-    model._trainer = SimpleNamespace(max_epochs=epochs, world_size=1, precision="32-true", datamodule=None,
-                                     num_training_batches=STEPS_PER_EPOCH, current_epoch=0)
+    model._trainer = SimpleNamespace(
+        max_epochs=epochs,
+        world_size=1,
+        precision="32-true",
+        datamodule=None,
+        num_training_batches=STEPS_PER_EPOCH,
+        current_epoch=0,
+    )
     model.train()
     train_steps(model, x, y, STEPS, BATCH, STEPS_PER_EPOCH, torch.Generator().manual_seed(1))
     model.eval()

@@ -22,19 +22,30 @@ def test_discrete_structures_follow_softmax_theta_over_beta():
     expected = torch.softmax(theta / beta, -1)
     stderr = (expected * (1 - expected) / 40_000).sqrt()
     assert ((freq - expected).abs() <= 5 * stderr + 1e-4).all(), (freq, expected)
-    assert torch.equal(sample_discrete_structures(theta, beta, 5, seed=1), sample_discrete_structures(theta, beta, 5, seed=1))
+    assert torch.equal(
+        sample_discrete_structures(theta, beta, 5, seed=1), sample_discrete_structures(theta, beta, 5, seed=1)
+    )
 
 
 @pytest.mark.slow
 def test_refinement_trains_both_ensembles_and_reports_them(tmp_path):
-    common = ["data=digits", "data.batch_size=128", "trainer.max_epochs=1",
-              *[o for o in TINY if not o.startswith("model.")]]
+    common = [
+        "data=digits",
+        "data.batch_size=128",
+        "trainer.max_epochs=1",
+        *[o for o in TINY if not o.startswith("model.")],
+    ]
     dbsn_dir = tmp_path / "dbsn"
     train(compose_config("train", ["model=dbsn", *TINY, *common], dbsn_dir), dbsn_dir)
 
     out = tmp_path / "refine"
-    results = refine(dbsn_dir / "checkpoints" / "last.ckpt", members=2, seed=0, output_dir=out,
-                     overrides=["trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"])
+    results = refine(
+        dbsn_dir / "checkpoints" / "last.ckpt",
+        members=2,
+        seed=0,
+        output_dir=out,
+        overrides=["trainer.max_epochs=1", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"],
+    )
     assert set(results) == {"refined", "control"}
     for name in ("refined", "control"):
         assert set(results[name]) >= {"test/error", "test/nll", "test/ece"}
@@ -46,6 +57,8 @@ def test_refinement_trains_both_ensembles_and_reports_them(tmp_path):
         if name == "control":
             assert torch.equal(structures[0], structures[1])
     drawn = json.loads((out / "structures.json").read_text())["structures"]
-    refined0 = torch.load(out / "refined" / "member0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["fixed_alpha"]
+    refined0 = torch.load(out / "refined" / "member0" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"][
+        "fixed_alpha"
+    ]
     assert refined0.argmax(-1).tolist() == drawn[0]
     assert json.loads((out / "refinement.json").read_text()) == results

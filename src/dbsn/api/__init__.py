@@ -15,8 +15,7 @@ a user's own predictions (`dbsn.api.stats`) and the readers of a run folder, in 
 """
 
 from dbsn.api.runs import load_run, load_run_predictions
-from dbsn.api.stats import (Estimate, ce2_interval, ce2_paired_test, compare, metric_intervals, seed_level,
-                            to_log_probs)
+from dbsn.api.stats import Estimate, ce2_interval, ce2_paired_test, compare, metric_intervals, seed_level, to_log_probs
 from dbsn.data import ImageClassificationDataModule
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.detection import Members, OODScore, ScoreUnavailable, Training
@@ -41,10 +40,41 @@ HOOKS = {
     "OODScore": ("fit", "score"),
 }
 
-__all__ = ["DBSN", "HOOKS", "MAP", "Backbone", "Calibrator", "ConsoleTable", "Estimate", "Evaluation",
-           "EvaluationError",
-           "FixedStructurePosterior", "GroupBatchNorm2d", "GroupedSequential", "ImageClassificationDataModule",
-           "Members", "Method", "OODScore", "PosthocCalibration", "PosthocError", "PosthocPosterior", "PredictedBatch",
-           "Prediction", "Results", "ScoreUnavailable", "Statistics", "Subject", "Training", "ce2_interval",
-           "ce2_paired_test", "compare", "detection_metrics", "load_run", "load_run_predictions", "metric_intervals",
-           "point_estimate_classifier", "seed_level", "to_log_probs"]
+__all__ = [
+    "DBSN",
+    "HOOKS",
+    "MAP",
+    "Backbone",
+    "Calibrator",
+    "ConsoleTable",
+    "Estimate",
+    "Evaluation",
+    "EvaluationError",
+    "FixedStructurePosterior",
+    "GroupBatchNorm2d",
+    "GroupedSequential",
+    "ImageClassificationDataModule",
+    "Members",
+    "Method",
+    "OODScore",
+    "PosthocCalibration",
+    "PosthocError",
+    "PosthocPosterior",
+    "PredictedBatch",
+    "Prediction",
+    "Results",
+    "ScoreUnavailable",
+    "Statistics",
+    "Subject",
+    "Training",
+    "ce2_interval",
+    "ce2_paired_test",
+    "compare",
+    "detection_metrics",
+    "load_run",
+    "load_run_predictions",
+    "metric_intervals",
+    "point_estimate_classifier",
+    "seed_level",
+    "to_log_probs",
+]

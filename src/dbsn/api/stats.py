@@ -39,16 +39,24 @@ class Estimate(NamedTuple):
 def to_log_probs(predictions) -> Tensor:
     """Log-probabilities (N, C), float64, from logits or log-probabilities (a tensor or an array):
     log_softmax leaves log-probabilities unchanged, so either may be given."""
-    return torch.log_softmax(torch.as_tensor(np.asarray(predictions) if not isinstance(predictions, Tensor)
-                                             else predictions).double(), dim=-1)
+    return torch.log_softmax(
+        torch.as_tensor(np.asarray(predictions) if not isinstance(predictions, Tensor) else predictions).double(),
+        dim=-1,
+    )
 
 
 def _targets(targets) -> Tensor:
     return torch.as_tensor(np.asarray(targets) if not isinstance(targets, Tensor) else targets).long()
 
 
-def metric_intervals(predictions, targets, statistics: Statistics | None = None, calibrated: bool = True,
-                     validation: tuple | None = None, scores: dict | None = None) -> dict[str, Estimate]:
+def metric_intervals(
+    predictions,
+    targets,
+    statistics: Statistics | None = None,
+    calibrated: bool = True,
+    validation: tuple | None = None,
+    scores: dict | None = None,
+) -> dict[str, Estimate]:
     """Every test metric of one predictor (`test/{error,nll,brier,ce2,ece,adaptive_ece,classwise_ece}`,
     with `calibrated`: `test/calibrated/{nll,brier,ce2,ece}`) with its interval at `statistics.level`:
     the percentile bootstrap over the test examples, CE²'s score interval. The temperature is fitted
@@ -114,6 +122,9 @@ def seed_level(values: Sequence[float], test_cov=None, level: float = 0.95) -> S
     freedom. `test_cov` (k, k): the covariance of their test-set noise (None: independent test sets
     whose noise the seeds' spread already holds, zeros)."""
     values = torch.as_tensor(np.asarray(values, dtype=np.float64))
-    cov = torch.zeros(len(values), len(values), dtype=torch.float64) if test_cov is None \
+    cov = (
+        torch.zeros(len(values), len(values), dtype=torch.float64)
+        if test_cov is None
         else torch.as_tensor(np.asarray(test_cov, dtype=np.float64))
+    )
     return combine_seeds(values, cov, level)

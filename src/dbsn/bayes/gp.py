@@ -55,8 +55,9 @@ from dbsn.precision import float32, full
 __all__ = ["RandomFeatureGaussianProcess", "mean_field_logits", "orthogonal_random_features"]
 
 
-def orthogonal_random_features(in_features: int, out_features: int, std: float = 1.0,
-                               generator: torch.Generator | None = None) -> Tensor:
+def orthogonal_random_features(
+    in_features: int, out_features: int, std: float = 1.0, generator: torch.Generator | None = None
+) -> Tensor:
     """Orthogonal random features (Yu et al. 2016; edward2's `OrthogonalRandomFeatures`), as a
     (out_features, in_features) weight: blocks of Haar-orthogonal (in x in) matrices side by side
     (one (in x out) matrix with orthonormal columns when out <= in), each column scaled to the
@@ -95,15 +96,27 @@ class RandomFeatureGaussianProcess(nn.Module):
         mean_field_factor: λ of the mean-field logits (25); < 0 predicts with the MAP logits.
     """
 
-    def __init__(self, in_features: int, num_classes: int, *, hidden_dim: int = 1024, input_dim: int | None = 128,
-                 normalize_input: bool = True, feature_std: float = 0.05, kernel_scale: float = 2.0,
-                 ridge_penalty: float = 1.0, mean_field_factor: float = 25.0) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        hidden_dim: int = 1024,
+        input_dim: int | None = 128,
+        normalize_input: bool = True,
+        feature_std: float = 0.05,
+        kernel_scale: float = 2.0,
+        ridge_penalty: float = 1.0,
+        mean_field_factor: float = 25.0,
+    ) -> None:
         super().__init__()
         if hidden_dim < 1:
             raise ValueError(f"hidden_dim (random features) must be >= 1, got {hidden_dim}")
         if not ridge_penalty > 0 or not feature_std > 0 or not kernel_scale > 0:
-            raise ValueError(f"ridge_penalty, feature_std and kernel_scale must be > 0, got {ridge_penalty}, "
-                             f"{feature_std}, {kernel_scale}")
+            raise ValueError(
+                f"ridge_penalty, feature_std and kernel_scale must be > 0, got {ridge_penalty}, "
+                f"{feature_std}, {kernel_scale}"
+            )
         self.in_features, self.num_classes, self.hidden_dim = in_features, num_classes, hidden_dim
         self.ridge_penalty, self.mean_field_factor = float(ridge_penalty), float(mean_field_factor)
         self.kernel_scale = float(kernel_scale)
@@ -197,5 +210,7 @@ class RandomFeatureGaussianProcess(nn.Module):
         self._gram, self._stale = None, False  # predict with the covariance the checkpoint holds
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, "
-                f"ridge_penalty={self.ridge_penalty}, mean_field_factor={self.mean_field_factor}")
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, "
+            f"ridge_penalty={self.ridge_penalty}, mean_field_factor={self.mean_field_factor}"
+        )

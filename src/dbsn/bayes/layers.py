@@ -152,12 +152,21 @@ class BayesLinear(BayesLayer):
 
     @classmethod
     def from_deterministic(
-        cls, layer: nn.Linear, prior_sigma: float = 0.1, init_rho: float = -5.0,
+        cls,
+        layer: nn.Linear,
+        prior_sigma: float = 0.1,
+        init_rho: float = -5.0,
         local_reparameterization: bool = True,
     ) -> BayesLinear:
         """The Bayesian twin of ``layer``: same shape, mu = its weight and bias."""
-        twin = cls(layer.in_features, layer.out_features, layer.bias is not None,
-                   prior_sigma, init_rho, local_reparameterization)
+        twin = cls(
+            layer.in_features,
+            layer.out_features,
+            layer.bias is not None,
+            prior_sigma,
+            init_rho,
+            local_reparameterization,
+        )
         twin._copy_means_from(layer)
         return twin
 
@@ -165,16 +174,19 @@ class BayesLinear(BayesLayer):
         if not (self.sample and self.local_reparameterization):
             return F.linear(x, *self.sample_weights())
         mean = F.linear(x, self.weight_mu, self.bias_mu)
-        var = F.linear(x.square(), self.weight_sigma.square(),
-                       None if self.bias_mu is None else self.bias_sigma.square())
+        var = F.linear(
+            x.square(), self.weight_sigma.square(), None if self.bias_mu is None else self.bias_sigma.square()
+        )
         # var is 0 for an all-zero input without bias; keep sqrt's gradient finite there.
         std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
         return mean + std * torch.randn_like(mean)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias_mu is not None}, local_reparameterization="
-                f"{self.local_reparameterization}, {super().extra_repr()}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias_mu is not None}, local_reparameterization="
+            f"{self.local_reparameterization}, {super().extra_repr()}"
+        )
 
 
 class BayesConv2d(BayesLayer):
@@ -205,8 +217,9 @@ class BayesConv2d(BayesLayer):
         flipout: bool = False,
     ) -> None:
         if in_channels % groups or out_channels % groups:
-            raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) "
-                             f"must be divisible by groups ({groups})")
+            raise ValueError(
+                f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible by groups ({groups})"
+            )
         kernel_size = _pair(kernel_size)
         super().__init__((out_channels, in_channels // groups, *kernel_size), bias, prior_sigma, init_rho)
         self.in_channels = in_channels
@@ -220,15 +233,28 @@ class BayesConv2d(BayesLayer):
 
     @classmethod
     def from_deterministic(
-        cls, layer: nn.Conv2d, prior_sigma: float = 0.1, init_rho: float = -5.0,
+        cls,
+        layer: nn.Conv2d,
+        prior_sigma: float = 0.1,
+        init_rho: float = -5.0,
         flipout: bool = False,
     ) -> BayesConv2d:
         """The Bayesian twin of ``layer``: same hyper-parameters, mu = its weight and bias."""
         if layer.padding_mode != "zeros":
             raise ValueError(f"only zero padding is supported, got padding_mode={layer.padding_mode!r}")
-        twin = cls(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
-                   layer.padding, layer.dilation, layer.groups, layer.bias is not None,
-                   prior_sigma, init_rho, flipout)
+        twin = cls(
+            layer.in_channels,
+            layer.out_channels,
+            layer.kernel_size,
+            layer.stride,
+            layer.padding,
+            layer.dilation,
+            layer.groups,
+            layer.bias is not None,
+            prior_sigma,
+            init_rho,
+            flipout,
+        )
         twin._copy_means_from(layer)
         for key in ("stacked_edges", "form"):  # a fused cell's stacked convolution keeps its form
             if hasattr(layer, key):
@@ -253,10 +279,12 @@ class BayesConv2d(BayesLayer):
         return self._conv(x, self.weight_mu, self.bias_mu) + self._conv(x * sign_in, delta_w, delta_b) * sign_out
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-                f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-                f"groups={self.groups}, bias={self.bias_mu is not None}, flipout={self.flipout}, "
-                f"{super().extra_repr()}")
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+            f"groups={self.groups}, bias={self.bias_mu is not None}, flipout={self.flipout}, "
+            f"{super().extra_repr()}"
+        )
 
 
 def _random_signs(shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -306,7 +334,8 @@ def bayesianize(
                 twins[id(layer)] = BayesConv2d.from_deterministic(layer, prior_sigma, init_rho, flipout)
             else:
                 twins[id(layer)] = BayesLinear.from_deterministic(
-                    layer, prior_sigma, init_rho, local_reparameterization)
+                    layer, prior_sigma, init_rho, local_reparameterization
+                )
         return twins[id(layer)]
 
     def convert(parent: nn.Module) -> None:

@@ -191,9 +191,7 @@ def check_arrays(path: Path, images: np.ndarray, labels: np.ndarray, num_classes
     elif labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         problem = f"labels outside 0..{num_classes - 1} (min {labels.min()}, max {labels.max()})"
     if problem:
-        raise CorruptDatasetError(
-            f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again"
-        )
+        raise CorruptDatasetError(f"{path}: {problem}; the file is corrupt or incomplete, delete it and get it again")
 
 
 class ImageClassificationDataModule(L.LightningDataModule):
@@ -407,8 +405,9 @@ class ImageClassificationDataModule(L.LightningDataModule):
             return self._train_loader
         if self._device_train is None or self._device_train[0].device != device:
             self._device_train = (self.train_set.images.to(device), self.train_set.labels.to(device))
-        self._train_loader = DeviceBatches(*self._device_train, self._training_sampler(), self.batch_size,
-                                           self.drop_last)
+        self._train_loader = DeviceBatches(
+            *self._device_train, self._training_sampler(), self.batch_size, self.drop_last
+        )
         return self._train_loader
 
     def _training_device(self) -> torch.device | None:
@@ -435,9 +434,7 @@ class ImageClassificationDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
 
-    def on_after_batch_transfer(
-        self, batch: tuple[Tensor, Tensor], dataloader_idx: int
-    ) -> tuple[Tensor, Tensor]:
+    def on_after_batch_transfer(self, batch: tuple[Tensor, Tensor], dataloader_idx: int) -> tuple[Tensor, Tensor]:
         """uint8 -> normalised float on the device; augmented only while the trainer trains."""
         images, labels = batch
         training = self.trainer is not None and self.trainer.training

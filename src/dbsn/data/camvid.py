@@ -118,9 +118,7 @@ def read_label(path: Path, size: tuple[int, int], num_ids: int) -> Tensor:
         )
     if label.max() >= num_ids:
         bad = ", ".join(str(v) for v in label[label >= num_ids].unique().tolist())
-        raise CorruptDatasetError(
-            f"label ids must be 0..{num_ids - 2} or {num_ids - 1} (void); {path} has {bad}"
-        )
+        raise CorruptDatasetError(f"label ids must be 0..{num_ids - 2} or {num_ids - 1} (void); {path} has {bad}")
     return label
 
 
@@ -279,9 +277,7 @@ class CamVidDataModule(L.LightningDataModule):
             pass
         target = self.root / "CamVid"
         if target.exists():
-            raise DatasetNotFoundError(
-                f"{target} exists but is incomplete; delete it to download CamVid again"
-            )
+            raise DatasetNotFoundError(f"{target} exists but is incomplete; delete it to download CamVid again")
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.root, prefix=".camvid-download-") as tmp:
             download_and_extract_archive(self.archive_url, download_root=tmp, remove_finished=True)

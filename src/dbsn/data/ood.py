@@ -75,9 +75,11 @@ class _TestOnlyDataModule(ImageClassificationDataModule):
             raise ValueError(f"size must be >= 1, got {size}")
         memory = available_memory()
         if memory is not None and size * BYTES_PER_IMAGE > memory:
-            raise ValueError(f"size={size:,} needs about {_gb(size * BYTES_PER_IMAGE)} of memory for its images "
-                             f"({BYTES_PER_IMAGE // 1024} KB each as pixels and a float copy), and "
-                             f"{_gb(memory)} is available: choose a size up to {memory // BYTES_PER_IMAGE:,}")
+            raise ValueError(
+                f"size={size:,} needs about {_gb(size * BYTES_PER_IMAGE)} of memory for its images "
+                f"({BYTES_PER_IMAGE // 1024} KB each as pixels and a float copy), and "
+                f"{_gb(memory)} is available: choose a size up to {memory // BYTES_PER_IMAGE:,}"
+            )
         self.size, self.seed = size, seed
 
     def images(self) -> Tensor:

@@ -146,7 +146,8 @@ class OODSetDataModule(ImageClassificationDataModule):
             listing += f"\n  ... and {len(missing) - MAX_LISTED} more"
         download = (
             f"  - ood.{self.config_name}.download=true (torchvision downloads them; needs internet)\n"
-            if self.can_download else ""
+            if self.can_download
+            else ""
         )
         raise DatasetNotFoundError(
             f"{self.name}: {len(missing)} file(s) missing under {self.root}:\n{listing}\n"
@@ -161,9 +162,7 @@ class OODSetDataModule(ImageClassificationDataModule):
         return type(self).download_files is not OODSetDataModule.download_files
 
     def download_files(self) -> None:
-        raise NotImplementedError(
-            f"{self.name}: torchvision has no downloader for it; {self.download_hint()}"
-        )
+        raise NotImplementedError(f"{self.name}: torchvision has no downloader for it; {self.download_hint()}")
 
 
 class ImageFileOODSetDataModule(OODSetDataModule):
@@ -296,16 +295,20 @@ class MNISTDataModule(OODSetDataModule):
         return packed if not plain.is_file() and packed.is_file() else plain
 
     def file_pairs(self) -> list[tuple[Path, Path]]:
-        return [(self.idx_file(f"{p}-images-idx3-ubyte"), self.idx_file(f"{p}-labels-idx1-ubyte"))
-                for p in self.prefixes[self.split]]
+        return [
+            (self.idx_file(f"{p}-images-idx3-ubyte"), self.idx_file(f"{p}-labels-idx1-ubyte"))
+            for p in self.prefixes[self.split]
+        ]
 
     def required_files(self) -> list[Path]:
         return [path for pair in self.file_pairs() for path in pair]
 
     def download_hint(self) -> str:
         names = [f"{p}-{kind}-ubyte.gz" for p in self.prefixes[self.split] for kind in ("images-idx3", "labels-idx1")]
-        return (f"download {', '.join(f'{self.url}/{n}' for n in names)} into {self.raw_folder} "
-                "(the .gz files are read as they are)")
+        return (
+            f"download {', '.join(f'{self.url}/{n}' for n in names)} into {self.raw_folder} "
+            "(the .gz files are read as they are)"
+        )
 
     def download_files(self) -> None:
         from torchvision.datasets import MNIST
@@ -344,7 +347,11 @@ class TexturesDataModule(ImageFileOODSetDataModule):
     config_name = "textures"
     num_classes = 47
     splits: ClassVar[dict[str, tuple[str, ...]]] = {
-        "all": ("train", "val", "test"), "train": ("train",), "val": ("val",), "test": ("test",)}
+        "all": ("train", "val", "test"),
+        "train": ("train",),
+        "val": ("val",),
+        "test": ("test",),
+    }
     url: ClassVar[str] = "https://www.robots.ox.ac.uk/~vgg/data/dtd/download/dtd-r1.0.1.tar.gz"
 
     def __init__(self, root: str = "./data", split: str = "all", partition: int = 1, **kwargs) -> None:
@@ -402,13 +409,17 @@ class Places365DataModule(ImageFileOODSetDataModule):
         for line in _read_lines(self.root / self.list_name):
             parts = line.split()
             if len(parts) != 2 or not parts[1].isdigit():
-                raise CorruptDatasetError(f"{self.root / self.list_name}: expected '<image> <class index>', got {line!r}")
+                raise CorruptDatasetError(
+                    f"{self.root / self.list_name}: expected '<image> <class index>', got {line!r}"
+                )
             entries.append((self.root / "val_256" / parts[0].lstrip("/"), int(parts[1])))
         return entries
 
     def download_hint(self) -> str:
-        return (f"download {self.base_url}/filelist_places365-standard.tar and {self.base_url}/val_256.tar "
-                f"and extract both in {self.root} (places365_val.txt and val_256/)")
+        return (
+            f"download {self.base_url}/filelist_places365-standard.tar and {self.base_url}/val_256.tar "
+            f"and extract both in {self.root} (places365_val.txt and val_256/)"
+        )
 
     def download_files(self) -> None:
         from torchvision.datasets import Places365

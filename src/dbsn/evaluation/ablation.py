@@ -22,8 +22,7 @@ def ablation_figure(results: dict[str, list[dict[str, float]]], title: str | Non
     for ax, (key, label, scale) in zip(axes, panels):
         for name, rows in results.items():
             s = [row["n_samples"] for row in rows]
-            ax.plot(s, [scale * row[key] for row in rows], marker="o" if len(s) <= 12 else None, ms=3,
-                    label=name)
+            ax.plot(s, [scale * row[key] for row in rows], marker="o" if len(s) <= 12 else None, ms=3, label=name)
         ax.set_xscale("log")
         ax.set(xlabel="Monte Carlo samples S", ylabel=label, title=label.split(" (")[0] + " vs. S")
         ax.grid(True, which="both", alpha=0.3)

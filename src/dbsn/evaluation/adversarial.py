@@ -15,8 +15,14 @@ import torch
 from torch import Tensor
 
 from dbsn.data.augment import normalize, to_unit_range
-from dbsn.evaluation.attacks import (ATTACKS, PAPER_EPSILONS, RESULT_COLUMNS, ExampleChunkedNLL, adversarial_evaluation,
-                                    adversarial_figure)
+from dbsn.evaluation.attacks import (
+    ATTACKS,
+    PAPER_EPSILONS,
+    RESULT_COLUMNS,
+    ExampleChunkedNLL,
+    adversarial_evaluation,
+    adversarial_figure,
+)
 from dbsn.evaluation.base import Evaluation, EvaluationError, Subject
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
 
@@ -73,10 +79,17 @@ class AdversarialRobustness(Evaluation):
 
     name = "adversarial"
 
-    def __init__(self, attacks: Sequence[str] = ("fgsm", "bim"), epsilons: Sequence[float] = PAPER_EPSILONS,
-                 bim_steps: int = 3, attack_samples: int = 30, eval_samples: int = 30,
-                 max_examples: int | None = None, batch_size: int | None = 100,
-                 examples_per_backward: int | None = 10) -> None:
+    def __init__(
+        self,
+        attacks: Sequence[str] = ("fgsm", "bim"),
+        epsilons: Sequence[float] = PAPER_EPSILONS,
+        bim_steps: int = 3,
+        attack_samples: int = 30,
+        eval_samples: int = 30,
+        max_examples: int | None = None,
+        batch_size: int | None = 100,
+        examples_per_backward: int | None = 10,
+    ) -> None:
         self.attacks, self.epsilons = list(attacks), [float(e) for e in epsilons]
         self.bim_steps, self.attack_samples, self.eval_samples = int(bim_steps), int(attack_samples), int(eval_samples)
         self.max_examples, self.batch_size = max_examples, batch_size
@@ -89,15 +102,21 @@ class AdversarialRobustness(Evaluation):
             raise EvaluationError(f"evaluations.adversarial.attacks: unknown {unknown}; choose from {sorted(ATTACKS)}.")
         bad = [e for e in self.epsilons if not 0 <= e <= 1]
         if bad or not self.epsilons:
-            raise EvaluationError(f"evaluations.adversarial.epsilons: sizes in [0, 1] pixel units, got {self.epsilons}.")
+            raise EvaluationError(
+                f"evaluations.adversarial.epsilons: sizes in [0, 1] pixel units, got {self.epsilons}."
+            )
         for key in ("bim_steps", "attack_samples", "eval_samples"):
             if getattr(self, key) < 1:
                 raise EvaluationError(f"evaluations.adversarial.{key} must be >= 1, got {getattr(self, key)}.")
         if self.examples_per_backward is not None and self.examples_per_backward < 1:
-            raise EvaluationError("evaluations.adversarial.examples_per_backward must be >= 1 or null (the whole batch in "
-                                  f"one graph), got {self.examples_per_backward}.")
+            raise EvaluationError(
+                "evaluations.adversarial.examples_per_backward must be >= 1 or null (the whole batch in "
+                f"one graph), got {self.examples_per_backward}."
+            )
         if self.max_examples is not None and self.max_examples < 1:
-            raise EvaluationError(f"evaluations.adversarial.max_examples must be >= 1 or null, got {self.max_examples}.")
+            raise EvaluationError(
+                f"evaluations.adversarial.max_examples must be >= 1 or null, got {self.max_examples}."
+            )
 
     def run(self, subject: Subject) -> Results:
         model, datamodule, device = subject.model, subject.datamodule, subject.device
@@ -111,8 +130,9 @@ class AdversarialRobustness(Evaluation):
 
         def attack_loss(y: Tensor) -> ExampleChunkedNLL:
             # members drawn at every call (DBSN without per-structure BatchNorm) drawn once a gradient
-            return ExampleChunkedNLL(attack_log_probs, y, self.examples_per_backward,
-                                     hold=lambda: model.fixed_members(self.attack_samples))
+            return ExampleChunkedNLL(
+                attack_log_probs, y, self.examples_per_backward, hold=lambda: model.fixed_members(self.attack_samples)
+            )
 
         def eval_log_probs(x: Tensor) -> Tensor:  # other members than the attacked ones
             return model.predict_log_probs(normalize(x, mean, std), self.eval_samples, first=self.attack_samples)
@@ -121,17 +141,37 @@ class AdversarialRobustness(Evaluation):
         if self.batch_size:  # gradients through `attack_samples` members: batches are heavier
             datamodule.eval_batch_size = int(self.batch_size)
         batches = PixelBatches(datamodule.test_dataloader(), device, self.max_examples)
-        rows = adversarial_evaluation(attack_log_probs, eval_log_probs, batches, epsilons=tuple(self.epsilons),
-                                      attacks=tuple(self.attacks), bim_steps=self.bim_steps, progress=subject.progress,
-                                      attack_loss=None if self.examples_per_backward is None else attack_loss)
+        rows = adversarial_evaluation(
+            attack_log_probs,
+            eval_log_probs,
+            batches,
+            epsilons=tuple(self.epsilons),
+            attacks=tuple(self.attacks),
+            bim_steps=self.bim_steps,
+            progress=subject.progress,
+            attack_loss=None if self.examples_per_backward is None else attack_loss,
+        )
         title = subject.title
         return Results(
-            shown_as_curves={f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k] for r in rows
-                     for k in ("accuracy", "mean_entropy")},
-            files={"adversarial/results.csv": CsvTable(list(RESULT_COLUMNS), rows), "adversarial/results.json": rows,
-                   "adversarial/adversarial.png": adversarial_figure({title: rows}, title=f"{title}: adversarial robustness")},
+            shown_as_curves={
+                f"adversarial/{r['attack']}/{k}@{r['epsilon']:g}": r[k]
+                for r in rows
+                for k in ("accuracy", "mean_entropy")
+            },
+            files={
+                "adversarial/results.csv": CsvTable(list(RESULT_COLUMNS), rows),
+                "adversarial/results.json": rows,
+                "adversarial/adversarial.png": adversarial_figure(
+                    {title: rows}, title=f"{title}: adversarial robustness"
+                ),
+            },
             images={"adversarial/curves": "adversarial/adversarial.png"},
             curves={"adversarial/epsilon": adversarial_curve(rows)},
-            console=[ConsoleTable("Adversarial accuracy / mean entropy", ["attack", "ε", "accuracy", "entropy"],
-                                  [[r["attack"], f"{r['epsilon']:.2f}", r["accuracy"], r["mean_entropy"]] for r in rows])],
+            console=[
+                ConsoleTable(
+                    "Adversarial accuracy / mean entropy",
+                    ["attack", "ε", "accuracy", "entropy"],
+                    [[r["attack"], f"{r['epsilon']:.2f}", r["accuracy"], r["mean_entropy"]] for r in rows],
+                )
+            ],
         )

@@ -131,8 +131,9 @@ class ExampleChunkedNLL:
     structures) to one draw for the whole batch, as one call over the batch would.
     """
 
-    def __init__(self, predict_log_probs: LossFn, y: Tensor, chunk: int,
-                 hold: Callable[[], AbstractContextManager] = nullcontext) -> None:
+    def __init__(
+        self, predict_log_probs: LossFn, y: Tensor, chunk: int, hold: Callable[[], AbstractContextManager] = nullcontext
+    ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.predict_log_probs, self.y, self.chunk, self.hold = predict_log_probs, _normal_tensor(y), chunk, hold

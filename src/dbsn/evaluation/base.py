@@ -84,8 +84,10 @@ class Evaluation:
         """Raise `EvaluationError` for any input that would fail or be ignored; the default
         refuses segmentation models where `segmentation` is False."""
         if not self.segmentation and not subject.is_classifier:
-            raise EvaluationError(f"evaluations=[{self.name}] is defined for classifiers; this is a segmentation "
-                                  "model (its test pass reports mIoU, pixel ECE and uncertainty maps).")
+            raise EvaluationError(
+                f"evaluations=[{self.name}] is defined for classifiers; this is a segmentation "
+                "model (its test pass reports mIoU, pixel ECE and uncertainty maps)."
+            )
 
     def run(self, subject: Subject) -> Results:
         raise NotImplementedError

@@ -47,8 +47,9 @@ class TrainingBudget(pl.Callback):
         if trainer.global_step > 0 and not self._loaded:
             self.counted_from_start = False
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         rows = _rows(batch)
         per_step = getattr(pl_module, "examples_per_step", None)
         self.steps += 1
@@ -64,9 +65,12 @@ class TrainingBudget(pl.Callback):
             train_images = None
         batch_size = getattr(datamodule, "batch_size", None)
         known = self.counted_from_start
-        return {"steps": self.steps if known else None, "images": self.images if known else None,
-                "train_images": train_images,
-                "batch_size": int(batch_size) if isinstance(batch_size, int) else None}
+        return {
+            "steps": self.steps if known else None,
+            "images": self.images if known else None,
+            "train_images": train_images,
+            "batch_size": int(batch_size) if isinstance(batch_size, int) else None,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "images": self.images}

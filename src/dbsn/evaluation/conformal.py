@@ -77,7 +77,14 @@ from dbsn.metrics.conformal import (
     weighted_set_metrics,
 )
 
-__all__ = ["CALIBRATIONS", "ConformalPrediction", "calibration_split", "conformal_figure", "level_name", "minimum_calibration"]
+__all__ = [
+    "CALIBRATIONS",
+    "ConformalPrediction",
+    "calibration_split",
+    "conformal_figure",
+    "level_name",
+    "minimum_calibration",
+]
 
 #: where the sets are calibrated: `auto` picks validation where the run has a validation split
 CALIBRATIONS = ("auto", "validation", "test")
@@ -136,11 +143,17 @@ class ConformalPrediction(Evaluation):
 
     name = "conformal"
 
-    def __init__(self, levels: Sequence[float] = (0.9, 0.95),
-                 scores: Sequence[str] = ("thr", "aps", "aps_randomized", "raps", "raps_randomized"),
-                 calibration: str = "auto", calibration_fraction: float = 0.5, raps_k_reg: int | None = None,
-                 raps_lambda: float | None = None, shift: DatasetShift | None = None,
-                 allow_empty_sets: bool = False) -> None:
+    def __init__(
+        self,
+        levels: Sequence[float] = (0.9, 0.95),
+        scores: Sequence[str] = ("thr", "aps", "aps_randomized", "raps", "raps_randomized"),
+        calibration: str = "auto",
+        calibration_fraction: float = 0.5,
+        raps_k_reg: int | None = None,
+        raps_lambda: float | None = None,
+        shift: DatasetShift | None = None,
+        allow_empty_sets: bool = False,
+    ) -> None:
         self.levels = [float(level) for level in levels or ()]
         self.scores = [str(score) for score in scores or ()]
         self.calibration, self.calibration_fraction = str(calibration), float(calibration_fraction)
@@ -175,35 +188,48 @@ class ConformalPrediction(Evaluation):
         key = "evaluations.conformal"
         bad = [level for level in self.levels if not 0 < level < 1]
         if bad or not self.levels:
-            raise EvaluationError(f"{key}.levels: coverages 1 − α strictly between 0 and 1 (e.g. [0.9,0.95]), "
-                                  f"got {self.levels}.")
+            raise EvaluationError(
+                f"{key}.levels: coverages 1 − α strictly between 0 and 1 (e.g. [0.9,0.95]), got {self.levels}."
+            )
         unknown = [score for score in self.scores if score not in SCORES]
         if unknown or not self.scores or len(set(self.scores)) != len(self.scores):
-            raise EvaluationError(f"{key}.scores: {'unknown ' + str(unknown) if unknown else 'got ' + str(self.scores)}; "
-                                  f"choose distinct names from {list(SCORES)}.")
+            raise EvaluationError(
+                f"{key}.scores: {'unknown ' + str(unknown) if unknown else 'got ' + str(self.scores)}; "
+                f"choose distinct names from {list(SCORES)}."
+            )
         if self.calibration not in CALIBRATIONS:
             raise EvaluationError(f"{key}.calibration={self.calibration!r}: choose one of {list(CALIBRATIONS)}.")
         if not 0 < self.calibration_fraction < 1:
-            raise EvaluationError(f"{key}.calibration_fraction={self.calibration_fraction}: the share of the test set "
-                                  "that calibrates lies strictly between 0 and 1.")
+            raise EvaluationError(
+                f"{key}.calibration_fraction={self.calibration_fraction}: the share of the test set "
+                "that calibrates lies strictly between 0 and 1."
+            )
         if self.raps_k_reg is not None and self.raps_k_reg < 0:
             raise EvaluationError(f"{key}.raps_k_reg={self.raps_k_reg}: a rank >= 0, or null to tune it.")
         if self.raps_lambda is not None and self.raps_lambda < 0:
             raise EvaluationError(f"{key}.raps_lambda={self.raps_lambda}: a penalty >= 0, or null to tune it.")
         if not isinstance(self.allow_empty_sets, bool):
-            raise EvaluationError(f"{key}.allow_empty_sets={self.allow_empty_sets!r}: true (keep the empty sets of "
-                                  "s ≤ q̂) or false (the top label where a set would be empty).")
+            raise EvaluationError(
+                f"{key}.allow_empty_sets={self.allow_empty_sets!r}: true (keep the empty sets of "
+                "s ≤ q̂) or false (the top label where a set would be empty)."
+            )
         datamodule = subject.datamodule
         if self.calibration == "validation" and not getattr(datamodule, "has_val", False):
-            raise EvaluationError(f"{key}.calibration=validation needs a validation split, and this run has none "
-                                  "(data.val_size=0 in training): use calibration=test (a seeded part of the test set) "
-                                  "or auto, or train with data.val_size=<n>.")
+            raise EvaluationError(
+                f"{key}.calibration=validation needs a validation split, and this run has none "
+                "(data.val_size=0 in training): use calibration=test (a seeded part of the test set) "
+                "or auto, or train with data.val_size=<n>."
+            )
         n_calibration, n_evaluation = self.split_sizes(datamodule)
-        where = "validation split" if self.source(datamodule) == "validation" else \
-            f"test split (calibration_fraction={self.calibration_fraction})"
+        where = (
+            "validation split"
+            if self.source(datamodule) == "validation"
+            else f"test split (calibration_fraction={self.calibration_fraction})"
+        )
         if n_evaluation < 1:
-            raise EvaluationError(f"{key}.calibration_fraction={self.calibration_fraction} leaves no test example to "
-                                  "evaluate: lower it.")
+            raise EvaluationError(
+                f"{key}.calibration_fraction={self.calibration_fraction} leaves no test example to evaluate: lower it."
+            )
         for level in self.levels:
             for score in self.scores:
                 needed = minimum_calibration(level, score, self.raps_k_reg, self.raps_lambda)
@@ -212,7 +238,8 @@ class ConformalPrediction(Evaluation):
                     raise EvaluationError(
                         f"{key}: level {level} with {score} needs at least {needed} calibration examples{tuned}, the "
                         f"{where} has {n_calibration}: with fewer, ⌈(n + 1)(1 − α)⌉ > n and every set holds every "
-                        "label; lower the level or calibrate on more examples.")
+                        "label; lower the level or calibrate on more examples."
+                    )
         if self.shift is not None:
             self.shift.check(subject)
             if self.source(datamodule) == "test":
@@ -228,10 +255,13 @@ class ConformalPrediction(Evaluation):
         labels, _ = check_corrupted_files(folder, corruptions)
         per_severity = len(labels) // len(SEVERITIES)
         if per_severity != len(datamodule.test_set) or not np.array_equal(
-                np.asarray(labels[:per_severity]), datamodule.test_set.labels.numpy()):
-            raise EvaluationError(f"evaluations.conformal: {folder} holds {per_severity} images per severity whose labels "
-                                  f"are not the {len(datamodule.test_set)} test labels in order, so test calibration "
-                                  "cannot pick the evaluation examples out of them: use calibration=validation.")
+            np.asarray(labels[:per_severity]), datamodule.test_set.labels.numpy()
+        ):
+            raise EvaluationError(
+                f"evaluations.conformal: {folder} holds {per_severity} images per severity whose labels "
+                f"are not the {len(datamodule.test_set)} test labels in order, so test calibration "
+                "cannot pick the evaluation examples out of them: use calibration=validation."
+            )
 
     # ------------------------------------------------------------------ evaluation
     def run(self, subject: Subject) -> Results:
@@ -249,9 +279,11 @@ class ConformalPrediction(Evaluation):
         else:
             calibrating, evaluation = calibration_split(len(targets), self.calibration_fraction, statistics.seed)
             calibration_probs, calibration_targets = probs[calibrating], targets[calibrating]
-        Console().print(f"Conformal sets calibrated on the {source} split ({len(calibration_targets)} examples; "
-                        f"calibration={self.calibration}), evaluated on {len(evaluation)} test examples; sets: "
-                        f"{set_rule(self.allow_empty_sets)} (allow_empty_sets={str(self.allow_empty_sets).lower()})")
+        Console().print(
+            f"Conformal sets calibrated on the {source} split ({len(calibration_targets)} examples; "
+            f"calibration={self.calibration}), evaluated on {len(evaluation)} test examples; sets: "
+            f"{set_rule(self.allow_empty_sets)} (allow_empty_sets={str(self.allow_empty_sets).lower()})"
+        )
         probs, targets = probs[evaluation], targets[evaluation]
         strata = size_strata(probs.shape[1])
         weights = statistics.weights(len(targets))
@@ -262,8 +294,16 @@ class ConformalPrediction(Evaluation):
         for level in self.levels:
             for score in self.scores:
                 generator = _generator(statistics.seed, level, score)
-                calibrated = calibrate(calibration_probs, calibration_targets, score, 1 - level, generator,
-                                       self.raps_k_reg, self.raps_lambda, allow_empty_sets=self.allow_empty_sets)
+                calibrated = calibrate(
+                    calibration_probs,
+                    calibration_targets,
+                    score,
+                    1 - level,
+                    generator,
+                    self.raps_k_reg,
+                    self.raps_lambda,
+                    allow_empty_sets=self.allow_empty_sets,
+                )
                 sets = calibrated.sets(probs, generator)
                 found = set_metrics(sets, targets, strata)
                 prefix = f"conformal/{level_name(level)}/{score}"
@@ -272,12 +312,22 @@ class ConformalPrediction(Evaluation):
                 resampled.update({f"{prefix}/{m}": rows[m] for m in SET_METRICS})
                 entry = {**calibrated.record(), **found}
                 if shift is not None:
-                    entry["shift"] = self._under_shift(calibrated, generator, shift, prefix, metrics, resampled,
-                                                       statistics)
+                    entry["shift"] = self._under_shift(
+                        calibrated, generator, shift, prefix, metrics, resampled, statistics
+                    )
                 results.append(entry)
         intervals = intervals_of(resampled, statistics.level)
-        return self._results(subject, source, len(calibration_targets), len(targets), results, metrics, intervals,
-                             shift, None if source == "validation" else (calibrating, evaluation))
+        return self._results(
+            subject,
+            source,
+            len(calibration_targets),
+            len(targets),
+            results,
+            metrics,
+            intervals,
+            shift,
+            None if source == "validation" else (calibrating, evaluation),
+        )
 
     def _shift_sets(self, subject: Subject, evaluation: Tensor | None) -> dict[str, Any] | None:
         """The corrupted sets' probabilities and labels by (corruption, severity), at the evaluation
@@ -291,15 +341,30 @@ class ConformalPrediction(Evaluation):
             log_probs, labels = corrupted_log_probs(subject, folder, corruption, severity, self.shift.batch_size)
             if evaluation is not None:
                 if len(labels) != len(subject.test_pass.targets):
-                    raise EvaluationError(f"evaluations.conformal: {folder}'s {corruption} has {len(labels)} images "
-                                          "per severity, not the test set's: use calibration=validation.")
+                    raise EvaluationError(
+                        f"evaluations.conformal: {folder}'s {corruption} has {len(labels)} images "
+                        "per severity, not the test set's: use calibration=validation."
+                    )
                 log_probs, labels = log_probs[evaluation], labels[evaluation]
             sets[corruption, int(severity)] = (log_probs.double().exp(), labels)
-        return {"folder": str(folder), "corruptions": list(corruptions), "severities": list(self.shift.severities),
-                "generated": generated, "sets": sets}
+        return {
+            "folder": str(folder),
+            "corruptions": list(corruptions),
+            "severities": list(self.shift.severities),
+            "generated": generated,
+            "sets": sets,
+        }
 
-    def _under_shift(self, calibrated, generator: torch.Generator, shift: dict[str, Any], prefix: str,
-                     metrics: dict[str, float], resampled: dict[str, Tensor], statistics) -> dict[str, Any]:
+    def _under_shift(
+        self,
+        calibrated,
+        generator: torch.Generator,
+        shift: dict[str, Any],
+        prefix: str,
+        metrics: dict[str, float],
+        resampled: dict[str, Tensor],
+        statistics,
+    ) -> dict[str, Any]:
         """Coverage and size of `calibrated`'s sets on every corrupted set, their means per severity
         and overall (into `metrics`, with their resampled rows: every set resampled alike)."""
         rows, found, weights = [], {}, {}
@@ -309,8 +374,9 @@ class ConformalPrediction(Evaluation):
                 weights[len(labels)] = statistics.weights(len(labels))
             plain = weighted_set_metrics(sets, labels, weights[len(labels)])
             found[corruption, severity] = {m: plain[m] for m in SHIFT_SET_METRICS}
-            rows.append({"corruption": corruption, "severity": severity,
-                         **{m: float(plain[m][0]) for m in SHIFT_SET_METRICS}})
+            rows.append(
+                {"corruption": corruption, "severity": severity, **{m: float(plain[m][0]) for m in SHIFT_SET_METRICS}}
+            )
         means = {}
         for severity in shift["severities"]:
             at = [v for (_, s), v in found.items() if s == int(severity)]
@@ -323,24 +389,57 @@ class ConformalPrediction(Evaluation):
         metrics.update(means)
         return {"rows": rows, "means": means}
 
-    def _results(self, subject: Subject, source: str, n_calibration: int, n_evaluation: int, results: list[dict],
-                 metrics: dict[str, float], intervals: dict[str, list[float]], shift: dict[str, Any] | None,
-                 split: tuple[Tensor, Tensor] | None) -> Results:
+    def _results(
+        self,
+        subject: Subject,
+        source: str,
+        n_calibration: int,
+        n_evaluation: int,
+        results: list[dict],
+        metrics: dict[str, float],
+        intervals: dict[str, list[float]],
+        shift: dict[str, Any] | None,
+        split: tuple[Tensor, Tensor] | None,
+    ) -> Results:
         statistics = subject.statistics
-        calibration = {"asked": self.calibration, "source": source, "n_calibration": n_calibration,
-                       "n_evaluation": n_evaluation, "seed": statistics.seed,
-                       **({"calibration_fraction": self.calibration_fraction} if source == "test" else {}),
-                       "raps_tuning_fraction": TUNING_FRACTION}
+        calibration = {
+            "asked": self.calibration,
+            "source": source,
+            "n_calibration": n_calibration,
+            "n_evaluation": n_evaluation,
+            "seed": statistics.seed,
+            **({"calibration_fraction": self.calibration_fraction} if source == "test" else {}),
+            "raps_tuning_fraction": TUNING_FRACTION,
+        }
         shift_record = None if shift is None else {k: v for k, v in shift.items() if k != "sets"}
-        record = {"calibration": calibration, "levels": self.levels, "scores": self.scores,
-                  "allow_empty_sets": self.allow_empty_sets, "set_rule": set_rule(self.allow_empty_sets),
-                  "n_samples": subject.model.num_members,
-                  "strata": [stratum_name(s) for s in size_strata(subject.test_pass.log_probs.shape[1])],
-                  "results": results, "shift": shift_record, "metrics": metrics, "intervals": intervals,
-                  "statistics": {**statistics.record(), "interval": (
-                      "percentile bootstrap over the evaluation examples, q̂ (and RAPS's k_reg, λ) held fixed")}}
-        columns = ["level", "score", "qhat", "k_reg", "lambda", "n_calibration", "n_tuning", "allow_empty_sets",
-                   *SET_METRICS]
+        record = {
+            "calibration": calibration,
+            "levels": self.levels,
+            "scores": self.scores,
+            "allow_empty_sets": self.allow_empty_sets,
+            "set_rule": set_rule(self.allow_empty_sets),
+            "n_samples": subject.model.num_members,
+            "strata": [stratum_name(s) for s in size_strata(subject.test_pass.log_probs.shape[1])],
+            "results": results,
+            "shift": shift_record,
+            "metrics": metrics,
+            "intervals": intervals,
+            "statistics": {
+                **statistics.record(),
+                "interval": ("percentile bootstrap over the evaluation examples, q̂ (and RAPS's k_reg, λ) held fixed"),
+            },
+        }
+        columns = [
+            "level",
+            "score",
+            "qhat",
+            "k_reg",
+            "lambda",
+            "n_calibration",
+            "n_tuning",
+            "allow_empty_sets",
+            *SET_METRICS,
+        ]
         if shift is not None:
             columns += ["shift_coverage", "shift_size"]
         rows = []
@@ -351,31 +450,58 @@ class ConformalPrediction(Evaluation):
                 row.update({f"shift_{m}": metrics[f"{prefix}/shift/{m}"] for m in SHIFT_SET_METRICS})
             rows.append(row)
         table = [[r[c] for c in columns] for r in rows]
-        where = f"{source} split, {n_calibration} examples" + (" (calibration=auto)" if self.calibration == "auto" else "")
-        console = [ConsoleTable(f"Conformal sets: calibrated on the {where}; {n_evaluation} test examples evaluated; "
-                                f"sets {set_rule(self.allow_empty_sets)}",
-                                ["level", "score", *SET_METRICS],
-                                [[r["level"], r["score"], *(r[m] for m in SET_METRICS)] for r in rows])]
+        where = f"{source} split, {n_calibration} examples" + (
+            " (calibration=auto)" if self.calibration == "auto" else ""
+        )
+        console = [
+            ConsoleTable(
+                f"Conformal sets: calibrated on the {where}; {n_evaluation} test examples evaluated; "
+                f"sets {set_rule(self.allow_empty_sets)}",
+                ["level", "score", *SET_METRICS],
+                [[r["level"], r["score"], *(r[m] for m in SET_METRICS)] for r in rows],
+            )
+        ]
         if shift is not None:
+
             def cell(prefix: str) -> str:
                 return f"{metrics[f'{prefix}/coverage']:.3f} / {metrics[f'{prefix}/size']:.2f}"
 
-            console.append(ConsoleTable(
-                f"Conformal sets under shift ({'generated' if shift['generated'] else 'published'} corruptions, "
-                "mean over corruptions): coverage / mean size", ["level", "score", *map(str, shift["severities"]), "all"],
-                [[r["level"], r["score"], *(cell(f"conformal/{r['level']}/{r['score']}/shift/{s}") for s in shift["severities"]),
-                  cell(f"conformal/{r['level']}/{r['score']}/shift")] for r in rows]))
-        files: dict[str, Any] = {"conformal/metrics.json": record, "conformal/conformal.csv": CsvTable(columns, rows),
-                                 "conformal/conformal.png": conformal_figure(results, intervals, subject.title)}
+            console.append(
+                ConsoleTable(
+                    f"Conformal sets under shift ({'generated' if shift['generated'] else 'published'} corruptions, "
+                    "mean over corruptions): coverage / mean size",
+                    ["level", "score", *map(str, shift["severities"]), "all"],
+                    [
+                        [
+                            r["level"],
+                            r["score"],
+                            *(cell(f"conformal/{r['level']}/{r['score']}/shift/{s}") for s in shift["severities"]),
+                            cell(f"conformal/{r['level']}/{r['score']}/shift"),
+                        ]
+                        for r in rows
+                    ],
+                )
+            )
+        files: dict[str, Any] = {
+            "conformal/metrics.json": record,
+            "conformal/conformal.csv": CsvTable(columns, rows),
+            "conformal/conformal.png": conformal_figure(results, intervals, subject.title),
+        }
         if split is not None:
             files["conformal/split.npz"] = {"calibration": split[0].numpy(), "evaluation": split[1].numpy()}
-        return Results(metrics=metrics, intervals=intervals, files=files,
-                       images={"conformal/figure": "conformal/conformal.png"},
-                       tables={"conformal/table": (columns, table)}, console=console)
+        return Results(
+            metrics=metrics,
+            intervals=intervals,
+            files=files,
+            images={"conformal/figure": "conformal/conformal.png"},
+            tables={"conformal/table": (columns, table)},
+            console=console,
+        )
 
 
-def conformal_figure(results: Sequence[dict], intervals: dict[str, list[float]] | None = None,
-                     title: str | None = None) -> Figure:
+def conformal_figure(
+    results: Sequence[dict], intervals: dict[str, list[float]] | None = None, title: str | None = None
+) -> Figure:
     """Coverage and mean set size per score, one bar per level (with its interval where given, by the
     rule of every shown interval: `plots.interval_bar`, a bar whose interval misses it hatched); the
     nominal coverage of each level drawn as a dashed line in its colour."""
@@ -393,8 +519,11 @@ def conformal_figure(results: Sequence[dict], intervals: dict[str, list[float]] 
             bars = ax.bar(x, values, width * 0.9, color=f"C{i}", alpha=0.8, label=f"1 − α = {level_name(level)} %")
             for at_x, value, bar, score in zip(x, values, bars, scores):
                 bounds = intervals.get(f"conformal/{level_name(level)}/{score}/{metric}")
-                if (bounds is not None and not math.isnan(value)
-                        and interval_bar(ax, at_x, value, *bounds, metric, "black")):
+                if (
+                    bounds is not None
+                    and not math.isnan(value)
+                    and interval_bar(ax, at_x, value, *bounds, metric, "black")
+                ):
                     bar.set_hatch("//")
                     flagged = True
             if metric == "coverage":

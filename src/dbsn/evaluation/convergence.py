@@ -35,9 +35,12 @@ def convergence(epoch_losses: list[float], fraction: float = FRACTION, threshold
     epochs fitted, "epoch_losses", "rule"}."""
     losses = [float(v) for v in epoch_losses]
     finite = all(math.isfinite(v) for v in losses)
-    out = {"epoch_losses": losses, "rule": f"a linear fit to the last {fraction:.0%} of epochs (at least 2) falls across "
-                                          f"the last {fraction:.0%} of the run (at least one epoch) by more than "
-                                          f"{threshold:.0%} of the final loss: not converged"}
+    out = {
+        "epoch_losses": losses,
+        "rule": f"a linear fit to the last {fraction:.0%} of epochs (at least 2) falls across "
+        f"the last {fraction:.0%} of the run (at least one epoch) by more than "
+        f"{threshold:.0%} of the final loss: not converged",
+    }
     if len(losses) < 3 or not finite:
         return {**out, "converged": None, "last_tenth_drop": None, "window_epochs": len(losses)}
     window = min(len(losses), max(2, math.ceil(fraction * len(losses)) + 1))

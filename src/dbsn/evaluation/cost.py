@@ -45,7 +45,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from dbsn.methods.base import Method
 
 __all__ = [
-    "Cost", "EpochTimer", "measure_cost", "parameter_count", "peak_memory_mib", "prediction_flops_per_image",
+    "Cost",
+    "EpochTimer",
+    "measure_cost",
+    "parameter_count",
+    "peak_memory_mib",
+    "prediction_flops_per_image",
     "training_flops_per_image",
 ]
 
@@ -88,8 +93,21 @@ def _outside_inference(t: Tensor) -> Tensor:
     return t.clone() if t.is_inference() else t
 
 
-def _grouped_conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
-                                _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+def _grouped_conv_backward_flop(
+    grad_out_shape,
+    x_shape,
+    w_shape,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    transposed,
+    _output_padding,
+    _groups,
+    output_mask,
+    out_shape=None,
+    **kwargs,
+) -> int:
     """A convolution's backward: each gradient asked for (input, weight) costs the forward's FLOPs.
     torch's own formula leaves the groups out of the weight gradient (it counts a depthwise
     convolution's as a dense one's: C times too many; a DBSN cell is mostly depthwise)."""
@@ -100,7 +118,9 @@ def _grouped_conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride
 def flop_counter_mode() -> FlopCounterMode:
     """torch's `FlopCounterMode` (matmuls and convolutions, 2 FLOPs per multiply-add), with the
     backward of grouped convolutions counted right (`_grouped_conv_backward_flop`)."""
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _grouped_conv_backward_flop})
+    return FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten.convolution_backward: _grouped_conv_backward_flop}
+    )
 
 
 def _count_flops(run) -> int:
@@ -230,8 +250,9 @@ class Cost:
         return asdict(self)
 
 
-def measure_cost(method: Method, x: Tensor, y: Tensor, epoch_seconds: float | None = None,
-                 device: torch.device | str | None = None) -> Cost:
+def measure_cost(
+    method: Method, x: Tensor, y: Tensor, epoch_seconds: float | None = None, device: torch.device | str | None = None
+) -> Cost:
     """Everything measurable of the method's cost on the batch (x, y); `epoch_seconds` from an
     `EpochTimer` of its training run. The peak memory is read first, so that it is the run's
     so far (call this after training, in the training process) and not the counts' copies.

@@ -59,8 +59,20 @@ from dbsn.evaluation.progress import progress
 from dbsn.methods.features import FeaturesUnavailable
 from dbsn.metrics.ood_scores import KNN, Mahalanobis, ViM, energy, max_logit, odin
 
-__all__ = ["DetectionScores", "EnergyScore", "FeatureScore", "KNNScore", "MahalanobisScore", "MaxLogitScore", "Members",
-           "ODINScore", "OODScore", "ScoreUnavailable", "Training", "ViMScore"]
+__all__ = [
+    "DetectionScores",
+    "EnergyScore",
+    "FeatureScore",
+    "KNNScore",
+    "MahalanobisScore",
+    "MaxLogitScore",
+    "Members",
+    "ODINScore",
+    "OODScore",
+    "ScoreUnavailable",
+    "Training",
+    "ViMScore",
+]
 
 #: what a score can read of a batch (`OODScore.reads`)
 READS = ("logits", "features", "images")
@@ -234,8 +246,9 @@ class FeatureScore(OODScore):
             head = None if heads is None else tuple(torch.stack(p).mean(0) for p in zip(*heads))
             self._fitted = [self.fit_one(training.features.mean(0), training, head)]
         else:
-            self._fitted = [self.fit_one(f, training, None if heads is None else heads[s])
-                            for s, f in enumerate(training.features)]
+            self._fitted = [
+                self.fit_one(f, training, None if heads is None else heads[s]) for s, f in enumerate(training.features)
+            ]
 
     def score(self, members: Members) -> Tensor:
         features = members.features
@@ -271,8 +284,10 @@ class ViMScore(FeatureScore):
     the linear head (Wang et al. 2022; :class:`dbsn.metrics.ood_scores.ViM`); `dim`: the principal
     dimension (None: :func:`dbsn.metrics.ood_scores.vim_dim` of the feature size)."""
 
-    treatments: ClassVar[Mapping[str, str]] = {"per_member": "mean over members",
-                                               "pooled": "members' mean feature and mean head"}
+    treatments: ClassVar[Mapping[str, str]] = {
+        "per_member": "mean over members",
+        "pooled": "members' mean feature and mean head",
+    }
 
     def __init__(self, members: str, dim: int | None) -> None:
         super().__init__(members)
@@ -280,8 +295,10 @@ class ViMScore(FeatureScore):
 
     def fit(self, training: Training) -> None:
         if training.heads is None:
-            raise ScoreUnavailable(f"{training.method}'s last layer is not linear (ViM needs its weights and bias: "
-                                   "e.g. SNGP's is a Gaussian process)")
+            raise ScoreUnavailable(
+                f"{training.method}'s last layer is not linear (ViM needs its weights and bias: "
+                "e.g. SNGP's is a Gaussian process)"
+            )
         super().fit(training)
 
     def fit_one(self, features: Tensor, training: Training, head) -> nn.Module:
@@ -311,8 +328,20 @@ class ODINScore(OODScore):
 
     def score(self, members: Members) -> Tensor:
         on = "predictive" if self.members == "predictive" else "members"
-        return torch.cat([odin(members.logits_of, x, members.n, temperature=self.temperature, epsilon=self.epsilon,
-                               on=on, chunk=members.per_forward) for x in members.images.split(self.batch_size)])
+        return torch.cat(
+            [
+                odin(
+                    members.logits_of,
+                    x,
+                    members.n,
+                    temperature=self.temperature,
+                    epsilon=self.epsilon,
+                    on=on,
+                    chunk=members.per_forward,
+                )
+                for x in members.images.split(self.batch_size)
+            ]
+        )
 
 
 # ------------------------------------------------------------------------------------- the runner
@@ -335,10 +364,14 @@ class DetectionScores:
         self.scores = dict(self.scores)
         for name, score in self.scores.items():
             if not isinstance(score, OODScore):
-                raise ValueError(f"ood_score.{name} builds a {type(score).__name__}, not a "
-                                 "dbsn.evaluation.detection.OODScore (docs/extending.md: an OOD score)")
+                raise ValueError(
+                    f"ood_score.{name} builds a {type(score).__name__}, not a "
+                    "dbsn.evaluation.detection.OODScore (docs/extending.md: an OOD score)"
+                )
             if score.reads not in READS:
-                raise ValueError(f"ood_score.{name}: {type(score).__name__}.reads is {score.reads!r}, not one of {READS}")
+                raise ValueError(
+                    f"ood_score.{name}: {type(score).__name__}.reads is {score.reads!r}, not one of {READS}"
+                )
         if self.members is not None and int(self.members) < 1:
             raise ValueError(f"members must be >= 1 (or null: all), got {self.members}")
         if self.fit_images is not None and int(self.fit_images) < 1:
@@ -401,12 +434,19 @@ class DetectionScores:
             seen += keep
         heads = model.member_heads(n)
         heads = None if heads is None else [(w.float().cpu(), b.float().cpu()) for w, b in heads]
-        return Training(torch.cat(logits, 1), torch.cat(features, 1), torch.cat(labels), model.num_classes, heads,
-                        type(model).__name__)
+        return Training(
+            torch.cat(logits, 1),
+            torch.cat(features, 1),
+            torch.cat(labels),
+            model.num_classes,
+            heads,
+            type(model).__name__,
+        )
 
     # ------------------------------------------------------------------ score
-    def of(self, model, datamodule, loader: Iterable, device: torch.device, desc: str, show: bool = True,
-           in_data=None) -> dict[str, Tensor]:
+    def of(
+        self, model, datamodule, loader: Iterable, device: torch.device, desc: str, show: bool = True, in_data=None
+    ) -> dict[str, Tensor]:
         """Every score of the images of `loader` (uint8, normalised as `in_data`, the
         in-distribution data module; default `datamodule`), on the CPU (call after `fit`, inside
         `holding`)."""
@@ -431,8 +471,14 @@ class DetectionScores:
                     features = features.float()
                 elif "logits" in reads:
                     logits = model.stochastic_forward(normalize(x_unit, mean, std), n, 0)
-                batch = Members(n, x_unit, None if logits is None else logits.float(), features, logits_of,
-                                model.samples_per_forward)
+                batch = Members(
+                    n,
+                    x_unit,
+                    None if logits is None else logits.float(),
+                    features,
+                    logits_of,
+                    model.samples_per_forward,
+                )
                 for name, score in scores.items():  # ODIN takes its gradient inside
                     out.setdefault(name, []).append(score.score(batch).detach().float().cpu())
         return {k: torch.cat(v) for k, v in out.items()}
@@ -446,7 +492,12 @@ class DetectionScores:
         return {name: score.computed_on for name, score in self.outputs(n).items() if name not in self.notes}
 
     def record(self, n: int) -> Mapping:
-        return {"members": n, "fit_images": self.fit_images,
-                "scores": {name: {"class": f"{type(score).__module__}.{type(score).__qualname__}", **score.params()}
-                           for name, score in self.scores.items()},
-                "left_out": dict(self.notes)}
+        return {
+            "members": n,
+            "fit_images": self.fit_images,
+            "scores": {
+                name: {"class": f"{type(score).__module__}.{type(score).__qualname__}", **score.params()}
+                for name, score in self.scores.items()
+            },
+            "left_out": dict(self.notes),
+        }

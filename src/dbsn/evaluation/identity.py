@@ -21,8 +21,18 @@ from typing import Any
 
 from dbsn.evaluation.runs import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_ID_KEY, read_run_record
 
-__all__ = ["DIGEST_KEY", "checkpoint_identity", "describe_checkpoint", "disagreement", "examine", "file_sha256",
-           "read_checkpoint", "read_json", "same_checkpoint", "stored_digest"]
+__all__ = [
+    "DIGEST_KEY",
+    "checkpoint_identity",
+    "describe_checkpoint",
+    "disagreement",
+    "examine",
+    "file_sha256",
+    "read_checkpoint",
+    "read_json",
+    "same_checkpoint",
+    "stored_digest",
+]
 
 #: the tensor digest its writer stores in a checkpoint: {"algorithm": "sha256", "tensors": <hex>}
 DIGEST_KEY = "dbsn_digest"
@@ -64,9 +74,13 @@ def stored_digest(checkpoint: dict) -> dict | None:
 def checkpoint_identity(path: Path, checkpoint: dict, digest: dict | None = None) -> dict:
     """What names the checkpoint at `path`: its run id (None for a checkpoint written before runs
     named themselves), epoch, global step, and tensor digest (`digest`, else the one stored in it)."""
-    return {"path": str(Path(path).absolute()), "run_id": checkpoint.get(RUN_ID_KEY),
-            "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
-            "digest": digest if digest is not None else stored_digest(checkpoint)}
+    return {
+        "path": str(Path(path).absolute()),
+        "run_id": checkpoint.get(RUN_ID_KEY),
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "digest": digest if digest is not None else stored_digest(checkpoint),
+    }
 
 
 def same_checkpoint(a: dict, b: dict) -> bool:
@@ -89,8 +103,11 @@ def _resolved(path) -> str | None:
 def describe_checkpoint(identity: dict) -> str:
     """`<path> (run 1a2b3c4d, epoch 3, step 120)`: a checkpoint as a refusal names it."""
     facts = [f"run {identity['run_id'][:8]}" if identity.get("run_id") else "no run id"]
-    facts += [f"{key} {identity[name]}" for key, name in (("epoch", "epoch"), ("step", "global_step"))
-              if identity.get(name) is not None]
+    facts += [
+        f"{key} {identity[name]}"
+        for key, name in (("epoch", "epoch"), ("step", "global_step"))
+        if identity.get(name) is not None
+    ]
     return f"{identity.get('path')} ({', '.join(facts)})"
 
 
@@ -138,29 +155,47 @@ def examine(run_dir: Path, evaluation: bool = True) -> tuple[str | None, str | N
     if owner == run_dir:
         config = run_dir / CONFIG_FILE
         if record.get("config_sha256") and config.is_file() and file_sha256(config) != record["config_sha256"]:
-            return (f"{CONFIG_FILE} is not the config run {run_id[:8]} recorded (its sha256 differs from run.json's "
-                    "config_sha256): it was replaced or edited"), None
+            return (
+                f"{CONFIG_FILE} is not the config run {run_id[:8]} recorded (its sha256 differs from run.json's "
+                "config_sha256): it was replaced or edited"
+            ), None
         for identity in checkpoints:
             theirs = identity.get("run_id")
             if theirs != run_id and not (theirs is None and adopted):
-                return (f"{CHECKPOINT_DIR}/{Path(identity['path']).name} " + (
-                    f"belongs to run {str(theirs)[:8]}" if theirs else "names no run")
-                        + f", not to this folder's run {run_id[:8]} (run.json)"), None
+                return (
+                    f"{CHECKPOINT_DIR}/{Path(identity['path']).name} "
+                    + (f"belongs to run {str(theirs)[:8]}" if theirs else "names no run")
+                    + f", not to this folder's run {run_id[:8]} (run.json)"
+                ), None
     evaluated_here = read_json(run_dir / "evaluation" / METRICS_FILE) if evaluation else None
-    for name, found in ((METRICS_FILE, read_json(run_dir / METRICS_FILE)), (f"evaluation/{METRICS_FILE}", evaluated_here)):
+    for name, found in (
+        (METRICS_FILE, read_json(run_dir / METRICS_FILE)),
+        (f"evaluation/{METRICS_FILE}", evaluated_here),
+    ):
         if found is None or (name != METRICS_FILE and "run_id" not in found):
             continue  # none, or an evaluation written before evaluations named their checkpoint's run
         if found.get("run_id") != run_id and not (found.get("run_id") is None and adopted):
             theirs = found.get("run_id")
-            return (f"{name} " + (f"is of run {str(theirs)[:8]}" if theirs else "names no run")
-                    + f", not of this folder's run {run_id[:8]} (run.json)"), None
-    made = evaluated_here if owner == run_dir else read_json(run_dir / METRICS_FILE)  # a post-hoc run's: its evaluation's
+            return (
+                f"{name} "
+                + (f"is of run {str(theirs)[:8]}" if theirs else "names no run")
+                + f", not of this folder's run {run_id[:8]} (run.json)"
+            ), None
+    made = (
+        evaluated_here if owner == run_dir else read_json(run_dir / METRICS_FILE)
+    )  # a post-hoc run's: its evaluation's
     evaluated = [i for i in (made or {}).get("evaluated") or [] if isinstance(i, dict)]
-    if len(evaluated) == 1 and checkpoints and not any(same_checkpoint(evaluated[0], identity) for identity in checkpoints):
+    if (
+        len(evaluated) == 1
+        and checkpoints
+        and not any(same_checkpoint(evaluated[0], identity) for identity in checkpoints)
+    ):
         where = "evaluation/" if owner == run_dir else "evaluation"
-        return None, (f"its {where} is of {describe_checkpoint(evaluated[0])}, which is no longer among the run's "
-                      "checkpoints (the run went on after it was evaluated): its evaluations describe that earlier "
-                      "model; evaluate the run's last checkpoint again (evaluate.py says how to keep the old one)")
+        return None, (
+            f"its {where} is of {describe_checkpoint(evaluated[0])}, which is no longer among the run's "
+            "checkpoints (the run went on after it was evaluated): its evaluations describe that earlier "
+            "model; evaluate the run's last checkpoint again (evaluate.py says how to keep the old one)"
+        )
     return None, None
 
 

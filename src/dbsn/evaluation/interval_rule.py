@@ -63,15 +63,56 @@ NON_NEGATIVE = Limits(0.0, math.inf)
 #: the limits of each metric, by the last part of its stable name
 METRIC_LIMITS: dict[str, Limits] = {
     # rates, shares, areas under curves, calibration errors (CE² = Σ w_b (acc_b − conf_b)² <= 1)
-    **dict.fromkeys(("error", "accuracy", "global_acc", "miou", "iou", "ece", "adaptive_ece", "classwise_ece", "ce2",
-                     "auroc", "aupr", "aupr_in", "fpr95", "aurc", "eaurc", "augrc", "optimal_aurc", "risk@80",
-                     "coverage", "empty", "ssc", "class_coverage_min"), UNIT),
+    **dict.fromkeys(
+        (
+            "error",
+            "accuracy",
+            "global_acc",
+            "miou",
+            "iou",
+            "ece",
+            "adaptive_ece",
+            "classwise_ece",
+            "ce2",
+            "auroc",
+            "aupr",
+            "aupr_in",
+            "fpr95",
+            "aurc",
+            "eaurc",
+            "augrc",
+            "optimal_aurc",
+            "risk@80",
+            "coverage",
+            "empty",
+            "ssc",
+            "class_coverage_min",
+        ),
+        UNIT,
+    ),
     "brier": Limits(0.0, 2.0),  # Σ_c (p_c − y_c)² of one example
     # log-losses, entropies, set sizes, costs
-    **dict.fromkeys(("nll", "calibrated_nll", "entropy", "predictive_entropy", "expected_entropy",
-                     "mutual_information", "mean_entropy", "size", "params", "flops", "train_flops_per_image",
-                     "predict_flops_per_image", "n_samples", "epoch_seconds", "train_seconds", "peak_memory_mib"),
-                    NON_NEGATIVE),
+    **dict.fromkeys(
+        (
+            "nll",
+            "calibrated_nll",
+            "entropy",
+            "predictive_entropy",
+            "expected_entropy",
+            "mutual_information",
+            "mean_entropy",
+            "size",
+            "params",
+            "flops",
+            "train_flops_per_image",
+            "predict_flops_per_image",
+            "n_samples",
+            "epoch_seconds",
+            "train_seconds",
+            "peak_memory_mib",
+        ),
+        NON_NEGATIVE,
+    ),
     # members of a deep ensemble: "no better than one network" is 1
     "deep_ensemble_equivalent": Limits(1.0, math.inf),
 }
@@ -97,8 +138,9 @@ class ShownInterval(NamedTuple):
     misses: bool
 
 
-def shown_interval(name: str | None, estimate: float | None, low: float, high: float, difference: bool = False,
-                   scale: float = 1.0) -> ShownInterval:
+def shown_interval(
+    name: str | None, estimate: float | None, low: float, high: float, difference: bool = False, scale: float = 1.0
+) -> ShownInterval:
     """The interval [low, high] of `estimate` of the metric `name` (None: no limits) as the rule shows it
     (module docstring); `estimate` None (unknown): never flagged. All four in the same units: times
     `scale` with respect to the metric's own (an error in %: 100); a difference with `difference`."""

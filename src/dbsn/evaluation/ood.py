@@ -42,8 +42,11 @@ __all__ = ["OOD_SCORES", "OODDetection", "detection_metrics", "entropy_cdf_figur
 #: The predictive's own scores, from the test pass (every method has them), and what each is
 #: computed on; OpenOOD's post-hoc scores follow them (`dbsn.evaluation.detection`).
 OOD_SCORES = ("entropy", "mutual_information", "max_probability")
-_PREDICTIVE_COMPUTED_ON = {"entropy": "averaged predictive", "mutual_information": "members (their disagreement)",
-                           "max_probability": "averaged predictive"}
+_PREDICTIVE_COMPUTED_ON = {
+    "entropy": "averaged predictive",
+    "mutual_information": "members (their disagreement)",
+    "max_probability": "averaged predictive",
+}
 
 
 def _as_scores(scores: Tensor | np.ndarray, name: str) -> Tensor:
@@ -91,7 +94,10 @@ def detection_metrics(scores_in: Tensor, scores_out: Tensor) -> dict[str, float]
     scores = torch.cat([scores_in, scores_out])
     is_out = torch.cat([torch.zeros_like(scores_in), torch.ones_like(scores_out)]).long()
     ranked, ranked_neg = _dense_rank(scores), _dense_rank(-scores)
-    ones_in, ones_out = torch.ones(1, len(scores_in), dtype=torch.float64), torch.ones(1, len(scores_out), dtype=torch.float64)
+    ones_in, ones_out = (
+        torch.ones(1, len(scores_in), dtype=torch.float64),
+        torch.ones(1, len(scores_out), dtype=torch.float64),
+    )
     return {  # the AUROC exactly, in float64 (torchmetrics' float32 area passes 1 by an ulp on separated sets)
         "auroc": weighted_auroc(scores_in.double(), scores_out.double(), ones_in, ones_out).item(),
         "aupr": binary_average_precision(ranked, is_out).item(),
@@ -110,15 +116,16 @@ def _fpr95(ranked: Tensor, is_positive: Tensor) -> float:
     return fpr[reached.nonzero()[0, 0]].item()
 
 
-def detection_statistics(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor,
-                         chunk: int = 64) -> dict[str, Tensor]:
+def detection_statistics(
+    scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor, chunk: int = 64
+) -> dict[str, Tensor]:
     """`detection_metrics` at every row of the two sets' count matrices (B, n_in) and (B, n_out):
     {"auroc", "aupr", "aupr_in", "fpr95"} -> (B,), computed `chunk` rows at a time (a row holds
     one weight per distinct score of both sets)."""
     scores_in, scores_out = scores_in.double(), scores_out.double()
     parts: dict[str, list[Tensor]] = {"auroc": [], "aupr": [], "aupr_in": [], "fpr95": []}
     for start in range(0, len(weights_in), chunk):
-        w_in, w_out = weights_in[start:start + chunk], weights_out[start:start + chunk]
+        w_in, w_out = weights_in[start : start + chunk], weights_out[start : start + chunk]
         parts["auroc"].append(weighted_auroc(scores_in, scores_out, w_in, w_out))
         parts["aupr"].append(weighted_average_precision(scores_in, scores_out, w_in, w_out))
         parts["aupr_in"].append(weighted_average_precision(-scores_out, -scores_in, w_out, w_in))
@@ -249,9 +256,15 @@ class OODDetection(Evaluation):
 
     name = "ood"
 
-    def __init__(self, sets: Mapping[str, Any] | None = None, groups: Mapping[str, Sequence[str]] | None = None,
-                 available: Mapping[str, OODScore] | None = None, scores: Sequence[str] | None = None,
-                 members: int | None = 10, fit_images: int | None = None) -> None:
+    def __init__(
+        self,
+        sets: Mapping[str, Any] | None = None,
+        groups: Mapping[str, Sequence[str]] | None = None,
+        available: Mapping[str, OODScore] | None = None,
+        scores: Sequence[str] | None = None,
+        members: int | None = 10,
+        fit_images: int | None = None,
+    ) -> None:
         self.sets = dict(sets or {})
         self._rows: dict[str, dict[str, Tensor]] = {}  # set -> "<score>/<metric>" -> its bootstrap rows
         self.groups = {str(k): [str(s) for s in v] for k, v in groups.items()} if groups else None
@@ -260,9 +273,11 @@ class OODDetection(Evaluation):
         unknown = [s for s in names if s not in available]
         if unknown:
             every = ",".join(dict.fromkeys([*available, *unknown]))
-            raise EvaluationError(f"evaluations.ood.scores names {unknown}, which ood_score=[...] does not choose "
-                                  f"(it chooses {list(available)}): add them there, e.g. ood_score=[{every}] "
-                                  "(conf/ood_score/ holds dbsn's scores; a score of your own: docs/extending.md)")
+            raise EvaluationError(
+                f"evaluations.ood.scores names {unknown}, which ood_score=[...] does not choose "
+                f"(it chooses {list(available)}): add them there, e.g. ood_score=[{every}] "
+                "(conf/ood_score/ holds dbsn's scores; a score of your own: docs/extending.md)"
+            )
         try:
             self.detection = DetectionScores({s: available[s] for s in names}, members, fit_images)
         except ValueError as err:
@@ -274,13 +289,17 @@ class OODDetection(Evaluation):
         and its test split reads (a `size` larger than the set is found here)."""
         super().check(subject)
         if not self.sets:
-            raise EvaluationError("evaluations=[ood] scores OOD sets and none is chosen: add ood=<set> or "
-                                  "ood=[<set>,<set>] (conf/ood/ lists them, e.g. ood=svhn, ood=openood_cifar10).")
+            raise EvaluationError(
+                "evaluations=[ood] scores OOD sets and none is chosen: add ood=<set> or "
+                "ood=[<set>,<set>] (conf/ood/ lists them, e.g. ood=svhn, ood=openood_cifar10)."
+            )
         if self.groups:
             unknown = sorted({s for sets in self.groups.values() for s in sets} - set(self.sets))
             if unknown:
-                raise EvaluationError(f"evaluations.ood.groups names {unknown}, which are not among the chosen sets "
-                                      f"{sorted(self.sets)}: add them to ood=[...] or leave them out of the groups.")
+                raise EvaluationError(
+                    f"evaluations.ood.groups names {unknown}, which are not among the chosen sets "
+                    f"{sorted(self.sets)}: add them to ood=[...] or leave them out of the groups."
+                )
         for name, datamodule in self.sets.items():
             if getattr(datamodule, "download", False):
                 datamodule.prepare_data()  # ood.<set>.download=true fetches it now
@@ -298,7 +317,9 @@ class OODDetection(Evaluation):
         model, out = subject.model, {}
         model.eval()
         model.enable_test_noise()
-        for images, _ in progress(datamodule.test_dataloader(), desc=f"OOD: {datamodule.name}", enabled=subject.progress):
+        for images, _ in progress(
+            datamodule.test_dataloader(), desc=f"OOD: {datamodule.name}", enabled=subject.progress
+        ):
             x = subject.datamodule.preprocess(images.to(subject.device))
             for name, value in model.uncertainty_scores(x).items():
                 out.setdefault(name, []).append(value.float().cpu())
@@ -311,8 +332,14 @@ class OODDetection(Evaluation):
         model.enable_test_noise()
         with detection.holding(model):  # DBSN's members: the same structures for training, test and OOD images
             detection.fit(model, subject.datamodule, subject.device, subject.progress)
-            self._in_network = detection.of(model, subject.datamodule, subject.datamodule.test_dataloader(),
-                                            subject.device, "OOD scores: in-distribution test", subject.progress)
+            self._in_network = detection.of(
+                model,
+                subject.datamodule,
+                subject.datamodule.test_dataloader(),
+                subject.device,
+                "OOD scores: in-distribution test",
+                subject.progress,
+            )
             for name, datamodule in self.sets.items():  # one in-distribution pass for all sets
                 results.add(self.one_set(subject, name, datamodule))
         results.add(self.group_results(subject, results.metrics))
@@ -324,8 +351,17 @@ class OODDetection(Evaluation):
         out_scores = detection_scores(self.scores_of(subject, datamodule))
         in_scores = detection_scores(subject.test_pass.scores)
         if self.detection.scores:
-            out_scores.update(self.detection.of(model, datamodule, datamodule.test_dataloader(), subject.device,
-                                                f"OOD scores: {datamodule.name}", subject.progress, in_data=in_data))
+            out_scores.update(
+                self.detection.of(
+                    model,
+                    datamodule,
+                    datamodule.test_dataloader(),
+                    subject.device,
+                    f"OOD scores: {datamodule.name}",
+                    subject.progress,
+                    in_data=in_data,
+                )
+            )
             in_scores.update(self._in_network)
         n = self.detection.count(model)
         names = [s for s in (*OOD_SCORES, *self.detection.names(n)) if s in in_scores and s in out_scores]
@@ -333,41 +369,65 @@ class OODDetection(Evaluation):
         statistics = subject.statistics
         weights_in = statistics.weights(len(in_scores["entropy"]))  # the same in-set resamples for every set
         weights_out = statistics.weights(len(out_scores["entropy"]), stream=1 + sorted(self.sets).index(set_name))
-        rows = {f"{score}/{k}": v for score in names
-                for k, v in detection_statistics(in_scores[score], out_scores[score], weights_in, weights_out).items()}
+        rows = {
+            f"{score}/{k}": v
+            for score in names
+            for k, v in detection_statistics(in_scores[score], out_scores[score], weights_in, weights_out).items()
+        }
         self._rows[set_name] = rows
         intervals = intervals_of(rows, statistics.level)
         record = {
-            "in_distribution": in_data.name, "ood": datamodule.name, "n_samples": model.num_members,
-            "n_in": len(in_scores["entropy"]), "n_out": len(out_scores["entropy"]),
+            "in_distribution": in_data.name,
+            "ood": datamodule.name,
+            "n_samples": model.num_members,
+            "n_in": len(in_scores["entropy"]),
+            "n_out": len(out_scores["entropy"]),
             "scores": {name: detection_metrics(in_scores[name], out_scores[name]) for name in names},
-            "intervals": {score: {k: intervals[f"{score}/{k}"] for k in ("auroc", "aupr", "aupr_in", "fpr95")}
-                          for score in names},
-            "statistics": {**statistics.record(), "interval": "percentile bootstrap, the in- and OOD sets resampled independently"},
+            "intervals": {
+                score: {k: intervals[f"{score}/{k}"] for k in ("auroc", "aupr", "aupr_in", "fpr95")} for score in names
+            },
+            "statistics": {
+                **statistics.record(),
+                "interval": "percentile bootstrap, the in- and OOD sets resampled independently",
+            },
             "mean_entropy": {"in": float(in_scores["entropy"].mean()), "out": float(out_scores["entropy"].mean())},
             "computed_on": {name: computed_on[name] for name in names},
             "detection": self.detection.record(n),
             "note": "OOD is the positive class; every score is higher for 'more OOD' "
-                    "(max_probability is stored as 1 - max probability).",
+            "(max_probability is stored as 1 - max probability).",
         }
         folder, prefix = f"ood/{set_name}", f"ood/{set_name}"
         figure = entropy_cdf_figure(
-            {f"in-distribution ({in_data.name} test)": in_scores["entropy"],
-             f"out-of-distribution ({datamodule.name})": out_scores["entropy"]},
-            title=f"{subject.title}: predictive entropy", num_classes=in_data.num_classes,
+            {
+                f"in-distribution ({in_data.name} test)": in_scores["entropy"],
+                f"out-of-distribution ({datamodule.name})": out_scores["entropy"],
+            },
+            title=f"{subject.title}: predictive entropy",
+            num_classes=in_data.num_classes,
         )
         return Results(
             metrics={f"{prefix}/{score}/{k}": v for score, m in record["scores"].items() for k, v in m.items()},
             intervals={f"{prefix}/{key}": value for key, value in intervals.items()},
-            files={f"{folder}/metrics.json": record,
-                   f"{folder}/scores.npz": {**{f"in_{k}": v.numpy() for k, v in in_scores.items()},
-                                            **{f"out_{k}": v.numpy() for k, v in out_scores.items()}},
-                   f"{folder}/entropy_cdf.png": figure},
+            files={
+                f"{folder}/metrics.json": record,
+                f"{folder}/scores.npz": {
+                    **{f"in_{k}": v.numpy() for k, v in in_scores.items()},
+                    **{f"out_{k}": v.numpy() for k, v in out_scores.items()},
+                },
+                f"{folder}/entropy_cdf.png": figure,
+            },
             images={f"{prefix}/entropy_cdf": f"{folder}/entropy_cdf.png"},
-            tables={f"{prefix}/entropy_cdf_{split}": (["entropy", "cdf"], cdf_points(scores["entropy"]))
-                    for split, scores in (("in", in_scores), ("ood", out_scores))},
-            console=[ConsoleTable(f"OOD detection: {in_data.name} vs {datamodule.name}", ["score", "AUROC", "AUPR", "FPR95"],
-                                  [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()])],
+            tables={
+                f"{prefix}/entropy_cdf_{split}": (["entropy", "cdf"], cdf_points(scores["entropy"]))
+                for split, scores in (("in", in_scores), ("ood", out_scores))
+            },
+            console=[
+                ConsoleTable(
+                    f"OOD detection: {in_data.name} vs {datamodule.name}",
+                    ["score", "AUROC", "AUPR", "FPR95"],
+                    [[name, m["auroc"], m["aupr"], m["fpr95"]] for name, m in record["scores"].items()],
+                )
+            ],
         )
 
     def group_results(self, subject: Subject, per_set_results: Mapping[str, float]) -> Results:
@@ -390,5 +450,8 @@ class OODDetection(Evaluation):
             for key in self._rows[sets[0]]:
                 rows = torch.stack([self._rows[s][key] for s in sets]).mean(0)
                 intervals[f"ood/{group}/{key}"] = intervals_of({key: rows}, subject.statistics.level)[key]
-        return Results(metrics=means, intervals=intervals,
-                       files={"ood/groups.json": {"groups": groups, "metrics": means, "intervals": intervals}})
+        return Results(
+            metrics=means,
+            intervals=intervals,
+            files={"ood/groups.json": {"groups": groups, "metrics": means, "intervals": intervals}},
+        )

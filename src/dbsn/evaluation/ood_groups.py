@@ -60,10 +60,14 @@ def _flat(metrics: Mapping) -> dict[str, float]:
     return flat
 
 
-def group_coverage(per_set: Mapping[str, Mapping], groups: Mapping[str, tuple[str, ...]]) -> dict[str, dict[str, list[str]]]:
+def group_coverage(
+    per_set: Mapping[str, Mapping], groups: Mapping[str, tuple[str, ...]]
+) -> dict[str, dict[str, list[str]]]:
     """{group: {"evaluated": [...], "missing": [...]}}: which sets of each group have results."""
-    return {group: {"evaluated": [s for s in sets if s in per_set], "missing": [s for s in sets if s not in per_set]}
-            for group, sets in groups.items()}
+    return {
+        group: {"evaluated": [s for s in sets if s in per_set], "missing": [s for s in sets if s not in per_set]}
+        for group, sets in groups.items()
+    }
 
 
 def group_means(per_set: Mapping[str, Mapping], groups: Mapping[str, tuple[str, ...]]) -> dict[str, float]:
@@ -81,16 +85,21 @@ def group_means(per_set: Mapping[str, Mapping], groups: Mapping[str, tuple[str, 
     for group, coverage in group_coverage(per_set, groups).items():
         if coverage["missing"]:
             over = ", ".join(coverage["evaluated"]) or "no set: the group is left out"
-            warnings.warn(f"OOD group {group!r}: no results for {', '.join(coverage['missing'])}; "
-                          f"its means are over {over}", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"OOD group {group!r}: no results for {', '.join(coverage['missing'])}; its means are over {over}",
+                UserWarning,
+                stacklevel=2,
+            )
         metrics = [_flat(per_set[name]) for name in coverage["evaluated"]]
         if not metrics:
             continue
         for name, m in zip(coverage["evaluated"], metrics):
             if set(m) != set(metrics[0]):
                 differ = sorted(set(m) ^ set(metrics[0]))
-                raise ValueError(f"OOD group {group!r}: {name} and {coverage['evaluated'][0]} do not have "
-                                 f"the same metrics (differing: {differ})")
+                raise ValueError(
+                    f"OOD group {group!r}: {name} and {coverage['evaluated'][0]} do not have "
+                    f"the same metrics (differing: {differ})"
+                )
         for key in metrics[0]:
             means[f"ood/{group}/{key}"] = sum(m[key] for m in metrics) / len(metrics)
     return means

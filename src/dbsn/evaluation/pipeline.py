@@ -56,8 +56,13 @@ class Evaluator:
             the host memory each step freed back to the system: `dbsn.runtime.memory`).
     """
 
-    def __init__(self, evaluations: Sequence[Evaluation] = (), ablation_sizes: Sequence[int] | None = None,
-                 statistics: Statistics | None = None, between_steps: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        evaluations: Sequence[Evaluation] = (),
+        ablation_sizes: Sequence[int] | None = None,
+        statistics: Statistics | None = None,
+        between_steps: Callable[[], Any] | None = None,
+    ) -> None:
         self.statistics = statistics or Statistics()
         self.between_steps = between_steps or (lambda: None)
         self.evaluations = list(evaluations)
@@ -71,9 +76,17 @@ class Evaluator:
         for evaluation in self.evaluations:
             evaluation.check(subject)
 
-    def evaluate(self, subject: Subject, trainer, folder: Path, loggers: Sequence = (),
-                 record: Callable[[], dict[str, Any]] | None = None, structure: bool = True,
-                 checked: bool = False, epoch_seconds: float | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        subject: Subject,
+        trainer,
+        folder: Path,
+        loggers: Sequence = (),
+        record: Callable[[], dict[str, Any]] | None = None,
+        structure: bool = True,
+        checked: bool = False,
+        epoch_seconds: float | None = None,
+    ) -> dict[str, float]:
         """Check, test, evaluate; return every number under its flat name. `record()`: the facts
         metrics.json keeps beside the test metrics, asked for after the test pass (the method's
         `run_facts()` among them: some, such as the BatchNorm statistics used, are known only
@@ -93,15 +106,26 @@ class Evaluator:
         values = dict(metrics)
         if trainer.is_global_zero:
             facts = {**(record() if record else {}), "cost": cost_of(subject, epoch_seconds)}
-            results = prediction_results(model, recorded, metrics, subject.title, record=facts, structure=structure,
-                                         datamodule=subject.datamodule, statistics=self.statistics)
+            results = prediction_results(
+                model,
+                recorded,
+                metrics,
+                subject.title,
+                record=facts,
+                structure=structure,
+                datamodule=subject.datamodule,
+                statistics=self.statistics,
+            )
             write_results(results, folder, loggers)
             values = results.values
         model.to(subject.device)
         self.between_steps()
         for evaluation in self.evaluations:
             results = evaluation.run(subject)
-            results.files[f"{evaluation.name}/{SUMMARY_FILE}"] = {"evaluation": evaluation.name, "metrics": results.values}
+            results.files[f"{evaluation.name}/{SUMMARY_FILE}"] = {
+                "evaluation": evaluation.name,
+                "metrics": results.values,
+            }
             write_results(results, folder, loggers)
             values.update(results.values)
             self.between_steps()
@@ -118,8 +142,9 @@ def cost_of(subject: Subject, epoch_seconds: float | None) -> dict[str, Any]:
         images, targets = next(iter(subject.datamodule.test_dataloader()))
         example = subject.datamodule.preprocess(images[:2].to(subject.device)), targets[:2]
     x, y = example[0][:2], example[1][:2]
-    return measure_cost(subject.model, x.to(subject.device), y.to(subject.device), epoch_seconds,
-                        device=subject.device).as_dict()
+    return measure_cost(
+        subject.model, x.to(subject.device), y.to(subject.device), epoch_seconds, device=subject.device
+    ).as_dict()
 
 
 @rank_zero_only

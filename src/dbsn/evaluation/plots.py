@@ -27,9 +27,7 @@ from dbsn.metrics.classification import expected_calibration_error, reliability_
 __all__ = ["PARETO_METRICS", "interval_bar", "pareto_figure", "pareto_front", "reliability_diagram", "save_figure"]
 
 
-def reliability_diagram(
-    probs: Tensor, target: Tensor, n_bins: int = 10, title: str | None = None
-) -> Figure:
+def reliability_diagram(probs: Tensor, target: Tensor, n_bins: int = 10, title: str | None = None) -> Figure:
     """Reliability diagram of the top-label confidence.
 
     The upper axes (``fig.axes[0]``) has one bar per confidence bin whose height is the
@@ -105,9 +103,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
     def dominated(i: int) -> bool:
         xi, yi = pts[i]
-        return any(
-            pts[j][0] <= xi and pts[j][1] <= yi and (pts[j][0] < xi or pts[j][1] < yi) for j in valid
-        )
+        return any(pts[j][0] <= xi and pts[j][1] <= yi and (pts[j][0] < xi or pts[j][1] < yi) for j in valid)
 
     return sorted((i for i in valid if not dominated(i)), key=lambda i: (*pts[i], i))
 
@@ -144,16 +140,25 @@ def _bounds(row: Mapping, metric: str) -> tuple[float, float] | None:
     return float(low), float(high)
 
 
-def interval_bar(ax, x: float, value: float, low: float, high: float, metric: str | None, color,
-                 zorder: float = 3) -> bool:
+def interval_bar(
+    ax, x: float, value: float, low: float, high: float, metric: str | None, color, zorder: float = 3
+) -> bool:
     """Draw the interval [low, high] of `value` (the metric `metric`'s stable name, or its last part)
     at `x` as a capped vertical bar (an errorbar container labelled `INTERVAL_LABEL`), by the rule of
     every shown interval: within the metric's limits and exactly where it lies, whether or not it
     reaches `value`. Returns whether it misses `value` (the caller marks that)."""
     low, high, misses = shown_interval(metric, value, low, high)
     middle = (low + high) / 2
-    ax.errorbar([x], [middle], yerr=[[middle - low], [high - middle]], fmt="none", ecolor=color, capsize=3,
-                zorder=zorder, label=INTERVAL_LABEL)
+    ax.errorbar(
+        [x],
+        [middle],
+        yerr=[[middle - low], [high - middle]],
+        fmt="none",
+        ecolor=color,
+        capsize=3,
+        zorder=zorder,
+        label=INTERVAL_LABEL,
+    )
     return misses
 
 
@@ -195,16 +200,33 @@ def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
             bounds = _bounds(row, metric)
             misses = bounds is not None and interval_bar(ax, x, value, *bounds, metric, colours[i])
             flagged |= misses
-            container = ax.errorbar(x, value, fmt=markers[i], color=colours[i], markersize=7, label=str(row["method"]),
-                                    zorder=4, markerfacecolor="none" if misses else colours[i])
+            container = ax.errorbar(
+                x,
+                value,
+                fmt=markers[i],
+                color=colours[i],
+                markersize=7,
+                label=str(row["method"]),
+                zorder=4,
+                markerfacecolor="none" if misses else colours[i],
+            )
             handles.setdefault(i, container)
         front = pareto_front([(float(rows[i]["flops"]), value) for i, value in drawn])
-        xs, ys = front_steps([(float(rows[drawn[k][0]]["flops"]), drawn[k][1]) for k in front],
-                             right=max(float(rows[i]["flops"]) for i, _ in drawn))
+        xs, ys = front_steps(
+            [(float(rows[drawn[k][0]]["flops"]), drawn[k][1]) for k in front],
+            right=max(float(rows[i]["flops"]) for i, _ in drawn),
+        )
         (front_line,) = ax.plot(xs, ys, linestyle="--", color="gray", zorder=3.5, label="Pareto front")
         if flagged:
-            ax.text(0.02, 0.02, FLAGGED_NOTE["hollow marker"], transform=ax.transAxes, fontsize="x-small", color="gray",
-                    wrap=True)
+            ax.text(
+                0.02,
+                0.02,
+                FLAGGED_NOTE["hollow marker"],
+                transform=ax.transAxes,
+                fontsize="x-small",
+                color="gray",
+                wrap=True,
+            )
         ax.grid(True, which="major", alpha=0.3)
     if handles:
         order = sorted(handles)
@@ -218,7 +240,9 @@ def pareto_figure(rows: Sequence[Mapping], title: str | None = None) -> Figure:
     return fig
 
 
-def tuning_figure(curves: Mapping[str, Mapping[float, float]], chosen: Mapping[str, float], title: str | None = None) -> Figure:
+def tuning_figure(
+    curves: Mapping[str, Mapping[float, float]], chosen: Mapping[str, float], title: str | None = None
+) -> Figure:
     """Validation NLL against the learning rate (log scale), one line per method, its choice marked;
     a rate that diverged (an infinite NLL) is left out of its line."""
     fig = Figure(figsize=(6.4, 4.2))
@@ -227,7 +251,7 @@ def tuning_figure(curves: Mapping[str, Mapping[float, float]], chosen: Mapping[s
         points = sorted((lr, nll) for lr, nll in curve.items() if math.isfinite(nll))
         if not points:
             continue
-        line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
         if method in chosen and chosen[method] in curve and math.isfinite(curve[chosen[method]]):
             ax.plot([chosen[method]], [curve[chosen[method]]], marker="*", markersize=14, color=line.get_color())
     ax.set_xscale("log")

@@ -26,8 +26,14 @@ def _duration(seconds: float) -> str:
 class LineBar:
     """tqdm's interface (iteration, `update`, a context manager) writing whole lines to `file`."""
 
-    def __init__(self, iterable: Iterable | None = None, total: int | None = None, desc: str = "",
-                 file: TextIO | None = None, every_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        iterable: Iterable | None = None,
+        total: int | None = None,
+        desc: str = "",
+        file: TextIO | None = None,
+        every_s: float = 60.0,
+    ) -> None:
         self.iterable, self.desc, self.file, self.every_s = iterable, desc, file or sys.stderr, every_s
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
         self.n = 0
@@ -48,7 +54,9 @@ class LineBar:
                 self._next_tenth = self.n * 10 // self.total + 1
             elapsed = now - self._start
             left = f" | left {_duration(elapsed / self.n * (self.total - self.n))}" if self.total else ""
-            self._say(f"{self.desc}: {self.n}{f'/{self.total}' if self.total else ''} | elapsed {_duration(elapsed)}{left}")
+            self._say(
+                f"{self.desc}: {self.n}{f'/{self.total}' if self.total else ''} | elapsed {_duration(elapsed)}{left}"
+            )
             self._last = now
 
     def close(self) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-from lightning.pytorch.callbacks import Callback
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from dbsn.methods.predictive import PredictedBatch
@@ -84,29 +84,39 @@ class PredictionRecorder(Callback):
             self.ablation.to(pl_module.device).reset()
         pl_module.prefix_sizes = () if self.ablation is None else tuple(self.ablation.sizes)
 
-    def on_test_batch_end(self, trainer, pl_module, outputs: PredictedBatch, batch, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self, trainer, pl_module, outputs: PredictedBatch, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         x, y = outputs.inputs, outputs.targets
         if self.example is None:
             self.example = (x[:EXAMPLE_SIZE].detach(), y[:EXAMPLE_SIZE].detach())
         if self.ablation is not None:
-            self.ablation.update_prefixes(outputs.prefixes, y.flatten(),
-                                          pl_module.calibrate if pl_module.is_calibrated else None)
+            self.ablation.update_prefixes(
+                outputs.prefixes, y.flatten(), pl_module.calibrate if pl_module.is_calibrated else None
+            )
         if pl_module.task.keeps_test_outputs:
-            self._batches.append((outputs.log_probs.detach().float(), y.detach(),
-                                  {k: v.detach().float() for k, v in outputs.scores.items()}))
+            self._batches.append(
+                (
+                    outputs.log_probs.detach().float(),
+                    y.detach(),
+                    {k: v.detach().float() for k, v in outputs.scores.items()},
+                )
+            )
             return
         self._keep_maps(outputs, pl_module.task.num_maps)
 
     def _keep_maps(self, outputs: PredictedBatch, count: int) -> None:
         """Input, target, prediction and uncertainty maps of the first `count` test images."""
         for i in range(min(outputs.inputs.shape[0], count - len(self.maps))):
-            self.maps.append({
-                "image": outputs.inputs[i].detach().float().cpu(), "target": outputs.targets[i].cpu(),
-                "prediction": outputs.log_probs[i].argmax(-1).cpu(),
-                "entropy": outputs.scores["predictive_entropy"][i].float().cpu(),
-                "mutual_information": outputs.scores["mutual_information"][i].float().cpu(),
-            })
+            self.maps.append(
+                {
+                    "image": outputs.inputs[i].detach().float().cpu(),
+                    "target": outputs.targets[i].cpu(),
+                    "prediction": outputs.log_probs[i].argmax(-1).cpu(),
+                    "entropy": outputs.scores["predictive_entropy"][i].float().cpu(),
+                    "mutual_information": outputs.scores["mutual_information"][i].float().cpu(),
+                }
+            )
 
     def on_test_epoch_end(self, trainer, pl_module) -> None:
         if self.ablation is not None:  # on every rank: computing synchronises them

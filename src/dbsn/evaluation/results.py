@@ -131,7 +131,9 @@ def write_file(path: Path, content: Any) -> Path:
     elif suffix == ".txt":
         path.write_text(content + "\n", encoding="utf-8")
     else:
-        raise ValueError(f"{path.name}: no writer for {suffix or 'a file without an ending'} (json, csv, npz, txt, png)")
+        raise ValueError(
+            f"{path.name}: no writer for {suffix or 'a file without an ending'} (json, csv, npz, txt, png)"
+        )
     return path
 
 
@@ -160,8 +162,13 @@ def write_results(results: Results, folder: Path, loggers: list[Logger] | tuple 
             raise TypeError(f"{relative}: a .png file takes a matplotlib Figure")
         write_file(folder / relative, content)
     numbers = {**results.metrics, **interval_numbers(results.intervals, results.metrics)}
-    log_to_wandb(loggers, numbers, images={key: folder / path for key, path in results.images.items()},
-                 tables=results.tables, curves=results.curves)
+    log_to_wandb(
+        loggers,
+        numbers,
+        images={key: folder / path for key, path in results.images.items()},
+        tables=results.tables,
+        curves=results.curves,
+    )
     if numbers:
         wandb = wandb_loggers(loggers)
         for logger in loggers or ():

@@ -10,17 +10,18 @@ from pathlib import Path
 
 import yaml
 
-from dbsn.methods.registry import builds_backbone, field_backbones, method_name as infer_method
+from dbsn.methods.registry import builds_backbone, field_backbones
+from dbsn.methods.registry import method_name as infer_method
 
-CONFIG_FILE = "resolved_config.yaml"   # the resolved run config; DDP children and the report read it
+CONFIG_FILE = "resolved_config.yaml"  # the resolved run config; DDP children and the report read it
 CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.ckpt"           # written atomically at every epoch end (and on preemption)
-WANDB_ID_FILE = "wandb_id"             # the W&B run id, kept so a resumed run continues the same W&B run
-SLURM_FILE = "slurm.json"               # the SLURM job that ran (or last resumed) this run: ids, node list, logs
-METRICS_FILE = "metrics.json"           # the test pass's metrics and the run's facts (train and evaluate write it)
+LAST_CHECKPOINT = "last.ckpt"  # written atomically at every epoch end (and on preemption)
+WANDB_ID_FILE = "wandb_id"  # the W&B run id, kept so a resumed run continues the same W&B run
+SLURM_FILE = "slurm.json"  # the SLURM job that ran (or last resumed) this run: ids, node list, logs
+METRICS_FILE = "metrics.json"  # the test pass's metrics and the run's facts (train and evaluate write it)
 CALIBRATED_CHECKPOINT = "calibrated.ckpt"  # the model after `temperature_scaling` was fitted
-RUN_FILE = "run.json"                   # the run's identity and state: run_id, status, config digest, history
-RUN_ID_KEY = "dbsn_run_id"              # the run id inside every checkpoint the run writes
+RUN_FILE = "run.json"  # the run's identity and state: run_id, status, config digest, history
+RUN_ID_KEY = "dbsn_run_id"  # the run id inside every checkpoint the run writes
 #: a run's `status` in RUN_FILE: training (or holding the folder), done, stopped by an error, stopped by a signal
 RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 
@@ -32,14 +33,37 @@ RUN_STATUSES = ("running", "finished", "failed", "interrupted")
 #: them (`dbsn.evaluation.report.pooling.NOT_THE_RUN` adds the seed), and `dbsn-compare --resume`
 #: keeps a finished method's run that differs only in them.
 OUTSIDE_THE_RUN = (
-    "paths", "hydra", "logger", "task_name", "tags", "resume", "resume_changes", "ckpt_path", "test", "report",
+    "paths",
+    "hydra",
+    "logger",
+    "task_name",
+    "tags",
+    "resume",
+    "resume_changes",
+    "ckpt_path",
+    "test",
+    "report",
     "statistics",
-    "data.root", "data.num_workers", "data.pin_memory", "data.download", "data.on_device", "data.eval_batch_size",
-    "trainer.default_root_dir", "trainer.enable_checkpointing", "trainer.enable_progress_bar",
-    "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.profiler", "trainer.accelerator",
-    "trainer.benchmark", "trainer.deterministic", "trainer.detect_anomaly", "trainer.enable_autolog_hparams",
+    "data.root",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.download",
+    "data.on_device",
+    "data.eval_batch_size",
+    "trainer.default_root_dir",
+    "trainer.enable_checkpointing",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "trainer.profiler",
+    "trainer.accelerator",
+    "trainer.benchmark",
+    "trainer.deterministic",
+    "trainer.detect_anomaly",
+    "trainer.enable_autolog_hparams",
     "trainer.model_registry",
-    "model.execution", "model.member.execution",
+    "model.execution",
+    "model.member.execution",
 )
 
 
@@ -129,15 +153,19 @@ def method_and_dataset(run_dir: str | Path, config: dict) -> tuple[str, str]:
     """The run's method and dataset by their config names: Hydra's choices, else from the config."""
     if config.get("posthoc"):  # <run>/posthoc/<name>: a post-hoc posterior of the run, method <run's method>+<name>
         run = Path(run_dir).parent.parent
-        base, dataset = method_and_dataset(run if (run / CONFIG_FILE).is_file() else Path(run_dir) / "none",
-                                           {k: v for k, v in config.items() if k != "posthoc"})
+        base, dataset = method_and_dataset(
+            run if (run / CONFIG_FILE).is_file() else Path(run_dir) / "none",
+            {k: v for k, v in config.items() if k != "posthoc"},
+        )
         return f"{base}+{config['posthoc']}", dataset
     choices = hydra_choices(run_dir)
     model = config.get("model") or {}
     method = choices.get("model") or infer_method(model)
     backbone = backbone_of(model, choices)
-    return (f"{method}@{backbone}" if backbone else method,
-            choices.get("data") or infer_dataset(config.get("data") or {}))
+    return (
+        f"{method}@{backbone}" if backbone else method,
+        choices.get("data") or infer_dataset(config.get("data") or {}),
+    )
 
 
 def sweep_of(run_dir: str | Path) -> Path | None:

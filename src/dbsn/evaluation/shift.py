@@ -22,16 +22,23 @@ in the subject's `cache`, so that the conformal sets under shift (`dbsn.evaluati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from rich.console import Console
 
-from dbsn.data.shift import (CORRUPTIONS, GENERATED_STANDARD, SEVERITIES, check_corrupted_files, corrupted_split,
-                             is_generated, write_generated_set)
+from dbsn.data.shift import (
+    CORRUPTIONS,
+    GENERATED_STANDARD,
+    SEVERITIES,
+    check_corrupted_files,
+    corrupted_split,
+    is_generated,
+    write_generated_set,
+)
 from dbsn.evaluation.base import Evaluation, Subject
 from dbsn.evaluation.progress import progress
 from dbsn.evaluation.results import ConsoleTable, CsvTable, Results
@@ -46,16 +53,24 @@ SHIFT_METRICS = ("error", "nll", "brier", "ece")
 
 def _metrics(log_probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     probs = log_probs.exp()
-    return {"error": float(error_rate(probs, labels)), "nll": float(negative_log_likelihood(log_probs, labels)),
-            "brier": float(brier_score(probs, labels)), "ece": float(expected_calibration_error(probs, labels))}
+    return {
+        "error": float(error_rate(probs, labels)),
+        "nll": float(negative_log_likelihood(log_probs, labels)),
+        "brier": float(brier_score(probs, labels)),
+        "ece": float(expected_calibration_error(probs, labels)),
+    }
 
 
 def _resampled(log_probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """`_metrics` at every row of `weights` (counts of the test images)."""
     log_probs = log_probs.double()
     probs = log_probs.exp()
-    return {"error": weighted_error(probs, labels, weights), "nll": weighted_nll(log_probs, labels, weights),
-            "brier": weighted_brier(probs, labels, weights), "ece": weighted_ece(probs, labels, weights)}
+    return {
+        "error": weighted_error(probs, labels, weights),
+        "nll": weighted_nll(log_probs, labels, weights),
+        "brier": weighted_brier(probs, labels, weights),
+        "ece": weighted_ece(probs, labels, weights),
+    }
 
 
 def shift_intervals(resampled: Sequence[tuple[int, dict[str, torch.Tensor]]], level: float) -> dict[str, list[float]]:
@@ -83,12 +98,17 @@ def shift_summary(rows: Sequence[dict]) -> dict[str, float]:
 
 @torch.inference_mode()
 def _predict(model, datamodule, images: torch.Tensor, device: torch.device, batch_size: int) -> torch.Tensor:
-    return torch.cat([model.predict_log_probs(datamodule.preprocess(batch.to(device))).float().cpu()
-                      for batch in images.split(batch_size)])
+    return torch.cat(
+        [
+            model.predict_log_probs(datamodule.preprocess(batch.to(device))).float().cpu()
+            for batch in images.split(batch_size)
+        ]
+    )
 
 
-def corrupted_log_probs(subject: Subject, folder: Path, corruption: str, severity: int,
-                        batch_size: int = 500) -> tuple[torch.Tensor, torch.Tensor]:
+def corrupted_log_probs(
+    subject: Subject, folder: Path, corruption: str, severity: int, batch_size: int = 500
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's log-probabilities (n, C) of one corrupted set (`folder`'s `corruption` at
     `severity`) and its labels (n,): predicted once per subject, kept in `subject.cache` for every
     evaluation that asks again (float32 on the CPU: 4 bytes per class and image, 30 MB for the 75
@@ -120,9 +140,15 @@ class DatasetShift(Evaluation):
 
     name = "shift"
 
-    def __init__(self, root: str | None = None, corruptions: Sequence[str] | None = None,
-                 severities: Sequence[int] = SEVERITIES, generate: bool = False, seed: int = 0,
-                 batch_size: int = 500) -> None:
+    def __init__(
+        self,
+        root: str | None = None,
+        corruptions: Sequence[str] | None = None,
+        severities: Sequence[int] = SEVERITIES,
+        generate: bool = False,
+        seed: int = 0,
+        batch_size: int = 500,
+    ) -> None:
         self.root, self.corruptions = root, list(corruptions) if corruptions else None
         self.severities = [int(s) for s in (severities or SEVERITIES)]
         self.generate, self.seed, self.batch_size = bool(generate), int(seed), int(batch_size or 500)
@@ -154,10 +180,18 @@ class DatasetShift(Evaluation):
         generate, corruptions = self.plan(folder)
         if generate:
             datamodule.setup("test")
-            Console().print(f"Generating {len(corruptions)} corruptions of the {datamodule.name} test set into {folder} "
-                            "(labelled as generated; not the published files)")
-            write_generated_set(folder, datamodule.test_set.images, datamodule.test_set.labels, corruptions,
-                                seed=self.seed, source=f"{datamodule.name} test set")
+            Console().print(
+                f"Generating {len(corruptions)} corruptions of the {datamodule.name} test set into {folder} "
+                "(labelled as generated; not the published files)"
+            )
+            write_generated_set(
+                folder,
+                datamodule.test_set.images,
+                datamodule.test_set.labels,
+                corruptions,
+                seed=self.seed,
+                source=f"{datamodule.name} test set",
+            )
         check_corrupted_files(folder, corruptions)
         return folder, corruptions, is_generated(folder)
 
@@ -175,30 +209,51 @@ class DatasetShift(Evaluation):
             resampled.append((int(severity), _resampled(log_probs, labels, weights[len(labels)])))
         means = shift_summary(rows)
         intervals = shift_intervals(resampled, subject.statistics.level)
-        record = {"source": source, "generated": generated, "folder": str(folder), "n_samples": model.num_members,
-                  "corruptions": list(corruptions), "severities": self.severities, "rows": rows, "metrics": means,
-                  "intervals": intervals, "statistics": {**subject.statistics.record(), "interval": (
-                      "percentile bootstrap over the test images, every corrupted set resampled alike")}}
+        record = {
+            "source": source,
+            "generated": generated,
+            "folder": str(folder),
+            "n_samples": model.num_members,
+            "corruptions": list(corruptions),
+            "severities": self.severities,
+            "rows": rows,
+            "metrics": means,
+            "intervals": intervals,
+            "statistics": {
+                **subject.statistics.record(),
+                "interval": ("percentile bootstrap over the test images, every corrupted set resampled alike"),
+            },
+        }
         title = subject.title
-        figure = shift_boxplots({title: rows}, title=f"{title}: dataset shift "
-                                                     f"({'generated corruptions' if generated else 'published files'})")
+        figure = shift_boxplots(
+            {title: rows},
+            title=f"{title}: dataset shift ({'generated corruptions' if generated else 'published files'})",
+        )
         columns = ["corruption", "severity", *SHIFT_METRICS]
         summary = [[str(sv), *(means[f"shift/mean/{sv}/{m}"] for m in SHIFT_METRICS)] for sv in self.severities]
         return Results(
             metrics={**means, "shift/generated": float(generated)},
             intervals=intervals,
-            files={"shift/metrics.json": record, "shift/shift.csv": CsvTable(columns, rows),
-                   "shift/shift_boxplots.png": figure},
+            files={
+                "shift/metrics.json": record,
+                "shift/shift.csv": CsvTable(columns, rows),
+                "shift/shift_boxplots.png": figure,
+            },
             images={"shift/boxplots": "shift/shift_boxplots.png"},
             tables={"shift/table": (columns, [[r[c] for c in columns] for r in rows])},
-            console=[ConsoleTable(f"Shift, {'generated' if generated else 'published'}: mean of {len(corruptions)} corruptions",
-                                  ["severity", *SHIFT_METRICS],
-                                  summary + [["all", *(means[f"shift/mean/{m}"] for m in SHIFT_METRICS)]])],
+            console=[
+                ConsoleTable(
+                    f"Shift, {'generated' if generated else 'published'}: mean of {len(corruptions)} corruptions",
+                    ["severity", *SHIFT_METRICS],
+                    summary + [["all", *(means[f"shift/mean/{m}"] for m in SHIFT_METRICS)]],
+                )
+            ],
         )
 
 
-def shift_boxplots(per_method: dict[str, Sequence[dict]], metrics: Sequence[str] = ("ece", "error"),
-                   title: str | None = None) -> Figure:
+def shift_boxplots(
+    per_method: dict[str, Sequence[dict]], metrics: Sequence[str] = ("ece", "error"), title: str | None = None
+) -> Figure:
     """Ovadia et al.'s figure: for each metric a panel, for each severity (0 = the clean test set
     when rows of severity 0 are given) a group of boxes over the corruptions, one box per method."""
     methods = list(per_method)
@@ -211,8 +266,9 @@ def shift_boxplots(per_method: dict[str, Sequence[dict]], metrics: Sequence[str]
         for i, name in enumerate(methods):
             data = [[r[metric] for r in per_method[name] if r["severity"] == s] for s in severities]
             positions = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(severities))]
-            boxes = ax.boxplot(data, positions=positions, widths=width * 0.9, patch_artist=True, showfliers=True,
-                               manage_ticks=False)
+            boxes = ax.boxplot(
+                data, positions=positions, widths=width * 0.9, patch_artist=True, showfliers=True, manage_ticks=False
+            )
             for patch in boxes["boxes"]:
                 patch.set_facecolor(colours[i])
                 patch.set_alpha(0.6)

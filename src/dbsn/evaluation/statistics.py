@@ -49,9 +49,19 @@ from dbsn.metrics.intervals import (
 )
 from dbsn.metrics.selective import score_as_uncertainty
 
-__all__ = ["CE2_INTERVAL", "PREDICTIONS_FILE", "RecordedStatistics", "Statistics", "calibrate", "ce2_intervals",
-           "classification_statistics", "intervals_of", "prediction_arrays", "recorded_statistics",
-           "validation_predictions"]
+__all__ = [
+    "CE2_INTERVAL",
+    "PREDICTIONS_FILE",
+    "RecordedStatistics",
+    "Statistics",
+    "calibrate",
+    "ce2_intervals",
+    "classification_statistics",
+    "intervals_of",
+    "prediction_arrays",
+    "recorded_statistics",
+    "validation_predictions",
+]
 
 #: the per-example test predictions of an evaluation (log-probabilities, targets, calibrated
 #: log-probabilities, uncertainty scores): what the report pairs methods on
@@ -59,8 +69,10 @@ PREDICTIONS_FILE = "predictions.npz"
 #: the uncertainty scores whose ranking of errors selective prediction measures (and whose metrics get intervals)
 SELECTIVE_SCORES = ("max_probability", "predictive_entropy", "mutual_information")
 #: how metrics.json's `test/ce2` and `test/calibrated/ce2` intervals are made
-CE2_INTERVAL = ("score interval of the U-statistic's variance at each hypothesised CE² "
-                "(dbsn.metrics.ce2_inference.score_interval), lower end clipped at 0")
+CE2_INTERVAL = (
+    "score interval of the U-statistic's variance at each hypothesised CE² "
+    "(dbsn.metrics.ce2_inference.score_interval), lower end clipped at 0"
+)
 
 
 @dataclass(frozen=True)
@@ -95,12 +107,17 @@ class Statistics:
 
     def record(self) -> dict[str, Any]:
         """What metrics.json says about its intervals."""
-        return {"seed": int(self.seed), "resamples": int(self.resamples), "level": float(self.level),
-                "interval": "percentile bootstrap over the test examples"}
+        return {
+            "seed": int(self.seed),
+            "resamples": int(self.resamples),
+            "level": float(self.level),
+            "interval": "percentile bootstrap over the test examples",
+        }
 
 
-def calibrate(log_probs: Tensor, targets: Tensor, validation: tuple[Tensor, Tensor] | None = None,
-              seed: int = 0) -> tuple[Tensor, dict[str, Any]]:
+def calibrate(
+    log_probs: Tensor, targets: Tensor, validation: tuple[Tensor, Tensor] | None = None, seed: int = 0
+) -> tuple[Tensor, dict[str, Any]]:
     """The test set's log-probabilities after temperature scaling (see the module docstring) and
     how the temperature was found: `validation` = (log-probabilities, targets) of the validation
     split, else test-time 2-fold cross-validation with a `seed`ed split."""
@@ -112,7 +129,7 @@ def calibrate(log_probs: Tensor, targets: Tensor, validation: tuple[Tensor, Tens
             return scaler(log_probs), {"fitted_on": "validation", "temperature": scaler.temperature}
     n = len(targets)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    halves = (order[: n // 2], order[n // 2:])
+    halves = (order[: n // 2], order[n // 2 :])
     out, temperatures = torch.empty_like(log_probs), []
     for fit, apply in (halves, halves[::-1]):
         scaler = TemperatureScaler()
@@ -123,8 +140,9 @@ def calibrate(log_probs: Tensor, targets: Tensor, validation: tuple[Tensor, Tens
     return out, {"fitted_on": "test, 2-fold cross-validation (Ashukha et al. 2020)", "temperature": temperatures}
 
 
-def classification_statistics(log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor], weights: Tensor,
-                              calibrated: Tensor | None = None) -> dict[str, Tensor]:
+def classification_statistics(
+    log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor], weights: Tensor, calibrated: Tensor | None = None
+) -> dict[str, Tensor]:
     """Every test metric of a classifier's ensemble prediction at each row of `weights` (counts
     of the test examples): `test/{error,nll,brier,ce2,ece,adaptive_ece,classwise_ece}`,
     `test/calibrated/{nll,brier,ce2,ece}` (given the calibrated log-probabilities) and
@@ -133,18 +151,25 @@ def classification_statistics(log_probs: Tensor, targets: Tensor, scores: dict[s
     to compare (its interval: `ce2_intervals`); the ECEs are the familiar plug-in numbers, biased upward."""
     log_probs = log_probs.double()
     probs = log_probs.exp()
-    out = {"test/error": weighted_error(probs, targets, weights), "test/nll": weighted_nll(log_probs, targets, weights),
-           "test/brier": weighted_brier(probs, targets, weights),
-           "test/ce2": weighted_squared_calibration_error(probs, targets, weights),
-           "test/ece": weighted_ece(probs, targets, weights),
-           "test/adaptive_ece": weighted_adaptive_ece(probs, targets, weights),
-           "test/classwise_ece": weighted_classwise_ece(probs, targets, weights)}
+    out = {
+        "test/error": weighted_error(probs, targets, weights),
+        "test/nll": weighted_nll(log_probs, targets, weights),
+        "test/brier": weighted_brier(probs, targets, weights),
+        "test/ce2": weighted_squared_calibration_error(probs, targets, weights),
+        "test/ece": weighted_ece(probs, targets, weights),
+        "test/adaptive_ece": weighted_adaptive_ece(probs, targets, weights),
+        "test/classwise_ece": weighted_classwise_ece(probs, targets, weights),
+    }
     if calibrated is not None:
         calibrated = calibrated.double()
-        out.update({"test/calibrated/nll": weighted_nll(calibrated, targets, weights),
-                    "test/calibrated/brier": weighted_brier(calibrated.exp(), targets, weights),
-                    "test/calibrated/ce2": weighted_squared_calibration_error(calibrated.exp(), targets, weights),
-                    "test/calibrated/ece": weighted_ece(calibrated.exp(), targets, weights)})
+        out.update(
+            {
+                "test/calibrated/nll": weighted_nll(calibrated, targets, weights),
+                "test/calibrated/brier": weighted_brier(calibrated.exp(), targets, weights),
+                "test/calibrated/ce2": weighted_squared_calibration_error(calibrated.exp(), targets, weights),
+                "test/calibrated/ece": weighted_ece(calibrated.exp(), targets, weights),
+            }
+        )
     errors = (probs.argmax(1) != targets).double()
     for name in SELECTIVE_SCORES:
         if name in scores:
@@ -163,16 +188,18 @@ def intervals_of(statistics: dict[str, Tensor], level: float) -> dict[str, list[
     return out
 
 
-def ce2_intervals(log_probs: Tensor, targets: Tensor, calibrated: Tensor | None,
-                  level: float) -> dict[str, list[float]]:
+def ce2_intervals(
+    log_probs: Tensor, targets: Tensor, calibrated: Tensor | None, level: float
+) -> dict[str, list[float]]:
     """[low, high] of `test/ce2` (and `test/calibrated/ce2` given calibrated log-probabilities): the
     score interval of `metrics.ce2_inference` (module docstring), not the percentile bootstrap."""
     found = {"test/ce2": log_probs, **({} if calibrated is None else {"test/calibrated/ce2": calibrated})}
     return {key: list(score_interval(value.double().exp(), targets, level)[1:3]) for key, value in found.items()}
 
 
-def prediction_arrays(log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor],
-                      calibrated: Tensor | None) -> dict[str, np.ndarray]:
+def prediction_arrays(
+    log_probs: Tensor, targets: Tensor, scores: dict[str, Tensor], calibrated: Tensor | None
+) -> dict[str, np.ndarray]:
     """`predictions.npz`'s arrays (float32 log-probabilities: 4 bytes per class and example)."""
     out = {"log_probs": log_probs.float().numpy(), "targets": targets.numpy()}
     if calibrated is not None:
@@ -211,8 +238,9 @@ class RecordedStatistics:
     arrays: dict[str, np.ndarray] | None
 
 
-def recorded_statistics(model, recorded: PredictionRecorder, datamodule,
-                        statistics: Statistics) -> RecordedStatistics | None:
+def recorded_statistics(
+    model, recorded: PredictionRecorder, datamodule, statistics: Statistics
+) -> RecordedStatistics | None:
     """The intervals and calibrated metrics of a classifier's test pass (`recorded`: its
     predictions; `model` predicts the validation split the temperature is fitted on); of a
     segmentation model's, the intervals of mIoU, global accuracy, pixel ECE and NLL, resampling
@@ -224,15 +252,21 @@ def recorded_statistics(model, recorded: PredictionRecorder, datamodule,
             return None
         found = images.resampled(statistics.weights(len(rows)), rows)
         intervals = intervals_of({f"test/{k}": v for k, v in found.items()}, statistics.level)
-        return RecordedStatistics(metrics={}, intervals=intervals, arrays=None, record={"statistics": {
-            **statistics.record(), "interval": "percentile bootstrap over the test images"}})
+        return RecordedStatistics(
+            metrics={},
+            intervals=intervals,
+            arrays=None,
+            record={"statistics": {**statistics.record(), "interval": "percentile bootstrap over the test images"}},
+        )
     log_probs, targets, scores = recorded.log_probs.double(), recorded.targets, recorded.scores
     calibrated, calibration = calibrate(log_probs, targets, validation_predictions(model, datamodule), statistics.seed)
     found = classification_statistics(log_probs, targets, scores, statistics.weights(len(targets)), calibrated)
     metrics = {key: float(found[key][0]) for key in found if key.startswith("test/calibrated/") or key == "test/ce2"}
     intervals = intervals_of(found, statistics.level)
     intervals.update(ce2_intervals(log_probs, targets, calibrated, statistics.level))
-    return RecordedStatistics(metrics=metrics, intervals=intervals,
-                              record={"statistics": {**statistics.record(), "ce2_interval": CE2_INTERVAL},
-                                      "calibration": calibration},
-                              arrays=prediction_arrays(log_probs, targets, scores, calibrated))
+    return RecordedStatistics(
+        metrics=metrics,
+        intervals=intervals,
+        record={"statistics": {**statistics.record(), "ce2_interval": CE2_INTERVAL}, "calibration": calibration},
+        arrays=prediction_arrays(log_probs, targets, scores, calibrated),
+    )

@@ -16,8 +16,8 @@ methods without a learned structure (MAP-fixed α, ensembles) silently.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -45,7 +45,7 @@ ARROW = "→"
 
 # ---------------------------------------------------------------------- pure functions
 def edge_labels(edges: Sequence[tuple[int, int]]) -> list[str]:
-    """"i→j" for each edge (i, j)."""
+    """ "i→j" for each edge (i, j)."""
     return [f"{i}{ARROW}{j}" for i, j in edges]
 
 
@@ -90,9 +90,7 @@ def structure_diversity(samples: Tensor) -> dict[str, float]:
     }
 
 
-def most_likely_structure(
-    probs: Tensor, edges: Sequence[tuple[int, int]], op_names: Sequence[str]
-) -> list[dict]:
+def most_likely_structure(probs: Tensor, edges: Sequence[tuple[int, int]], op_names: Sequence[str]) -> list[dict]:
     """The most probable op on each edge: [{"edge", "from", "to", "op", "probability"}, ...]."""
     probs = _cpu(probs)
     best = probs.argmax(-1)
@@ -143,7 +141,10 @@ def summarise_structure(
 
 
 def structure_heatmap(
-    probs: Tensor, edges: Sequence[tuple[int, int]], op_names: Sequence[str], title: str | None = None,
+    probs: Tensor,
+    edges: Sequence[tuple[int, int]],
+    op_names: Sequence[str],
+    title: str | None = None,
     labels: Sequence[str] | None = None,
 ) -> Figure:
     """Heatmap of P(op selected on edge): edges on the y axis, ops on the x axis.
@@ -165,8 +166,15 @@ def structure_heatmap(
     image = ax.imshow(p, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     for e in range(num_edges):
         for j in range(k):
-            ax.text(j, e, f"{p[e, j]:.2f}", ha="center", va="center", fontsize=8,
-                    color="white" if p[e, j] < 0.55 else "black")
+            ax.text(
+                j,
+                e,
+                f"{p[e, j]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if p[e, j] < 0.55 else "black",
+            )
     ax.set_xticks(range(k), list(op_names), rotation=30, ha="right")
     ax.set_yticks(range(num_edges), labels)
     ax.set(xlabel="Candidate operation", ylabel="Edge (from node → to node)", title=title)
@@ -182,15 +190,22 @@ def structure_heatmap(
 
 
 def structure_files(
-    probs: Tensor, samples: Tensor | None, edges: Sequence[tuple[int, int]], op_names: Sequence[str],
-    title: str, extra: dict | None = None, labels: Sequence[str] | None = None,
+    probs: Tensor,
+    samples: Tensor | None,
+    edges: Sequence[tuple[int, int]],
+    op_names: Sequence[str],
+    title: str,
+    extra: dict | None = None,
+    labels: Sequence[str] | None = None,
 ) -> dict[str, object]:
     """The structure posterior's files: `final.json` (`summarise_structure` + `extra`),
     `final.txt` (`structure_text`) and `final.png` (`structure_heatmap`), by file name (for
     `dbsn.evaluation.results.write_file`)."""
-    return {"final.json": {**summarise_structure(probs, samples, edges, op_names), **(extra or {})},
-            "final.txt": structure_text(probs, edges, op_names, title=title),
-            "final.png": structure_heatmap(probs, edges, op_names, title=title, labels=labels)}
+    return {
+        "final.json": {**summarise_structure(probs, samples, edges, op_names), **(extra or {})},
+        "final.txt": structure_text(probs, edges, op_names, title=title),
+        "final.png": structure_heatmap(probs, edges, op_names, title=title, labels=labels),
+    }
 
 
 # ---------------------------------------------------------------------- callback
@@ -230,7 +245,10 @@ class StructurePosteriorMonitor(pl.Callback):
     """
 
     def __init__(
-        self, every_n_epochs: int = 1, n_samples: int = 100, save_figures: bool = True,
+        self,
+        every_n_epochs: int = 1,
+        n_samples: int = 100,
+        save_figures: bool = True,
         output_dir: str | None = None,
     ) -> None:
         if every_n_epochs < 1 or n_samples < 1:
@@ -276,19 +294,27 @@ class StructurePosteriorMonitor(pl.Callback):
             return
         probs, samples = measured
         entropy = edge_entropy(probs)
-        metrics = {"structure/edge_entropy_mean": float(entropy.mean()), "structure/edge_entropy_min": float(entropy.min())}
+        metrics = {
+            "structure/edge_entropy_mean": float(entropy.mean()),
+            "structure/edge_entropy_min": float(entropy.min()),
+        }
         if samples is not None:
             diversity = structure_diversity(samples)
-            metrics.update({f"structure/{k}": float(diversity[k]) for k in ("unique_fraction", "mean_hamming", "mean_max_weight")})
+            metrics.update(
+                {f"structure/{k}": float(diversity[k]) for k in ("unique_fraction", "mean_hamming", "mean_max_weight")}
+            )
         pl_module.log_dict(metrics, on_step=False, on_epoch=True)
         if self.save_figures:
             self._write_epoch_figure(trainer, pl_module, probs, epoch)
 
     @rank_zero_only
-    def _write_epoch_figure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, probs: Tensor, epoch: int) -> None:
+    def _write_epoch_figure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, probs: Tensor, epoch: int
+    ) -> None:
         edges, op_names = self._labels(pl_module, probs)
-        figure = structure_heatmap(probs, edges, op_names, title=f"Structure posterior, epoch {epoch}",
-                                   labels=edge_names_of(pl_module))
+        figure = structure_heatmap(
+            probs, edges, op_names, title=f"Structure posterior, epoch {epoch}", labels=edge_names_of(pl_module)
+        )
         path = save_figure(figure, self._output_dir(trainer) / f"epoch_{epoch:03d}.png")
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
@@ -302,7 +328,14 @@ class StructurePosteriorMonitor(pl.Callback):
         probs, samples = measured
         edges, op_names = self._labels(pl_module, probs)
         title = f"Structure posterior after {trainer.current_epoch} epochs"
-        files = structure_files(probs, samples, edges, op_names, title, labels=edge_names_of(pl_module),
-                                extra={"epochs": trainer.current_epoch})
+        files = structure_files(
+            probs,
+            samples,
+            edges,
+            op_names,
+            title,
+            labels=edge_names_of(pl_module),
+            extra={"epochs": trainer.current_epoch},
+        )
         for name, content in files.items():
             write_file(self._output_dir(trainer) / name, content)

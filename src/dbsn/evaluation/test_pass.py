@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from dbsn import __version__
-from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, COLUMNS as ABLATION_COLUMNS, ablation_figure
+from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE, ablation_figure
+from dbsn.evaluation.ablation import COLUMNS as ABLATION_COLUMNS
 from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.plots import reliability_diagram
 from dbsn.evaluation.recorder import PredictionRecorder, sample_ablation
@@ -39,8 +40,17 @@ from dbsn.metrics.selective import risk_coverage_curve, risk_coverage_figure, sc
 __all__ = ["SELECTIVE_SCORES", "add_calibrated_ablation", "prediction_quality", "prediction_results", "run_test_pass"]
 
 #: the metrics printed first, in this order (the rest follow alphabetically)
-METRIC_NAMES = ("error", "miou", "global_acc", "nll", "brier", "ece", "predictive_entropy", "expected_entropy",
-                "mutual_information")
+METRIC_NAMES = (
+    "error",
+    "miou",
+    "global_acc",
+    "nll",
+    "brier",
+    "ece",
+    "predictive_entropy",
+    "expected_entropy",
+    "mutual_information",
+)
 #: the ensemble sizes the console shows of the MC-sample ablation (all are written)
 SHOWN_ABLATION_SIZES = {1, 2, 5, 10, 20, 30, 50, 100}
 
@@ -62,8 +72,9 @@ def add_calibrated_ablation(recorded: PredictionRecorder, seed: int) -> None:
     recorded.calibrated_ablation = torch.stack(per_example)
 
 
-def run_test_pass(trainer, model, datamodule,
-                  ablation_sizes: Sequence[int] | None = None) -> tuple[dict[str, float], PredictionRecorder]:
+def run_test_pass(
+    trainer, model, datamodule, ablation_sizes: Sequence[int] | None = None
+) -> tuple[dict[str, float], PredictionRecorder]:
     """`trainer.test` of `model` on `datamodule`'s test split without the trainer's loggers
     (`write_results` hands the numbers on), recorded by a `PredictionRecorder` with the MC-sample
     ablation of the ensembles of the first s members, s in `ablation_sizes` (None: every s up to
@@ -96,8 +107,10 @@ def prediction_quality(recorded: PredictionRecorder) -> dict[str, float]:
     if found is None:
         return {}
     probs, targets = recorded.log_probs.exp(), recorded.targets
-    out = {"test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15).item(),
-           "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15).item()}
+    out = {
+        "test/adaptive_ece": adaptive_expected_calibration_error(probs, targets, n_bins=15).item(),
+        "test/classwise_ece": classwise_expected_calibration_error(probs, targets, n_bins=15).item(),
+    }
     out.update(selective_metrics(*found))  # test/ece is the test pass's own
     return out
 
@@ -121,9 +134,11 @@ def risk_coverage_results(recorded: PredictionRecorder, title: str) -> Results:
         coverage, risk = risk_coverage_curve(errors, score_as_uncertainty(name, score))
         keep = np.unique(np.linspace(0, len(coverage) - 1, min(len(coverage), 101)).round().astype(int))
         rows += [[name, float(coverage[i]), float(risk[i])] for i in keep]
-    return Results(files={"risk_coverage.png": risk_coverage_figure(errors, scores, title=f"{title}: selective prediction")},
-                   images={"selective/risk_coverage": "risk_coverage.png"},
-                   tables={"selective/risk_coverage_curve": (["score", "coverage", "risk"], rows)})
+    return Results(
+        files={"risk_coverage.png": risk_coverage_figure(errors, scores, title=f"{title}: selective prediction")},
+        images={"selective/risk_coverage": "risk_coverage.png"},
+        tables={"selective/risk_coverage_curve": (["score", "coverage", "risk"], rows)},
+    )
 
 
 def ablation_results(rows: list[dict], title: str, calibrated_nll: Tensor | None = None) -> Results:
@@ -132,16 +147,27 @@ def ablation_results(rows: list[dict], title: str, calibrated_nll: Tensor | None
     shown = [r for r in rows if r["n_samples"] in SHOWN_ABLATION_SIZES or r is rows[-1]]
     columns = [k for k in rows[0] if isinstance(rows[0][k], (int, float))]
     results = Results(
-        files={"ablation/results.csv": CsvTable(list(ABLATION_COLUMNS), rows), "ablation/results.json": rows,
-               "ablation/ablation.png": ablation_figure({title: rows}, title=f"{title}: Monte Carlo samples")},
+        files={
+            "ablation/results.csv": CsvTable(list(ABLATION_COLUMNS), rows),
+            "ablation/results.json": rows,
+            "ablation/ablation.png": ablation_figure({title: rows}, title=f"{title}: Monte Carlo samples"),
+        },
         images={"test/sample_ablation": "ablation/ablation.png"},
         tables={"test/sample_ablation_table": (columns, [[r[c] for c in columns] for r in rows])},
         curves={"ablation/n_samples": [{f"ablation/{c}": float(r[c]) for c in columns} for r in rows]},
-        console=[ConsoleTable("MC-sample ablation", ["S", "error", "NLL", "ECE"],
-                              [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown])])
+        console=[
+            ConsoleTable(
+                "MC-sample ablation",
+                ["S", "error", "NLL", "ECE"],
+                [[r["n_samples"], r["error"], r["nll"], r["ece"]] for r in shown],
+            )
+        ],
+    )
     if calibrated_nll is not None:
-        results.files[CALIBRATED_NLL_FILE] = {"sizes": np.array([int(r["n_samples"]) for r in rows]),
-                                              "nll": calibrated_nll.float().numpy()}
+        results.files[CALIBRATED_NLL_FILE] = {
+            "sizes": np.array([int(r["n_samples"]) for r in rows]),
+            "nll": calibrated_nll.float().numpy(),
+        }
     return results
 
 
@@ -152,10 +178,18 @@ def structure_results(model, title: str, n_samples: int = 100) -> Results:
     net = getattr(model, "net", None)
     if probs is None or net is None:
         return Results()
-    files = structure_files(probs, model.prediction_structures(n_samples), net.edges, net.op_names,
-                            f"{title}: structure posterior", labels=edge_names_of(model))
-    return Results(files={f"structure/{name}": content for name, content in files.items()},
-                   images={"structure/final": "structure/final.png"})
+    files = structure_files(
+        probs,
+        model.prediction_structures(n_samples),
+        net.edges,
+        net.op_names,
+        f"{title}: structure posterior",
+        labels=edge_names_of(model),
+    )
+    return Results(
+        files={f"structure/{name}": content for name, content in files.items()},
+        images={"structure/final": "structure/final.png"},
+    )
 
 
 def uncertainty_maps(maps: list[dict], datamodule, title: str):
@@ -165,13 +199,25 @@ def uncertainty_maps(maps: list[dict], datamodule, title: str):
 
     mean, std = (torch.tensor(v).view(3, 1, 1) for v in (datamodule.mean, datamodule.std))
     rows = [{**m, "image": (m["image"] * std + mean).clamp(0, 1)} for m in maps]
-    return uncertainty_grid(rows, datamodule.PALETTE, datamodule.CLASS_NAMES, datamodule.ignore_index,
-                            title=f"{title}: pixel-wise uncertainty")
+    return uncertainty_grid(
+        rows,
+        datamodule.PALETTE,
+        datamodule.CLASS_NAMES,
+        datamodule.ignore_index,
+        title=f"{title}: pixel-wise uncertainty",
+    )
 
 
-def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, float], title: str,
-                       record: dict[str, Any] | None = None, structure: bool = True, datamodule=None,
-                       statistics: Statistics | None = None) -> Results:
+def prediction_results(
+    model,
+    recorded: PredictionRecorder,
+    metrics: dict[str, float],
+    title: str,
+    record: dict[str, Any] | None = None,
+    structure: bool = True,
+    datamodule=None,
+    statistics: Statistics | None = None,
+) -> Results:
     """What the test pass of `model` gives (see the module docstring): its `metrics`
     (`run_test_pass`) and what `recorded` kept of it; `record` adds the run's facts to
     metrics.json. A training run has its structure posterior from the `StructurePosteriorMonitor`
@@ -186,23 +232,43 @@ def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, f
         metrics.update(found.metrics)
         intervals = {key: value for key, value in found.intervals.items() if key in metrics}
         facts, arrays = found.record, found.arrays
-    results = Results(metrics=metrics, intervals=intervals,
-                      files={"metrics.json": {"metrics": metrics, **({"intervals": intervals} if intervals else {}),
-                                              "dbsn_version": __version__,
-                                              **facts, **(record or {})}})
+    results = Results(
+        metrics=metrics,
+        intervals=intervals,
+        files={
+            "metrics.json": {
+                "metrics": metrics,
+                **({"intervals": intervals} if intervals else {}),
+                "dbsn_version": __version__,
+                **facts,
+                **(record or {}),
+            }
+        },
+    )
     if arrays is not None:
         results.files[PREDICTIONS_FILE] = arrays
     if recorded.log_probs is not None:
         log_probs, targets = recorded.log_probs, recorded.targets
-        results.add(Results(files={"reliability_diagram.png": reliability_diagram(log_probs.exp(), targets, n_bins=10,
-                                                                                   title=title)},
-                            images={"test/reliability_diagram": "reliability_diagram.png"},
-                            tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)}))
+        results.add(
+            Results(
+                files={
+                    "reliability_diagram.png": reliability_diagram(log_probs.exp(), targets, n_bins=10, title=title)
+                },
+                images={"test/reliability_diagram": "reliability_diagram.png"},
+                tables={"test/reliability_bins": reliability_table(log_probs.exp(), targets)},
+            )
+        )
         results.add(risk_coverage_results(recorded, title))
     if recorded.maps and datamodule is not None:
-        results.add(Results(files={"uncertainty_maps.png": uncertainty_maps(recorded.maps, datamodule, title)},
-                            images={"test/uncertainty_maps": "uncertainty_maps.png"}))
-    per_class = [[key.removeprefix("test/iou/"), float(value)] for key, value in metrics.items() if key.startswith("test/iou/")]
+        results.add(
+            Results(
+                files={"uncertainty_maps.png": uncertainty_maps(recorded.maps, datamodule, title)},
+                images={"test/uncertainty_maps": "uncertainty_maps.png"},
+            )
+        )
+    per_class = [
+        [key.removeprefix("test/iou/"), float(value)] for key, value in metrics.items() if key.startswith("test/iou/")
+    ]
     if per_class:
         results.tables["test/per_class_iou"] = (["class", "iou"], per_class)
     named = [f"test/{name}" for name in METRIC_NAMES if f"test/{name}" in metrics]
@@ -210,8 +276,14 @@ def prediction_results(model, recorded: PredictionRecorder, metrics: dict[str, f
     for key in named + sorted(set(metrics) - set(named)):
         value, found = float(metrics[key]), intervals.get(key)
         shown = None if found is None else shown_interval(key, value, *found)  # the one rule of every interval
-        rows.append([key, value, *(("", "") if shown is None else shown[:2]),
-                     OUTSIDE_NOTE.strip("()") if shown is not None and shown.misses else ""])
+        rows.append(
+            [
+                key,
+                value,
+                *(("", "") if shown is None else shown[:2]),
+                OUTSIDE_NOTE.strip("()") if shown is not None and shown.misses else "",
+            ]
+        )
     level = f"{100 * statistics.level:g} %" if statistics is not None else ""
     results.console.append(ConsoleTable(title, ["metric", "value", f"{level} low", f"{level} high", "note"], rows))
     if recorded.ablation_rows is not None:

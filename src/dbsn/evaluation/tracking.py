@@ -32,8 +32,9 @@ from typing import Any
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-MINIMISED = frozenset({"error", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "fpr95",
-                       "aurc", "eaurc", "augrc", "risk@80"})
+MINIMISED = frozenset(
+    {"error", "nll", "brier", "ece", "adaptive_ece", "classwise_ece", "fpr95", "aurc", "eaurc", "augrc", "risk@80"}
+)
 MAXIMISED = frozenset({"auroc", "aupr", "aupr_in", "miou", "global_acc"})
 SUMMARISED_PREFIXES = ("val/", "test/", "ood/", "selective/", "shift/")
 PER_EPOCH_PREFIXES = ("val/", "structure/", "posterior/")
@@ -72,7 +73,7 @@ def define_metrics(run, names: Iterable[str], defined: set[str], prefix: str = "
             continue
         summary, step = summary_of(name), step_metric_of(name)
         if summary or step:
-            named = (lambda key: f"{prefix}-{key}" if prefix and key else key)  # Lightning prefixes every key
+            named = lambda key: f"{prefix}-{key}" if prefix and key else key  # Lightning prefixes every key
             run.define_metric(named(name), step_metric=named(step), summary=summary)
         defined.add(name)
 
@@ -110,9 +111,13 @@ def wandb_loggers(loggers) -> list[LightningWandbLogger]:
     return [logger for logger in loggers or () if isinstance(logger, LightningWandbLogger)]
 
 
-def log_to_wandb(loggers, metrics: Mapping[str, float] | None = None, images: Mapping[str, Path] | None = None,
-                 tables: Mapping[str, tuple[list[str], list[list[Any]]]] | None = None,
-                 curves: Mapping[str, list[dict[str, float]]] | None = None) -> None:
+def log_to_wandb(
+    loggers,
+    metrics: Mapping[str, float] | None = None,
+    images: Mapping[str, Path] | None = None,
+    tables: Mapping[str, tuple[list[str], list[list[Any]]]] | None = None,
+    curves: Mapping[str, list[dict[str, float]]] | None = None,
+) -> None:
     """Send numbers, PNGs, tables (`key: (columns, rows)`) and curves (`step metric: rows`, see
     `WandbLogger.log_curve`) to every W&B logger among `loggers`; nothing without one."""
     for logger in wandb_loggers(loggers):

@@ -25,27 +25,46 @@ dbsn_seg (DBSN on DBSNSegNet).
 """
 
 from dbsn.methods.base import Method
-from dbsn.methods.features import FeaturesUnavailable
-from dbsn.methods.step import NonFiniteLossError
-from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
-from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.batch_ensemble import BatchEnsemble
+from dbsn.methods.dbsn import DBSN, BatchNormRecalibration
 from dbsn.methods.ddu import DDU
 from dbsn.methods.ensemble import DeepEnsemble
+from dbsn.methods.features import FeaturesUnavailable
 from dbsn.methods.map import MAP
 from dbsn.methods.masksembles import Masksembles
 from dbsn.methods.mimo import MIMO
 from dbsn.methods.natgrad import NEKFACMethod, VOGNMethod
 from dbsn.methods.packed import PackedEnsemble
 from dbsn.methods.rank1_bnn import Rank1BNN
+from dbsn.methods.settings import Compilation, Execution, Prediction, StructureOptimizer, WeightOptimizer
 from dbsn.methods.sngp import SNGP
+from dbsn.methods.step import NonFiniteLossError
 from dbsn.methods.weights import GaussianWeights, MCDropoutWeights, PointWeights, WeightPosterior
 
 __all__ = [
     "BatchEnsemble",
     "PackedEnsemble",
-    "BatchNormRecalibration", "Compilation", "DBSN", "DDU", "DeepEnsemble", "Execution", "FeaturesUnavailable", "GaussianWeights",
-    "MAP", "Masksembles",
-    "MCDropoutWeights", "MIMO", "Method", "NEKFACMethod", "NonFiniteLossError", "PointWeights", "Prediction",
-    "Rank1BNN", "SNGP", "StructureOptimizer", "VOGNMethod", "WeightOptimizer", "WeightPosterior",
+    "BatchNormRecalibration",
+    "Compilation",
+    "DBSN",
+    "DDU",
+    "DeepEnsemble",
+    "Execution",
+    "FeaturesUnavailable",
+    "GaussianWeights",
+    "MAP",
+    "Masksembles",
+    "MCDropoutWeights",
+    "MIMO",
+    "Method",
+    "NEKFACMethod",
+    "NonFiniteLossError",
+    "PointWeights",
+    "Prediction",
+    "Rank1BNN",
+    "SNGP",
+    "StructureOptimizer",
+    "VOGNMethod",
+    "WeightOptimizer",
+    "WeightPosterior",
 ]

@@ -40,15 +40,15 @@ import torch
 from torch import Tensor, nn
 
 from dbsn.methods.features import MemberFeatures
-from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
 from dbsn.methods.predictive import BayesEnsemble, EnsembleStream, PredictedBatch
 from dbsn.methods.settings import Execution, Prediction, WeightOptimizer
+from dbsn.methods.step import GraphedForward
+from dbsn.methods.tasks import Classification
+from dbsn.methods.temperature import TemperatureScaler, fit_temperature, require_validation
 from dbsn.methods.training import TrainingLoop
 from dbsn.methods.weights import WeightPosterior
-from dbsn.metrics.uncertainty import uncertainty_decomposition
-from dbsn.methods.tasks import Classification
 from dbsn.metrics.classification import UncertaintyMetrics
-from dbsn.methods.step import GraphedForward
+from dbsn.metrics.uncertainty import uncertainty_decomposition
 
 #: How several devices share a training step (see `Method`'s `parallel`).
 Parallel = Literal["data", "structure"]
@@ -161,8 +161,9 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         # a post-hoc calibration map after it (`calibrate`), set by `dbsn.posthoc.calibrators`
         self.calibrator: nn.Module | None = None
         # the prediction's network forward in CUDA graphs (execution.cuda_graph_prediction)
-        self._graphed_network = GraphedForward(self.network, self._module_modes) \
-            if self.execution.cuda_graph_prediction else None
+        self._graphed_network = (
+            GraphedForward(self.network, self._module_modes) if self.execution.cuda_graph_prediction else None
+        )
 
     # ------------------------------------------------------------------ the settings, by name
     @property
@@ -280,8 +281,16 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         share = slice(self.global_rank * alpha.shape[0] // world, (self.global_rank + 1) * alpha.shape[0] // world)
         return alpha[share], kl[share] if isinstance(kl, Tensor) else kl
 
-    def structures_loss(self, x: Tensor, y: Tensor, alpha: Tensor, structure_kl: Tensor | float,
-                        share: float = 1.0, weight_kl: bool = True, logged_kl: Tensor | None = None) -> dict[str, Tensor]:
+    def structures_loss(
+        self,
+        x: Tensor,
+        y: Tensor,
+        alpha: Tensor,
+        structure_kl: Tensor | float,
+        share: float = 1.0,
+        weight_kl: bool = True,
+        logged_kl: Tensor | None = None,
+    ) -> dict[str, Tensor]:
         """`share` · NLL of x under the structures alpha (one grouped forward), averaged over
         the structures, + the mean of `structure_kl` / N (+ weight KL / N with `weight_kl`).
         The logged parts (nll, kl) are this chunk's means, unscaled (`logged_kl`: the kl to log
@@ -292,7 +301,9 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         structure_kl = structure_kl.mean() if isinstance(structure_kl, Tensor) else structure_kl
         out = {"nll": nll, "logits": logits, "targets": targets}
         if self.structure_is_stochastic:  # a number (0: no posterior over structures) logs as a tensor too
-            out["kl"] = torch.as_tensor(structure_kl if logged_kl is None else logged_kl, dtype=nll.dtype, device=nll.device)
+            out["kl"] = torch.as_tensor(
+                structure_kl if logged_kl is None else logged_kl, dtype=nll.dtype, device=nll.device
+            )
         out["loss"] = share * nll + structure_kl / self.dataset_size
         if weight_kl:
             kl = self.weights.kl(self.net, self.current_epoch)
@@ -340,8 +351,11 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         alpha = self.prediction_structures(n, first)
         statistics = self.prediction_statistics(n, first)
         # a graph replays the network as it was captured: only with the statistics the modules hold
-        network = self._graphed_network if (self._graphed_network is not None and isinstance(statistics, nullcontext)) \
+        network = (
+            self._graphed_network
+            if (self._graphed_network is not None and isinstance(statistics, nullcontext))
             else self.network
+        )
         with statistics:  # row i*n + s: example i, member s
             parts = [self.task.class_last(network(part, alpha)) for part in self._example_parts(x, n)]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -420,7 +434,9 @@ class Method(TrainingLoop, MemberFeatures, pl.LightningModule):
         """`predict_members(x)` a chunk at a time ((n, b, C) each, `samples_per_forward` members), for
         what reads the members once and keeps only what it needs of them (`test_step`). A method
         that overrides `predict_members` overrides this too."""
-        yield from BayesEnsemble(self._num_draws(None), self.samples_per_forward).member_chunks(self.stochastic_forward, x)
+        yield from BayesEnsemble(self._num_draws(None), self.samples_per_forward).member_chunks(
+            self.stochastic_forward, x
+        )
 
     def uncertainty_scores(self, x: Tensor, n_samples: int | None = None) -> dict[str, Tensor]:
         """Per-example uncertainty of the prediction on x (`uncertainty_decomposition` of the

@@ -47,12 +47,21 @@ class BatchEnsemble(SinglePassEnsemble):
             estimates.
     """
 
-    def __init__(self, net: nn.Module, *, size: int = 4, random_sign_init: float = -0.5,
-                 fast_weight_lr_multiplier: float = 0.5, **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        size: int = 4,
+        random_sign_init: float = -0.5,
+        fast_weight_lr_multiplier: float = 0.5,
+        **settings,
+    ) -> None:
         weights = settings.get("weights")
         if weights is not None and type(weights) is not WeightPosterior:
-            raise ValueError(f"BatchEnsemble has point-estimate weights; it cannot take {type(weights).__name__} "
-                             "(leave model.weights unset)")
+            raise ValueError(
+                f"BatchEnsemble has point-estimate weights; it cannot take {type(weights).__name__} "
+                "(leave model.weights unset)"
+            )
         if fast_weight_lr_multiplier <= 0:
             raise ValueError(f"fast_weight_lr_multiplier must be > 0, got {fast_weight_lr_multiplier}")
         if size < 1:
@@ -65,8 +74,9 @@ class BatchEnsemble(SinglePassEnsemble):
         """Every example under every member, row i·M + m (the batch repeated M times, as the
         authors' `tf.tile`), one forward with BatchNorm statistics over all the rows."""
         if alpha.shape[0] != self.size:
-            raise ValueError(f"a BatchEnsemble of M = {self.size} members takes {self.size} structures, "
-                             f"got {alpha.shape[0]}")
+            raise ValueError(
+                f"a BatchEnsemble of M = {self.size} members takes {self.size} structures, got {alpha.shape[0]}"
+            )
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(expand_groups(x, self.size), alpha[:1])  # one group: BatchNorm shared by the members

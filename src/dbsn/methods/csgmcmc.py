@@ -61,8 +61,10 @@ def run_steps(trainer) -> int:
         raise ValueError(f"The sampler's cycles divide the run: set trainer.max_epochs (got {trainer.max_epochs}).")
     steps = trainer.estimated_stepping_batches
     if not math.isfinite(steps):
-        raise ValueError("The sampler's cycles divide the run, and its length is unknown (an iterable without a length): "
-                         "set trainer.max_steps.")
+        raise ValueError(
+            "The sampler's cycles divide the run, and its length is unknown (an iterable without a length): "
+            "set trainer.max_steps."
+        )
     return int(steps)
 
 
@@ -81,8 +83,10 @@ def gumbel_energy(u: Tensor) -> Tensor:
 def _point_weights(settings: dict, name: str) -> None:
     weights = settings.get("weights")
     if weights is not None and type(weights) is not WeightPosterior:
-        raise ValueError(f"{name} has point-estimate weights between its samples; it cannot take "
-                         f"{type(weights).__name__} (leave model.weights unset)")
+        raise ValueError(
+            f"{name} has point-estimate weights between its samples; it cannot take "
+            f"{type(weights).__name__} (leave model.weights unset)"
+        )
 
 
 class ChainMembers:
@@ -99,9 +103,11 @@ class ChainMembers:
         self.sampler = sampler if sampler is not None else CyclicalSampler()
         for key in ("n_samples", "val_samples"):
             if getattr(self.prediction, key) != 1:
-                raise ValueError(f"prediction.{key}={getattr(self.prediction, key)}: a {type(self).__name__} predicts "
-                                 "with the samples its chain keeps (sampler.schedule: cycles x samples_per_cycle); "
-                                 f"leave prediction.{key} at 1")
+                raise ValueError(
+                    f"prediction.{key}={getattr(self.prediction, key)}: a {type(self).__name__} predicts "
+                    "with the samples its chain keeps (sampler.schedule: cycles x samples_per_cycle); "
+                    f"leave prediction.{key} at 1"
+                )
         self.samples = SampleSet()
 
     def _current_members(self) -> int:
@@ -120,8 +126,10 @@ class ChainMembers:
     @n_samples.setter
     def n_samples(self, value: int) -> None:
         if int(value) != self.n_samples:
-            raise ValueError(f"a {type(self).__name__} predicts with the S = {self.n_samples} samples its chain kept: "
-                             f"it cannot predict with S = {value} (leave n_samples unset)")
+            raise ValueError(
+                f"a {type(self).__name__} predicts with the S = {self.n_samples} samples its chain kept: "
+                f"it cannot predict with S = {value} (leave n_samples unset)"
+            )
 
     def _num_draws(self, n_samples: int | None) -> int:
         return self.n_samples
@@ -138,7 +146,9 @@ class ChainMembers:
     def chain_optimizer(self) -> CyclicalSGMCMC | None:
         """The run's sampler (None outside a fit)."""
         trainer = self._trainer
-        return next((o for o in (trainer.optimizers if trainer is not None else []) if isinstance(o, CyclicalSGMCMC)), None)
+        return next(
+            (o for o in (trainer.optimizers if trainer is not None else []) if isinstance(o, CyclicalSGMCMC)), None
+        )
 
     def keep_sample(self, step: int) -> None:
         """Keep the chains' state after `step` as samples."""
@@ -152,8 +162,15 @@ class ChainMembers:
         if opt.keeps():
             self.keep_sample(opt.steps - 1)
         group = opt.param_groups[0]
-        self.log_dict({"sampler/lr": opt.lr(group, opt.steps - 1), "sampler/noise_std": opt.noise_std(group, opt.steps - 1),
-                       "sampler/samples": float(self.samples.count)}, on_step=True, on_epoch=False)
+        self.log_dict(
+            {
+                "sampler/lr": opt.lr(group, opt.steps - 1),
+                "sampler/noise_std": opt.noise_std(group, opt.steps - 1),
+                "sampler/samples": float(self.samples.count),
+            },
+            on_step=True,
+            on_epoch=False,
+        )
 
     def run_facts(self) -> dict[str, float]:
         facts = {**super().run_facts(), "samples_kept": self.samples.count}
@@ -181,20 +198,27 @@ class CSGMCMC(ChainMembers, MAP):
     # cSGHMC and cSGLD are one class; the friction tells them apart (a dotted key of the config)
     variant_keys = (*Method.variant_keys, "sampler.friction")
 
-    def __init__(self, net: nn.Module, *, sampler: CyclicalSampler | None = None, learn_structure: bool = False,
-                 **settings) -> None:
+    def __init__(
+        self, net: nn.Module, *, sampler: CyclicalSampler | None = None, learn_structure: bool = False, **settings
+    ) -> None:
         if learn_structure:
-            raise ValueError(f"{type(self).__name__} samples the weights of a network with a fixed structure: leave "
-                             "model.learn_structure=false (the uniform alpha, or model.fixed_structure); "
-                             "model=csghmc_structure samples the structure")
+            raise ValueError(
+                f"{type(self).__name__} samples the weights of a network with a fixed structure: leave "
+                "model.learn_structure=false (the uniform alpha, or model.fixed_structure); "
+                "model=csghmc_structure samples the structure"
+            )
         if "optim" in settings:
-            raise ValueError(f"{type(self).__name__}'s weights move by its sampler, not SGD: set model.sampler.* "
-                             "(lr, friction, weight_decay, temperature, schedule), not model.optim")
+            raise ValueError(
+                f"{type(self).__name__}'s weights move by its sampler, not SGD: set model.sampler.* "
+                "(lr, friction, weight_decay, temperature, schedule), not model.optim"
+            )
         _point_weights(settings, type(self).__name__)
         super().__init__(net, learn_structure=False, **settings)
         if self.execution.cuda_graph_prediction:
-            raise ValueError(f"{type(self).__name__} predicts with each sample's tensors swapped into the network, which "
-                             "a captured forward would not see: set model.execution.cuda_graph_prediction=false")
+            raise ValueError(
+                f"{type(self).__name__} predicts with each sample's tensors swapped into the network, which "
+                "a captured forward would not see: set model.execution.cuda_graph_prediction=false"
+            )
         self._start_chain(sampler)
         self._on_device: dict[tuple[int, torch.device], tuple[dict, dict[str, Tensor]]] = {}
 
@@ -208,8 +232,12 @@ class CSGMCMC(ChainMembers, MAP):
 
     def run_optimizers(self, total_steps: int, max_epochs: int | None = None) -> tuple[list, list]:
         """The optimisers of a run of `total_steps` steps: the sampler over every weight."""
-        sampler = self.sampler.build(self.weight_parameters(), total_steps=total_steps,
-                                     dataset_size=self.resolved_dataset_size(), seed=torch.initial_seed())
+        sampler = self.sampler.build(
+            self.weight_parameters(),
+            total_steps=total_steps,
+            dataset_size=self.resolved_dataset_size(),
+            seed=torch.initial_seed(),
+        )
         return [sampler], []
 
     def configure_optimizers(self):
@@ -239,10 +267,16 @@ class CSGMCMC(ChainMembers, MAP):
         alpha = self.prediction_structures(1)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return torch.stack([
-            self.task.class_last(functional_call(self.net, self._member(m % self.samples.count, x.device), (x, alpha),
-                                                 {"replicate": True}))
-            for m in range(first, first + n)])
+        return torch.stack(
+            [
+                self.task.class_last(
+                    functional_call(
+                        self.net, self._member(m % self.samples.count, x.device), (x, alpha), {"replicate": True}
+                    )
+                )
+                for m in range(first, first + n)
+            ]
+        )
 
     def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]] | None:
         """Each member's last layer: the sample's `classifier` weights."""
@@ -254,8 +288,13 @@ class CSGMCMC(ChainMembers, MAP):
         if weight is None:
             return None
         device = heads[0][0].device
-        return [(self.samples[j % self.samples.count][weight].to(device),
-                 heads[j][1] if bias is None else self.samples[j % self.samples.count][bias].to(device)) for j in range(n)]
+        return [
+            (
+                self.samples[j % self.samples.count][weight].to(device),
+                heads[j][1] if bias is None else self.samples[j % self.samples.count][bias].to(device),
+            )
+            for j in range(n)
+        ]
 
 
 class StructureCSGMCMC(ChainMembers, Method):
@@ -275,19 +314,31 @@ class StructureCSGMCMC(ChainMembers, Method):
 
     networks = "cells"
 
-    def __init__(self, net: nn.Module, *, sampler: CyclicalSampler | None = None, structure_tau: float = 1.0,
-                 train_samples: int = 4, parallel: Parallel = "structure", **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        sampler: CyclicalSampler | None = None,
+        structure_tau: float = 1.0,
+        train_samples: int = 4,
+        parallel: Parallel = "structure",
+        **settings,
+    ) -> None:
         if net.num_edges == 0:
-            raise ValueError(f"{type(self).__name__} samples the structure of DBSN's cells, and {type(net).__name__} has "
-                             "none (num_edges = 0): use model/net=structure_net, or model=csghmc on this network")
+            raise ValueError(
+                f"{type(self).__name__} samples the structure of DBSN's cells, and {type(net).__name__} has "
+                "none (num_edges = 0): use model/net=structure_net, or model=csghmc on this network"
+            )
         _point_weights(settings, type(self).__name__)
         if structure_tau <= 0:
             raise ValueError(f"structure_tau must be > 0, got {structure_tau}")
         super().__init__(net, train_samples=train_samples, parallel=parallel, **settings)
         self._start_chain(sampler)
         if self.sampler.weight_decay:
-            raise ValueError("the chains' prior is DBSN's (Gumbel logits, in the loss): set model.sampler.weight_decay=0, "
-                             f"not {self.sampler.weight_decay}")
+            raise ValueError(
+                "the chains' prior is DBSN's (Gumbel logits, in the loss): set model.sampler.weight_decay=0, "
+                f"not {self.sampler.weight_decay}"
+            )
         self.structure_tau = structure_tau
         gumbel = torch.distributions.Gumbel(torch.zeros(()), torch.ones(()))
         self.chains = nn.Parameter(gumbel.sample((train_samples, net.num_edges, net.num_ops)))  # prior draws
@@ -313,9 +364,15 @@ class StructureCSGMCMC(ChainMembers, Method):
     def run_optimizers(self, total_steps: int, max_epochs: int) -> tuple[list, list]:
         """The optimisers of a run of `total_steps` steps in `max_epochs` epochs: the weights' SGD and
         its schedule (DBSN's), then the chains' sampler."""
-        sgd, schedule = self.optim.build(self.weight_parameters(), max_epochs, self.no_decay_parameters(), self.lr_scales())
-        sampler = self.sampler.build(self.structure_parameters(), total_steps=total_steps,
-                                     dataset_size=self.resolved_dataset_size(), seed=torch.initial_seed())
+        sgd, schedule = self.optim.build(
+            self.weight_parameters(), max_epochs, self.no_decay_parameters(), self.lr_scales()
+        )
+        sampler = self.sampler.build(
+            self.structure_parameters(),
+            total_steps=total_steps,
+            dataset_size=self.resolved_dataset_size(),
+            seed=torch.initial_seed(),
+        )
         return [sgd, sampler], [schedule]
 
     def configure_optimizers(self):

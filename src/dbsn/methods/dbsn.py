@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from dbsn.methods.base import Method, Parallel
 from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.nets.batchnorm import Statistics, concatenate, select, structure_statistics, using_statistics
-from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 from dbsn.structure import StructureLogits
+from dbsn.structure.schedules import REFERENCE_BATCH, BetaSchedule, TauSchedule
 
 
 @dataclass
@@ -59,7 +59,9 @@ class BatchNormRecalibration:
 
     def __post_init__(self) -> None:
         if self.images < 1 or self.batch_size < 1:
-            raise ValueError(f"bn_recalibration: images and batch_size must be >= 1, got {self.images}, {self.batch_size}")
+            raise ValueError(
+                f"bn_recalibration: images and batch_size must be >= 1, got {self.images}, {self.batch_size}"
+            )
 
     def calibration_batches(self, datamodule, device: torch.device, what: str, fix: str = "") -> list[Tensor]:
         """The `images` seeded training images on `device`, preprocessed (augmented if asked,
@@ -119,9 +121,11 @@ class DBSN(Method):
         **settings,
     ) -> None:
         if net.num_edges == 0:  # before the weight posterior transforms the network
-            raise ValueError(f"{type(self).__name__} learns a distribution over the structure of DBSN's cells, and "
-                             f"{type(net).__name__} has no structure (num_edges = 0): use a StructureNet, or a method "
-                             "without structure (MAP, DeepEnsemble)")
+            raise ValueError(
+                f"{type(self).__name__} learns a distribution over the structure of DBSN's cells, and "
+                f"{type(net).__name__} has no structure (num_edges = 0): use a StructureNet, or a method "
+                "without structure (MAP, DeepEnsemble)"
+            )
         super().__init__(net, prediction=prediction, train_samples=train_samples, parallel=parallel, **settings)
         self.structure = StructureLogits(net.num_edges, net.num_ops, init_std=theta_init_std)
         self.structure_optim = structure_optim if structure_optim is not None else StructureOptimizer()
@@ -176,10 +180,15 @@ class DBSN(Method):
         self.examples_seen.fill_(self._examples)
 
     def run_facts(self) -> dict[str, float]:
-        return {**super().run_facts(), "train_tau_final": self.trained_tau, "test_tau": self.test_tau,
-                "bn_statistics": "running" if self._calibration is None else
-                f"per structure, {sum(len(b) for b in self._calibration)} images"
-                + (", augmented" if self.bn_recalibration.augment else "")}
+        return {
+            **super().run_facts(),
+            "train_tau_final": self.trained_tau,
+            "test_tau": self.test_tau,
+            "bn_statistics": "running"
+            if self._calibration is None
+            else f"per structure, {sum(len(b) for b in self._calibration)} images"
+            + (", augmented" if self.bn_recalibration.augment else ""),
+        }
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # checkpoints written before τ counted examples hold the optimiser step count; at the
@@ -216,7 +225,8 @@ class DBSN(Method):
         entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
         self.log_dict(
             {"structure/tau": self.tau, "structure/beta": float(self.beta), "structure/entropy": entropy},
-            on_step=False, on_epoch=True,
+            on_step=False,
+            on_epoch=True,
         )
 
     # ------------------------------------------------------------------ structure
@@ -270,8 +280,11 @@ class DBSN(Method):
         and start a new fixed set of prediction members (their statistics come on demand)."""
         self._calibration = self._members = None
         if self.bn_recalibration.enabled:
-            self.use_calibration_images(self.bn_recalibration.calibration_batches(
-                datamodule, self.device, "bn_recalibration", ". Set model.bn_recalibration.enabled=false."))
+            self.use_calibration_images(
+                self.bn_recalibration.calibration_batches(
+                    datamodule, self.device, "bn_recalibration", ". Set model.bn_recalibration.enabled=false."
+                )
+            )
 
     def use_calibration_images(self, batches: list[Tensor]) -> None:
         """Predict from now on with a fixed set of members, each normalised with its own
@@ -288,8 +301,10 @@ class DBSN(Method):
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(self.bn_recalibration.seed + 7919 * (have + 1))
                 alpha = self.sample_structures(count - have)
-            parts = [structure_statistics(lambda x, a=a: self.network(x, a), self.net, self._calibration,
-                                          a.shape[0]) for a in alpha.split(self.samples_per_forward)]
+            parts = [
+                structure_statistics(lambda x, a=a: self.network(x, a), self.net, self._calibration, a.shape[0])
+                for a in alpha.split(self.samples_per_forward)
+            ]
             if self._members is not None:
                 alpha, parts = torch.cat([self._members[0], alpha]), [self._members[1], *parts]
             self._members = (alpha, concatenate(parts))

@@ -34,16 +34,25 @@ from dbsn.nets.spectral import spectral_normalize
 __all__ = ["DDU", "ddu_network"]
 
 
-def ddu_network(net: nn.Module, spectral_bound: float = 3.0, power_iterations: int = 1, *, input_size: int = 32,
-                leaky_relu_slope: float | None = 0.01, head: str = "classifier") -> nn.Module:
+def ddu_network(
+    net: nn.Module,
+    spectral_bound: float = 3.0,
+    power_iterations: int = 1,
+    *,
+    input_size: int = 32,
+    leaky_relu_slope: float | None = 0.01,
+    head: str = "classifier",
+) -> nn.Module:
     """`net` made DDU's network in place: every `nn.ReLU` module of a backbone (`Backbone`:
     ResNet-18, WideResNet, VGG16-BN) an `nn.LeakyReLU(leaky_relu_slope)` (None: kept), and every
     `nn.Conv2d` and `nn.Linear` but the head `head` spectrally normalised with coefficient
     `spectral_bound`. DBSN's cell network keeps its ReLUs: its fused cells apply them inside their
     own kernels, not as modules, so a swap would change its stem and not its cells."""
     if not isinstance(getattr(net, head, None), nn.Linear):
-        raise ValueError(f"DDU reads the features at the network's last layer {head!r}, an nn.Linear; "
-                         f"{type(net).__name__} has {type(getattr(net, head, None)).__name__}")
+        raise ValueError(
+            f"DDU reads the features at the network's last layer {head!r}, an nn.Linear; "
+            f"{type(net).__name__} has {type(getattr(net, head, None)).__name__}"
+        )
     if leaky_relu_slope is not None and isinstance(net, Backbone):
         for parent in list(net.modules()):
             for name, child in parent.named_children():
@@ -66,12 +75,21 @@ class DDU(MAP):
         settings: `MAP`'s (structure on DBSN's cell network, optim, prediction, ...).
     """
 
-    def __init__(self, net: nn.Module, *, spectral_bound: float = 3.0, power_iterations: int = 1,
-                 input_size: int = 32, leaky_relu_slope: float | None = 0.01, **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        spectral_bound: float = 3.0,
+        power_iterations: int = 1,
+        input_size: int = 32,
+        leaky_relu_slope: float | None = 0.01,
+        **settings,
+    ) -> None:
         if leaky_relu_slope is not None and not leaky_relu_slope >= 0:
             raise ValueError(f"leaky_relu_slope must be >= 0 (or null: ReLU), got {leaky_relu_slope}")
-        net = ddu_network(net, spectral_bound, power_iterations, input_size=input_size,
-                          leaky_relu_slope=leaky_relu_slope)
+        net = ddu_network(
+            net, spectral_bound, power_iterations, input_size=input_size, leaky_relu_slope=leaky_relu_slope
+        )
         super().__init__(net, **settings)
         self.spectral_bound, self.power_iterations = float(spectral_bound), int(power_iterations)
         self.leaky_relu_slope = leaky_relu_slope

@@ -11,9 +11,9 @@ p(y|x) = 1/M Σ_m p_m(y|x), where each p_m is itself a Bayes ensemble for stocha
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,8 +41,13 @@ class DeepEnsemble(Method):
         for m in members:
             self.check_member(m)
         first = members[0]
-        super().__init__(first.net, optim=first.optim, task=first.task, dataset_size=first.dataset_size,
-                         prediction=replace(first.prediction, temperature_scaling=temperature_scaling))
+        super().__init__(
+            first.net,
+            optim=first.optim,
+            task=first.task,
+            dataset_size=first.dataset_size,
+            prediction=replace(first.prediction, temperature_scaling=temperature_scaling),
+        )
         del self.net  # the members own their networks
         self.members = nn.ModuleList(members)
 
@@ -51,12 +56,16 @@ class DeepEnsemble(Method):
         """Refuse a member that cannot be trained side by side with the others: one that needs its own
         epoch hooks, or is not a point-structure method (an ensemble that trains none may accept any)."""
         if getattr(member, "epoch_state", False):
-            raise ValueError(f"deep-ensemble members are trained side by side without their own epoch hooks, which a "
-                             f"{type(member).__name__} needs (e.g. SNGP's precision, reset every epoch): train the "
-                             "members as separate runs and ensemble them with evaluate.py ckpt_path=[run1,run2,...]")
+            raise ValueError(
+                f"deep-ensemble members are trained side by side without their own epoch hooks, which a "
+                f"{type(member).__name__} needs (e.g. SNGP's precision, reset every epoch): train the "
+                "members as separate runs and ensemble them with evaluate.py ckpt_path=[run1,run2,...]"
+            )
         if not isinstance(member, MAP):
-            raise ValueError(f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "
-                             f"bbb); got {type(member).__name__}")
+            raise ValueError(
+                f"deep-ensemble members must be point-structure methods (map, map_fixed, mc_dropout, "
+                f"bbb); got {type(member).__name__}"
+            )
 
     @property
     def is_stochastic(self) -> bool:
@@ -97,7 +106,8 @@ class DeepEnsemble(Method):
         return {
             "loss": sum(o["loss"] for o in outs),
             "nll": torch.stack([o["nll"] for o in outs]).mean(),  # mean member NLL
-            "logits": outs[0]["logits"], "targets": outs[0]["targets"],
+            "logits": outs[0]["logits"],
+            "targets": outs[0]["targets"],
         }
 
     def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:

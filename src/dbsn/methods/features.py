@@ -60,8 +60,10 @@ class MemberFeatures:
         """One member's features (b, D) from the inputs `feature_head` saw in its forward, in
         order (several calls: the forward ran its examples in parts)."""
         if not captured or sum(c.shape[0] for c in captured) != batch:
-            raise FeaturesUnavailable(f"{type(self).__name__}'s last layer saw {[tuple(c.shape) for c in captured]} "
-                                      f"in one member's forward, not the {batch} examples once")
+            raise FeaturesUnavailable(
+                f"{type(self).__name__}'s last layer saw {[tuple(c.shape) for c in captured]} "
+                f"in one member's forward, not the {batch} examples once"
+            )
         return torch.cat(captured).flatten(1) if len(captured) > 1 else captured[0].flatten(1)
 
     def member_heads(self, n: int) -> list[tuple[Tensor, Tensor]] | None:

@@ -56,7 +56,11 @@ class MAP(Method):
         if learn_structure:
             self.theta = nn.Parameter(theta_init_std * torch.randn(shape))
         else:
-            alpha = torch.full(shape, 1.0 / max(net.num_ops, 1)) if fixed_structure is None else torch.as_tensor(fixed_structure, dtype=torch.float32)
+            alpha = (
+                torch.full(shape, 1.0 / max(net.num_ops, 1))
+                if fixed_structure is None
+                else torch.as_tensor(fixed_structure, dtype=torch.float32)
+            )
             if alpha.shape != shape or not torch.allclose(alpha.sum(-1), torch.ones(shape[0])) or (alpha < 0).any():
                 raise ValueError(f"fixed_structure must be {shape} with rows on the simplex, got {tuple(alpha.shape)}")
             self.register_buffer("fixed_alpha", alpha)

@@ -46,8 +46,10 @@ class Masksembles(SinglePassEnsemble):
     def __init__(self, net: nn.Module, *, size: int = 4, scale: float = 2.0, **settings) -> None:
         weights = settings.get("weights")
         if weights is not None and type(weights) is not WeightPosterior:
-            raise ValueError(f"Masksembles has point-estimate weights; it cannot take {type(weights).__name__} "
-                             "(leave model.weights unset)")
+            raise ValueError(
+                f"Masksembles has point-estimate weights; it cannot take {type(weights).__name__} "
+                "(leave model.weights unset)"
+            )
         super().__init__(masksembles(net, size, scale), size=size, **settings)
         self.scale = scale
 
@@ -55,7 +57,9 @@ class Masksembles(SinglePassEnsemble):
         """Every example under every member, row i·M + m (the batch repeated M times), one forward
         with BatchNorm statistics over all the rows."""
         if alpha.shape[0] != self.size:
-            raise ValueError(f"Masksembles of M = {self.size} members takes {self.size} structures, got {alpha.shape[0]}")
+            raise ValueError(
+                f"Masksembles of M = {self.size} members takes {self.size} structures, got {alpha.shape[0]}"
+            )
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(expand_groups(x, self.size), alpha[:1])  # one group: BatchNorm shared by the members

@@ -37,7 +37,6 @@ from dbsn.methods.single_pass import SinglePassEnsemble
 from dbsn.methods.tasks import Segmentation
 from dbsn.nets.mimo import mimo
 
-
 #: How the members' NLLs make the loss: "sum" (uncertainty-baselines' mimo.py: their lr and L2 apply
 #: unchanged) or "mean" (torch-uncertainty's routine, the mean over all rows; an optimiser recipe written
 #: for one network's mean NLL, e.g. the DBSN paper's, then gives the same step).
@@ -59,8 +58,16 @@ class MIMO(SinglePassEnsemble):
         settings: `SinglePassEnsemble`'s, `MAP`'s and `Method`'s settings.
     """
 
-    def __init__(self, net: nn.Module, *, size: int = 3, input_repetition: float = 0.0, batch_repetitions: int = 4,
-                 member_loss: str = "sum", **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        size: int = 3,
+        input_repetition: float = 0.0,
+        batch_repetitions: int = 4,
+        member_loss: str = "sum",
+        **settings,
+    ) -> None:
         if member_loss not in MEMBER_LOSSES:
             raise ValueError(f"member_loss must be one of {MEMBER_LOSSES}, got {member_loss!r}")
         if not 0.0 <= input_repetition <= 1.0:
@@ -101,7 +108,12 @@ class MIMO(SinglePassEnsemble):
         inputs, targets = self.mimo_batch(x, y)
         logits = self.heads(inputs, self.alpha().unsqueeze(0))
         nll = self.data_loss(logits, targets)  # mean over the n·M rows = mean over members
-        out = {"nll": nll, "logits": logits, "targets": targets, "loss": (self.size if self.member_loss == "sum" else 1) * nll}
+        out = {
+            "nll": nll,
+            "logits": logits,
+            "targets": targets,
+            "loss": (self.size if self.member_loss == "sum" else 1) * nll,
+        }
         if self.weights.stochastic:  # as `Method.structures_loss`
             kl = self.weights.kl(self.net, self.current_epoch)
             out["weight_kl"] = torch.as_tensor(kl)
@@ -129,5 +141,5 @@ class MIMO(SinglePassEnsemble):
         """Head m: rows m·C .. (m + 1)·C - 1 of the classifier."""
         head = self.feature_head()
         weight = head.weight.detach().view(self.size, -1, head.in_features)
-        bias = (weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1))
+        bias = weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1)
         return [(weight[m % self.size], bias[m % self.size]) for m in range(n)]

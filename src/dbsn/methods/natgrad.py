@@ -42,7 +42,7 @@ bf16 precision (16-bit mixed precision steps the optimiser without a closure).
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -50,9 +50,9 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
-from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.methods.dbsn import DBSN
 from dbsn.methods.map import MAP
+from dbsn.methods.settings import Prediction, StructureOptimizer
 from dbsn.natgrad import NEKFAC, VOGN, sampled_fisher_loss
 from dbsn.natgrad.nekfac import _split, kfac_layers
 from dbsn.nets.fused_cell import unfuse
@@ -132,10 +132,12 @@ class NaturalGradientMethod:
         is passed to ``functional_call``, so the parameters are never edited in place and
         gradients w.r.t. x (adversarial attacks) flow through every member."""
         alpha = self.prediction_structures(n)
-        return torch.stack([
-            self.task.class_last(functional_call(self.net, self.sample_parameters(), (x, alpha[i : i + 1])))
-            for i in range(n)
-        ])
+        return torch.stack(
+            [
+                self.task.class_last(functional_call(self.net, self.sample_parameters(), (x, alpha[i : i + 1])))
+                for i in range(n)
+            ]
+        )
 
     def _live_optimizer(self) -> Optimizer | None:
         trainer = self._trainer
@@ -162,16 +164,22 @@ class NaturalGradientMethod:
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         self.sync_posterior()  # Lightning took the state_dict before this hook: patch it
-        checkpoint["state_dict"].update({f"posterior.{k}": v.detach().clone() for k, v in self.posterior.state_dict().items()})
+        checkpoint["state_dict"].update(
+            {f"posterior.{k}": v.detach().clone() for k, v in self.posterior.state_dict().items()}
+        )
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         trainer = self.trainer
         if trainer.max_epochs is None or trainer.max_epochs < 1:
-            raise ValueError(f"The lr schedule is defined in epochs: set trainer.max_epochs (got {trainer.max_epochs}).")
+            raise ValueError(
+                f"The lr schedule is defined in epochs: set trainer.max_epochs (got {trainer.max_epochs})."
+            )
         if trainer.world_size > 1:
-            raise ValueError(f"{type(self).__name__} trains in one process: VOGN / NEK-FAC curvature statistics are per "
-                             "batch, and DDP replicas would precondition differently and drift apart.")
+            raise ValueError(
+                f"{type(self).__name__} trains in one process: VOGN / NEK-FAC curvature statistics are per "
+                "batch, and DDP replicas would precondition differently and drift apart."
+            )
         if str(trainer.precision).startswith("16"):
             raise ValueError("16-bit mixed precision steps the optimiser without a closure; use 32-true or bf16-mixed.")
         if self.dataset_size is None:  # configure_optimizers runs before on_fit_start
@@ -258,8 +266,14 @@ class _VOGNWeights(NaturalGradientMethod):
 
     def _posterior_values(self, opt: VOGN) -> dict[str, Tensor]:
         stds = opt.posterior_std()
-        return {"std": torch.cat([stds[name].reshape(-1) if name in stds else torch.zeros_like(p).reshape(-1)
-                                  for name, p in self.net.named_parameters()])}
+        return {
+            "std": torch.cat(
+                [
+                    stds[name].reshape(-1) if name in stds else torch.zeros_like(p).reshape(-1)
+                    for name, p in self.net.named_parameters()
+                ]
+            )
+        }
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()
@@ -275,8 +289,10 @@ class _VOGNWeights(NaturalGradientMethod):
 
     def sample_parameters(self) -> dict[str, Tensor]:
         """w = μ + σ ε for every parameter of the network (σ = 0: w = μ)."""
-        return {name: p + std * torch.randn_like(p) for (name, p), std in
-                zip(self.net.named_parameters(), self.posterior_std().values())}
+        return {
+            name: p + std * torch.randn_like(p)
+            for (name, p), std in zip(self.net.named_parameters(), self.posterior_std().values())
+        }
 
 
 @torch.no_grad()
@@ -330,9 +346,16 @@ def VOGNMethod(
     validation). Other arguments as for `MAP` / `DBSN` / `Method`.
     """
     net = unfuse(net)  # VOGN's per-example statistics cover BatchNorm layers: every edge keeps its own
-    common = dict(vogn=vogn, bn_point_estimate=bn_point_estimate, lr_milestones=lr_milestones, lr_gamma=lr_gamma,
-                  structure_optim=structure_optim, theta_init_std=theta_init_std,
-                  prediction=prediction, **settings)
+    common = dict(
+        vogn=vogn,
+        bn_point_estimate=bn_point_estimate,
+        lr_milestones=lr_milestones,
+        lr_gamma=lr_gamma,
+        structure_optim=structure_optim,
+        theta_init_std=theta_init_std,
+        prediction=prediction,
+        **settings,
+    )
     if structure == "map":
         if tau is not None or beta is not None or test_tau != 1.0:
             raise ValueError("tau, beta and test_tau belong to structure='dbsn'; a MAP structure has no schedules")
@@ -382,8 +405,14 @@ class NEKFACMethod(NaturalGradientMethod, MAP):
         prediction: Prediction | None = None,
         **settings,
     ) -> None:
-        super().__init__(net, lr_milestones=lr_milestones, lr_gamma=lr_gamma, learn_structure=False,
-                         prediction=prediction, **settings)
+        super().__init__(
+            net,
+            lr_milestones=lr_milestones,
+            lr_gamma=lr_gamma,
+            learn_structure=False,
+            prediction=prediction,
+            **settings,
+        )
         self.nekfac = _settings("nekfac", NEKFAC, nekfac, {}, {"dataset_size"})
 
     def _posterior_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -35,10 +35,19 @@ class PackedEnsemble(SinglePassEnsemble):
         settings: `SinglePassEnsemble`'s and `MAP`'s settings.
     """
 
-    def __init__(self, net: nn.Module, *, size: int = 4, alpha: float = 2, gamma: int = 2,
-                 min_channels_per_group: int = 64, **settings) -> None:
-        super().__init__(pack(net, alpha, gamma, size, min_channels_per_group=min_channels_per_group),
-                         size=size, **settings)
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        size: int = 4,
+        alpha: float = 2,
+        gamma: int = 2,
+        min_channels_per_group: int = 64,
+        **settings,
+    ) -> None:
+        super().__init__(
+            pack(net, alpha, gamma, size, min_channels_per_group=min_channels_per_group), size=size, **settings
+        )
         # `alpha` is the structure (MAP.alpha); the width factor is `width_factor`
         self.width_factor, self.subgroups, self.min_channels_per_group = alpha, gamma, min_channels_per_group
 
@@ -58,5 +67,5 @@ class PackedEnsemble(SinglePassEnsemble):
         """Member m's block of the packed head (`PackedLinear`, M groups)."""
         head = self.feature_head()
         weight = head.weight.detach().view(self.size, -1, head.weight.shape[1])
-        bias = (weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1))
+        bias = weight.new_zeros(weight.shape[:2]) if head.bias is None else head.bias.detach().view(self.size, -1)
         return [(weight[m % self.size], bias[m % self.size]) for m in range(n)]

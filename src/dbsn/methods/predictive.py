@@ -20,9 +20,8 @@ its memory does not grow with S; what it predicted for one batch is a `Predicted
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -70,19 +70,34 @@ class Rank1BNN(MAP):
 
     samples_weights = True  # S draws of its factors' posterior
 
-    def __init__(self, net: nn.Module, *, size: int = 4, prior: str = "normal", prior_mean: float = 1.0,
-                 prior_stddev: float = 0.1, dropout_rate: float = 1e-3, random_sign_init: float = 0.5,
-                 kl_annealing: float = 0.8, fast_weight_lr_multiplier: float = 1.0,
-                 prediction: Prediction | None = None, **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        size: int = 4,
+        prior: str = "normal",
+        prior_mean: float = 1.0,
+        prior_stddev: float = 0.1,
+        dropout_rate: float = 1e-3,
+        random_sign_init: float = 0.5,
+        kl_annealing: float = 0.8,
+        fast_weight_lr_multiplier: float = 1.0,
+        prediction: Prediction | None = None,
+        **settings,
+    ) -> None:
         weights = settings.get("weights")
         if weights is not None and type(weights) is not WeightPosterior:
-            raise ValueError(f"a rank-1 BNN's shared weights are point estimates; it cannot take "
-                             f"{type(weights).__name__} (leave model.weights unset)")
+            raise ValueError(
+                f"a rank-1 BNN's shared weights are point estimates; it cannot take "
+                f"{type(weights).__name__} (leave model.weights unset)"
+            )
         if size < 1:
             raise ValueError(f"size (M, the number of components) must be >= 1, got {size}")
         if not 0 < dropout_rate < 1:
-            raise ValueError(f"dropout_rate sets the factors' initial stddev sqrt(p / (1 - p)); it must be in (0, 1), "
-                             f"got {dropout_rate}")
+            raise ValueError(
+                f"dropout_rate sets the factors' initial stddev sqrt(p / (1 - p)); it must be in (0, 1), "
+                f"got {dropout_rate}"
+            )
         if not 0 <= kl_annealing <= 1:
             raise ValueError(f"kl_annealing is a fraction of training in [0, 1], got {kl_annealing}")
         if fast_weight_lr_multiplier <= 0:
@@ -132,8 +147,13 @@ class Rank1BNN(MAP):
 
     def kl(self) -> Tensor:
         """KL(q || p) of every factor entry of every component and layer, summed."""
-        return torch.stack([self.distribution.kl(loc, scale) for layer in rank1_layers(self.net)
-                            for loc, scale in zip((layer.r, layer.s), layer.scales())]).sum()
+        return torch.stack(
+            [
+                self.distribution.kl(loc, scale)
+                for layer in rank1_layers(self.net)
+                for loc, scale in zip((layer.r, layer.s), layer.scales())
+            ]
+        ).sum()
 
     def kl_scale(self) -> Tensor | float:
         """The KL's weight at this step: (step + 1) / (kl_annealing × the run's steps), at most 1;
@@ -168,7 +188,7 @@ class Rank1BNN(MAP):
         offset = first % self.size
         rows = math.ceil((offset + n) / self.size) * self.size
         logits = self.task.class_last(self.network(x, self.prediction_structures(rows)))
-        return logits.view(x.shape[0], rows, *logits.shape[1:]).transpose(0, 1)[offset:offset + n]
+        return logits.view(x.shape[0], rows, *logits.shape[1:]).transpose(0, 1)[offset : offset + n]
 
     @contextmanager
     def fixed_members(self, n: int):
@@ -198,4 +218,3 @@ class Rank1BNN(MAP):
             bias = None if head.bias is None else head.bias.detach()[components]
         bias = weight.new_zeros(n, weight.shape[0]) if bias is None else bias
         return [(s[j, :, None] * weight * r[j, None, :], bias[j]) for j in range(n)]
-

@@ -30,9 +30,28 @@ from dbsn.nets.backbone import Backbone
 
 #: The order in which the report lists the methods (config names); the configs it does not name
 #: follow, by name.
-REPORT_ORDER = ("dbsn", "fbn", "map", "map_fixed", "mc_dropout", "bbb", "deep_ensemble", "batch_ensemble",
-                "rank1_bnn", "packed_ensemble", "masksembles", "mimo", "sngp", "ddu", "csghmc", "csgld",
-                "csghmc_structure", "vogn", "vogn_fbn", "nekfac")
+REPORT_ORDER = (
+    "dbsn",
+    "fbn",
+    "map",
+    "map_fixed",
+    "mc_dropout",
+    "bbb",
+    "deep_ensemble",
+    "batch_ensemble",
+    "rank1_bnn",
+    "packed_ensemble",
+    "masksembles",
+    "mimo",
+    "sngp",
+    "ddu",
+    "csghmc",
+    "csgld",
+    "csghmc_structure",
+    "vogn",
+    "vogn_fbn",
+    "nekfac",
+)
 
 
 def _short(target) -> str:
@@ -69,7 +88,7 @@ class MethodConfig:
 
     @property
     def networks(self) -> str:
-        """"cells", "any" or "own" (`Method.networks`)."""
+        """ "cells", "any" or "own" (`Method.networks`)."""
         return self.cls.networks
 
     @property
@@ -83,8 +102,13 @@ class MethodConfig:
         """Whether its members are fixed by its network (one network, or M members inside it), so
         that S does not apply; otherwise it draws S members (structures, weights, or its members'
         draws)."""
-        return not (self.samples_structure or self.cls.samples_weights or self.cls.samples_members or self.weights_sample
-                    or (self.member is not None and not self.member.fixed_members))
+        return not (
+            self.samples_structure
+            or self.cls.samples_weights
+            or self.cls.samples_members
+            or self.weights_sample
+            or (self.member is not None and not self.member.fixed_members)
+        )
 
     @property
     def optimizer_key(self) -> str:
@@ -121,9 +145,8 @@ def _model_configs(folders: tuple[Path, ...]) -> dict[str, dict]:
     Hydra instance, which a running Hydra app (an evaluation sweep building its report) holds."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
-    from hydra.types import RunMode
-
     from hydra.core.config_search_path import SearchPathQuery
+    from hydra.types import RunMode
 
     search_path = create_config_search_path(str(folders[0]))  # with the extensions' (dbsn's search-path plugin)
     for folder in folders[1:]:
@@ -132,16 +155,23 @@ def _model_configs(folders: tuple[Path, ...]) -> dict[str, dict]:
     loader = ConfigLoaderImpl(config_search_path=search_path)
     names = sorted({path.stem for folder in folders for path in (folder / "model").glob("*.yaml")})
     order = [n for n in REPORT_ORDER if n in names] + [n for n in names if n not in REPORT_ORDER]
-    return {name: OmegaConf.to_container(loader.load_configuration(
-        config_name=None, overrides=[f"+model={name}"], run_mode=RunMode.RUN).model) for name in order}
+    return {
+        name: OmegaConf.to_container(
+            loader.load_configuration(config_name=None, overrides=[f"+model={name}"], run_mode=RunMode.RUN).model
+        )
+        for name in order
+    }
 
 
 @functools.cache
 def _registry(folders: tuple[Path, ...]) -> tuple[MethodConfig, ...]:
     methods = [MethodConfig(name, config, built_class(config)) for name, config in _model_configs(folders).items()]
-    return tuple(MethodConfig(m.name, m.config, m.cls,
-                              None if m.config.get("member") is None else _member(m.config["member"], methods))
-                 for m in methods)
+    return tuple(
+        MethodConfig(
+            m.name, m.config, m.cls, None if m.config.get("member") is None else _member(m.config["member"], methods)
+        )
+        for m in methods
+    )
 
 
 def _member(node: dict, methods) -> MethodConfig:
@@ -217,11 +247,15 @@ def method_name(model: Mapping, conf_dir: Path | None = None) -> str:
 @functools.cache
 def _backbones(folders: tuple[Path, ...]) -> dict[str, str]:
     own = {_short((m.config.get("net") or {}).get("_target_")) for m in _registry(folders) if m.networks == "own"}
-    nets = sorted((path for folder in folders for path in (folder / "model" / "net").glob("*.yaml")),
-                  key=lambda path: path.stem)
+    nets = sorted(
+        (path for folder in folders for path in (folder / "model" / "net").glob("*.yaml")), key=lambda path: path.stem
+    )
     targets = {path.stem: OmegaConf.load(path).get("_target_") for path in nets}
-    return {name: _short(target) for name, target in targets.items()
-            if issubclass(get_object(target), Backbone) and _short(target) not in own}
+    return {
+        name: _short(target)
+        for name, target in targets.items()
+        if issubclass(get_object(target), Backbone) and _short(target) not in own
+    }
 
 
 def builds_backbone(target: str) -> bool | None:

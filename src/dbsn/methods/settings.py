@@ -7,8 +7,9 @@ temperature scaling) and how its network runs (`Execution`: memory layout, convo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -59,13 +60,17 @@ class WeightOptimizer:
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         # the other schedule's settings are not read: a value other than its default would be ignored
         if self.schedule == "linear" and (self.milestones != (0.5, 0.75) or self.gamma != 0.1):
-            raise ValueError(f"milestones={list(self.milestones)} and gamma={self.gamma} drop the lr of "
-                             "schedule=multistep, and schedule=linear does not read them (it decays linearly from "
-                             "decay_start): leave them at [0.5, 0.75] and 0.1, or set schedule=multistep")
+            raise ValueError(
+                f"milestones={list(self.milestones)} and gamma={self.gamma} drop the lr of "
+                "schedule=multistep, and schedule=linear does not read them (it decays linearly from "
+                "decay_start): leave them at [0.5, 0.75] and 0.1, or set schedule=multistep"
+            )
         if self.schedule == "multistep" and self.decay_start != 0.5:
-            raise ValueError(f"decay_start={self.decay_start} is where schedule=linear starts to decay, and "
-                             "schedule=multistep does not read it (its lr drops at the milestones): leave it at 0.5, "
-                             "or set schedule=linear")
+            raise ValueError(
+                f"decay_start={self.decay_start} is where schedule=linear starts to decay, and "
+                "schedule=multistep does not read it (its lr drops at the milestones): leave it at 0.5, "
+                "or set schedule=linear"
+            )
 
     def warmup_factor(self, epoch: int, batch_idx: int, batches_per_epoch: float) -> float:
         """The lr's multiplier at step `batch_idx` of `epoch` under the linear warm-up: the
@@ -76,8 +81,14 @@ class WeightOptimizer:
             return 1.0
         return min(1.0, (epoch + (batch_idx + 1) / batches_per_epoch) / self.warmup_epochs)
 
-    def build(self, params, max_epochs: int, no_decay=(), lr_scales: Mapping[int, float] | None = None,
-              capturable: bool = False):
+    def build(
+        self,
+        params,
+        max_epochs: int,
+        no_decay=(),
+        lr_scales: Mapping[int, float] | None = None,
+        capturable: bool = False,
+    ):
         """SGD over `params` and its lr schedule. The parameters of `params` that are also in
         `no_decay` (a Gaussian posterior's scales, see `WeightPosterior.no_decay_parameters`)
         form a second param group with weight decay 0, in the same optimiser, so that gradient
@@ -93,19 +104,28 @@ class WeightOptimizer:
         by_kind: dict[tuple[bool, float], list] = {}
         for p in params:
             by_kind.setdefault((id(p) in skip, float(scales.get(id(p), 1.0))), []).append(p)
+
         def lr(scale: float):
             return torch.tensor(self.lr * scale, device=params[0].device) if capturable else self.lr * scale
 
-        groups = [{"params": by_kind[kind], **({"weight_decay": 0.0} if kind[0] else {}), "lr": lr(kind[1])}
-                  for kind in sorted(by_kind, key=lambda k: (k[0], k[1] != 1.0, k[1]))]
+        groups = [
+            {"params": by_kind[kind], **({"weight_decay": 0.0} if kind[0] else {}), "lr": lr(kind[1])}
+            for kind in sorted(by_kind, key=lambda k: (k[0], k[1] != 1.0, k[1]))
+        ]
         opt = torch.optim.SGD(
-            groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
-            nesterov=self.nesterov, fused=True,
+            groups,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
+            fused=True,
         )
         if self.schedule == "linear":
             start = round(self.decay_start * max_epochs)
             span = max(1, max_epochs - start)
-            return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: min(1.0, max(0.0, (max_epochs - epoch) / span)))
+            return opt, torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda epoch: min(1.0, max(0.0, (max_epochs - epoch) / span))
+            )
         epochs = sorted({max(1, round(m * max_epochs)) for m in self.milestones})
         return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=epochs, gamma=self.gamma)
 
@@ -196,13 +216,19 @@ class Compilation:
         cells = [m for m in net.modules() if isinstance(m, CellBase)]
         if not cells or not all(isinstance(m, FusedCell) for m in cells):
             kind = "no cells" if not cells else "per-edge cells"
-            raise ValueError(f"compile.scope=nodes compiles the fused cell's nodes, and this {type(net).__name__} has "
-                             f"{kind}: set model.net.cell=fused, or compile.scope=cells or network")
+            raise ValueError(
+                f"compile.scope=nodes compiles the fused cell's nodes, and this {type(net).__name__} has "
+                f"{kind}: set model.net.cell=fused, or compile.scope=cells or network"
+            )
         # one code object (`FusedCell.nodes`) for all cells: an entry per shape, mode and autocast state
         _raise_recompile_limit(8 * len(cells))
         for cell in cells:
-            cell.compile_nodes(backend=self.backend, dynamic=False if self.dynamic is None else self.dynamic,
-                               fullgraph=self.fullgraph, **options)
+            cell.compile_nodes(
+                backend=self.backend,
+                dynamic=False if self.dynamic is None else self.dynamic,
+                fullgraph=self.fullgraph,
+                **options,
+            )
 
 
 def _raise_recompile_limit(entries: int) -> None:
@@ -223,8 +249,14 @@ class StructureOptimizer:
     def build(self, params, capturable: bool = False):
         """Fused Adam (one kernel; skips its update on the device with ``found_inf``, see
         `WeightOptimizer.build`); `capturable`: its step count on the device, for a CUDA graph."""
-        return torch.optim.Adam(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay,
-                                fused=True, capturable=capturable)
+        return torch.optim.Adam(
+            params,
+            lr=self.lr,
+            betas=tuple(self.betas),
+            weight_decay=self.weight_decay,
+            fused=True,
+            capturable=capturable,
+        )
 
 
 @dataclass

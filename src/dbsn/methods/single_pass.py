@@ -46,8 +46,10 @@ class SinglePassEnsemble(MAP):
         for key in ("n_samples", "val_samples"):
             value = getattr(self.prediction, key)
             if value not in (1, size):
-                raise ValueError(f"prediction.{key}={value}: a {type(self).__name__} predicts with its M = {size} "
-                                 f"members; leave prediction.{key} at {size} (or 1).")
+                raise ValueError(
+                    f"prediction.{key}={value}: a {type(self).__name__} predicts with its M = {size} "
+                    f"members; leave prediction.{key} at {size} (or 1)."
+                )
             setattr(self.prediction, key, size)
         self.prediction.samples_per_forward = size
 
@@ -62,8 +64,10 @@ class SinglePassEnsemble(MAP):
     @n_samples.setter
     def n_samples(self, value: int) -> None:
         if int(value) != self.size:
-            raise ValueError(f"a {type(self).__name__} has M = {self.size} members, fixed by its network: "
-                             f"it cannot predict with S = {value} (leave n_samples unset).")
+            raise ValueError(
+                f"a {type(self).__name__} has M = {self.size} members, fixed by its network: "
+                f"it cannot predict with S = {value} (leave n_samples unset)."
+            )
 
     def cuda_graph_refusal(self) -> str | None:
         return Method.cuda_graph_refusal(self)

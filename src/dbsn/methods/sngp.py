@@ -39,8 +39,15 @@ from dbsn.nets.spectral import spectral_normalize
 __all__ = ["SNGP", "sngp_network"]
 
 
-def sngp_network(net: nn.Module, spectral_bound: float = 6.0, power_iterations: int = 1, *, input_size: int = 32,
-                 gp: Mapping | None = None, head: str = "classifier") -> nn.Module:
+def sngp_network(
+    net: nn.Module,
+    spectral_bound: float = 6.0,
+    power_iterations: int = 1,
+    *,
+    input_size: int = 32,
+    gp: Mapping | None = None,
+    head: str = "classifier",
+) -> nn.Module:
     """`net` made an SNGP network in place: every `nn.Conv2d` and `nn.Linear` but the head
     spectrally normalised with bound `spectral_bound`, and the head (an `nn.Linear` named `head`)
     replaced by a `RandomFeatureGaussianProcess` on its input features (`gp`: that layer's
@@ -48,8 +55,10 @@ def sngp_network(net: nn.Module, spectral_bound: float = 6.0, power_iterations: 
     `WideResNet`, `VGG16BN`)."""
     linear = getattr(net, head, None)
     if not isinstance(linear, nn.Linear):
-        raise ValueError(f"SNGP replaces the network's last layer {head!r}, an nn.Linear; "
-                         f"{type(net).__name__} has {type(linear).__name__}")
+        raise ValueError(
+            f"SNGP replaces the network's last layer {head!r}, an nn.Linear; "
+            f"{type(net).__name__} has {type(linear).__name__}"
+        )
     spectral_normalize(net, spectral_bound, power_iterations, input_size=input_size, skip=(head,))
     setattr(net, head, RandomFeatureGaussianProcess(linear.in_features, linear.out_features, **dict(gp or {})))
     return net
@@ -68,8 +77,16 @@ class SNGP(MAP):
         settings: `MAP`'s (structure on DBSN's cell network, optim, prediction, ...).
     """
 
-    def __init__(self, net: nn.Module, *, spectral_bound: float = 6.0, power_iterations: int = 1,
-                 input_size: int = 32, gp: Mapping | None = None, **settings) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        spectral_bound: float = 6.0,
+        power_iterations: int = 1,
+        input_size: int = 32,
+        gp: Mapping | None = None,
+        **settings,
+    ) -> None:
         net = sngp_network(net, spectral_bound, power_iterations, input_size=input_size, gp=gp)
         super().__init__(net, **settings)
         self.spectral_bound, self.power_iterations = float(spectral_bound), int(power_iterations)

@@ -23,8 +23,8 @@ pieces of the step that used to do so or that a graph needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -40,7 +40,8 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` skips its update on the device when its ``found_inf`` is set: PyTorch's
     fused SGD, Adam and AdamW."""
     return isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)) and all(
-        group.get("fused") for group in optimizer.param_groups)
+        group.get("fused") for group in optimizer.param_groups
+    )
 
 
 class FiniteGuard:
@@ -215,8 +216,13 @@ class GraphedForward:
     def __call__(self, *inputs: Tensor) -> Tensor:
         if self.failed or torch.is_grad_enabled() or not all(t.is_cuda for t in inputs):
             return self.forward(*inputs)
-        key = (tuple((t.shape, t.dtype, t.device) for t in inputs), torch.is_inference_mode_enabled(),
-               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), self.state())
+        key = (
+            tuple((t.shape, t.dtype, t.device) for t in inputs),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"),
+            self.state(),
+        )
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.limit:
@@ -226,8 +232,10 @@ class GraphedForward:
             except RuntimeError as error:  # a forward that cannot be captured: predict eagerly
                 import warnings
 
-                warnings.warn(f"model.execution.cuda_graph_prediction: the forward could not be captured "
-                              f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); predicting eagerly.")
+                warnings.warn(
+                    f"model.execution.cuda_graph_prediction: the forward could not be captured "
+                    f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); predicting eagerly."
+                )
                 self.failed = True
                 return self.forward(*inputs)
         graph, static, output = entry

@@ -36,7 +36,9 @@ class Classification:
 
     def error(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Fraction of labelled entries whose argmax class is wrong (class dimension 1)."""
-        labelled = targets != self.ignore_index  # a mask, not an index: boolean indexing would read its size on the host
+        labelled = (
+            targets != self.ignore_index
+        )  # a mask, not an index: boolean indexing would read its size on the host
         return ((logits.argmax(1) != targets) & labelled).sum() / labelled.sum()
 
     @staticmethod

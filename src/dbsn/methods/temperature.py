@@ -186,11 +186,8 @@ def require_validation(datamodule) -> None:
     name = type(datamodule).__name__
     val_size = getattr(datamodule, "val_size", "?")
     if not datamodule.has_val:
-        raise NoValidationSplitError(
-            f"{name} has no validation split (val_size={val_size}): {_VALIDATION_ADVICE}"
-        )
+        raise NoValidationSplitError(f"{name} has no validation split (val_size={val_size}): {_VALIDATION_ADVICE}")
     if getattr(datamodule, "train_set", None) is not None and getattr(datamodule, "val_set", None) is None:
         raise NoValidationSplitError(
-            f"{name}'s validation split is empty (val_size={val_size} rounds to 0 images): "
-            f"{_VALIDATION_ADVICE}"
+            f"{name}'s validation split is empty (val_size={val_size} rounds to 0 images): {_VALIDATION_ADVICE}"
         )

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 
-from lightning.pytorch.utilities import rank_zero_info
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dbsn.methods.step import FiniteGuard, GraphedStep, NonFiniteLossError
@@ -75,19 +75,21 @@ class TrainingLoop:
     def configure_optimizers(self):
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs < 1:
-            raise ValueError(
-                "The lr schedule is defined in epochs: set trainer.max_epochs (got "
-                f"{max_epochs})."
-            )
+            raise ValueError(f"The lr schedule is defined in epochs: set trainer.max_epochs (got {max_epochs}).")
         optimizers, schedules = [], []
         no_decay, lr_scales = self.no_decay_parameters(), self.lr_scales()
         for group in self.weight_parameter_groups():
-            sgd, schedule = self.optim.build(group, max_epochs, no_decay, lr_scales, capturable=bool(self.execution.cuda_graph))
+            sgd, schedule = self.optim.build(
+                group, max_epochs, no_decay, lr_scales, capturable=bool(self.execution.cuda_graph)
+            )
             optimizers.append(sgd)
             schedules.append(schedule)
         if self.structure_parameters():
-            optimizers.append(self.structure_optimizer().build(self.structure_parameters(),
-                                                               capturable=bool(self.execution.cuda_graph)))
+            optimizers.append(
+                self.structure_optimizer().build(
+                    self.structure_parameters(), capturable=bool(self.execution.cuda_graph)
+                )
+            )
         return optimizers, schedules
 
     def on_fit_start(self) -> None:
@@ -99,11 +101,16 @@ class TrainingLoop:
                 raise ValueError("dataset_size is unset and the data module does not report num_train")
             self.dataset_size = int(datamodule.num_train)
         self.check_world_size(self.trainer.world_size)
-        if self.parallel == "structure" and self.trainer.world_size > 1 and not getattr(
-                self.trainer.datamodule, "same_batches_on_every_rank", False):
-            raise ValueError("Structure-parallel training needs the same batches on every rank: give the trainer a "
-                             "data module with same_batches_on_every_rank = True (train.py sets it), or use "
-                             "model.parallel=data.")
+        if (
+            self.parallel == "structure"
+            and self.trainer.world_size > 1
+            and not getattr(self.trainer.datamodule, "same_batches_on_every_rank", False)
+        ):
+            raise ValueError(
+                "Structure-parallel training needs the same batches on every rank: give the trainer a "
+                "data module with same_batches_on_every_rank = True (train.py sets it), or use "
+                "model.parallel=data."
+            )
         # Training's random stream starts here from the run's seed, whatever drew random numbers
         # before (the model's initialisation on one device; Lightning re-seeds DDP ranks after
         # it). One device and every structure-parallel rank then draw the same augmentations
@@ -154,8 +161,9 @@ class TrainingLoop:
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=y.shape[0])
         return loss
 
-    def step_body(self, x: Tensor, y: Tensor, opts: list, weight_opts: list, backward=None,
-                  batch_idx: int = 0) -> dict[str, Tensor]:
+    def step_body(
+        self, x: Tensor, y: Tensor, opts: list, weight_opts: list, backward=None, batch_idx: int = 0
+    ) -> dict[str, Tensor]:
         """One step after the gradients were zeroed: the loss's gradients (`accumulate_gradients`,
         by `backward(loss, last)`: Lightning's by default), the weights' gradient clipping (the
         optimisers `weight_opts`, one per weight group) and every optimiser's update; the detached
@@ -196,8 +204,9 @@ class TrainingLoop:
             if isinstance(group["lr"], Tensor) and group["lr"].device != self.device:
                 group["lr"] = group["lr"].to(self.device)
         weights = raw[: len(self.lr_schedulers_list())]
-        self._graphed = GraphedStep(lambda x, y: self.step_body(x, y, raw, weights),
-                                    lambda: [o.zero_grad(set_to_none=True) for o in raw])
+        self._graphed = GraphedStep(
+            lambda x, y: self.step_body(x, y, raw, weights), lambda: [o.zero_grad(set_to_none=True) for o in raw]
+        )
 
     def _graph_refusal(self) -> str | None:
         """Why this run's step cannot be captured: the method's reason, or the run's."""
@@ -211,7 +220,9 @@ class TrainingLoop:
         return reason
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        if self._guard.attached and self._guard.due(self.global_step, batch_idx + 1 == self.trainer.num_training_batches):
+        if self._guard.attached and self._guard.due(
+            self.global_step, batch_idx + 1 == self.trainer.num_training_batches
+        ):
             self._guard.check(self._last_checkpoint())
 
     def on_train_end(self) -> None:
@@ -290,8 +301,12 @@ class TrainingLoop:
         """Structure-parallel training: each rank's BatchNorm running statistics moved towards
         its own structures' batch statistics; their mean over ranks is what one device moving
         towards the mean over all T structures holds (the update is linear in the statistics)."""
-        buffers = [b for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-                   for b in (m.running_mean, m.running_var)]
+        buffers = [
+            b
+            for m in self.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            for b in (m.running_mean, m.running_var)
+        ]
         if not buffers:
             return
         flat = self.trainer.strategy.reduce(torch.cat([b.flatten() for b in buffers]), reduce_op="mean")

@@ -98,8 +98,10 @@ class MCDropoutWeights(WeightPosterior):
         if self.placement == "node_outputs":
             cells = [m for m in net.modules() if isinstance(getattr(m, "node_output", None), nn.Identity)]
             if not cells:
-                raise ValueError(f"placement='node_outputs' but {type(net).__name__} has no cells with node outputs: "
-                                 "use placement='every_conv', or 'existing' for the network's own dropout layers")
+                raise ValueError(
+                    f"placement='node_outputs' but {type(net).__name__} has no cells with node outputs: "
+                    "use placement='every_conv', or 'existing' for the network's own dropout layers"
+                )
             for cell in cells:
                 cell.node_output = nn.Dropout(self.p)
             return net

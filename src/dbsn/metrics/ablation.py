@@ -74,8 +74,9 @@ class SampleAblation(nn.Module):
             keep them for at most 16 sizes (a deep ensemble's 1..M, not DBSN's 1..100).
     """
 
-    def __init__(self, num_classes: int, n_samples: int, sizes: Sequence[int] | None = None,
-                 keep: bool | None = None) -> None:
+    def __init__(
+        self, num_classes: int, n_samples: int, sizes: Sequence[int] | None = None, keep: bool | None = None
+    ) -> None:
         super().__init__()
         sizes = default_sizes(n_samples) if sizes is None else sorted({int(s) for s in sizes})
         if not sizes or sizes[0] < 1 or sizes[-1] > n_samples:
@@ -86,8 +87,9 @@ class SampleAblation(nn.Module):
         self.keep = len(sizes) <= 16 if keep is None else keep
         self._kept: list[Tensor] = []
 
-    def update(self, member_log_probs: Tensor, target: Tensor,
-               transform: Callable[[Tensor], Tensor] | None = None) -> None:
+    def update(
+        self, member_log_probs: Tensor, target: Tensor, transform: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
         """Add a batch: member log-probabilities (S, b, C) and targets (b,).
 
         `transform` is applied to each prefix ensemble's log-probabilities (e.g. the post-hoc
@@ -97,15 +99,18 @@ class SampleAblation(nn.Module):
             raise ValueError(f"expected {self.n_samples} members, got {member_log_probs.shape[0]}")
         self.update_prefixes(prefix_ensembles(member_log_probs, self.sizes), target, transform)
 
-    def update_prefixes(self, ensembles: Tensor | dict[int, Tensor], target: Tensor,
-                        transform: Callable[[Tensor], Tensor] | None = None) -> None:
+    def update_prefixes(
+        self, ensembles: Tensor | dict[int, Tensor], target: Tensor, transform: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
         """Add a batch from its prefix ensembles: (sizes, b, C) in `sizes`' order, or size -> (b, C)
         (`EnsembleStream.prefixes`, which must hold every size), and the targets (b,)."""
         if isinstance(ensembles, dict):
             missing = [s for s in self.sizes if s not in ensembles]
             if missing:
-                raise ValueError(f"the prediction holds no prefix ensemble of sizes {missing[:5]}: set the method's "
-                                 "prefix_sizes to the ablation's sizes before the test pass")
+                raise ValueError(
+                    f"the prediction holds no prefix ensemble of sizes {missing[:5]}: set the method's "
+                    "prefix_sizes to the ablation's sizes before the test pass"
+                )
             ensembles = torch.stack([ensembles[s] for s in self.sizes])
         if transform is not None:
             ensembles = torch.stack([transform(log_probs) for log_probs in ensembles])

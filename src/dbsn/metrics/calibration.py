@@ -58,7 +58,9 @@ def _check_probs(probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     """(N, C) probabilities in [0, 1] and (N,) integer targets; ValueError otherwise."""
     probs, target = torch.as_tensor(probs).detach(), torch.as_tensor(target).detach()
     if probs.ndim != 2 or target.shape != probs.shape[:1] or probs.shape[0] == 0:
-        raise ValueError(f"need probs (N, C) and target (N,) with N > 0, got {tuple(probs.shape)} and {tuple(target.shape)}")
+        raise ValueError(
+            f"need probs (N, C) and target (N,) with N > 0, got {tuple(probs.shape)} and {tuple(target.shape)}"
+        )
     # torchmetrics would silently apply a sigmoid to everything if one value left [0, 1].
     if not bool(((probs >= 0) & (probs <= 1)).all()):
         raise ValueError("probs must be probabilities in [0, 1] (not logits or log-probabilities)")
@@ -109,8 +111,8 @@ def squared_calibration_error(probs: Tensor, target: Tensor, n_bins: int = 15) -
     d = d.cpu()
     size = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(d))
     sums = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, d)
-    squares = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, d ** 2)
-    per_bin = torch.where(size > 1, (sums ** 2 - squares) / (size - 1).clamp_min(1), torch.zeros_like(size))
+    squares = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index, d**2)
+    per_bin = torch.where(size > 1, (sums**2 - squares) / (size - 1).clamp_min(1), torch.zeros_like(size))
     return per_bin.sum() / d.numel()
 
 

@@ -46,8 +46,18 @@ from torch import Tensor
 from dbsn.metrics.binning import bin_index
 from dbsn.metrics.classification import _confidence_and_correct
 
-__all__ = ["Gaps", "TestResult", "ce2_difference_covariance", "covariance", "first_order_covariance",
-           "paired_test", "score_interval", "second_order_covariance", "shape_gram", "top_label_gaps"]
+__all__ = [
+    "Gaps",
+    "TestResult",
+    "ce2_difference_covariance",
+    "covariance",
+    "first_order_covariance",
+    "paired_test",
+    "score_interval",
+    "second_order_covariance",
+    "shape_gram",
+    "top_label_gaps",
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,7 @@ class Gaps:
     @property
     def ce2(self) -> float:
         """The unbiased estimate U = Σ_b (S_b² − Q_b) / (n (n_b − 1))."""
-        return float(((self.per_bin(self.d) ** 2 - self.per_bin(self.d ** 2)) * self.pair_weight).sum())
+        return float(((self.per_bin(self.d) ** 2 - self.per_bin(self.d**2)) * self.pair_weight).sum())
 
     @property
     def shape(self) -> Tensor:
@@ -96,7 +106,7 @@ class Gaps:
         design = torch.stack([torch.ones_like(centre), centre], 1) * weight.sqrt()[:, None]
         line = torch.linalg.lstsq(design, (mean * weight.sqrt())[:, None]).solution
         shape = torch.where(used, (torch.stack([torch.ones_like(centre), centre], 1) @ line).squeeze(1), 0.0)
-        norm = float((weight / self.n * shape ** 2).sum())
+        norm = float((weight / self.n * shape**2).sum())
         if not norm > 1e-30:
             shape, norm = used.double(), float(weight.sum() / self.n)
         return shape / math.sqrt(norm) if norm > 0 else shape
@@ -119,9 +129,9 @@ def second_order_covariance(gaps: list[Gaps]) -> Tensor:
         for q, b in enumerate(gaps[: p + 1]):
             group, x = a.bins * b.slots + b.bins, a.d * b.d
             sums = torch.zeros(a.slots * b.slots, dtype=torch.float64).index_add_(0, group, x)
-            squares = torch.zeros(a.slots * b.slots, dtype=torch.float64).index_add_(0, group, x ** 2)
+            squares = torch.zeros(a.slots * b.slots, dtype=torch.float64).index_add_(0, group, x**2)
             weight = (a.pair_weight[:, None] * b.pair_weight[None, :]).flatten()
-            out[p, q] = out[q, p] = 2 * ((sums ** 2 - squares) * weight).sum()
+            out[p, q] = out[q, p] = 2 * ((sums**2 - squares) * weight).sum()
     return out
 
 
@@ -133,7 +143,7 @@ def first_order_covariance(gaps: list[Gaps], bin_gaps: list[Tensor]) -> Tensor:
     for g, mu in zip(gaps, bin_gaps):
         mu = torch.where(g.counts > 1, torch.as_tensor(mu, dtype=torch.float64), 0.0)
         projected.append(mu[g.bins] * g.d)
-        levels.append((g.counts / n * mu ** 2).sum())
+        levels.append((g.counts / n * mu**2).sum())
     h, theta = torch.stack(projected), torch.stack(levels)
     return 4 / n * (h @ h.T / n - theta[:, None] * theta[None, :])
 
@@ -193,14 +203,12 @@ def _difference_variance(second: float, gram: list[list[float]], n: int, common:
     top = max(common, 0.0)
     theta_b = max(top - delta / 2, 0.0, -delta)
     theta_a = theta_b + delta
-    first = (theta_a * gram[0][0] + theta_b * gram[1][1] - 2 * math.sqrt(theta_a * theta_b) * gram[0][1]
-             - delta * delta)
+    first = theta_a * gram[0][0] + theta_b * gram[1][1] - 2 * math.sqrt(theta_a * theta_b) * gram[0][1] - delta * delta
     slope = gram[0][0] + gram[1][1] - 2 * gram[0][1]  # d Var / d common at delta = 0, times n / 4
     return max(second + 4 / n * (first + min(common, 0.0) * slope), second / 4)
 
 
-def paired_test(probs_a: Tensor, probs_b: Tensor, target: Tensor, level: float = 0.95,
-                n_bins: int = 15) -> TestResult:
+def paired_test(probs_a: Tensor, probs_b: Tensor, target: Tensor, level: float = 0.95, n_bins: int = 15) -> TestResult:
     """CE²_A − CE²_B of two predictors on the same examples, the test of θ_A = θ_B and the interval of
     the δ0 it does not reject.
 

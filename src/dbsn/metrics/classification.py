@@ -185,7 +185,6 @@ class ClassificationMetrics(nn.Module):
             metric.reset()
 
 
-
 class UncertaintyMetrics(nn.Module):
     """Means over the test set of the uncertainty decomposition of a Bayes ensemble.
 

@@ -80,14 +80,40 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LAMBDA_GRID", "SCORES", "SET_METRICS", "TUNING_FRACTION", "Calibrated", "aps_scores", "calibrate",
-           "conformal_quantile", "conformity_scores", "label_ranks", "pick_k_reg", "pick_lambda", "prediction_sets",
-           "quantile_rank", "raps_scores", "set_metrics", "set_rule", "size_strata", "stratum_name", "thr_scores",
-           "top_labels", "tuning_size", "weighted_set_metrics"]
+__all__ = [
+    "LAMBDA_GRID",
+    "SCORES",
+    "SET_METRICS",
+    "TUNING_FRACTION",
+    "Calibrated",
+    "aps_scores",
+    "calibrate",
+    "conformal_quantile",
+    "conformity_scores",
+    "label_ranks",
+    "pick_k_reg",
+    "pick_lambda",
+    "prediction_sets",
+    "quantile_rank",
+    "raps_scores",
+    "set_metrics",
+    "set_rule",
+    "size_strata",
+    "stratum_name",
+    "thr_scores",
+    "top_labels",
+    "tuning_size",
+    "weighted_set_metrics",
+]
 
 #: score name -> (randomised, penalised)
-SCORES: dict[str, tuple[bool, bool]] = {"thr": (False, False), "aps": (False, False), "aps_randomized": (True, False),
-                                        "raps": (False, True), "raps_randomized": (True, True)}
+SCORES: dict[str, tuple[bool, bool]] = {
+    "thr": (False, False),
+    "aps": (False, False),
+    "aps_randomized": (True, False),
+    "raps": (False, True),
+    "raps_randomized": (True, True),
+}
 #: the numbers `set_metrics` reports per (level, score), in this order
 SET_METRICS = ("coverage", "size", "empty", "ssc", "class_coverage_min")
 #: the share of the calibration examples that tunes RAPS's k_reg and λ (the authors' `pct_paramtune`)
@@ -189,8 +215,11 @@ def prediction_sets(scores: Tensor, qhat: float, top: Tensor | None = None) -> T
 
 def set_rule(allow_empty_sets: bool) -> str:
     """How files and tables name the empty-set convention."""
-    return ("{y : s ≤ q̂}, empty sets kept" if allow_empty_sets
-            else "{y : s ≤ q̂}, the top label alone where that is empty (never empty)")
+    return (
+        "{y : s ≤ q̂}, empty sets kept"
+        if allow_empty_sets
+        else "{y : s ≤ q̂}, the top label alone where that is empty (never empty)"
+    )
 
 
 def _own(scores: Tensor, targets: Tensor) -> Tensor:
@@ -209,9 +238,16 @@ def pick_k_reg(probs: Tensor, targets: Tensor, alpha: float) -> int:
     return int(own[math.ceil((1 - alpha) * (len(own) - 1) - _EPS)])
 
 
-def pick_lambda(probs: Tensor, targets: Tensor, alpha: float, k_reg: int, randomized: bool,
-                generator: torch.Generator | None = None, grid: tuple[float, ...] = LAMBDA_GRID,
-                allow_empty_sets: bool = False) -> float:
+def pick_lambda(
+    probs: Tensor,
+    targets: Tensor,
+    alpha: float,
+    k_reg: int,
+    randomized: bool,
+    generator: torch.Generator | None = None,
+    grid: tuple[float, ...] = LAMBDA_GRID,
+    allow_empty_sets: bool = False,
+) -> float:
     """The authors' `pick_lamda_size`: the λ of `grid` whose RAPS sets, calibrated and measured on
     these (tuning) examples, are smallest on average; the first on ties. The sets follow
     `allow_empty_sets` (`prediction_sets`), as the authors' pass `allow_zero_sets` on."""
@@ -222,7 +258,9 @@ def pick_lambda(probs: Tensor, targets: Tensor, alpha: float, k_reg: int, random
         draws = _uniform(len(targets), generator) if randomized else None
         qhat = conformal_quantile(_own(conformity_scores(probs, score, draws, k_reg, lam), targets), alpha)
         draws = _uniform(len(targets), generator) if randomized else None
-        size = float(prediction_sets(conformity_scores(probs, score, draws, k_reg, lam), qhat, top).sum(1).double().mean())
+        size = float(
+            prediction_sets(conformity_scores(probs, score, draws, k_reg, lam), qhat, top).sum(1).double().mean()
+        )
         if size < best_size:
             best, best_size = lam, size
     return float(best)
@@ -255,9 +293,16 @@ class Calibrated:
         return prediction_sets(self.scores(probs, generator), self.qhat, top)
 
     def record(self) -> dict[str, Any]:
-        return {"score": self.score, "level": 1 - self.alpha, "qhat": self.qhat if math.isfinite(self.qhat) else "inf",
-                "k_reg": self.k_reg, "lambda": self.lam, "n_calibration": self.n_calibration, "n_tuning": self.n_tuning,
-                "allow_empty_sets": self.allow_empty_sets}
+        return {
+            "score": self.score,
+            "level": 1 - self.alpha,
+            "qhat": self.qhat if math.isfinite(self.qhat) else "inf",
+            "k_reg": self.k_reg,
+            "lambda": self.lam,
+            "n_calibration": self.n_calibration,
+            "n_tuning": self.n_tuning,
+            "allow_empty_sets": self.allow_empty_sets,
+        }
 
 
 def tuning_size(n: int, score: str, tuning_fraction: float = TUNING_FRACTION) -> int:
@@ -266,9 +311,17 @@ def tuning_size(n: int, score: str, tuning_fraction: float = TUNING_FRACTION) ->
     return math.ceil(tuning_fraction * n - _EPS) if SCORES[score][1] else 0
 
 
-def calibrate(probs: Tensor, targets: Tensor, score: str, alpha: float, generator: torch.Generator | None = None,
-              k_reg: int | None = None, lam: float | None = None, tuning_fraction: float = TUNING_FRACTION,
-              allow_empty_sets: bool = False) -> Calibrated:
+def calibrate(
+    probs: Tensor,
+    targets: Tensor,
+    score: str,
+    alpha: float,
+    generator: torch.Generator | None = None,
+    k_reg: int | None = None,
+    lam: float | None = None,
+    tuning_fraction: float = TUNING_FRACTION,
+    allow_empty_sets: bool = False,
+) -> Calibrated:
     """The conformal predictor of `score` at level 1 − α from calibration examples (probabilities
     (n, C), labels (n,)). RAPS: unless both `k_reg` and `lam` are given, a random part of the
     examples (`tuning_size`; `generator` draws it) tunes the missing ones (`pick_k_reg`,
@@ -289,8 +342,9 @@ def calibrate(probs: Tensor, targets: Tensor, score: str, alpha: float, generato
         if k_reg is None:
             k_reg = pick_k_reg(probs[tune], targets[tune], alpha)
         if lam is None:
-            lam = pick_lambda(probs[tune], targets[tune], alpha, k_reg, randomized, generator,
-                              allow_empty_sets=allow_empty_sets)
+            lam = pick_lambda(
+                probs[tune], targets[tune], alpha, k_reg, randomized, generator, allow_empty_sets=allow_empty_sets
+            )
         probs, targets = probs[rest], targets[rest]
     k_reg, lam = (int(k_reg), float(lam)) if penalised else (0, 0.0)
     u = _uniform(len(targets), generator) if randomized else None
@@ -340,16 +394,23 @@ def set_metrics(sets: Tensor, targets: Tensor, strata: list[tuple[int, int]] | N
     for k, bounds in enumerate(strata):
         members = stratum == k
         if members.any():
-            per_stratum.append({"sizes": stratum_name(bounds), "count": int(members.sum()),
-                                "coverage": float(covered[members].mean())})
+            per_stratum.append(
+                {"sizes": stratum_name(bounds), "count": int(members.sum()), "coverage": float(covered[members].mean())}
+            )
     per_class = []
     for label in range(sets.shape[1]):
         members = targets == label
         if members.any():
             per_class.append({"class": label, "count": int(members.sum()), "coverage": float(covered[members].mean())})
-    return {"coverage": float(covered.mean()), "size": float(size.mean()), "empty": float((size == 0).double().mean()),
-            "ssc": min(s["coverage"] for s in per_stratum), "class_coverage_min": min(c["coverage"] for c in per_class),
-            "strata": per_stratum, "classes": per_class}
+    return {
+        "coverage": float(covered.mean()),
+        "size": float(size.mean()),
+        "empty": float((size == 0).double().mean()),
+        "ssc": min(s["coverage"] for s in per_stratum),
+        "class_coverage_min": min(c["coverage"] for c in per_class),
+        "strata": per_stratum,
+        "classes": per_class,
+    }
 
 
 def _smallest_group_mean(values: Tensor, group: Tensor, groups: int, weights: Tensor) -> Tensor:
@@ -360,8 +421,9 @@ def _smallest_group_mean(values: Tensor, group: Tensor, groups: int, weights: Te
     return means.min(1).values
 
 
-def weighted_set_metrics(sets: Tensor, targets: Tensor, weights: Tensor,
-                         strata: list[tuple[int, int]] | None = None) -> dict[str, Tensor]:
+def weighted_set_metrics(
+    sets: Tensor, targets: Tensor, weights: Tensor, strata: list[tuple[int, int]] | None = None
+) -> dict[str, Tensor]:
     """`SET_METRICS` at every row of `weights` ((B, N) counts of the examples, as
     `dbsn.metrics.intervals`): weighted means, and the smallest weighted stratum / class coverage
     over the strata / classes a row draws. Row values at unit counts equal `set_metrics`'."""
@@ -372,7 +434,10 @@ def weighted_set_metrics(sets: Tensor, targets: Tensor, weights: Tensor,
         raise ValueError(f"weights must be (B, {len(targets)}) (one row per resample), got {tuple(weights.shape)}")
     covered, size, stratum = _groups(sets, targets, strata)
     total = weights.sum(1)
-    return {"coverage": weights @ covered / total, "size": weights @ size / total,
-            "empty": weights @ (size == 0).double() / total,
-            "ssc": _smallest_group_mean(covered, stratum, len(strata), weights),
-            "class_coverage_min": _smallest_group_mean(covered, targets, sets.shape[1], weights)}
+    return {
+        "coverage": weights @ covered / total,
+        "size": weights @ size / total,
+        "empty": weights @ (size == 0).double() / total,
+        "ssc": _smallest_group_mean(covered, stratum, len(strata), weights),
+        "class_coverage_min": _smallest_group_mean(covered, targets, sets.shape[1], weights),
+    }

@@ -56,8 +56,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["EquivalentInterval", "deep_ensemble_equivalent", "deep_ensemble_equivalent_interval",
-           "equivalent_interval"]
+__all__ = ["EquivalentInterval", "deep_ensemble_equivalent", "deep_ensemble_equivalent_interval", "equivalent_interval"]
 
 #: what an interval leaves out with a single ensemble run, or a single run of the method
 ENSEMBLE_RUNS, METHOD_RUNS = "the ensemble's members and seeds (one ensemble run)", "the method's seeds (one run)"
@@ -143,8 +142,9 @@ def _seed_variance(means: Tensor, test_cov: Tensor) -> tuple[Tensor, Tensor]:
     return (sample - shared).clamp_min(0.0), sample
 
 
-def equivalent_interval(method_nll: Tensor, ensemble_nll: Tensor, sizes: Sequence[int], level: float = 0.95,
-                        steps: int = 100) -> EquivalentInterval:
+def equivalent_interval(
+    method_nll: Tensor, ensemble_nll: Tensor, sizes: Sequence[int], level: float = 0.95, steps: int = 100
+) -> EquivalentInterval:
     """The deep-ensemble equivalent of a method and its interval at `level` (module docstring), from
     per-example (calibrated) NLLs on one test set: `method_nll` (k, n), one row per run of the method;
     `ensemble_nll` (r, len(sizes), n), each ensemble run's NLL at each of `sizes` (its first s members).
@@ -175,8 +175,8 @@ def equivalent_interval(method_nll: Tensor, ensemble_nll: Tensor, sizes: Sequenc
     cov = torch.cov(per_example.T).reshape(r * count + k, r * count + k) / n
     e_cov = cov[: r * count, : r * count].reshape(r, count, r, count)
     ensemble_cov = torch.einsum("gs,jslt,gt->gjl", weights, e_cov, weights)  # (grid, r, r)
-    cross = torch.einsum("gs,jsl->gjl", weights, cov[: r * count, r * count:].reshape(r, count, k))  # (grid, r, k)
-    method_cov = cov[r * count:, r * count:]
+    cross = torch.einsum("gs,jsl->gjl", weights, cov[: r * count, r * count :].reshape(r, count, k))  # (grid, r, k)
+    method_cov = cov[r * count :, r * count :]
     test = ensemble_cov.sum((1, 2)) / r**2 + method_cov.sum() / k**2 - 2 * cross.sum((1, 2)) / (r * k)
     variance, terms, leaves_out = test.clamp_min(0.0), torch.zeros_like(test), []
     if r > 1:

@@ -82,16 +82,23 @@ def percentile_interval(value: float, samples: Tensor, level: float = 0.95) -> I
     return Interval(float(value), float(low), float(high), level)
 
 
-def bootstrap(metric: Callable[[Tensor], Tensor], n: int, resamples: int = 1000, level: float = 0.95,
-              seed: int = 0) -> Interval:
+def bootstrap(
+    metric: Callable[[Tensor], Tensor], n: int, resamples: int = 1000, level: float = 0.95, seed: int = 0
+) -> Interval:
     """`metric(weights)` -> (B,) values for a (B, n) weight matrix; its value at unit weights and
     its percentile interval over `resamples` seeded resamples."""
     value = metric(torch.ones(1, n, dtype=torch.float64))[0]
     return percentile_interval(float(value), metric(resample_counts(n, resamples, seed)), level)
 
 
-def paired_interval(metric_a: Callable[[Tensor], Tensor], metric_b: Callable[[Tensor], Tensor], n: int,
-                    resamples: int = 1000, level: float = 0.95, seed: int = 0) -> Interval:
+def paired_interval(
+    metric_a: Callable[[Tensor], Tensor],
+    metric_b: Callable[[Tensor], Tensor],
+    n: int,
+    resamples: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
     """The interval of `metric_a - metric_b`, both computed on the same resamples of the same n
     test examples (a paired bootstrap: the noise the two share cancels)."""
     ones = torch.ones(1, n, dtype=torch.float64)
@@ -164,13 +171,13 @@ def weighted_squared_calibration_error(probs: Tensor, target: Tensor, weights: T
     CE² come from `ce2_inference`."""
     confidence, prediction = probs.max(1)
     weights = _weights(weights, len(target))
-    d = ((prediction == target).double() - confidence.double())
+    d = (prediction == target).double() - confidence.double()
     members = torch.nn.functional.one_hot(bin_index(confidence, n_bins), n_bins).double()  # (n, bins)
-    squared = weights ** 2
+    squared = weights**2
     n_b, s_b = weights @ members, weights @ (members * d[:, None])
-    t_b, m_b = squared @ (members * (d ** 2)[:, None]), squared @ members
-    pairs = n_b ** 2 - m_b
-    per_bin = torch.where(pairs > 0, n_b * (s_b ** 2 - t_b) / pairs.clamp_min(1e-300), torch.zeros_like(n_b))
+    t_b, m_b = squared @ (members * (d**2)[:, None]), squared @ members
+    pairs = n_b**2 - m_b
+    per_bin = torch.where(pairs > 0, n_b * (s_b**2 - t_b) / pairs.clamp_min(1e-300), torch.zeros_like(n_b))
     return per_bin.sum(1) / weights.sum(1)
 
 
@@ -178,8 +185,10 @@ def weighted_classwise_ece(probs: Tensor, target: Tensor, weights: Tensor, n_bin
     """(B,) classwise ECE (`calibration.classwise_expected_calibration_error`): the mean over
     classes k of the equal-width ECE of p_k against the indicator of label k."""
     weights = _weights(weights, len(target))
-    per_class = [_binned_gap(probs[:, k].contiguous(), (target == k).to(probs.dtype), weights, n_bins)
-                 for k in range(probs.shape[1])]
+    per_class = [
+        _binned_gap(probs[:, k].contiguous(), (target == k).to(probs.dtype), weights, n_bins)
+        for k in range(probs.shape[1])
+    ]
     return torch.stack(per_class).mean(0)
 
 
@@ -221,22 +230,28 @@ def weighted_auroc(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, we
     weights_in, weights_out = _weights(weights_in, len(scores_in)), _weights(weights_out, len(scores_out))
     values, inverse = torch.unique(torch.cat([scores_in, scores_out]).double(), return_inverse=True)
     w_in = _group_sums(weights_in, inverse[: len(scores_in)], len(values))  # (B, G) weight at each distinct score
-    w_out = _group_sums(weights_out, inverse[len(scores_in):], len(values))
+    w_out = _group_sums(weights_out, inverse[len(scores_in) :], len(values))
     below = w_in.cumsum(1) - w_in  # in-distribution weight strictly below each value
     pairs = (w_out * (below + w_in / 2)).sum(1)
     return pairs / (w_in.sum(1) * w_out.sum(1))
 
 
-def _ranked_sums(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor) -> tuple[Tensor, Tensor]:
+def _ranked_sums(
+    scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor
+) -> tuple[Tensor, Tensor]:
     """(B, G) weight of the in- and out-sets at each distinct score, in DEcreasing score order."""
     weights_in, weights_out = _weights(weights_in, len(scores_in)), _weights(weights_out, len(scores_out))
     values, inverse = torch.unique(torch.cat([scores_in, scores_out]).double(), return_inverse=True)
     inverse = len(values) - 1 - inverse  # the highest score first
-    return (_group_sums(weights_in, inverse[: len(scores_in)], len(values)),
-            _group_sums(weights_out, inverse[len(scores_in):], len(values)))
+    return (
+        _group_sums(weights_in, inverse[: len(scores_in)], len(values)),
+        _group_sums(weights_out, inverse[len(scores_in) :], len(values)),
+    )
 
 
-def weighted_average_precision(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor) -> Tensor:
+def weighted_average_precision(
+    scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, weights_out: Tensor
+) -> Tensor:
     """(B,) average precision with the out-set positive (`ood.detection_metrics`' AUPR):
     Σ_k (R_k - R_{k-1}) P_k over the distinct thresholds, highest first. For the AUPR with the
     in-set positive, pass the negated scores with the sets swapped."""
@@ -257,7 +272,9 @@ def weighted_fpr95(scores_in: Tensor, scores_out: Tensor, weights_in: Tensor, we
     return fp.gather(1, first).squeeze(1) / fp[:, -1]
 
 
-def weighted_selective(errors: Tensor, uncertainty: Tensor, weights: Tensor, coverage: float = 0.8) -> dict[str, Tensor]:
+def weighted_selective(
+    errors: Tensor, uncertainty: Tensor, weights: Tensor, coverage: float = 0.8
+) -> dict[str, Tensor]:
     """(B,) AURC, E-AURC, AUGRC and selective risk at `coverage` (`selective.selective_metrics`,
     ties accepted together, the exact integrals of `selective.aurc` / `augrc`) of the resampled
     sets: the threshold points are the distinct uncertainties, each carrying its examples' counts
@@ -271,7 +288,9 @@ def weighted_selective(errors: Tensor, uncertainty: Tensor, weights: Tensor, cov
     length = b - a
     safe = torch.where(length > 0, length, torch.ones_like(length))
     intercept = torch.where(length > 0, (g_a * b - g_b * a) / safe, torch.zeros_like(length))
-    log_ratio = torch.where((a > 0) & (length > 0), torch.log(b / torch.where(a > 0, a, b).clamp_min(1e-300)), torch.zeros_like(a))
+    log_ratio = torch.where(
+        (a > 0) & (length > 0), torch.log(b / torch.where(a > 0, a, b).clamp_min(1e-300)), torch.zeros_like(a)
+    )
     aurc = ((g_b - g_a) + intercept * log_ratio).sum(1)
     augrc = (length * (g_a + g_b) / 2).sum(1)
     rate = g_b[:, -1]
@@ -280,5 +299,10 @@ def weighted_selective(errors: Tensor, uncertainty: Tensor, weights: Tensor, cov
     j = torch.searchsorted(b.contiguous(), target).clamp_max(b.shape[1] - 1)
     a_j, b_j, ga_j, gb_j = (t.gather(1, j) for t in (a, b, g_a, g_b))
     g = ga_j + (gb_j - ga_j) * (target - a_j) / (b_j - a_j).clamp_min(1e-300)
-    return {"aurc": aurc, "eaurc": aurc - optimal, "augrc": augrc, "risk@80": (g / target).squeeze(1),
-            "optimal_aurc": optimal}
+    return {
+        "aurc": aurc,
+        "eaurc": aurc - optimal,
+        "augrc": augrc,
+        "risk@80": (g / target).squeeze(1),
+        "optimal_aurc": optimal,
+    }

@@ -31,8 +31,19 @@ from torch.nn import functional as F
 
 from dbsn.metrics.uncertainty import ensemble_log_probs
 
-__all__ = ["GDA", "GDA_CHUNK_ELEMENTS", "GDA_JITTERS", "KNN", "KNN_CHUNK_ELEMENTS", "Mahalanobis", "ViM", "energy",
-           "max_logit", "odin", "vim_dim"]
+__all__ = [
+    "GDA",
+    "GDA_CHUNK_ELEMENTS",
+    "GDA_JITTERS",
+    "KNN",
+    "KNN_CHUNK_ELEMENTS",
+    "Mahalanobis",
+    "ViM",
+    "energy",
+    "max_logit",
+    "odin",
+    "vim_dim",
+]
 
 #: KNN's memory budget: query rows × training rows of distances formed at once (2^24 floats,
 #: 64 MiB in float32: 335 queries at a time against 50,000 training features).
@@ -228,8 +239,10 @@ class GDA(_Fitted):
         (N,), in float64 on the features' device."""
         labels, counts = _class_counts(features, labels, num_classes)
         if (counts < 2).any():
-            raise ValueError(f"classes {torch.nonzero(counts < 2).flatten().tolist()} have one training feature: "
-                             "a class covariance needs two")
+            raise ValueError(
+                f"classes {torch.nonzero(counts < 2).flatten().tolist()} have one training feature: "
+                "a class covariance needs two"
+            )
         z = features.detach().double()
         # the authors' arithmetic to the last bit (torch.mean, then centered_cov_torch): whether a
         # rank-deficient covariance has a Cholesky factor can turn on its rounding
@@ -257,9 +270,11 @@ class GDA(_Fitted):
             if not info.any():
                 return scale_tril, jitter
             failed = shifted
-        raise ValueError(f"no jitter up to {GDA_JITTERS[-1]} makes every class covariance positive definite "
-                         f"(the diagonals' smallest entry is {diagonal.min().item():.3g}); the features may be "
-                         "non-finite or far from unit scale")
+        raise ValueError(
+            f"no jitter up to {GDA_JITTERS[-1]} makes every class covariance positive definite "
+            f"(the diagonals' smallest entry is {diagonal.min().item():.3g}); the features may be "
+            "non-finite or far from unit scale"
+        )
 
     @property
     def query_chunk(self) -> int:
@@ -424,8 +439,9 @@ class ViM(_Fitted):
         bias = bias.detach().to(z)
         d = z.shape[1]
         if weight.ndim != 2 or weight.shape[1] != d or bias.shape != weight.shape[:1]:
-            raise ValueError(f"expected weight (C, {d}) and bias (C,), "
-                             f"got {tuple(weight.shape)} and {tuple(bias.shape)}")
+            raise ValueError(
+                f"expected weight (C, {d}) and bias (C,), got {tuple(weight.shape)} and {tuple(bias.shape)}"
+            )
         dim = vim_dim(d) if self.dim is None else int(self.dim)
         if not 0 <= dim < d:
             raise ValueError(f"dim = {dim} principal dimensions must leave a residual space: need 0 <= dim < D = {d}")
@@ -467,17 +483,20 @@ def _logits(member_logits: MemberLogits, x: Tensor, first: int, n: int) -> Tenso
     """Logits (n, b, C) of members first .. first + n - 1 on x, shape checked."""
     logits = member_logits(x, n, first)
     if logits.ndim != 3 or logits.shape[:2] != (n, x.shape[0]):
-        raise ValueError(f"member_logits(x, {n}, {first}) must give (n, b, C) = ({n}, {x.shape[0]}, C), "
-                         f"got {tuple(logits.shape)}")
+        raise ValueError(
+            f"member_logits(x, {n}, {first}) must give (n, b, C) = ({n}, {x.shape[0]}, C), got {tuple(logits.shape)}"
+        )
     return logits
 
 
-def _mean_tempered_probs(member_logits: MemberLogits, x: Tensor, chunks: list[tuple[int, int]],
-                         temperature: float) -> Tensor:
+def _mean_tempered_probs(
+    member_logits: MemberLogits, x: Tensor, chunks: list[tuple[int, int]], temperature: float
+) -> Tensor:
     """``p̄_T = 1/S Σ_s softmax(z_s(x) / T)`` (b, C) over the members in ``chunks``, without gradients."""
     with torch.no_grad():
-        total = sum(F.softmax(_logits(member_logits, x, first, n) / temperature, dim=-1).sum(dim=0)
-                    for first, n in chunks)
+        total = sum(
+            F.softmax(_logits(member_logits, x, first, n) / temperature, dim=-1).sum(dim=0) for first, n in chunks
+        )
     return total / sum(n for _, n in chunks)
 
 
@@ -488,8 +507,9 @@ def _perturbed(x: Tensor, ascent: Tensor, epsilon: float) -> Tensor:
     return x - epsilon * (2 * ascent.to(x.dtype) - 1)
 
 
-def _predictive_perturbation(member_logits: MemberLogits, x: Tensor, temperature: float, epsilon: float,
-                             chunks: list[tuple[int, int]]) -> Tensor:
+def _predictive_perturbation(
+    member_logits: MemberLogits, x: Tensor, temperature: float, epsilon: float, chunks: list[tuple[int, int]]
+) -> Tensor:
     """``x - ε sign(∇_x -log p̄_T,ĉ(x))`` with ``ĉ = argmax p̄_T(x)``; x is a normal tensor."""
     x_grad = x.clone().requires_grad_(True)
     if len(chunks) == 1:  # one piece: the cross-entropy of the tempered predictive itself
@@ -508,8 +528,7 @@ def _predictive_perturbation(member_logits: MemberLogits, x: Tensor, temperature
     return _perturbed(x, grad_sum <= 0, epsilon)
 
 
-def _member_perturbation(member_logits: MemberLogits, x: Tensor, s: int, temperature: float,
-                         epsilon: float) -> Tensor:
+def _member_perturbation(member_logits: MemberLogits, x: Tensor, s: int, temperature: float, epsilon: float) -> Tensor:
     """OpenOOD's ODIN step for member s alone: ``x - ε sign(∇_x CE(z_s(x) / T, argmax z_s(x)))``."""
     x_grad = x.clone().requires_grad_(True)
     logits = _logits(member_logits, x_grad, s, 1)[0]
@@ -518,8 +537,15 @@ def _member_perturbation(member_logits: MemberLogits, x: Tensor, s: int, tempera
     return _perturbed(x, grad >= 0, epsilon)
 
 
-def odin(member_logits: MemberLogits, x: Tensor, n_members: int, temperature: float = 1000.0,
-         epsilon: float = 0.0014, on: str = "predictive", chunk: int | None = None) -> Tensor:
+def odin(
+    member_logits: MemberLogits,
+    x: Tensor,
+    n_members: int,
+    temperature: float = 1000.0,
+    epsilon: float = 0.0014,
+    on: str = "predictive",
+    chunk: int | None = None,
+) -> Tensor:
     """ODIN: temperature scaling and an input perturbation towards higher confidence; (b,) scores.
 
     Liang et al., 2018, "Enhancing The Reliability of Out-of-distribution Image Detection in

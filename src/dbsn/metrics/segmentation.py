@@ -201,8 +201,9 @@ class SegmentationMetrics(nn.Module):
         images = target_shape[0] if len(target_shape) > 1 else 1
         self._per_image.append(self._image_rows(images, prediction, safe_target, valid, confidence, nll))
 
-    def _image_rows(self, images: int, prediction: Tensor, target: Tensor, valid: Tensor, confidence: Tensor,
-                    nll: Tensor) -> Tensor:
+    def _image_rows(
+        self, images: int, prediction: Tensor, target: Tensor, valid: Tensor, confidence: Tensor, nll: Tensor
+    ) -> Tensor:
         """(images, C² + 2 bins + 2) float64 sums of each image's valid pixels: its confusion
         matrix (row-major, target by prediction), per ECE bin the count and the sum of
         (correct - confidence), the NLL sum and the pixel count."""
@@ -218,9 +219,18 @@ class SegmentationMetrics(nn.Module):
         gaps.index_add_(0, index, (prediction == target).double() - confidence.double())
         nll_sum = torch.zeros(images, dtype=torch.float64, device=target.device).index_add_(0, image, nll.double())
         pixels = torch.zeros(images, dtype=torch.float64, device=target.device).index_add_(
-            0, image, torch.ones_like(nll, dtype=torch.float64))
-        return torch.cat([confusion.view(images, -1), counts.view(images, -1), gaps.view(images, -1),
-                          nll_sum[:, None], pixels[:, None]], 1).cpu()
+            0, image, torch.ones_like(nll, dtype=torch.float64)
+        )
+        return torch.cat(
+            [
+                confusion.view(images, -1),
+                counts.view(images, -1),
+                gaps.view(images, -1),
+                nll_sum[:, None],
+                pixels[:, None],
+            ],
+            1,
+        ).cpu()
 
     def per_image(self) -> Tensor | None:
         """(images, ...) the rows of `_image_rows` of every image since the last reset (None if none)."""
@@ -236,10 +246,14 @@ class SegmentationMetrics(nn.Module):
         confusion = sums[:, : c * c].view(-1, c, c)
         tp = confusion.diagonal(dim1=1, dim2=2)
         iou = tp / (confusion.sum(1) + confusion.sum(2) - tp)
-        gaps = sums[:, c * c + slots: c * c + 2 * slots]
+        gaps = sums[:, c * c + slots : c * c + 2 * slots]
         pixels = sums[:, -1]
-        return {"miou": iou.nanmean(1), "global_acc": tp.sum(1) / pixels,
-                "ece": gaps.abs().sum(1) / pixels, "nll": sums[:, -2] / pixels}
+        return {
+            "miou": iou.nanmean(1),
+            "global_acc": tp.sum(1) / pixels,
+            "ece": gaps.abs().sum(1) / pixels,
+            "nll": sums[:, -2] / pixels,
+        }
 
     def compute(self) -> dict[str, Tensor]:
         """The metrics over everything seen since the last reset."""

@@ -21,8 +21,14 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["decomposition_of", "detection_scores", "ensemble_log_probs", "entropy", "ood_scores",
-           "uncertainty_decomposition"]
+__all__ = [
+    "decomposition_of",
+    "detection_scores",
+    "ensemble_log_probs",
+    "entropy",
+    "ood_scores",
+    "uncertainty_decomposition",
+]
 
 
 def entropy(log_probs: Tensor, dim: int = -1) -> Tensor:

@@ -84,8 +84,8 @@ from ``dbsn.natgrad.per_example``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -193,9 +193,16 @@ class NEKFAC(torch.optim.Optimizer):
         kfac_params = [p for m in self.layers for p in (m.weight, m.bias) if p is not None]
         other = [p for p in model.parameters() if p.requires_grad and id(p) not in kfac_ids]
         defaults = dict(
-            lr=lr, kl_weight=kl_weight, prior_var=prior_var, damping=damping, kl_clip=kl_clip,
-            momentum=momentum, dataset_size=dataset_size, cov_update_every=cov_update_every,
-            eigen_update_every=eigen_update_every, stat_decay=stat_decay,
+            lr=lr,
+            kl_weight=kl_weight,
+            prior_var=prior_var,
+            damping=damping,
+            kl_clip=kl_clip,
+            momentum=momentum,
+            dataset_size=dataset_size,
+            cov_update_every=cov_update_every,
+            eigen_update_every=eigen_update_every,
+            stat_decay=stat_decay,
         )
         super().__init__(kfac_params + other, defaults)
         self.other_params = other
@@ -223,7 +230,9 @@ class NEKFAC(torch.optim.Optimizer):
     def noise_std(self, layer: nn.Module) -> Tensor:
         """Σ = sqrt((λ/N) / (s* + λ/(N η))), shaped like s*: the posterior std in the eigenbasis."""
         g = self._group
-        return ((g["kl_weight"] / g["dataset_size"]) / (self.layer_state(layer)["s_star"] + self.prior_precision)).sqrt()
+        return (
+            (g["kl_weight"] / g["dataset_size"]) / (self.layer_state(layer)["s_star"] + self.prior_precision)
+        ).sqrt()
 
     # ----------------------------------------------------------------- weight noise
     def _has_basis(self, layer: nn.Module) -> bool:
@@ -287,8 +296,10 @@ class NEKFAC(torch.optim.Optimizer):
             if not self.capture.has(layer):
                 continue
             if self.capture.num_calls(layer) != 1:
-                raise RuntimeError(f"NEKFAC needs each layer applied once per forward; {layer} ran "
-                                   f"{self.capture.num_calls(layer)} times")
+                raise RuntimeError(
+                    f"NEKFAC needs each layer applied once per forward; {layer} ran "
+                    f"{self.capture.num_calls(layer)} times"
+                )
             inputs, grads = self.capture.input(layer), self.capture.output_grad(layer)
             st = self.layer_state(layer)
             a, s = kfac_factors(layer, inputs, grads)

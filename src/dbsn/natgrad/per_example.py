@@ -80,7 +80,9 @@ def _in_float32(statistic):
 
 def _check_layer(layer: nn.Module) -> None:
     if not isinstance(layer, SUPPORTED_LAYERS):
-        raise TypeError(f"per-example statistics support Linear, Conv2d and BatchNorm layers, got {type(layer).__name__}")
+        raise TypeError(
+            f"per-example statistics support Linear, Conv2d and BatchNorm layers, got {type(layer).__name__}"
+        )
 
 
 class LayerCapture:

@@ -67,8 +67,13 @@ from dbsn.natgrad.per_example import SUPPORTED_LAYERS, LayerCapture, sum_squared
 __all__ = ["VOGN"]
 
 _GLOBAL_OPTIONS = (
-    "dataset_size", "augmentation_factor", "tau", "draws_per_step",
-    "kl_warmup_start", "kl_warmup_steps", "loss_reduction",
+    "dataset_size",
+    "augmentation_factor",
+    "tau",
+    "draws_per_step",
+    "kl_warmup_start",
+    "kl_warmup_steps",
+    "loss_reduction",
 )
 
 
@@ -106,21 +111,38 @@ class VOGN(Optimizer):
         loss_reduction: str = "sum",
     ) -> None:
         checks = {
-            "lr >= 0": lr >= 0, "dataset_size > 0": dataset_size > 0, "prior_variance > 0": prior_variance > 0,
-            "tau > 0": tau > 0, "augmentation_factor > 0": augmentation_factor > 0, "damping >= 0": damping >= 0,
-            "0 <= momentum < 1": 0 <= momentum < 1, "0 < beta2 <= 1": 0 < beta2 <= 1,
-            "init_precision >= 0": init_precision >= 0, "draws_per_step >= 1": draws_per_step >= 1,
-            "0 < kl_warmup_start <= 1": 0 < kl_warmup_start <= 1, "kl_warmup_steps >= 0": kl_warmup_steps >= 0,
+            "lr >= 0": lr >= 0,
+            "dataset_size > 0": dataset_size > 0,
+            "prior_variance > 0": prior_variance > 0,
+            "tau > 0": tau > 0,
+            "augmentation_factor > 0": augmentation_factor > 0,
+            "damping >= 0": damping >= 0,
+            "0 <= momentum < 1": 0 <= momentum < 1,
+            "0 < beta2 <= 1": 0 < beta2 <= 1,
+            "init_precision >= 0": init_precision >= 0,
+            "draws_per_step >= 1": draws_per_step >= 1,
+            "0 < kl_warmup_start <= 1": 0 < kl_warmup_start <= 1,
+            "kl_warmup_steps >= 0": kl_warmup_steps >= 0,
             "loss_reduction in ('sum', 'mean')": loss_reduction in ("sum", "mean"),
         }
         failed = [name for name, ok in checks.items() if not ok]
         if failed:
             raise ValueError(f"VOGN: invalid hyperparameters, need {', '.join(failed)}")
         defaults = dict(
-            lr=lr, prior_variance=prior_variance, damping=damping, momentum=momentum, beta2=beta2,
-            init_precision=init_precision, point_estimate=False, dataset_size=dataset_size,
-            augmentation_factor=augmentation_factor, tau=tau, draws_per_step=int(draws_per_step),
-            kl_warmup_start=kl_warmup_start, kl_warmup_steps=int(kl_warmup_steps), loss_reduction=loss_reduction,
+            lr=lr,
+            prior_variance=prior_variance,
+            damping=damping,
+            momentum=momentum,
+            beta2=beta2,
+            init_precision=init_precision,
+            point_estimate=False,
+            dataset_size=dataset_size,
+            augmentation_factor=augmentation_factor,
+            tau=tau,
+            draws_per_step=int(draws_per_step),
+            kl_warmup_start=kl_warmup_start,
+            kl_warmup_steps=int(kl_warmup_steps),
+            loss_reduction=loss_reduction,
         )
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -137,8 +159,11 @@ class VOGN(Optimizer):
                 for p in (getattr(module, "weight", None), getattr(module, "bias", None)):
                     if isinstance(p, nn.Parameter):
                         owners.setdefault(p, []).append(module)
-        uncovered = [names.get(p, f"<parameter {tuple(p.shape)} not in the model>")
-                     for p in self._params() if len(owners.get(p, [])) != 1]
+        uncovered = [
+            names.get(p, f"<parameter {tuple(p.shape)} not in the model>")
+            for p in self._params()
+            if len(owners.get(p, [])) != 1
+        ]
         if uncovered:
             raise ValueError(
                 "VOGN needs per-example squared gradients, which dbsn.natgrad computes only for the weight and "
@@ -193,7 +218,9 @@ class VOGN(Optimizer):
             shift = self._delta_tilde(group, tau) + group["damping"]
             for p in group["params"]:
                 precision = self.state[p]["precision"]
-                stds.append(None if group["point_estimate"] else math.sqrt(tau / self.n_eff) * torch.rsqrt(precision + shift))
+                stds.append(
+                    None if group["point_estimate"] else math.sqrt(tau / self.n_eff) * torch.rsqrt(precision + shift)
+                )
         return stds
 
     def posterior_std(self) -> dict[str, Tensor]:

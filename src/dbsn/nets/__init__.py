@@ -19,5 +19,17 @@ from dbsn.nets.resnet import ResNet18
 from dbsn.nets.vgg import VGG16BN
 from dbsn.nets.wideresnet import WideResNet
 
-__all__ = ["OPS", "Backbone", "Cell", "DBSNSegNet", "FCDenseNet", "FusedCell", "GroupBatchNorm2d", "GroupedSequential",
-           "ResNet18", "StructureNet", "VGG16BN", "WideResNet"]
+__all__ = [
+    "OPS",
+    "Backbone",
+    "Cell",
+    "DBSNSegNet",
+    "FCDenseNet",
+    "FusedCell",
+    "GroupBatchNorm2d",
+    "GroupedSequential",
+    "ResNet18",
+    "StructureNet",
+    "VGG16BN",
+    "WideResNet",
+]

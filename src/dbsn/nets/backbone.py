@@ -28,7 +28,9 @@ def groups_of(alpha: Tensor | None) -> int:
     if alpha.dim() == 2:
         alpha = alpha.unsqueeze(0)
     if alpha.dim() != 3 or alpha.shape[1:] != (0, 0) or alpha.shape[0] == 0:
-        raise ValueError(f"a network with no structure takes alpha of shape (G, 0, 0) or (0, 0), got {tuple(alpha.shape)}")
+        raise ValueError(
+            f"a network with no structure takes alpha of shape (G, 0, 0) or (0, 0), got {tuple(alpha.shape)}"
+        )
     return alpha.shape[0]
 
 

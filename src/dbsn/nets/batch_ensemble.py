@@ -31,8 +31,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchEnsembleConv2d", "BatchEnsembleLinear", "batch_ensemble", "fast_parameters",
-           "init_fast_weights_", "member_biases", "swap_layers"]
+__all__ = [
+    "BatchEnsembleConv2d",
+    "BatchEnsembleLinear",
+    "batch_ensemble",
+    "fast_parameters",
+    "init_fast_weights_",
+    "member_biases",
+    "swap_layers",
+]
 
 
 def init_fast_weights_(tensor: Tensor, random_sign_init: float) -> Tensor:
@@ -47,8 +54,9 @@ class _BatchEnsembleLayer(nn.Module):
     """A slow layer (`layer`, without its bias) with M members' fast weights r (M, in),
     s (M, out) and, where the slow layer had a bias, member biases (M, out)."""
 
-    def __init__(self, layer: nn.Module, size: int, in_features: int, out_features: int,
-                 random_sign_init: float) -> None:
+    def __init__(
+        self, layer: nn.Module, size: int, in_features: int, out_features: int, random_sign_init: float
+    ) -> None:
         super().__init__()
         if size < 1:
             raise ValueError(f"size (M, the number of members) must be >= 1, got {size}")
@@ -64,8 +72,10 @@ class _BatchEnsembleLayer(nn.Module):
         """p (G, C) per row of x (row r: p[r mod G]), shaped to broadcast against x's channels; G is
         M here (a rank-1 BNN's held members pass their own)."""
         if x.shape[0] % p.shape[0]:
-            raise ValueError(f"a BatchEnsemble layer of M = {p.shape[0]} members needs a batch of whole member "
-                             f"groups (rows interleaved, row r = member r mod M); got {x.shape[0]} rows")
+            raise ValueError(
+                f"a BatchEnsemble layer of M = {p.shape[0]} members needs a batch of whole member "
+                f"groups (rows interleaved, row r = member r mod M); got {x.shape[0]} rows"
+            )
         rows = p.repeat(x.shape[0] // p.shape[0], 1)  # (b·G, C)
         ones = (1,) * (x.dim() - 2)
         return rows.view(*rows.shape, *ones) if self.channels_first else rows.view(rows.shape[0], *ones, -1)
@@ -100,8 +110,11 @@ def batch_ensemble(net: nn.Module, size: int, random_sign_init: float = -0.5) ->
     becomes a `BatchEnsembleConv2d` / `BatchEnsembleLinear` around it (its weight the slow
     weight); BatchNorm and everything else stays shared. Returns `net`, which then takes
     batches of whole member groups (row r = member r mod `size`)."""
-    return swap_layers(net, lambda conv: BatchEnsembleConv2d(conv, size, random_sign_init),
-                       lambda linear: BatchEnsembleLinear(linear, size, random_sign_init))
+    return swap_layers(
+        net,
+        lambda conv: BatchEnsembleConv2d(conv, size, random_sign_init),
+        lambda linear: BatchEnsembleLinear(linear, size, random_sign_init),
+    )
 
 
 def swap_layers(net: nn.Module, conv, linear) -> nn.Module:

@@ -19,8 +19,8 @@ training, so one grouped forward equals G separate forwards. Three tools build o
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +106,9 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             # mix (a GPU accumulates in float32 either way): the statistics stay float32, as promised
             weight, bias = x.new_ones(groups * c, dtype=torch.float32), x.new_zeros(groups * c, dtype=torch.float32)
         # (its mean and 1/std come out of autograd's graph: nothing to detach)
-        y, mean, invstd = torch.native_batch_norm(x.reshape(n // groups, groups * c, h, w), weight, bias,
-                                                  None, None, True, 0.0, self.eps)
+        y, mean, invstd = torch.native_batch_norm(
+            x.reshape(n // groups, groups * c, h, w), weight, bias, None, None, True, 0.0, self.eps
+        )
         return y.view(n, c, h, w), full(mean), full(invstd)
 
     def _affine(self, groups: int) -> tuple[Tensor | None, Tensor | None]:
@@ -136,8 +137,15 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             raise ValueError(f"statistics of {mean.shape[0]} structures for a batch of {groups} groups")
         if _channels_last(x):
             return self._scale_shift(x, groups, mean, var)
-        y = F.batch_norm(x.reshape(n // groups, groups * c, h, w), mean.reshape(-1), var.reshape(-1),
-                         *self._affine(groups), False, 0.0, self.eps)
+        y = F.batch_norm(
+            x.reshape(n // groups, groups * c, h, w),
+            mean.reshape(-1),
+            var.reshape(-1),
+            *self._affine(groups),
+            False,
+            0.0,
+            self.eps,
+        )
         return y.view(n, c, h, w)
 
     def _scale_shift(self, x: Tensor, groups: int, mean: Tensor, var: Tensor) -> Tensor:
@@ -185,7 +193,9 @@ class RunningStatistics:
         self.calls.append((module, mean, invstd, groups, count))
 
     def _plan(self, calls) -> tuple:
-        key = tuple((id(m), groups, count, mean.numel(), mean.dtype, mean.device) for m, mean, _, groups, count in calls)
+        key = tuple(
+            (id(m), groups, count, mean.numel(), mean.dtype, mean.device) for m, mean, _, groups, count in calls
+        )
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -207,8 +217,14 @@ class RunningStatistics:
             eps += [m.eps] * (groups * c)
         device, dtype = calls[0][1].device, calls[0][1].dtype
         as_tensor = lambda values, kind=dtype: torch.tensor(values, dtype=kind, device=device)  # noqa: E731
-        plan = (modules, as_tensor(index, torch.long), as_tensor(scale), as_tensor(correction), as_tensor(eps),
-                [m.num_features for m in modules])
+        plan = (
+            modules,
+            as_tensor(index, torch.long),
+            as_tensor(scale),
+            as_tensor(correction),
+            as_tensor(eps),
+            [m.num_features for m in modules],
+        )
         self._plans[key] = plan
         return plan
 
@@ -267,9 +283,9 @@ def _group_norms(net: nn.Module) -> list[tuple[str, GroupBatchNorm2d]]:
 
 
 @contextmanager
-def accumulated_running_statistics(net: nn.Module, enabled: bool = True,
-                                   statistics: RunningStatistics | None = None,
-                                   keep: Tensor | None = None) -> Iterator[RunningStatistics | None]:
+def accumulated_running_statistics(
+    net: nn.Module, enabled: bool = True, statistics: RunningStatistics | None = None, keep: Tensor | None = None
+) -> Iterator[RunningStatistics | None]:
     """Within the block, training forwards hand their per-group batch statistics to a
     `RunningStatistics` instead of moving the running statistics; on exit the running
     statistics move once, by the usual factor, towards the mean over all the groups seen. T
@@ -344,9 +360,13 @@ def structure_statistics(forward, net: nn.Module, batches: Iterable[Tensor], num
     try:
         for x in batches:
             forward(x)
-        return {name: tuple(torch.stack(parts).mean(0).expand(num_structures, -1).contiguous()
-                            for parts in zip(*m.collected))
-                for name, m in norms if m.collected}
+        return {
+            name: tuple(
+                torch.stack(parts).mean(0).expand(num_structures, -1).contiguous() for parts in zip(*m.collected)
+            )
+            for name, m in norms
+            if m.collected
+        }
     finally:
         for _, m in norms:
             m.collected = None
@@ -373,5 +393,4 @@ def select(statistics: Statistics, index: slice) -> Statistics:
 
 def concatenate(parts: list[Statistics]) -> Statistics:
     """Statistics of consecutive sets of structures joined into one."""
-    return {name: (torch.cat([p[name][0] for p in parts]), torch.cat([p[name][1] for p in parts]))
-            for name in parts[0]}
+    return {name: (torch.cat([p[name][0] for p in parts]), torch.cat([p[name][1] for p in parts])) for name in parts[0]}

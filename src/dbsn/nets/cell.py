@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,16 +17,17 @@ class CellBase(nn.Module):
     slice per node, the node outputs, the output's concatenation, and the edge numbering
     (see `Cell`). Subclasses compute the nodes."""
 
-    def __init__(self, in_channels: int, num_nodes: int, growth: int, projection_kernel: int = 1,
-                 keep_input: bool = True):
+    def __init__(
+        self, in_channels: int, num_nodes: int, growth: int, projection_kernel: int = 1, keep_input: bool = True
+    ):
         super().__init__()
         self.num_nodes, self.growth, self.keep_input = num_nodes, growth, keep_input
         self.out_channels = (in_channels if keep_input else 0) + num_nodes * growth
         self.edges = [(i, j) for j in range(1, num_nodes) for i in range(j)]
         self.preprocess = GroupedSequential(
-            GroupBatchNorm2d(in_channels), nn.ReLU(),
-            nn.Conv2d(in_channels, num_nodes * growth, projection_kernel,
-                      padding=projection_kernel // 2, bias=False),
+            GroupBatchNorm2d(in_channels),
+            nn.ReLU(),
+            nn.Conv2d(in_channels, num_nodes * growth, projection_kernel, padding=projection_kernel // 2, bias=False),
             GroupBatchNorm2d(num_nodes * growth, affine=False),
         )
         self.node_output: nn.Module = nn.Identity()
@@ -49,8 +50,9 @@ class CellBase(nn.Module):
         b, c, h, w = projected.shape
         members, width = self.channel_groups, c // self.num_nodes
         if c % (members * self.num_nodes):
-            raise ValueError(f"a cell's {c} projected channels do not split into {self.num_nodes} nodes of each of "
-                             f"{members} members")
+            raise ValueError(
+                f"a cell's {c} projected channels do not split into {self.num_nodes} nodes of each of {members} members"
+            )
         parts = projected.reshape(b, members, self.num_nodes, width // members, h, w)
         return [parts[:, :, j].reshape(b, width, h, w) for j in range(self.num_nodes)]
 
@@ -92,13 +94,18 @@ class Cell(CellBase):
     member by member, so that each member's channels stay together.
     """
 
-    def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
-                 projection_kernel: int = 1, keep_input: bool = True):
+    def __init__(
+        self,
+        in_channels: int,
+        num_nodes: int,
+        growth: int,
+        op_names: Sequence[str],
+        projection_kernel: int = 1,
+        keep_input: bool = True,
+    ):
         super().__init__(in_channels, num_nodes, growth, projection_kernel, keep_input)
         self.op_names = list(op_names)
-        self.edge_ops = nn.ModuleList(
-            nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges
-        )
+        self.edge_ops = nn.ModuleList(nn.ModuleList(OPS[name](growth) for name in op_names) for _ in self.edges)
         self._register_load_state_dict_pre_hook(_from_fused_state, with_module=True)
 
     def forward(self, x: Tensor, alpha: Tensor, expand: bool = False) -> Tensor:
@@ -120,8 +127,10 @@ class Cell(CellBase):
             node = slices[j].contiguous(memory_format=layout)  # a channel slice; its ops want a dense tensor
             if j > 0:
                 first = j * (j - 1) // 2  # edges (0, j), (1, j), ... are first, first + 1, ...
-                edges = [self._mixed_edge(nodes[i], alpha[:, first + i], self.edge_ops[first + i], shared[i])
-                         for i in range(j)]
+                edges = [
+                    self._mixed_edge(nodes[i], alpha[:, first + i], self.edge_ops[first + i], shared[i])
+                    for i in range(j)
+                ]
                 node = expand_groups(node, groups) if shared[j] else node
                 node = node + sum(edges)
                 shared[j] = False
@@ -152,7 +161,6 @@ class Cell(CellBase):
         if out is None:  # every op is zero
             return node.new_zeros(b * groups, c, h, w).contiguous(memory_format=memory_format(node))
         return out.reshape(b * groups, c, h, w)
-
 
 
 def _from_fused_state(cell: Cell, state_dict: dict, prefix: str, *args) -> None:

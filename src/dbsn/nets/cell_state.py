@@ -11,7 +11,7 @@ transformed layers (Gaussian weights' μ and ρ, BatchEnsemble's fast weights) c
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -56,8 +56,11 @@ def _stack_dim(stacked: torch.Size, one: torch.Size, edges: int) -> int | str | 
         return None
     if len(stacked) != len(one) and stacked.numel() == edges * one.numel():
         return "edge-major"
-    dims = [d for d in range(len(one)) if stacked[d] == edges * one[d]
-            and all(stacked[k] == one[k] for k in range(len(one)) if k != d)]
+    dims = [
+        d
+        for d in range(len(one))
+        if stacked[d] == edges * one[d] and all(stacked[k] == one[k] for k in range(len(one)) if k != d)
+    ]
     if len(stacked) != len(one) or len(dims) != 1:
         raise ValueError(f"cannot stack {edges} edges' tensors of shape {tuple(one)} into {tuple(stacked)}")
     return dims[0]
@@ -91,7 +94,9 @@ def fused_state(cell, state_dict: dict, prefix: str = "") -> None:
             continue
         op, index, leaf = rest.split(".", 2)
         k = source.op_names.index(op)
-        state_dict[prefix + key] = _stack([state_dict[f"{edge_prefix}{e}.{k}.{index}.{leaf}"] for e in edges], mine.shape)
+        state_dict[prefix + key] = _stack(
+            [state_dict[f"{edge_prefix}{e}.{k}.{index}.{leaf}"] for e in edges], mine.shape
+        )
     for key in [key for key in state_dict if key.startswith(edge_prefix)]:
         del state_dict[key]
 
@@ -108,8 +113,11 @@ def per_edge_state(cell, state_dict: dict, prefix: str = "") -> None:
             continue
         _, e, k, rest = key.split(".", 3)
         (i, t), name = slots[int(e)], cell.op_names[int(k)]
-        if name == "identity" or rest.split(".", 1)[0] == "0" and rest.rsplit(".", 1)[-1] in (
-                "running_mean", "running_var", "num_batches_tracked"):
+        if (
+            name == "identity"
+            or rest.split(".", 1)[0] == "0"
+            and rest.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
+        ):
             state_dict[prefix + key] = state_dict[f"{source_prefix}{i}.norm.{rest.rsplit('.', 1)[-1]}"]
             continue
         if rest in ("0.weight", "0.bias"):  # the chain's first γ or β: in the node's EdgeAffine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import Tensor, nn
 
@@ -65,10 +65,14 @@ class StructureNet(nn.Module):
         for s in range(num_stages):
             if s > 0:
                 reduced = int(math.floor(compression * channels))
-                self.transitions.append(GroupedSequential(
-                    GroupBatchNorm2d(channels), nn.ReLU(),
-                    nn.Conv2d(channels, reduced, 1, bias=False), nn.AvgPool2d(2),
-                ))
+                self.transitions.append(
+                    GroupedSequential(
+                        GroupBatchNorm2d(channels),
+                        nn.ReLU(),
+                        nn.Conv2d(channels, reduced, 1, bias=False),
+                        nn.AvgPool2d(2),
+                    )
+                )
                 channels = reduced
             stage = nn.ModuleList()
             for _ in range(cells_per_stage):
@@ -76,8 +80,10 @@ class StructureNet(nn.Module):
                 channels = stage[-1].out_channels
             self.stages.append(stage)
         self.head = GroupedSequential(
-            GroupBatchNorm2d(channels), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            GroupBatchNorm2d(channels),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.classifier = nn.Linear(channels, num_classes)
         self.reset_parameters()

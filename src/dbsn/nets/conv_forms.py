@@ -88,7 +88,7 @@ def depthwise_stencil(x: Tensor, weight: Tensor, dilation: int = 1) -> Tensor:
     out = None
     for k, tap in enumerate(taps):
         i, j = divmod(k, 3)
-        shifted = padded[:, :, i * d:i * d + h, j * d:j * d + w]
+        shifted = padded[:, :, i * d : i * d + h, j * d : j * d + w]
         tap = tap.view(1, c, 1, 1)
         out = shifted * tap if out is None else torch.addcmul(out, shifted, tap)
     return out.to(x.dtype).contiguous(memory_format=memory_format(x))
@@ -99,15 +99,19 @@ def _accumulation(x: Tensor) -> torch.dtype:
 
 
 def _kind(conv: nn.Module) -> str | None:
-    """"1x1" for a (grouped) 1×1 convolution, "depthwise" for a depthwise 3×3 with 'same' padding,
+    """ "1x1" for a (grouped) 1×1 convolution, "depthwise" for a depthwise 3×3 with 'same' padding,
     None for any other (neither has a form other than `F.conv2d`)."""
     stride, padding, dilation = (tuple(getattr(conv, key)) for key in ("stride", "padding", "dilation"))
     if stride != (1, 1):
         return None
     if tuple(conv.kernel_size) == (1, 1) and padding == (0, 0):
         return "1x1"
-    if tuple(conv.kernel_size) == (3, 3) and conv.groups == conv.in_channels == conv.out_channels \
-            and padding == dilation and dilation[0] == dilation[1]:
+    if (
+        tuple(conv.kernel_size) == (3, 3)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and padding == dilation
+        and dilation[0] == dilation[1]
+    ):
         return "depthwise"
     return None
 
@@ -127,8 +131,11 @@ def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = N
     if torch.is_autocast_enabled(x.device.type):  # the operands' dtype that autocast gives F.conv2d
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    out = grouped_1x1(x, weight, conv.groups, form) if form in ("bmm", "mulsum") \
+    out = (
+        grouped_1x1(x, weight, conv.groups, form)
+        if form in ("bmm", "mulsum")
         else depthwise_stencil(x, weight, conv.dilation[0])
+    )
     return out if bias is None else out + bias.view(1, -1, 1, 1)
 
 
@@ -172,12 +179,16 @@ def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "con
                 m.form = conv_1x1 if _kind(m) == "1x1" else depthwise
         return sum(hasattr(m, "form") for m in stacked)
     if not stacked:
-        raise ValueError(f"{asked}: {type(net).__name__} has no stacked convolutions of a fused cell (model.net.cell="
-                         "fused on DBSN's cell network) for it to apply to; leave it at conv")
+        raise ValueError(
+            f"{asked}: {type(net).__name__} has no stacked convolutions of a fused cell (model.net.cell="
+            "fused on DBSN's cell network) for it to apply to; leave it at conv"
+        )
     fixed = sorted({type(m).__name__ for m in stacked if not hasattr(m, "form")})
     if fixed:
-        raise ValueError(f"{asked}: the fused cell's convolutions here are {', '.join(fixed)} layers, which compute "
-                         "with F.conv2d only; leave it at conv")
+        raise ValueError(
+            f"{asked}: the fused cell's convolutions here are {', '.join(fixed)} layers, which compute "
+            "with F.conv2d only; leave it at conv"
+        )
     for m in stacked:
         m.form = conv_1x1 if _kind(m) == "1x1" else depthwise
     return len(stacked)

@@ -17,7 +17,7 @@ reflect) and the logits are cropped back, so the output has the input's spatial 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,15 @@ def _check_alpha(net: nn.Module, x: Tensor, alpha: Tensor, replicate: bool) -> T
         alpha = alpha.unsqueeze(0)
     expected = (net.num_edges, net.num_ops)
     if alpha.dim() != 3 or tuple(alpha.shape[1:]) != expected:
-        raise ValueError(f"alpha must have shape (G, {expected[0]}, {expected[1]}) or {expected} "
-                         f"(edges x ops {net.op_names}), got {tuple(alpha.shape)}")
+        raise ValueError(
+            f"alpha must have shape (G, {expected[0]}, {expected[1]}) or {expected} "
+            f"(edges x ops {net.op_names}), got {tuple(alpha.shape)}"
+        )
     if alpha.shape[0] == 0 or (not replicate and x.shape[0] % alpha.shape[0] != 0):
-        raise ValueError(f"batch size {x.shape[0]} is not divisible by the number of structures "
-                         f"G = {alpha.shape[0]} (alpha of shape {tuple(alpha.shape)})")
+        raise ValueError(
+            f"batch size {x.shape[0]} is not divisible by the number of structures "
+            f"G = {alpha.shape[0]} (alpha of shape {tuple(alpha.shape)})"
+        )
     return alpha
 
 
@@ -62,9 +66,11 @@ def _transition_up(channels: int, bias: bool) -> nn.ConvTranspose2d:
 
 # --- FC-DenseNet67 ---------------------------------------------------------------------
 
+
 def _bn_relu_conv(in_channels: int, out_channels: int, kernel: int, dropout: float) -> nn.Sequential:
     return nn.Sequential(
-        nn.BatchNorm2d(in_channels), nn.ReLU(),
+        nn.BatchNorm2d(in_channels),
+        nn.ReLU(),
         nn.Conv2d(in_channels, out_channels, kernel, padding=kernel // 2),
         nn.Dropout(dropout),
     )
@@ -80,7 +86,8 @@ class DenseBlock(nn.Module):
         super().__init__()
         self.keep_input = keep_input
         self.layers = nn.ModuleList(
-            _bn_relu_conv(in_channels + i * growth, growth, 3, dropout) for i in range(num_layers))
+            _bn_relu_conv(in_channels + i * growth, growth, 3, dropout) for i in range(num_layers)
+        )
         self.out_channels = (in_channels if keep_input else 0) + num_layers * growth
 
     def forward(self, x: Tensor) -> Tensor:
@@ -108,8 +115,16 @@ class FCDenseNet(nn.Module):
 
     num_edges, num_ops = 0, 0
 
-    def __init__(self, num_classes: int = 11, in_channels: int = 3, first_channels: int = 48,
-                 growth: int = 16, layers_per_block: int = 5, num_down: int = 5, dropout: float = 0.2):
+    def __init__(
+        self,
+        num_classes: int = 11,
+        in_channels: int = 3,
+        first_channels: int = 48,
+        growth: int = 16,
+        layers_per_block: int = 5,
+        num_down: int = 5,
+        dropout: float = 0.2,
+    ):
         super().__init__()
         self.num_classes, self.num_down = num_classes, num_down
         self.op_names: list[str] = []
@@ -121,8 +136,7 @@ class FCDenseNet(nn.Module):
             self.down_blocks.append(DenseBlock(channels, growth, layers_per_block, dropout, keep_input=True))
             channels = self.down_blocks[-1].out_channels
             skips.append(channels)
-            self.down_transitions.append(nn.Sequential(_bn_relu_conv(channels, channels, 1, dropout),
-                                                       nn.MaxPool2d(2)))
+            self.down_transitions.append(nn.Sequential(_bn_relu_conv(channels, channels, 1, dropout), nn.MaxPool2d(2)))
         self.bottleneck = DenseBlock(channels, growth, layers_per_block, dropout, keep_input=False)
         channels = self.bottleneck.out_channels
         self.up_transitions, self.up_blocks = nn.ModuleList(), nn.ModuleList()
@@ -141,7 +155,7 @@ class FCDenseNet(nn.Module):
         groups = 1 if alpha is None else _check_alpha(self, x, alpha, replicate).shape[0]
         if replicate and groups > 1:
             x = expand_groups(x, groups)
-        x, crop = _pad_to_multiple(x, 2 ** self.num_down)
+        x, crop = _pad_to_multiple(x, 2**self.num_down)
         x = self.first_conv(x)
         skips = []
         for block, down in zip(self.down_blocks, self.down_transitions):
@@ -155,6 +169,7 @@ class FCDenseNet(nn.Module):
 
 
 # --- DBSN segmentation network --------------------------------------------------------
+
 
 class DBSNSegNet(nn.Module):
     """FC-DenseNet67 with every dense block replaced by one structure-learnable ``Cell``.
@@ -171,9 +186,17 @@ class DBSNSegNet(nn.Module):
     ``cell``: "fused" or "per_edge", as ``StructureNet``'s.
     """
 
-    def __init__(self, num_classes: int = 11, in_channels: int = 3, first_channels: int = 48,
-                 growth: int = 16, num_nodes: int = 5, num_down: int = 5,
-                 ops: Sequence[str] = ("identity", "sep_conv_3x3", "dil_conv_3x3"), cell: str = "fused"):
+    def __init__(
+        self,
+        num_classes: int = 11,
+        in_channels: int = 3,
+        first_channels: int = 48,
+        growth: int = 16,
+        num_nodes: int = 5,
+        num_down: int = 5,
+        ops: Sequence[str] = ("identity", "sep_conv_3x3", "dil_conv_3x3"),
+        cell: str = "fused",
+    ):
         super().__init__()
         self.cell = cell
         make_cell = cell_class(cell)
@@ -197,10 +220,14 @@ class DBSNSegNet(nn.Module):
             self.down_cells.append(new_cell(channels, keep_input=True))
             channels = self.down_cells[-1].out_channels
             skips.append(channels)
-            self.down_transitions.append(GroupedSequential(
-                GroupBatchNorm2d(channels), nn.ReLU(),
-                nn.Conv2d(channels, channels, 1, bias=False), nn.MaxPool2d(2),
-            ))
+            self.down_transitions.append(
+                GroupedSequential(
+                    GroupBatchNorm2d(channels),
+                    nn.ReLU(),
+                    nn.Conv2d(channels, channels, 1, bias=False),
+                    nn.MaxPool2d(2),
+                )
+            )
         self.bottleneck = new_cell(channels, keep_input=False)
         channels = self.bottleneck.out_channels
         self.up_transitions, self.up_cells = nn.ModuleList(), nn.ModuleList()
@@ -233,7 +260,7 @@ class DBSNSegNet(nn.Module):
         alpha = _check_alpha(self, x, alpha, replicate)
         groups = alpha.shape[0]
         down, up = alpha[:, self.structure_slices["down"]], alpha[:, self.structure_slices["up"]]
-        x, crop = _pad_to_multiple(x, 2 ** self.num_down)
+        x, crop = _pad_to_multiple(x, 2**self.num_down)
         x = self.first_conv(x)
         skips, expand = [], replicate
         for cell, transition in zip(self.down_cells, self.down_transitions):

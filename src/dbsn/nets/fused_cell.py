@@ -29,7 +29,7 @@ cell's layers in ways that need an op per edge (`refuse_fused`).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -40,8 +40,18 @@ from dbsn.nets.cell_state import CHAINS, fused_state, per_edge_state
 from dbsn.nets.conv_forms import StackedConv2d
 from dbsn.nets.ops import GroupedSequential, expand_groups, memory_format
 
-__all__ = ["CELLS", "FUSABLE_OPS", "EdgeAffine", "FusedCell", "SourceOps", "cell_class", "compiled_nodes",
-           "fused_state", "per_edge_state", "unfuse"]
+__all__ = [
+    "CELLS",
+    "FUSABLE_OPS",
+    "EdgeAffine",
+    "FusedCell",
+    "SourceOps",
+    "cell_class",
+    "compiled_nodes",
+    "fused_state",
+    "per_edge_state",
+    "unfuse",
+]
 
 #: the ops a `FusedCell` computes; any other op name needs the per-edge `Cell`
 FUSABLE_OPS = ("zero", "identity", "sep_conv_3x3", "dil_conv_3x3")
@@ -73,10 +83,15 @@ class EdgeAffine(nn.Module):
         m, n, c = self.chains, self.edges, self.channels
         b, _, h, w = x.shape
         if memory_format(x) == torch.channels_last:  # (b, H, W, C) in memory: keep channels innermost
-            y = torch.addcmul(self.bias.view(m, 1, 1, 1, n, c), x.permute(0, 2, 3, 1).view(1, b, h, w, 1, c),
-                              self.weight.view(m, 1, 1, 1, n, c))
+            y = torch.addcmul(
+                self.bias.view(m, 1, 1, 1, n, c),
+                x.permute(0, 2, 3, 1).view(1, b, h, w, 1, c),
+                self.weight.view(m, 1, 1, 1, n, c),
+            )
             return [part.view(b, h, w, n * c).permute(0, 3, 1, 2) for part in torch.relu(_stored(y, x)).unbind(0)]
-        y = torch.addcmul(self.bias.view(m, 1, n, c, 1, 1), x.view(1, b, 1, c, h, w), self.weight.view(m, 1, n, c, 1, 1))
+        y = torch.addcmul(
+            self.bias.view(m, 1, n, c, 1, 1), x.view(1, b, 1, c, h, w), self.weight.view(m, 1, n, c, 1, 1)
+        )
         return [part.view(b, n * c, h, w) for part in torch.relu(_stored(y, x)).unbind(0)]
 
     def extra_repr(self) -> str:
@@ -94,8 +109,16 @@ def _stacked_conv(edges: int, channels: int, kernel: int, dilation: int = 1) -> 
     of channels to itself). ``stacked_edges`` tells the initialisation each edge's own fan-out;
     ``form`` how it computes (`dbsn.nets.conv_forms`: `F.conv2d` unless set otherwise)."""
     width = edges * channels
-    return StackedConv2d(width, width, kernel, padding=dilation * (kernel // 2), dilation=dilation,
-                         groups=width if kernel > 1 else edges, bias=False, stacked_edges=edges)
+    return StackedConv2d(
+        width,
+        width,
+        kernel,
+        padding=dilation * (kernel // 2),
+        dilation=dilation,
+        groups=width if kernel > 1 else edges,
+        bias=False,
+        stacked_edges=edges,
+    )
 
 
 def _chain(name: str, edges: int, channels: int) -> GroupedSequential:
@@ -105,8 +128,12 @@ def _chain(name: str, edges: int, channels: int) -> GroupedSequential:
     width = edges * channels
     layers: list[nn.Module] = []
     for s, dilation in enumerate(CHAINS[name]):
-        layers += [nn.Identity() if s == 0 else GroupBatchNorm2d(width), nn.Identity() if s == 0 else nn.ReLU(),
-                   _stacked_conv(edges, channels, 3, dilation), _stacked_conv(edges, channels, 1)]
+        layers += [
+            nn.Identity() if s == 0 else GroupBatchNorm2d(width),
+            nn.Identity() if s == 0 else nn.ReLU(),
+            _stacked_conv(edges, channels, 3, dilation),
+            _stacked_conv(edges, channels, 1),
+        ]
     layers.append(GroupBatchNorm2d(width, affine=False))
     return GroupedSequential(*layers)
 
@@ -158,19 +185,32 @@ class FusedCell(CellBase):
     """`dbsn.nets.cell.Cell`'s function (same arguments, same edge numbering, same state once
     converted), with the ops of each node's out-edges fused (see the module docstring)."""
 
-    def __init__(self, in_channels: int, num_nodes: int, growth: int, op_names: Sequence[str],
-                 projection_kernel: int = 1, keep_input: bool = True):
+    def __init__(
+        self,
+        in_channels: int,
+        num_nodes: int,
+        growth: int,
+        op_names: Sequence[str],
+        projection_kernel: int = 1,
+        keep_input: bool = True,
+    ):
         super().__init__(in_channels, num_nodes, growth, projection_kernel, keep_input)
         unknown = [name for name in op_names if name not in FUSABLE_OPS]
         if unknown:
-            raise ValueError(f"the fused cell computes the ops {list(FUSABLE_OPS)}, not {unknown}: set model.net.cell=per_edge")
+            raise ValueError(
+                f"the fused cell computes the ops {list(FUSABLE_OPS)}, not {unknown}: set model.net.cell=per_edge"
+            )
         self.op_names = list(op_names)
         self.sources = nn.ModuleList(SourceOps(growth, num_nodes - 1 - i, op_names) for i in range(num_nodes - 1))
         # the entries of alpha (E, K) flattened that the ops use: edges source node by source node,
         # (0, 1), (0, 2), ..., (1, 2), ..., each edge's ops that are not zero
         present = [k for k, name in enumerate(op_names) if name != "zero"]
-        order = [self.edge_index(i, j) * len(op_names) + k
-                 for i in range(num_nodes - 1) for j in range(i + 1, num_nodes) for k in present]
+        order = [
+            self.edge_index(i, j) * len(op_names) + k
+            for i in range(num_nodes - 1)
+            for j in range(i + 1, num_nodes)
+            for k in present
+        ]
         self.num_present = len(present)
         self.register_buffer("source_order", torch.tensor(order, dtype=torch.long), persistent=False)
         self._register_load_state_dict_pre_hook(_from_per_edge_state, with_module=True)
@@ -273,11 +313,20 @@ def unfuse(net: nn.Module) -> nn.Module:
             if not isinstance(child, FusedCell):
                 continue
             conv = child.preprocess[2]
-            cell = Cell(child.preprocess[0].num_features, child.num_nodes, child.growth, child.op_names,
-                        projection_kernel=conv.kernel_size[0], keep_input=child.keep_input)
+            cell = Cell(
+                child.preprocess[0].num_features,
+                child.num_nodes,
+                child.growth,
+                child.op_names,
+                projection_kernel=conv.kernel_size[0],
+                keep_input=child.keep_input,
+            )
             reference = conv.weight
-            layout = torch.channels_last if reference.is_contiguous(memory_format=torch.channels_last) and not \
-                reference.is_contiguous() else torch.contiguous_format
+            layout = (
+                torch.channels_last
+                if reference.is_contiguous(memory_format=torch.channels_last) and not reference.is_contiguous()
+                else torch.contiguous_format
+            )
             cell.to(device=reference.device, dtype=reference.dtype, memory_format=layout)
             cell.load_state_dict(child.state_dict())
             cell.node_output, cell.channel_groups = child.node_output, child.channel_groups

@@ -47,8 +47,17 @@ from torch import Tensor, nn
 
 from dbsn.nets.batch_ensemble import swap_layers
 
-__all__ = ["MaskedConv2d", "MaskedLinear", "draw_masks", "generate_masks", "masked_layers", "masks_for_channels",
-           "mask_overlap", "masksembles", "union_size"]
+__all__ = [
+    "MaskedConv2d",
+    "MaskedLinear",
+    "draw_masks",
+    "generate_masks",
+    "masked_layers",
+    "masks_for_channels",
+    "mask_overlap",
+    "masksembles",
+    "union_size",
+]
 
 #: The authors' limits: fewest channels a layer may have, largest scale.
 MIN_CHANNELS, MAX_SCALE = 10, 6.0
@@ -83,16 +92,19 @@ def generate_masks(m: int, n: int, s: float, generator: torch.Generator | None =
         masks = draw_masks(m, n, s, generator)
         if masks.shape[1] == expected:
             return masks
-    raise ValueError(f"no {n} masks of {m} ones among {int(m * s)} positions kept {expected} of them in {MAX_DRAWS} "
-                     "draws: change the scale")
+    raise ValueError(
+        f"no {n} masks of {m} ones among {int(m * s)} positions kept {expected} of them in {MAX_DRAWS} "
+        "draws: change the scale"
+    )
 
 
 def masks_for_channels(channels: int, n: int, scale: float, generator: torch.Generator | None = None) -> Tensor:
     """n masks over exactly `channels` channels, each with ⌊c / (scale·(1 − (1 − 1/scale)ⁿ))⌋ ones
     (the authors' `generation_wrapper`, see the module docstring): (n, channels), float 0/1."""
     if channels < MIN_CHANNELS:
-        raise ValueError(f"Masksembles needs at least {MIN_CHANNELS} channels in a masked layer (the authors' limit); "
-                         f"got {channels}")
+        raise ValueError(
+            f"Masksembles needs at least {MIN_CHANNELS} channels in a masked layer (the authors' limit); got {channels}"
+        )
     if not 1 <= scale <= MAX_SCALE:
         raise ValueError(f"the masks' scale must be in [1, {MAX_SCALE:g}] (the authors' bounds), got {scale}")
     ones = int(channels / (scale * (1 - (1 - 1 / scale) ** n)))
@@ -123,8 +135,10 @@ class _MaskedLayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[0] % self.size:
-            raise ValueError(f"a masked layer of M = {self.size} members needs a batch of whole member groups (rows "
-                             f"interleaved, row r = member r mod M); got {x.shape[0]} rows")
+            raise ValueError(
+                f"a masked layer of M = {self.size} members needs a batch of whole member groups (rows "
+                f"interleaved, row r = member r mod M); got {x.shape[0]} rows"
+            )
         rows = self.masks.to(x.dtype).repeat(x.shape[0] // self.size, 1)  # (b·M, C)
         ones = (1,) * (x.dim() - 2)
         mask = rows.view(*rows.shape, *ones) if self.channels_first else rows.view(rows.shape[0], *ones, -1)
@@ -162,8 +176,11 @@ def masksembles(net: nn.Module, size: int, scale: float = 2.0, generator: torch.
             raise ValueError(f"masksembles: {names[id(layer)]} of {type(net).__name__}: {err}") from None
         return found.to(device=layer.weight.device, dtype=layer.weight.dtype)
 
-    return swap_layers(net, lambda conv: conv if conv is stem else MaskedConv2d(conv, masks(conv, conv.in_channels)),
-                       lambda linear: MaskedLinear(linear, masks(linear, linear.in_features)))
+    return swap_layers(
+        net,
+        lambda conv: conv if conv is stem else MaskedConv2d(conv, masks(conv, conv.in_channels)),
+        lambda linear: MaskedLinear(linear, masks(linear, linear.in_features)),
+    )
 
 
 def masked_layers(net: nn.Module) -> list[_MaskedLayer]:

@@ -65,19 +65,37 @@ def mimo(net: nn.Module, size: int) -> nn.Module:
         raise ValueError(f"{type(net).__name__} is already a MIMO network with M = {mimo_size(net)}")
     classifier = getattr(net, "classifier", None)
     if not isinstance(classifier, nn.Linear):
-        raise ValueError(f"{type(net).__name__} has no `classifier` nn.Linear: MIMO gives the network one head per "
-                         "member by widening it")
+        raise ValueError(
+            f"{type(net).__name__} has no `classifier` nn.Linear: MIMO gives the network one head per "
+            "member by widening it"
+        )
     parent, name, stem = stem_of(net)
     if stem.groups != 1:
-        raise ValueError(f"the stem of {type(net).__name__} ({name}) is a grouped convolution (groups = {stem.groups}); "
-                         "MIMO concatenates the members' images on its input channels and needs groups = 1")
+        raise ValueError(
+            f"the stem of {type(net).__name__} ({name}) is a grouped convolution (groups = {stem.groups}); "
+            "MIMO concatenates the members' images on its input channels and needs groups = 1"
+        )
     if size == 1:
         return net
-    wide = nn.Conv2d(stem.in_channels * size, stem.out_channels, stem.kernel_size, stride=stem.stride,
-                     padding=stem.padding, dilation=stem.dilation, bias=stem.bias is not None,
-                     padding_mode=stem.padding_mode, device=stem.weight.device, dtype=stem.weight.dtype)
-    heads = nn.Linear(classifier.in_features, classifier.out_features * size, bias=classifier.bias is not None,
-                      device=classifier.weight.device, dtype=classifier.weight.dtype)
+    wide = nn.Conv2d(
+        stem.in_channels * size,
+        stem.out_channels,
+        stem.kernel_size,
+        stride=stem.stride,
+        padding=stem.padding,
+        dilation=stem.dilation,
+        bias=stem.bias is not None,
+        padding_mode=stem.padding_mode,
+        device=stem.weight.device,
+        dtype=stem.weight.dtype,
+    )
+    heads = nn.Linear(
+        classifier.in_features,
+        classifier.out_features * size,
+        bias=classifier.bias is not None,
+        device=classifier.weight.device,
+        dtype=classifier.weight.dtype,
+    )
     with torch.no_grad():
         wide.weight.copy_(_normal_like(stem.weight, tuple(wide.weight.shape), 1.0 / math.sqrt(size)))
         heads.weight.copy_(_normal_like(classifier.weight, tuple(heads.weight.shape), 1.0))

@@ -15,7 +15,7 @@ per structure. Modules therefore take ``forward(x, groups)``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -59,8 +59,7 @@ _GROUP_AWARE = (GroupBatchNorm2d, GroupedSequential, Zero)
 def _dw_pw(channels: int, dilation: int = 1) -> list[nn.Module]:
     """Depthwise 3x3 (optionally dilated, same padding) then pointwise 1x1, no bias."""
     return [
-        nn.Conv2d(channels, channels, 3, padding=dilation, dilation=dilation,
-                  groups=channels, bias=False),
+        nn.Conv2d(channels, channels, 3, padding=dilation, dilation=dilation, groups=channels, bias=False),
         nn.Conv2d(channels, channels, 1, bias=False),
     ]
 
@@ -73,8 +72,12 @@ def identity(channels: int) -> nn.Module:
 def sep_conv_3x3(channels: int) -> nn.Module:
     """BN-ReLU-SepConv3x3 twice, ending in a non-affine BN."""
     return GroupedSequential(
-        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels),
-        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels),
+        GroupBatchNorm2d(channels),
+        nn.ReLU(),
+        *_dw_pw(channels),
+        GroupBatchNorm2d(channels),
+        nn.ReLU(),
+        *_dw_pw(channels),
         GroupBatchNorm2d(channels, affine=False),
     )
 
@@ -82,7 +85,9 @@ def sep_conv_3x3(channels: int) -> nn.Module:
 def dil_conv_3x3(channels: int) -> nn.Module:
     """BN-ReLU-dilated (2) SepConv3x3, ending in a non-affine BN."""
     return GroupedSequential(
-        GroupBatchNorm2d(channels), nn.ReLU(), *_dw_pw(channels, dilation=2),
+        GroupBatchNorm2d(channels),
+        nn.ReLU(),
+        *_dw_pw(channels, dilation=2),
         GroupBatchNorm2d(channels, affine=False),
     )
 

@@ -61,11 +61,14 @@ class PackedLinear(nn.Module):
     `PackedLinear`). `weight` is (out_features, in_features / groups), the blocks' weights
     stacked, each initialised as `nn.Linear` initialises a layer of in_features / groups inputs."""
 
-    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, groups: int, bias: bool = True, device=None, dtype=None
+    ) -> None:
         super().__init__()
         if in_features % groups or out_features % groups:
-            raise ValueError(f"PackedLinear: {in_features} -> {out_features} features are not divisible by {groups} groups")
+            raise ValueError(
+                f"PackedLinear: {in_features} -> {out_features} features are not divisible by {groups} groups"
+            )
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
         self.weight = nn.Parameter(torch.empty(out_features, in_features // groups, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
@@ -88,8 +91,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}, bias={self.bias is not None}"
 
 
-def pack(net: nn.Module, alpha: float, gamma: int, size: int, *, min_channels_per_group: int = 64,
-         without_subgroups: Sequence[str] | None = None) -> nn.Module:
+def pack(
+    net: nn.Module,
+    alpha: float,
+    gamma: int,
+    size: int,
+    *,
+    min_channels_per_group: int = 64,
+    without_subgroups: Sequence[str] | None = None,
+) -> nn.Module:
     """Rebuild `net` in place as a Packed-Ensemble of `size` members (see the module docstring)
     and return it; its logits become (b, size · C), member m's at columns m·C .. (m + 1)·C - 1.
 
@@ -109,8 +119,10 @@ def pack(net: nn.Module, alpha: float, gamma: int, size: int, *, min_channels_pe
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     head = getattr(net, "classifier", None)
     if type(head) is not nn.Linear:
-        raise ValueError(f"pack needs the network's head `classifier`, an nn.Linear; {type(net).__name__} has "
-                         f"{type(head).__name__ if head is not None else 'none'}")
+        raise ValueError(
+            f"pack needs the network's head `classifier`, an nn.Linear; {type(net).__name__} has "
+            f"{type(head).__name__ if head is not None else 'none'}"
+        )
     net = unfuse(net)  # the members' channel groups run through every edge's own layers
     patterns = tuple(WITHOUT_SUBGROUPS.get(type(net).__name__, ()) if without_subgroups is None else without_subgroups)
     convs = [name for name, m in net.named_modules() if isinstance(m, nn.Conv2d)]
@@ -119,19 +131,32 @@ def pack(net: nn.Module, alpha: float, gamma: int, size: int, *, min_channels_pe
     packed: dict[str, nn.Module] = {}
     for name, m in net.named_modules():
         if m is head:
-            packed[name] = PackedLinear(rules.width(m.in_features, name), size * m.out_features, size, m.bias is not None,
-                                        device=m.weight.device, dtype=m.weight.dtype)
+            packed[name] = PackedLinear(
+                rules.width(m.in_features, name),
+                size * m.out_features,
+                size,
+                m.bias is not None,
+                device=m.weight.device,
+                dtype=m.weight.dtype,
+            )
         elif type(m) is nn.Conv2d:
             subgroups = 1 if any(fnmatchcase(name, p) for p in patterns) else gamma
             packed[name] = rules.conv(m, name, first=name == stem, gamma=subgroups)
         elif isinstance(m, nn.BatchNorm2d):
             like = next(iter(m.buffers()), None) if m.weight is None else m.weight
-            packed[name] = type(m)(rules.width(m.num_features, name), eps=m.eps, momentum=m.momentum,
-                                   affine=m.affine, track_running_stats=m.track_running_stats,
-                                   **({} if like is None else {"device": like.device, "dtype": like.dtype}))
+            packed[name] = type(m)(
+                rules.width(m.num_features, name),
+                eps=m.eps,
+                momentum=m.momentum,
+                affine=m.affine,
+                track_running_stats=m.track_running_stats,
+                **({} if like is None else {"device": like.device, "dtype": like.dtype}),
+            )
         elif any(True for _ in m.parameters(recurse=False)):
-            raise ValueError(f"pack rebuilds Conv2d, BatchNorm2d and the nn.Linear classifier; {name} of "
-                             f"{type(net).__name__} is a {type(m).__name__}")
+            raise ValueError(
+                f"pack rebuilds Conv2d, BatchNorm2d and the nn.Linear classifier; {name} of "
+                f"{type(net).__name__} is a {type(m).__name__}"
+            )
     for name, module in packed.items():
         parent, _, child = name.rpartition(".")
         setattr(net.get_submodule(parent), child, module)
@@ -151,8 +176,10 @@ class _Rules:
         """α·c, refused unless a whole number divisible by M."""
         scaled = channels * self.alpha
         if abs(scaled - round(scaled)) > 1e-9 or round(scaled) % self.size:
-            raise ValueError(f"pack: {name} has {channels} channels, and alpha = {self.alpha} times that ({scaled:g}) is not "
-                             f"a whole number divisible by the M = {self.size} members")
+            raise ValueError(
+                f"pack: {name} has {channels} channels, and alpha = {self.alpha} times that ({scaled:g}) is not "
+                f"a whole number divisible by the M = {self.size} members"
+            )
         return round(scaled)
 
     def conv(self, m: nn.Conv2d, name: str, first: bool, gamma: int) -> nn.Conv2d:
@@ -167,14 +194,29 @@ class _Rules:
         else:
             in_channels = self.width(m.in_channels, name)
             per_member = m.groups * self.size
-            while gamma > 1 and (in_channels % (per_member * gamma) or out_channels % (per_member * gamma)
-                                 or in_channels // (per_member * gamma) < self.min_channels):
+            while gamma > 1 and (
+                in_channels % (per_member * gamma)
+                or out_channels % (per_member * gamma)
+                or in_channels // (per_member * gamma) < self.min_channels
+            ):
                 gamma -= 1
             groups = per_member * gamma
             if in_channels % groups or out_channels % groups:
-                raise ValueError(f"pack: {name} ({in_channels} -> {out_channels} channels at alpha = {self.alpha}) is not "
-                                 f"divisible by its {groups} groups (M = {self.size} members x {m.groups} groups of its own "
-                                 f"x gamma = {gamma})")
-        return nn.Conv2d(in_channels, out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
-                         dilation=m.dilation, groups=groups, bias=m.bias is not None, padding_mode=m.padding_mode,
-                         device=m.weight.device, dtype=m.weight.dtype)
+                raise ValueError(
+                    f"pack: {name} ({in_channels} -> {out_channels} channels at alpha = {self.alpha}) is not "
+                    f"divisible by its {groups} groups (M = {self.size} members x {m.groups} groups of its own "
+                    f"x gamma = {gamma})"
+                )
+        return nn.Conv2d(
+            in_channels,
+            out_channels,
+            m.kernel_size,
+            stride=m.stride,
+            padding=m.padding,
+            dilation=m.dilation,
+            groups=groups,
+            bias=m.bias is not None,
+            padding_mode=m.padding_mode,
+            device=m.weight.device,
+            dtype=m.weight.dtype,
+        )

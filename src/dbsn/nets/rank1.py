@@ -58,8 +58,16 @@ class _Rank1Layer(_BatchEnsembleLayer):
     """A BatchEnsemble layer whose factors r (M, in) and s (M, out) are the locations of the
     components' posteriors, with raw scales `r_rho`, `s_rho` of the same shapes."""
 
-    def __init__(self, layer: nn.Module, size: int, in_features: int, out_features: int,
-                 distribution: FactorDistribution, random_sign_init: float, init_stddev: float) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        size: int,
+        in_features: int,
+        out_features: int,
+        distribution: FactorDistribution,
+        random_sign_init: float,
+        init_stddev: float,
+    ) -> None:
         super().__init__(layer, size, in_features, out_features, random_sign_init)
         self.distribution = distribution
         self.r_rho = nn.Parameter(initial_rho(self.r, distribution.family, init_stddev))
@@ -99,8 +107,9 @@ class Rank1Conv2d(_Rank1Layer):
 
     channels_first = True
 
-    def __init__(self, conv: nn.Conv2d, size: int, distribution: FactorDistribution, random_sign_init: float,
-                 init_stddev: float) -> None:
+    def __init__(
+        self, conv: nn.Conv2d, size: int, distribution: FactorDistribution, random_sign_init: float, init_stddev: float
+    ) -> None:
         super().__init__(conv, size, conv.in_channels, conv.out_channels, distribution, random_sign_init, init_stddev)
 
 
@@ -109,20 +118,31 @@ class Rank1Linear(_Rank1Layer):
 
     channels_first = False  # (b, ..., C)
 
-    def __init__(self, linear: nn.Linear, size: int, distribution: FactorDistribution, random_sign_init: float,
-                 init_stddev: float) -> None:
-        super().__init__(linear, size, linear.in_features, linear.out_features, distribution, random_sign_init,
-                         init_stddev)
+    def __init__(
+        self,
+        linear: nn.Linear,
+        size: int,
+        distribution: FactorDistribution,
+        random_sign_init: float,
+        init_stddev: float,
+    ) -> None:
+        super().__init__(
+            linear, size, linear.in_features, linear.out_features, distribution, random_sign_init, init_stddev
+        )
 
 
-def rank1(net: nn.Module, size: int, distribution: FactorDistribution, random_sign_init: float,
-          init_stddev: float) -> nn.Module:
+def rank1(
+    net: nn.Module, size: int, distribution: FactorDistribution, random_sign_init: float, init_stddev: float
+) -> nn.Module:
     """Make `net` a rank-1 BNN of `size` components in place: every `nn.Conv2d` and `nn.Linear`
     becomes a `Rank1Conv2d` / `Rank1Linear` around it (its weight the shared weight); BatchNorm and
     everything else stays shared. Returns `net`, which then takes batches of whole component
     groups (row r = component r mod `size`)."""
-    return swap_layers(net, lambda conv: Rank1Conv2d(conv, size, distribution, random_sign_init, init_stddev),
-                       lambda linear: Rank1Linear(linear, size, distribution, random_sign_init, init_stddev))
+    return swap_layers(
+        net,
+        lambda conv: Rank1Conv2d(conv, size, distribution, random_sign_init, init_stddev),
+        lambda linear: Rank1Linear(linear, size, distribution, random_sign_init, init_stddev),
+    )
 
 
 def rank1_layers(net: nn.Module) -> list[_Rank1Layer]:

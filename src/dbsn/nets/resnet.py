@@ -54,8 +54,9 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU()
         self.shortcut = GroupedSequential()  # the identity
         if stride != 1 or in_channels != channels:
-            self.shortcut = GroupedSequential(nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False),
-                                              GroupBatchNorm2d(channels))
+            self.shortcut = GroupedSequential(
+                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False), GroupBatchNorm2d(channels)
+            )
 
     def forward(self, x: Tensor, groups: int = 1) -> Tensor:
         y = self.relu(self.bn1(self.conv1(x), groups))
@@ -82,8 +83,9 @@ class ResNet18(Backbone):
         self.relu = nn.ReLU()
         channels = width
         for index, (multiple, stride) in enumerate(((1, 1), (2, 2), (4, 2), (8, 2)), start=1):
-            stage = ResidualStage(BasicBlock(channels, multiple * width, stride),
-                                  BasicBlock(multiple * width, multiple * width))
+            stage = ResidualStage(
+                BasicBlock(channels, multiple * width, stride), BasicBlock(multiple * width, multiple * width)
+            )
             setattr(self, f"layer{index}", stage)
             channels = multiple * width
         self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())

@@ -65,8 +65,15 @@ class SpectralNormBound(nn.Module):
         warmup: power-iteration steps at the first training forward (on the weight it starts from).
     """
 
-    def __init__(self, weight: Tensor, bound: float, iterations: int, input_shape: tuple[int, ...],
-                 conv: dict | None = None, warmup: int = 50) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        bound: float,
+        iterations: int,
+        input_shape: tuple[int, ...],
+        conv: dict | None = None,
+        warmup: int = 50,
+    ) -> None:
         super().__init__()
         if not bound > 0:
             raise ValueError(f"the spectral norm bound must be > 0, got {bound}")
@@ -135,12 +142,15 @@ def _input_shapes(net: nn.Module, layers: dict[str, nn.Module], input_size: int)
     image of `input_size` x `input_size`."""
     first = next((m for m in net.modules() if isinstance(m, nn.Conv2d)), None)
     if first is None:
-        raise ValueError("spectral_normalize needs a network with a convolution (its first one gives the input channels)")
+        raise ValueError(
+            "spectral_normalize needs a network with a convolution (its first one gives the input channels)"
+        )
     shapes: dict[str, tuple[int, ...]] = {}
 
     def record(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             shapes.setdefault(name, tuple(args[0].shape[1:]))
+
         return hook
 
     handles = [m.register_forward_pre_hook(record(name)) for name, m in layers.items()]
@@ -156,13 +166,22 @@ def _input_shapes(net: nn.Module, layers: dict[str, nn.Module], input_size: int)
             h.remove()
     missing = [name for name in layers if name not in shapes]
     if missing:
-        raise ValueError(f"spectral_normalize: {missing} never ran in a forward of a {input_size}x{input_size} image; "
-                         "a layer must be used by the network to be normalised")
+        raise ValueError(
+            f"spectral_normalize: {missing} never ran in a forward of a {input_size}x{input_size} image; "
+            "a layer must be used by the network to be normalised"
+        )
     return shapes
 
 
-def spectral_normalize(net: nn.Module, bound: float, iterations: int = 1, *, input_size: int = 32,
-                       skip: tuple[str, ...] = (), warmup: int = 50) -> nn.Module:
+def spectral_normalize(
+    net: nn.Module,
+    bound: float,
+    iterations: int = 1,
+    *,
+    input_size: int = 32,
+    skip: tuple[str, ...] = (),
+    warmup: int = 50,
+) -> nn.Module:
     """Bound the spectral norm of every `nn.Conv2d` and `nn.Linear` of `net` by `bound`, in place
     (see the module docstring); returns `net`.
 
@@ -175,18 +194,26 @@ def spectral_normalize(net: nn.Module, bound: float, iterations: int = 1, *, inp
         skip: names of modules (and everything under them) left alone, e.g. ("classifier",).
         warmup: power-iteration steps at the first training forward.
     """
-    layers = {name: m for name, m in net.named_modules()
-              if isinstance(m, (nn.Conv2d, nn.Linear)) and not any(name == s or name.startswith(f"{s}.") for s in skip)}
+    layers = {
+        name: m
+        for name, m in net.named_modules()
+        if isinstance(m, (nn.Conv2d, nn.Linear)) and not any(name == s or name.startswith(f"{s}.") for s in skip)
+    }
     for name, m in layers.items():
         if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
-            raise ValueError(f"spectral_normalize: {name} has padding {m.padding!r} ({m.padding_mode}); only numeric zero "
-                             "padding is supported")
+            raise ValueError(
+                f"spectral_normalize: {name} has padding {m.padding!r} ({m.padding_mode}); only numeric zero "
+                "padding is supported"
+            )
         if parametrize.is_parametrized(m, "weight"):
             raise ValueError(f"spectral_normalize: {name}.weight is parametrised already")
     shapes = _input_shapes(net, layers, input_size)
     for name, m in layers.items():
-        conv = (dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
-                if isinstance(m, nn.Conv2d) else None)
+        conv = (
+            dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
+            if isinstance(m, nn.Conv2d)
+            else None
+        )
         spec = SpectralNormBound(m.weight, bound, iterations, shapes[name], conv, warmup)
         parametrize.register_parametrization(m, "weight", spec, unsafe=True)  # unsafe: no forward (warm-up) now
     return net
@@ -194,7 +221,9 @@ def spectral_normalize(net: nn.Module, bound: float, iterations: int = 1, *, inp
 
 def spectrally_normalized_layers(net: nn.Module) -> dict[str, nn.Module]:
     """The layers of `net` whose weight carries a `SpectralNormBound`, by name."""
-    return {name: m for name, m in net.named_modules()
-            if parametrize.is_parametrized(m, "weight")
-            and any(isinstance(p, SpectralNormBound) for p in m.parametrizations.weight)}
-
+    return {
+        name: m
+        for name, m in net.named_modules()
+        if parametrize.is_parametrized(m, "weight")
+        and any(isinstance(p, SpectralNormBound) for p in m.parametrizations.weight)
+    }

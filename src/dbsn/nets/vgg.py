@@ -22,7 +22,6 @@ own statistics.
 
 from __future__ import annotations
 
-
 from torch import Tensor, nn
 
 from dbsn.nets.backbone import Backbone

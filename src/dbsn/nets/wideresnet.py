@@ -70,8 +70,9 @@ class WideResNet(Backbone):
         in_channels: channels of the input images.
     """
 
-    def __init__(self, num_classes: int, depth: int = 28, widen_factor: int = 10, dropout: float = 0.0,
-                 in_channels: int = 3) -> None:
+    def __init__(
+        self, num_classes: int, depth: int = 28, widen_factor: int = 10, dropout: float = 0.0, in_channels: int = 3
+    ) -> None:
         super().__init__(num_classes)
         if depth < 10 or (depth - 4) % 6 != 0:
             raise ValueError(f"depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}")
@@ -84,8 +85,9 @@ class WideResNet(Backbone):
         channels = 16
         for index, (multiple, stride) in enumerate(((16, 1), (32, 2), (64, 2)), start=1):
             out = multiple * widen_factor
-            stage = ResidualStage(*(WideBlock(channels if b == 0 else out, out, stride if b == 0 else 1, dropout)
-                                    for b in range(blocks)))
+            stage = ResidualStage(
+                *(WideBlock(channels if b == 0 else out, out, stride if b == 0 else 1, dropout) for b in range(blocks))
+            )
             setattr(self, f"layer{index}", stage)
             channels = out
         self.bn = GroupBatchNorm2d(channels)

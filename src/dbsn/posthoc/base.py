@@ -71,8 +71,10 @@ class PosthocPosterior:
         """Raise `PosthocError` for an input the fit would fail on (here: no S for a posterior
         that `draws_members`; a subclass with checks of its own calls this one too)."""
         if self.draws_members and n_samples is None:
-            raise PosthocError(f"posthoc={self.name} draws members of its own and needs their number S: set "
-                               "posthoc.n_samples (e.g. 30) or evaluate.py n_samples=, not null.")
+            raise PosthocError(
+                f"posthoc={self.name} draws members of its own and needs their number S: set "
+                "posthoc.n_samples (e.g. 30) or evaluate.py n_samples=, not null."
+            )
 
     def fit(self, method: Method, datamodule, checkpoint: dict[str, Any], n_samples: int | None = None) -> Method:
         raise NotImplementedError
@@ -82,12 +84,15 @@ def point_estimate_classifier(method: Method, name: str) -> str | None:
     """The reason `name` does not apply to `method` unless it is one point-estimate classifier
     (map, map_fixed) whose last layer `classifier` is an nn.Linear; None when it is."""
     if getattr(method, "members", None) is not None or method.is_stochastic or not method.task.keeps_test_outputs:
-        return (f"posthoc={name} works on a point-estimate classifier (map, map_fixed: one network, which may be one "
-                f"member of an ensemble trained as separate runs); this checkpoint is {type(method).__name__}")
+        return (
+            f"posthoc={name} works on a point-estimate classifier (map, map_fixed: one network, which may be one "
+            f"member of an ensemble trained as separate runs); this checkpoint is {type(method).__name__}"
+        )
     head = getattr(getattr(method, "net", None), "classifier", None)
     if not isinstance(head, nn.Linear):
-        return (f"posthoc={name} needs the network's last layer `classifier` to be an nn.Linear; this checkpoint's "
-                f"{type(method).__name__} has a {type(head).__name__} there (SNGP: a Gaussian-process output layer "
-                "with its own posterior)")
+        return (
+            f"posthoc={name} needs the network's last layer `classifier` to be an nn.Linear; this checkpoint's "
+            f"{type(method).__name__} has a {type(head).__name__} there (SNGP: a Gaussian-process output layer "
+            "with its own posterior)"
+        )
     return None
-

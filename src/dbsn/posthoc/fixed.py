@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from dbsn.methods.base import Method
-from dbsn.methods.settings import Execution, Prediction
 from dbsn.methods.map import MAP
+from dbsn.methods.settings import Execution, Prediction
 from dbsn.methods.tasks import Segmentation
 
 __all__ = ["FixedStructureNetwork", "FixedStructurePosterior", "point_estimate_structure"]
@@ -22,11 +22,14 @@ def point_estimate_structure(method: Method) -> Tensor:
     pass its members one by one) and segmentation."""
     if not isinstance(method, MAP) or method.is_stochastic:
         kind = type(method).__name__ + (f" with {type(method.weights).__name__}" if isinstance(method, MAP) else "")
-        raise ValueError(f"post-hoc Laplace/SWAG wrap a point-estimate method (map, map_fixed, or one "
-                         f"deep-ensemble member); got {kind}")
+        raise ValueError(
+            f"post-hoc Laplace/SWAG wrap a point-estimate method (map, map_fixed, or one "
+            f"deep-ensemble member); got {kind}"
+        )
     if isinstance(method.task, Segmentation):
-        raise ValueError("post-hoc Laplace/SWAG support classification only (the head of a segmentation "
-                         "network is a convolution)")
+        raise ValueError(
+            "post-hoc Laplace/SWAG support classification only (the head of a segmentation network is a convolution)"
+        )
     return method.prediction_structures(1).detach().clone()
 
 
@@ -87,13 +90,24 @@ class FixedStructurePosterior(Method):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: Method, n_samples: int, head: str = "classifier",
-                 temperature_scaling: bool = False) -> None:
+    def __init__(
+        self, base: Method, n_samples: int, head: str = "classifier", temperature_scaling: bool = False
+    ) -> None:
         alpha = point_estimate_structure(base)
-        prediction = Prediction(n_samples=n_samples, val_samples=n_samples, samples_per_forward=base.samples_per_forward,
-                                temperature_scaling=temperature_scaling)
-        super().__init__(base.net, optim=base.optim, prediction=prediction, task=base.task,
-                         dataset_size=base.dataset_size, execution=Execution(channels_last=base.channels_last))
+        prediction = Prediction(
+            n_samples=n_samples,
+            val_samples=n_samples,
+            samples_per_forward=base.samples_per_forward,
+            temperature_scaling=temperature_scaling,
+        )
+        super().__init__(
+            base.net,
+            optim=base.optim,
+            prediction=prediction,
+            task=base.task,
+            dataset_size=base.dataset_size,
+            execution=Execution(channels_last=base.channels_last),
+        )
         net = self.net
         del self.net  # kept once, inside the network at the fixed structure
         self.network_fixed = FixedStructureNetwork(net, alpha, base.channels_last, head)

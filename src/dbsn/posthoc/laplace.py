@@ -138,8 +138,15 @@ def last_layer_laplace(
     if hessian_structure not in HESSIAN_STRUCTURES:
         raise ValueError(f"hessian_structure must be one of {HESSIAN_STRUCTURES}, got {hessian_structure!r}")
     model = _Head(deepcopy(head)).to(features.device)
-    la = Laplace(model, likelihood, subset_of_weights="last_layer", hessian_structure=hessian_structure,
-                 sigma_noise=sigma_noise, prior_precision=prior_precision, last_layer_name="classifier")
+    la = Laplace(
+        model,
+        likelihood,
+        subset_of_weights="last_layer",
+        hessian_structure=hessian_structure,
+        sigma_noise=sigma_noise,
+        prior_precision=prior_precision,
+        last_layer_name="classifier",
+    )
     la.fit(DataLoader(TensorDataset(features, targets), batch_size=batch_size))
     return la
 
@@ -169,8 +176,9 @@ def member_logits(head: nn.Module, weights: Tensor, features: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def sampled_validation_nll(la, features: Tensor, targets: Tensor, n_samples: int, seed: int = 0,
-                           batch_size: int = 512) -> float:
+def sampled_validation_nll(
+    la, features: Tensor, targets: Tensor, n_samples: int, seed: int = 0, batch_size: int = 512
+) -> float:
     """−mean log 1/S Σ_s softmax(W_s φ + b_s)[y] over (`features`, `targets`), the S members
     `sample_last_layers(la, S, seed)` at `la`'s current prior precision: the validation NLL of
     the `LaplaceMethod` that keeps those members (before any temperature)."""
@@ -178,9 +186,9 @@ def sampled_validation_nll(la, features: Tensor, targets: Tensor, n_samples: int
     head = la.model.last_layer
     total = 0.0
     for start in range(0, len(features), batch_size):
-        log_probs = member_logits(head, weights, features[start:start + batch_size]).float().log_softmax(-1)
+        log_probs = member_logits(head, weights, features[start : start + batch_size]).float().log_softmax(-1)
         mixture = torch.logsumexp(log_probs, dim=0) - math.log(n_samples)  # (b, C)
-        total -= mixture.gather(1, targets[start:start + batch_size, None].long()).sum().item()
+        total -= mixture.gather(1, targets[start : start + batch_size, None].long()).sum().item()
     return total / len(features)
 
 
@@ -213,11 +221,13 @@ def tune_prior_precision(
             la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar")
         return float(torch.as_tensor(la.prior_precision).reshape(-1)[0])
     if val_features is None or len(val_features) == 0:
-        raise NoValidationSplitError("the prior precision's grid search needs validation data (it is never "
-                                     "fitted on the test set)")
+        raise NoValidationSplitError(
+            "the prior precision's grid search needs validation data (it is never fitted on the test set)"
+        )
     if la.likelihood != "classification":  # a str or laplace-torch's str enum
-        raise ValueError(f"the prior precision's grid search scores a classifier's NLL; got likelihood "
-                         f"{la.likelihood!r}")
+        raise ValueError(
+            f"the prior precision's grid search scores a classifier's NLL; got likelihood {la.likelihood!r}"
+        )
     grid = torch.logspace(log10_range[0], log10_range[1], grid_size)  # laplace-torch's own grid (float32)
     best, best_nll = None, math.inf
     for lam in grid:
@@ -237,8 +247,9 @@ def tune_prior_precision(
 
 
 @torch.no_grad()
-def head_features(network: FixedStructureNetwork, loader: Iterable, preprocess: Callable[[Tensor], Tensor] | None = None
-                  ) -> tuple[Tensor, Tensor]:
+def head_features(
+    network: FixedStructureNetwork, loader: Iterable, preprocess: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
     """φ(x) of every example of `loader`, (N, D), and the labels (N,), on the network's device;
     each batch's x goes through `preprocess` first (the data modules' loaders yield uint8)."""
     device = network.alpha.device
@@ -279,16 +290,29 @@ def fit_laplace(
     features, labels = head_features(network, train_loader, preprocess)
     if len(features) == 0:
         raise ValueError("the training loader yielded no batches")
-    la = last_layer_laplace(network.head, features, labels, hessian_structure=hessian_structure,
-                            prior_precision=prior_precision if isinstance(prior_precision, (int, float)) else 1.0)
+    la = last_layer_laplace(
+        network.head,
+        features,
+        labels,
+        hessian_structure=hessian_structure,
+        prior_precision=prior_precision if isinstance(prior_precision, (int, float)) else 1.0,
+    )
     if not isinstance(prior_precision, (int, float)):
         val_features, val_labels = (None, None)
         if prior_precision == "gridsearch":
             if val_loader is None:
                 raise NoValidationSplitError("prior_precision='gridsearch' needs a validation loader")
             val_features, val_labels = head_features(network, val_loader, preprocess)
-        tune_prior_precision(la, val_features, val_labels, method=prior_precision, log10_range=log10_range,
-                             grid_size=grid_size, n_samples=n_samples, seed=seed)
+        tune_prior_precision(
+            la,
+            val_features,
+            val_labels,
+            method=prior_precision,
+            log10_range=log10_range,
+            grid_size=grid_size,
+            n_samples=n_samples,
+            seed=seed,
+        )
     return LaplaceMethod(method, la, n_samples=n_samples, seed=seed, head=head)
 
 
@@ -322,12 +346,21 @@ class LaplaceMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: Method, laplace, n_samples: int, seed: int = 0,
-                 head: str = "classifier", temperature_scaling: bool = False) -> None:
+    def __init__(
+        self,
+        base: Method,
+        laplace,
+        n_samples: int,
+        seed: int = 0,
+        head: str = "classifier",
+        temperature_scaling: bool = False,
+    ) -> None:
         super().__init__(base, n_samples, head, temperature_scaling)
         self.laplace = laplace
         self.hessian_structure = None if laplace is None else str(getattr(type(laplace), "_key", (None, None))[1])
-        self.prior_precision = None if laplace is None else float(torch.as_tensor(laplace.prior_precision).reshape(-1)[0])
+        self.prior_precision = (
+            None if laplace is None else float(torch.as_tensor(laplace.prior_precision).reshape(-1)[0])
+        )
         size = sum(p.numel() for p in self.network_fixed.head.parameters())
         self.register_buffer("member_weights", torch.zeros(n_samples, size))
         if laplace is not None:
@@ -345,10 +378,12 @@ class LaplaceMethod(FixedStructurePosterior):
         """Logits of the members first .. first + n - 1, (n, b, C): the features once, then
         each member's last layer."""
         if first + n > self.member_weights.shape[0]:
-            raise ValueError(f"{self.member_weights.shape[0]} last layers were drawn; members up to {first + n} "
-                             f"were asked for (call draw_members({first + n}))")
+            raise ValueError(
+                f"{self.member_weights.shape[0]} last layers were drawn; members up to {first + n} "
+                f"were asked for (call draw_members({first + n}))"
+            )
         features, _ = self.network_fixed.features(x)
-        return member_logits(self.network_fixed.head, self.member_weights[first:first + n], features)
+        return member_logits(self.network_fixed.head, self.member_weights[first : first + n], features)
 
     def predict_members(self, x: Tensor, n_samples: int | None = None, first: int = 0) -> Tensor:
         """Log-probabilities of members first .. first + S - 1, (S, b, C), from one pass through
@@ -365,8 +400,12 @@ class LaplaceMethod(FixedStructurePosterior):
         return self.calibrate(torch.logsumexp(members, dim=0) - math.log(members.shape[0]))
 
     def run_facts(self) -> dict:
-        return {**super().run_facts(), "posterior": "last-layer Laplace", "laplace": self.hessian_structure,
-                "prior_precision": self.prior_precision}
+        return {
+            **super().run_facts(),
+            "posterior": "last-layer Laplace",
+            "laplace": self.hessian_structure,
+            "prior_precision": self.prior_precision,
+        }
 
 
 class LastLayerLaplace(PosthocPosterior):
@@ -386,17 +425,27 @@ class LastLayerLaplace(PosthocPosterior):
     name = "laplace"
     draws_members = True
 
-    def __init__(self, name: str | None = None, n_samples: int | None = 30, hessian: str = "kron",
-                 prior_precision: str | float | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        n_samples: int | None = 30,
+        hessian: str = "kron",
+        prior_precision: str | float | None = None,
+        seed: int = 0,
+    ) -> None:
         super().__init__(name, n_samples)
         if hessian not in HESSIAN_STRUCTURES:
             raise PosthocError(f"posthoc.hessian={hessian!r}: choose one of {list(HESSIAN_STRUCTURES)}")
         if isinstance(prior_precision, str) and prior_precision not in PRIOR_FITS:
-            raise PosthocError(f"posthoc.prior_precision={prior_precision!r}: choose {' or '.join(PRIOR_FITS)}, a "
-                               "positive number, or null")
+            raise PosthocError(
+                f"posthoc.prior_precision={prior_precision!r}: choose {' or '.join(PRIOR_FITS)}, a "
+                "positive number, or null"
+            )
         if prior_precision is not None and not isinstance(prior_precision, str) and not float(prior_precision) > 0:
-            raise PosthocError(f"posthoc.prior_precision={prior_precision}: a prior precision must be positive (or "
-                               "gridsearch, marglik, null).")
+            raise PosthocError(
+                f"posthoc.prior_precision={prior_precision}: a prior precision must be positive (or "
+                "gridsearch, marglik, null)."
+            )
         self.hessian, self.prior_precision, self.seed = hessian, prior_precision, int(seed)
 
     def prior_for(self, datamodule) -> str | float:
@@ -411,15 +460,23 @@ class LastLayerLaplace(PosthocPosterior):
     def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
         super().check(method, datamodule, checkpoint, n_samples)
         if self.prior_for(datamodule) == "gridsearch" and not datamodule.has_val:
-            raise PosthocError(f"posthoc={self.name} with posthoc.prior_precision=gridsearch fits the prior precision "
-                               "on the validation split, and this run has none (data.val_size=0): use "
-                               "posthoc.prior_precision=marglik (training data only), or train with data.val_size.")
+            raise PosthocError(
+                f"posthoc={self.name} with posthoc.prior_precision=gridsearch fits the prior precision "
+                "on the validation split, and this run has none (data.val_size=0): use "
+                "posthoc.prior_precision=marglik (training data only), or train with data.val_size."
+            )
 
     def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int) -> LaplaceMethod:
         prior = self.prior_for(datamodule)
         datamodule.setup("fit")
         Console().print(f"Fitting a last-layer Laplace ({self.hessian} Hessian, prior precision: {prior})")
-        fitted = fit_laplace_on(method, datamodule, hessian_structure=self.hessian, prior_precision=prior,
-                                n_samples=n_samples, seed=self.seed)
+        fitted = fit_laplace_on(
+            method,
+            datamodule,
+            hessian_structure=self.hessian,
+            prior_precision=prior,
+            n_samples=n_samples,
+            seed=self.seed,
+        )
         Console().print(f"Prior precision λ = {fitted.prior_precision:.4g}")
         return fitted

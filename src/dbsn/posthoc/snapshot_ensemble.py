@@ -77,8 +77,10 @@ class SnapshotSchedule:
     def epochs_per_cycle(self, max_epochs: int) -> int:
         """⌊B / M⌋, refused below one epoch."""
         if max_epochs is None or max_epochs < self.cycles:
-            raise ValueError(f"a snapshot ensemble of {self.cycles} cycles needs at least {self.cycles} epochs, one per "
-                             f"cycle; the run has trainer.max_epochs={max_epochs}")
+            raise ValueError(
+                f"a snapshot ensemble of {self.cycles} cycles needs at least {self.cycles} epochs, one per "
+                f"cycle; the run has trainer.max_epochs={max_epochs}"
+            )
         return max_epochs // self.cycles
 
     def cycle_ends(self, max_epochs: int) -> list[int]:
@@ -99,7 +101,7 @@ class SnapshotSchedule:
 def weight_optimizers(trainer) -> list:
     """The optimisers of the method's weights: those before the structure's, one per schedule
     (`Method.configure_optimizers`)."""
-    return list(trainer.optimizers[:len(trainer.lr_scheduler_configs)])
+    return list(trainer.optimizers[: len(trainer.lr_scheduler_configs)])
 
 
 class SnapshotCollector(Callback):
@@ -126,13 +128,17 @@ class SnapshotCollector(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self.schedule.epochs_per_cycle(trainer.max_epochs)  # refuses a run shorter than the cycles
         if not weight_optimizers(trainer):
-            raise ValueError(f"callbacks=snapshot_ensemble sets the lr of the weights' optimiser, and "
-                             f"{type(pl_module).__name__}'s weights move by a step size of its own (its sampler's "
-                             "cyclical schedule): train it without the callback")
+            raise ValueError(
+                f"callbacks=snapshot_ensemble sets the lr of the weights' optimiser, and "
+                f"{type(pl_module).__name__}'s weights move by a step size of its own (its sampler's "
+                "cyclical schedule): train it without the callback"
+            )
         warmup = getattr(getattr(pl_module, "optim", None), "warmup_epochs", 0)
         if warmup:
-            raise ValueError(f"callbacks=snapshot_ensemble sets the lr of every step, and model.optim.warmup_epochs="
-                             f"{warmup} would scale it again: set model.optim.warmup_epochs=0")
+            raise ValueError(
+                f"callbacks=snapshot_ensemble sets the lr of every step, and model.optim.warmup_epochs="
+                f"{warmup} would scale it again: set model.optim.warmup_epochs=0"
+            )
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self.set_lr(trainer, 0)  # the epoch's first step's, before an lr monitor reads it
@@ -165,15 +171,21 @@ class SnapshotCollector(Callback):
         self.epochs.append(int(epoch))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cycles": self.schedule.cycles, "lr": self.lr, "epochs": list(self.epochs),
-                "snapshots": [dict(s) for s in self.snapshots]}
+        return {
+            "cycles": self.schedule.cycles,
+            "lr": self.lr,
+            "epochs": list(self.epochs),
+            "snapshots": [dict(s) for s in self.snapshots],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict["cycles"] != self.schedule.cycles or state_dict["lr"] != self.lr:
-            raise ValueError(f"the checkpoint's snapshot ensemble has {state_dict['cycles']} cycles at lr "
-                             f"{state_dict['lr']}; this run asks for {self.schedule.cycles} at {self.lr}: resume with "
-                             f"callbacks.snapshot_ensemble.cycles={state_dict['cycles']} "
-                             f"callbacks.snapshot_ensemble.lr={state_dict['lr']}")
+            raise ValueError(
+                f"the checkpoint's snapshot ensemble has {state_dict['cycles']} cycles at lr "
+                f"{state_dict['lr']}; this run asks for {self.schedule.cycles} at {self.lr}: resume with "
+                f"callbacks.snapshot_ensemble.cycles={state_dict['cycles']} "
+                f"callbacks.snapshot_ensemble.lr={state_dict['lr']}"
+            )
         self.epochs = list(state_dict["epochs"])
         self.snapshots = [dict(s) for s in state_dict["snapshots"]]
 
@@ -216,8 +228,12 @@ class SnapshotEnsembleMethod(DeepEnsemble):
             member.prepare_prediction(datamodule)
 
     def run_facts(self) -> dict:
-        return {**super().run_facts(), "posterior": "snapshot ensemble", "snapshots": len(self.members),
-                "snapshot_epochs": list(self.epochs)}
+        return {
+            **super().run_facts(),
+            "posterior": "snapshot ensemble",
+            "snapshots": len(self.members),
+            "snapshot_epochs": list(self.epochs),
+        }
 
 
 class SnapshotEnsemble(PosthocPosterior):
@@ -244,18 +260,24 @@ class SnapshotEnsemble(PosthocPosterior):
         try:
             load_snapshot_state(checkpoint)
         except ValueError as err:
-            return (f"posthoc={self.name} needs the snapshots its run collected ({err}): e.g. python train.py "
-                    "model=map_fixed callbacks=snapshot_ensemble")
+            return (
+                f"posthoc={self.name} needs the snapshots its run collected ({err}): e.g. python train.py "
+                "model=map_fixed callbacks=snapshot_ensemble"
+            )
         return None
 
     def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
         kept = len(load_snapshot_state(checkpoint)["snapshots"])
         if kept == 0:
-            raise PosthocError(f"posthoc={self.name}: the run collected no snapshot yet (its first cycle had not "
-                               "ended): evaluate the checkpoint of a later epoch, or train on")
+            raise PosthocError(
+                f"posthoc={self.name}: the run collected no snapshot yet (its first cycle had not "
+                "ended): evaluate the checkpoint of a later epoch, or train on"
+            )
         if self.last is not None and self.last > kept:
-            raise PosthocError(f"posthoc.last={self.last}, but the run collected {kept} snapshots: set "
-                               f"posthoc.last <= {kept} (or null: all)")
+            raise PosthocError(
+                f"posthoc.last={self.last}, but the run collected {kept} snapshots: set "
+                f"posthoc.last <= {kept} (or null: all)"
+            )
 
     def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> SnapshotEnsembleMethod:
         state = load_snapshot_state(checkpoint)

@@ -130,7 +130,7 @@ class SWAGMoments(nn.Module):
 
     def deviation_matrix(self) -> Tensor:
         """The K kept deviations, (K, P), oldest first."""
-        return self.deviations[self.max_rank - self.rank:]
+        return self.deviations[self.max_rank - self.rank :]
 
     def _check_samplable(self) -> None:
         if int(self.count) < 2:
@@ -170,7 +170,12 @@ class SWAGCollector(Callback):
     def __init__(self, start: float | int = 0.75, max_rank: int = 20, collect: str = "epoch") -> None:
         if collect not in self.COLLECT:
             raise ValueError(f"collect must be one of {self.COLLECT}, got {collect!r}")
-        if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0 or (isinstance(start, float) and start >= 1):
+        if (
+            isinstance(start, bool)
+            or not isinstance(start, (int, float))
+            or start < 0
+            or (isinstance(start, float) and start >= 1)
+        ):
             raise ValueError(f"start is a fraction of training in [0, 1) or an epoch index >= 0, got {start!r}")
         if max_rank < 2:
             raise ValueError(f"max_rank must be >= 2, got {max_rank}")
@@ -202,9 +207,15 @@ class SWAGCollector(Callback):
             rank_zero_info(f"SWAG collects the weights of point-estimate runs only; not this one ({err})")
             return
         self.active = True
-        if trainer.max_epochs is not None and trainer.max_epochs > 0 and self.first_epoch(trainer.max_epochs) >= trainer.max_epochs:
-            raise ValueError(f"SWAG starts at epoch {self.first_epoch(trainer.max_epochs)} of a run of "
-                             f"{trainer.max_epochs} epochs: it would collect nothing")
+        if (
+            trainer.max_epochs is not None
+            and trainer.max_epochs > 0
+            and self.first_epoch(trainer.max_epochs) >= trainer.max_epochs
+        ):
+            raise ValueError(
+                f"SWAG starts at epoch {self.first_epoch(trainer.max_epochs)} of a run of "
+                f"{trainer.max_epochs} epochs: it would collect nothing"
+            )
 
     def _collecting(self, trainer) -> bool:
         return getattr(self, "active", True) and trainer.current_epoch >= self.first_epoch(trainer.max_epochs)
@@ -234,9 +245,15 @@ class SWAGCollector(Callback):
     def state_dict(self) -> dict:
         if self.moments is None:
             return {"start": self.start, "max_rank": self.max_rank, "collect": self.collect}
-        return {"start": self.start, "max_rank": self.max_rank, "collect": self.collect, "names": list(self.names),
-                "shapes": [list(s) for s in self.shapes], "epochs": list(self.epochs),
-                "moments": {k: v.detach().cpu().clone() for k, v in self.moments.state_dict().items()}}
+        return {
+            "start": self.start,
+            "max_rank": self.max_rank,
+            "collect": self.collect,
+            "names": list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "epochs": list(self.epochs),
+            "moments": {k: v.detach().cpu().clone() for k, v in self.moments.state_dict().items()},
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "moments" not in state_dict:
@@ -252,8 +269,10 @@ def load_swag_state(checkpoint: dict) -> dict:
     `dbsn.runtime.checkpoint.load_checkpoint`)."""
     state = checkpoint.get("callbacks", {}).get(STATE_KEY)
     if state is None or "moments" not in state:
-        raise ValueError("the checkpoint holds no SWAG statistics: train with the SWAGCollector callback "
-                         "(and read the last checkpoint, written after the last collected epoch)")
+        raise ValueError(
+            "the checkpoint holds no SWAG statistics: train with the SWAGCollector callback "
+            "(and read the last checkpoint, written after the last collected epoch)"
+        )
     return state
 
 
@@ -273,17 +292,29 @@ class SWAGMethod(FixedStructurePosterior):
         temperature_scaling: a post-hoc temperature on top (fitted by `fit_temperature`).
     """
 
-    def __init__(self, base: Method, state: dict, n_samples: int, scale: float = 0.5,
-                 bn_recalibration: BatchNormRecalibration | None = None, seed: int = 0,
-                 temperature_scaling: bool = False) -> None:
+    def __init__(
+        self,
+        base: Method,
+        state: dict,
+        n_samples: int,
+        scale: float = 0.5,
+        bn_recalibration: BatchNormRecalibration | None = None,
+        seed: int = 0,
+        temperature_scaling: bool = False,
+    ) -> None:
         params = swag_parameters(base)
         names, shapes = [name for name, _ in params], [tuple(p.shape) for _, p in params]
         super().__init__(base, n_samples, "classifier", temperature_scaling)
         if "moments" not in state or list(state["names"]) != names or [tuple(s) for s in state["shapes"]] != shapes:
-            raise ValueError("the SWAG statistics do not belong to this network (its parameters' names or shapes differ)")
+            raise ValueError(
+                "the SWAG statistics do not belong to this network (its parameters' names or shapes differ)"
+            )
         net = self.network_fixed.net
-        plain = [n for n, m in net.named_modules()
-                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, GroupBatchNorm2d)]
+        plain = [
+            n
+            for n, m in net.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, GroupBatchNorm2d)
+        ]
         if plain:
             raise ValueError(f"SWAG's BatchNorm refresh needs GroupBatchNorm2d layers; {plain[:3]} are not")
         self.moments = SWAGMoments.from_state(state["moments"])
@@ -291,16 +322,26 @@ class SWAGMethod(FixedStructurePosterior):
         self.parameter_names, self.parameter_shapes = names, shapes
         self.scale = scale
         self.seed = seed
-        self.bn_recalibration = bn_recalibration if bn_recalibration is not None else BatchNormRecalibration(
-            enabled=True, images=1024, batch_size=256)
+        self.bn_recalibration = (
+            bn_recalibration
+            if bn_recalibration is not None
+            else BatchNormRecalibration(enabled=True, images=1024, batch_size=256)
+        )
         self._calibration: list[Tensor] | None = None
         self._statistics: dict[int, Statistics] = {}
         self._weights: dict[int, dict[str, Tensor]] = {}
 
     def run_facts(self) -> dict:
-        images = "running" if not self.bn_recalibration.enabled else f"per member, {self.bn_recalibration.images} images"
-        return {**super().run_facts(), "posterior": "SWAG", "swag_snapshots": int(self.moments.count),
-                "swag_rank": self.moments.rank, "bn_statistics": images}
+        images = (
+            "running" if not self.bn_recalibration.enabled else f"per member, {self.bn_recalibration.images} images"
+        )
+        return {
+            **super().run_facts(),
+            "posterior": "SWAG",
+            "swag_snapshots": int(self.moments.count),
+            "swag_rank": self.moments.rank,
+            "bn_statistics": images,
+        }
 
     # ------------------------------------------------------------------ members
     def member_weights(self, index: int) -> dict[str, Tensor]:
@@ -313,8 +354,10 @@ class SWAGMethod(FixedStructurePosterior):
             flat = self.moments.sample(generator, self.scale)
             dtype = next(self.network_fixed.parameters()).dtype
             parts = flat.to(dtype).split([math.prod(s) for s in self.parameter_shapes])
-            weights = self._weights[index] = {f"net.{name}": part.view(shape) for name, part, shape
-                                              in zip(self.parameter_names, parts, self.parameter_shapes)}
+            weights = self._weights[index] = {
+                f"net.{name}": part.view(shape)
+                for name, part, shape in zip(self.parameter_names, parts, self.parameter_shapes)
+            }
         return {name: outside_inference(w) for name, w in weights.items()}
 
     def _member_forward(self, weights: dict[str, Tensor]):
@@ -325,8 +368,11 @@ class SWAGMethod(FixedStructurePosterior):
         preprocessed; augmented if asked) and forget earlier members' statistics."""
         self._calibration, self._statistics = None, {}
         if self.bn_recalibration.enabled:
-            self.use_calibration_images(self.bn_recalibration.calibration_batches(
-                datamodule, self.moments.mean.device, "SWAG's BatchNorm refresh"))
+            self.use_calibration_images(
+                self.bn_recalibration.calibration_batches(
+                    datamodule, self.moments.mean.device, "SWAG's BatchNorm refresh"
+                )
+            )
 
     def use_calibration_images(self, batches: list[Tensor]) -> None:
         """Each member's BatchNorm statistics from now on come from these (preprocessed) batches."""
@@ -335,20 +381,26 @@ class SWAGMethod(FixedStructurePosterior):
     def member_statistics(self, index: int, weights: dict[str, Tensor]) -> Statistics:
         """Member `index`'s BatchNorm statistics on the calibration images (computed once)."""
         if index not in self._statistics:
-            self._statistics[index] = structure_statistics(self._member_forward(weights), self.network_fixed.net,
-                                                           self._calibration, 1)
+            self._statistics[index] = structure_statistics(
+                self._member_forward(weights), self.network_fixed.net, self._calibration, 1
+            )
         return {k: tuple(map(outside_inference, v)) for k, v in self._statistics[index].items()}
 
     def stochastic_forward(self, x: Tensor, n: int, first: int = 0) -> Tensor:
         """Logits of members first .. first + n - 1, (n, b, C): one forward per member."""
         if self.bn_recalibration.enabled and self._calibration is None:
-            raise ValueError("SWAG members need their BatchNorm statistics: call prepare_prediction(datamodule) "
-                             "(the test pass does) or use_calibration_images(batches) first")
+            raise ValueError(
+                "SWAG members need their BatchNorm statistics: call prepare_prediction(datamodule) "
+                "(the test pass does) or use_calibration_images(batches) first"
+            )
         logits = []
         for index in range(first, first + n):
             weights = self.member_weights(index)
-            context = (using_statistics(self.network_fixed.net, self.member_statistics(index, weights))
-                       if self.bn_recalibration.enabled else nullcontext())
+            context = (
+                using_statistics(self.network_fixed.net, self.member_statistics(index, weights))
+                if self.bn_recalibration.enabled
+                else nullcontext()
+            )
             with context:
                 logits.append(self.task.class_last(self._member_forward(weights)(x)))
         return torch.stack(logits)
@@ -380,17 +432,21 @@ class SWAG(PosthocPosterior):
         try:
             load_swag_state(checkpoint)
         except (KeyError, ValueError) as err:
-            return (f"posthoc={self.name} needs the SWAG moments its run collected, and this checkpoint has none ({err}): "
-                    "train with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag)")
+            return (
+                f"posthoc={self.name} needs the SWAG moments its run collected, and this checkpoint has none ({err}): "
+                "train with callbacks=swag (e.g. python train.py model=map_fixed callbacks=swag)"
+            )
         return None
 
     def check(self, method: Method, datamodule, checkpoint: dict, n_samples: int | None = None) -> None:
         super().check(method, datamodule, checkpoint, n_samples)
         snapshots = int(load_swag_state(checkpoint)["moments"]["count"])
         if snapshots < 2:
-            raise PosthocError(f"posthoc={self.name} needs at least 2 collected snapshots of the weights, and this "
-                               f"checkpoint has {snapshots}: collect over more epochs (callbacks.swag.start earlier, "
-                               "or more epochs) or after every step (callbacks.swag.collect=step).")
+            raise PosthocError(
+                f"posthoc={self.name} needs at least 2 collected snapshots of the weights, and this "
+                f"checkpoint has {snapshots}: collect over more epochs (callbacks.swag.start earlier, "
+                "or more epochs) or after every step (callbacks.swag.collect=step)."
+            )
 
     def fit(self, method: Method, datamodule, checkpoint: dict, n_samples: int) -> SWAGMethod:
         return SWAGMethod(method, load_swag_state(checkpoint), n_samples=n_samples, scale=self.scale)

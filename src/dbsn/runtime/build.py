@@ -19,8 +19,15 @@ from dbsn.runtime.console import summary_callback
 from dbsn.runtime.ddp import RunDirDDPStrategy
 from dbsn.runtime.progress import LineProgress
 
-__all__ = ["build_model", "build_trainer", "count_parameters", "init_weights", "instantiate_group", "load_method",
-           "with_facts"]
+__all__ = [
+    "build_model",
+    "build_trainer",
+    "count_parameters",
+    "init_weights",
+    "instantiate_group",
+    "load_method",
+    "with_facts",
+]
 
 
 def build_model(model_cfg: DictConfig | dict, num_classes: int) -> Method:
@@ -48,8 +55,9 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def load_method(path, num_classes: int, expected_data: str | None = None,
-                checkpoint: dict[str, Any] | None = None) -> Method:
+def load_method(
+    path, num_classes: int, expected_data: str | None = None, checkpoint: dict[str, Any] | None = None
+) -> Method:
     """The method a checkpoint holds, rebuilt from the run config inside it (`checkpoint`: the
     file already loaded); `expected_data`: the data `_target_` it must have been trained on."""
     checkpoint = checkpoint if checkpoint is not None else load_checkpoint(path)
@@ -114,9 +122,13 @@ def build_trainer(trainer_cfg: DictConfig, output_dir: Path, callbacks=(), logge
     if not loggers:  # logger=none: the learning rates have nowhere to go (Lightning would refuse to start)
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     strategy = kwargs.get("strategy", "auto")
-    if strategy == "ddp" or (strategy == "auto" and num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1):
+    if strategy == "ddp" or (
+        strategy == "auto" and num_devices(kwargs.get("devices", 1), kwargs.get("accelerator", "auto")) > 1
+    ):
         kwargs["strategy"] = RunDirDDPStrategy(run_dir=output_dir)
-    return pl.Trainer(**kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()])
+    return pl.Trainer(
+        **kwargs, callbacks=list(callbacks), logger=list(loggers) or False, plugins=[AtomicCheckpointIO()]
+    )
 
 
 def device_of(trainer_cfg) -> torch.device:

@@ -31,11 +31,29 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from dbsn import __version__
 from dbsn.evaluation.runs import RUN_ID_KEY
 from dbsn.runtime.disk import OutputError, disk_problem
-from dbsn.runtime.integrity import DIGEST_KEY, VERSION_KEY, CheckpointError, checkpoint_digest, read_checkpoint, with_digest
+from dbsn.runtime.integrity import (
+    DIGEST_KEY,
+    VERSION_KEY,
+    CheckpointError,
+    checkpoint_digest,
+    read_checkpoint,
+    with_digest,
+)
 
-__all__ = ["CONFIG_KEY", "DIGEST_KEY", "VERSION_KEY", "AtomicCheckpointIO", "CheckpointError", "RandomStateCallback",
-           "RunConfigCallback", "check_resume_checkpoint", "checkpoint_digest", "load_checkpoint", "upgrade_config",
-           "version_note"]
+__all__ = [
+    "CONFIG_KEY",
+    "DIGEST_KEY",
+    "VERSION_KEY",
+    "AtomicCheckpointIO",
+    "CheckpointError",
+    "RandomStateCallback",
+    "RunConfigCallback",
+    "check_resume_checkpoint",
+    "checkpoint_digest",
+    "load_checkpoint",
+    "upgrade_config",
+    "version_note",
+]
 
 CONFIG_KEY = "dbsn_config"
 
@@ -60,9 +78,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             problem = disk_problem(err, path.parent)
             if problem is None:
                 raise
-            raise OutputError(f"Could not write the checkpoint {path}: {problem}. The run stopped; the checkpoints "
-                              f"written before are intact: free space, then continue with resume=true in the same "
-                              f"run folder.") from err
+            raise OutputError(
+                f"Could not write the checkpoint {path}: {problem}. The run stopped; the checkpoints "
+                f"written before are intact: free space, then continue with resume=true in the same "
+                f"run folder."
+            ) from err
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -192,7 +212,7 @@ def upgrade_config(node: Any) -> Any:
         if isinstance(target, str):
             for old, new in MOVED_TARGETS.items():
                 if target.startswith(old) and not target.startswith(new):
-                    out["_target_"] = new + target[len(old):]
+                    out["_target_"] = new + target[len(old) :]
                     break
             out = _grouped_settings(out)
             if out["_target_"] in CELL_NETWORKS:
@@ -209,9 +229,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path).expanduser()
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(
-            f"{path} is a PyTorch file but not a Lightning checkpoint (no 'state_dict')."
-        )
+        raise CheckpointError(f"{path} is a PyTorch file but not a Lightning checkpoint (no 'state_dict').")
     if CONFIG_KEY not in checkpoint:
         raise CheckpointError(
             f"{path} is a Lightning checkpoint that dbsn's train.py did not write: it carries no "

@@ -25,8 +25,15 @@ from dbsn import conf_choices
 from dbsn.runtime.config import CONF_DIR
 from dbsn.runtime.errors import one_line_errors
 
-__all__ = ["RENAMED", "discard_refused_evaluation", "discard_refused_run", "evaluate", "renamed_option", "train",
-           "unchosen_option"]
+__all__ = [
+    "RENAMED",
+    "discard_refused_evaluation",
+    "discard_refused_run",
+    "evaluate",
+    "renamed_option",
+    "train",
+    "unchosen_option",
+]
 
 _STARTED = time.time()  # before Hydra makes the run folder
 #: What a start leaves in its run folder before it trains: Hydra's config and log, the resolved config,
@@ -80,33 +87,55 @@ def unchosen_option(arguments: Sequence[str], conf_dir: Path | None = None) -> s
         parts = override.get_key_element().split(".")
         setting = text.split("=", 1)[0]
         if parts[0] == "posthoc" and len(parts) > 1 and not chosen["posthoc"] - {"null"}:
-            return (f"{setting} sets an option of a post-hoc posterior, and none is chosen: add posthoc=<name> "
-                    f"({', '.join(conf_choices('posthoc', conf_dir))}).")
+            return (
+                f"{setting} sets an option of a post-hoc posterior, and none is chosen: add posthoc=<name> "
+                f"({', '.join(conf_choices('posthoc', conf_dir))})."
+            )
         if parts[0] == "evaluations" and len(parts) > 2 and parts[1] not in chosen["evaluations"]:
-            return (f"{setting} sets an option of the evaluation {parts[1]}, which is not chosen: add it to "
-                    f"evaluations=[...] (e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {parts[1]}))}]).")
+            return (
+                f"{setting} sets an option of the evaluation {parts[1]}, which is not chosen: add it to "
+                f"evaluations=[...] (e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {parts[1]}))}])."
+            )
         if parts[0] == "ood_score" and "ood" not in chosen["evaluations"]:
-            return (f"{setting} sets the OOD evaluation's scores, and it is not chosen: add evaluations=[ood] "
-                    f"(e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {'ood'}))}] ood=<set>).")
+            return (
+                f"{setting} sets the OOD evaluation's scores, and it is not chosen: add evaluations=[ood] "
+                f"(e.g. evaluations=[{','.join(sorted(chosen['evaluations'] | {'ood'}))}] ood=<set>)."
+            )
         if parts[0] == "ood" and len(parts) > 2 and parts[1] not in chosen["ood"]:
             sets = ",".join(sorted(chosen["ood"] | {parts[1]}))
-            return (f"{setting} sets an option of the OOD set {parts[1]}, which is not chosen: add it to ood=[...] "
-                    f"(e.g. ood=[{sets}] with evaluations=[ood]).")
+            return (
+                f"{setting} sets an option of the OOD set {parts[1]}, which is not chosen: add it to ood=[...] "
+                f"(e.g. ood=[{sets}] with evaluations=[ood])."
+            )
     return None
 
 
 #: Settings that moved, old key -> new key (a key below an old one moves with it: model.compile.enabled).
-RENAMED = {**{f"{model}.{old}": f"{model}.{new}" for model in ("model", "model.member") for old, new in (
-    ("n_samples", "prediction.n_samples"), ("val_samples", "prediction.val_samples"),
-    ("samples_per_forward", "prediction.samples_per_forward"), ("temperature_scaling", "prediction.temperature_scaling"),
-    ("channels_last", "execution.channels_last"), ("compile", "execution.compile"))},
+RENAMED = {
+    **{
+        f"{model}.{old}": f"{model}.{new}"
+        for model in ("model", "model.member")
+        for old, new in (
+            ("n_samples", "prediction.n_samples"),
+            ("val_samples", "prediction.val_samples"),
+            ("samples_per_forward", "prediction.samples_per_forward"),
+            ("temperature_scaling", "prediction.temperature_scaling"),
+            ("channels_last", "execution.channels_last"),
+            ("compile", "execution.compile"),
+        )
+    },
     "model.vogn.num_samples": "model.vogn.draws_per_step",
     # the OOD evaluation's post-hoc scores are configs of their own (conf/ood_score/)
-    "evaluations.ood.knn_k": "ood_score.knn.k", "evaluations.ood.vim_dim": "ood_score.vim.dim",
-    "evaluations.ood.energy_temperature": "ood_score.energy.temperature", "evaluations.ood.odin": "ood_score.odin",
+    "evaluations.ood.knn_k": "ood_score.knn.k",
+    "evaluations.ood.vim_dim": "ood_score.vim.dim",
+    "evaluations.ood.energy_temperature": "ood_score.energy.temperature",
+    "evaluations.ood.odin": "ood_score.odin",
     # a calibrator's settings sit under posthoc.calibrator (conf/posthoc/<name>.yaml)
-    **{f"posthoc.{key}": f"posthoc.calibrator.{key}"
-       for key in ("bins", "floor", "map", "reg_lambda", "reg_mu", "folds", "max_iter", "seed")}}
+    **{
+        f"posthoc.{key}": f"posthoc.calibrator.{key}"
+        for key in ("bins", "floor", "map", "reg_lambda", "reg_mu", "folds", "max_iter", "seed")
+    },
+}
 
 
 def renamed_option(arguments: Sequence[str]) -> str | None:
@@ -119,8 +148,8 @@ def renamed_option(arguments: Sequence[str]) -> str | None:
         bare = key.lstrip("+~")
         for old, new in RENAMED.items():
             if bare == old or bare.startswith(old + "."):
-                moved = new + bare[len(old):]
-                return f"{bare} was renamed {moved}: use {key[:len(key) - len(bare)]}{moved}={value}"
+                moved = new + bare[len(old) :]
+                return f"{bare} was renamed {moved}: use {key[: len(key) - len(bare)]}{moved}={value}"
     return None
 
 

@@ -31,14 +31,15 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from dbsn.runtime.config import ConfigError
 from dbsn.evaluation.runs import SLURM_FILE
+from dbsn.runtime.config import ConfigError
 
 GPU_ACCELERATORS = ("auto", "gpu", "cuda")  # on a GPU cluster, "auto" means the GPUs
 
@@ -56,8 +57,10 @@ def devices_per_node(trainer: DictConfig) -> int:
     except (TypeError, ValueError):
         count = -1
     if count < 1:
-        raise ConfigError(f"trainer.devices={devices!r}: a SLURM job asks for a number of devices per node; "
-                          "give it, e.g. trainer.devices=4 (one SLURM task each).")
+        raise ConfigError(
+            f"trainer.devices={devices!r}: a SLURM job asks for a number of devices per node; "
+            "give it, e.g. trainer.devices=4 (one SLURM task each)."
+        )
     return count
 
 
@@ -70,21 +73,27 @@ def slurm_request(job: DictConfig, launcher: dict[str, Any]) -> dict[str, Any]:
     gpu = str(trainer.get("accelerator", "auto")) in GPU_ACCELERATORS
     nodes, tasks, gpus = launcher.get("nodes"), launcher.get("tasks_per_node"), launcher.get("gpus_per_node")
     if nodes is not None and int(nodes) != num_nodes:
-        raise ConfigError(f"hydra.launcher.nodes={nodes} but trainer.num_nodes={num_nodes}: the run needs one "
-                          "SLURM node per trainer node. Leave hydra.launcher.nodes unset (it follows "
-                          "trainer.num_nodes) or make them equal.")
+        raise ConfigError(
+            f"hydra.launcher.nodes={nodes} but trainer.num_nodes={num_nodes}: the run needs one "
+            "SLURM node per trainer node. Leave hydra.launcher.nodes unset (it follows "
+            "trainer.num_nodes) or make them equal."
+        )
     if tasks is not None and int(tasks) != devices:
-        raise ConfigError(f"hydra.launcher.tasks_per_node={tasks} but trainer.devices={devices}: Lightning's "
-                          "SLURMEnvironment needs one SLURM task per device. Leave hydra.launcher.tasks_per_node "
-                          "unset (it follows trainer.devices) or make them equal.")
+        raise ConfigError(
+            f"hydra.launcher.tasks_per_node={tasks} but trainer.devices={devices}: Lightning's "
+            "SLURMEnvironment needs one SLURM task per device. Leave hydra.launcher.tasks_per_node "
+            "unset (it follows trainer.devices) or make them equal."
+        )
     if launcher.get("gres"):
         gpus = None  # the cluster's own GPU spelling (e.g. gres=gpu:a100:4) replaces --gpus-per-node
     elif gpus is None:
         gpus = devices if gpu else None
     elif gpu and int(gpus) < devices:
-        raise ConfigError(f"hydra.launcher.gpus_per_node={gpus} but trainer.devices={devices} on "
-                          f"accelerator={trainer.get('accelerator')}: each device needs its own GPU. Leave "
-                          "hydra.launcher.gpus_per_node unset (it follows trainer.devices) or raise it.")
+        raise ConfigError(
+            f"hydra.launcher.gpus_per_node={gpus} but trainer.devices={devices} on "
+            f"accelerator={trainer.get('accelerator')}: each device needs its own GPU. Leave "
+            "hydra.launcher.gpus_per_node unset (it follows trainer.devices) or raise it."
+        )
     return {"nodes": num_nodes, "tasks_per_node": devices, "gpus_per_node": gpus}
 
 
@@ -102,13 +111,17 @@ def check_sweep(configs: Sequence[DictConfig], launcher: dict[str, Any]) -> dict
             requests.append(slurm_request(job, launcher))
         except Exception as err:
             overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""
-            raise ConfigError(f"sweep job #{num} ({overrides or 'no overrides'}): {err} Nothing was submitted.") from err
+            raise ConfigError(
+                f"sweep job #{num} ({overrides or 'no overrides'}): {err} Nothing was submitted."
+            ) from err
     distinct = {json.dumps(r, sort_keys=True) for r in requests}
     if len(distinct) > 1:
         first, other = requests[0], next(r for r in requests if r != requests[0])
-        raise ConfigError(f"the jobs of one sweep share one SLURM request, but they ask for {first} and {other} "
-                          "(trainer.num_nodes / trainer.devices differ between jobs): submit them as separate "
-                          "sweeps. Nothing was submitted.")
+        raise ConfigError(
+            f"the jobs of one sweep share one SLURM request, but they ask for {first} and {other} "
+            "(trainer.num_nodes / trainer.devices differ between jobs): submit them as separate "
+            "sweeps. Nothing was submitted."
+        )
     return requests[0]
 
 
@@ -161,8 +174,13 @@ def partition_nodes(partition: str | None) -> tuple[str, list[dict[str, Any]], d
         name, cpus, memory, gres, features = (row.split("|") + [""] * 5)[:5]
         if not cpus.strip().isdigit():
             continue
-        nodes[name.strip()] = {"name": name.strip(), "cpus": int(cpus), "memory_mb": int(re.sub(r"\D", "", memory) or 0),
-                               "gpus": _gpu_count(gres), "features": set(features.strip().split(","))}
+        nodes[name.strip()] = {
+            "name": name.strip(),
+            "cpus": int(cpus),
+            "memory_mb": int(re.sub(r"\D", "", memory) or 0),
+            "gpus": _gpu_count(gres),
+            "features": set(features.strip().split(",")),
+        }
     described = _command("scontrol", "show", "partition", partition, "-o") or ""
     limits = dict(item.split("=", 1) for item in described.split() if "=" in item)
     return partition, list(nodes.values()), limits
@@ -229,9 +247,15 @@ def check_partition(params: dict[str, Any]) -> None:
         if cpus > biggest["cpus"] and params.get("cpus_per_task"):
             fixes.append(f"hydra.launcher.cpus_per_task={max(biggest['cpus'] // tasks, 1)}")
         if memory > biggest["memory_mb"]:
-            fixes.append(f"hydra.launcher.mem_gb={max(biggest['memory_mb'] // 1024, 1) if biggest['memory_mb'] >= 1024 else 'null'}")
+            fixes.append(
+                f"hydra.launcher.mem_gb={max(biggest['memory_mb'] // 1024, 1) if biggest['memory_mb'] >= 1024 else 'null'}"
+            )
         if gpus > biggest["gpus"]:
-            fixes.append(f"trainer.devices={biggest['gpus']}" if biggest["gpus"] else "another partition (hydra.launcher.partition=...) with GPUs")
+            fixes.append(
+                f"trainer.devices={biggest['gpus']}"
+                if biggest["gpus"]
+                else "another partition (hydra.launcher.partition=...) with GPUs"
+            )
         if len(usable) < wanted:
             fixes.append(f"trainer.num_nodes={len(usable)}")
         problems.append(
@@ -239,19 +263,34 @@ def check_partition(params: dict[str, Any]) -> None:
             f"{memory} MB of memory and {gpus} GPU(s) each, but {'only ' + str(len(fitting)) if fitting else 'none'} of "
             f"the {len(usable)} node(s) of partition '{partition}'{' with feature ' + constraint if constraint else ''} "
             f"can give that (the largest: {biggest['cpus']} CPUs, {biggest['memory_mb']} MB, {biggest['gpus']} GPUs)."
-            + (f" Fits with: {' '.join(fixes)}." if fixes else ""))
+            + (f" Fits with: {' '.join(fixes)}." if fixes else "")
+        )
     max_minutes = _minutes(limits.get("MaxTime", ""))
     if max_minutes is not None and float(params.get("timeout_min") or 0) > max_minutes:
-        problems.append(f"hydra.launcher.timeout_min={params.get('timeout_min')} exceeds partition '{partition}''s "
-                        f"MaxTime of {limits['MaxTime']}. Fits with: hydra.launcher.timeout_min={int(max_minutes)}.")
+        problems.append(
+            f"hydra.launcher.timeout_min={params.get('timeout_min')} exceeds partition '{partition}''s "
+            f"MaxTime of {limits['MaxTime']}. Fits with: hydra.launcher.timeout_min={int(max_minutes)}."
+        )
     if problems:
         raise ConfigError("The SLURM request would pend forever: " + " ".join(problems) + " Nothing was submitted.")
 
 
 def pending_reasons(job_ids: Sequence[str]) -> dict[str, str]:
     """squeue's reason for every pending job of `job_ids` ({} where squeue does not answer)."""
-    listing = _command("squeue", "-h", "-t", "PENDING", "-r", "-o", "%i|%r", "-j", ",".join(sorted(
-        {job_id.split("_")[0] for job_id in job_ids}))) or ""
+    listing = (
+        _command(
+            "squeue",
+            "-h",
+            "-t",
+            "PENDING",
+            "-r",
+            "-o",
+            "%i|%r",
+            "-j",
+            ",".join(sorted({job_id.split("_")[0] for job_id in job_ids})),
+        )
+        or ""
+    )
     reasons = {}
     for line in listing.splitlines():
         job_id, _, reason = line.partition("|")
@@ -269,8 +308,10 @@ def wait_for(jobs: list, poll_s: float = 30.0, say: Callable[[str], None] = prin
             code = reason.strip("()").split(",")[0]
             if code in NEVER_CLEARS and (job_id, code) not in said:
                 said.add((job_id, code))
-                say(f"Job {job_id} is pending ({code}): {NEVER_CLEARS[code]}; it will not start. Cancel it "
-                    f"(scancel {job_id.split('_')[0]}) and submit with a request that fits (`sinfo -N -l` shows the nodes).")
+                say(
+                    f"Job {job_id} is pending ({code}): {NEVER_CLEARS[code]}; it will not start. Cancel it "
+                    f"(scancel {job_id.split('_')[0]}) and submit with a request that fits (`sinfo -N -l` shows the nodes)."
+                )
         time.sleep(poll_s)
 
 
@@ -300,10 +341,19 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     if params.pop("check_partition", True):
         check_partition(params)
 
-    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
-    shared = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
-              "stderr_to_stdout"}
+    executor = submitit.AutoExecutor(
+        folder=params.pop("submitit_folder"), cluster="slurm", slurm_max_num_timeout=params.pop("max_num_timeout")
+    )
+    shared = {
+        "timeout_min",
+        "cpus_per_task",
+        "gpus_per_node",
+        "tasks_per_node",
+        "mem_gb",
+        "nodes",
+        "name",
+        "stderr_to_stdout",
+    }
     executor.update_parameters(**{k if k in shared else f"slurm_{k}": v for k, v in params.items() if v is not None})
     sweep_dir.mkdir(parents=True, exist_ok=True)
     arguments = []
@@ -312,8 +362,11 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         print(f"  #{num}: {' '.join(filter_overrides(overrides))}", flush=True)
         arguments.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state()))
     jobs = executor.map_array(launcher, *zip(*arguments))
-    print(f"Submitted {len(jobs)} SLURM job(s) ({jobs[0].job_id.split('_')[0]}, array of {len(jobs)}); "
-          f"sweep folder {sweep_dir}; SLURM logs in {executor.folder}", flush=True)
+    print(
+        f"Submitted {len(jobs)} SLURM job(s) ({jobs[0].job_id.split('_')[0]}, array of {len(jobs)}); "
+        f"sweep folder {sweep_dir}; SLURM logs in {executor.folder}",
+        flush=True,
+    )
 
     wait_for(jobs, poll_s, lambda line: print(line, flush=True))
     results, failures = [], []
@@ -323,8 +376,12 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         except Exception as err:  # killed, timed out too often, node failure: the job ended without a result
             result = JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=err)
         failed = result.status != JobStatus.COMPLETED
-        facts = {"job_id": job.job_id, "status": "failed" if failed else "completed", "stdout": str(job.paths.stdout),
-                 "overrides": list(overrides)}
+        facts = {
+            "job_id": job.job_id,
+            "status": "failed" if failed else "completed",
+            "stdout": str(job.paths.stdout),
+            "overrides": list(overrides),
+        }
         if job.paths.stderr.is_file():
             facts["stderr"] = str(job.paths.stderr)
         if failed:
@@ -333,15 +390,20 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
         write_job_facts(run_dir, facts)
         results.append(result)
     for run_dir, facts in failures:
-        print(f"FAILED job {facts['job_id']} ({' '.join(facts['overrides'])}): {facts['error']}\n"
-              f"  run folder {run_dir}\n  SLURM log  {facts['stdout']}", flush=True)
+        print(
+            f"FAILED job {facts['job_id']} ({' '.join(facts['overrides'])}): {facts['error']}\n"
+            f"  run folder {run_dir}\n  SLURM log  {facts['stdout']}",
+            flush=True,
+        )
     if "model" in config:  # a training sweep: its tables
         from dbsn.evaluation.report import build_sweep_report
 
         report = build_sweep_report(sweep_dir, reference=str((config.get("report") or {}).get("reference") or "dbsn"))
         for line in report.summary:
             print(line, flush=True)
-        print(f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True)
+        print(
+            f"{len(jobs) - len(failures)} of {len(jobs)} jobs finished; report: {report.out / 'report.md'}", flush=True
+        )
     return results
 
 
@@ -349,9 +411,14 @@ def error_line(error: BaseException) -> str:
     """The line that says what went wrong: the exception line of a job's traceback (submitit
     wraps the job's traceback into its own error), else the error itself."""
     text = str(error)
-    raised = [line.strip() for line in text.splitlines()
-              if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b(:|$)", line.strip())]
-    return (raised[-1] if raised else f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}")[:1000]
+    raised = [
+        line.strip()
+        for line in text.splitlines()
+        if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b(:|$)", line.strip())
+    ]
+    return (
+        raised[-1] if raised else f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
+    )[:1000]
 
 
 def write_job_facts(run_dir: Path, facts: dict[str, Any]) -> None:
@@ -371,10 +438,13 @@ def job_facts() -> dict[str, Any] | None:
         return None
     env = os.environ
     array = env.get("SLURM_ARRAY_JOB_ID")
-    facts = {"job_id": f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"],
-             "nodes": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
-             "num_nodes": int(env.get("SLURM_NNODES", 1)), "tasks": int(env.get("SLURM_NTASKS", 1)),
-             "restarts": int(env.get("SLURM_RESTART_COUNT", 0))}
+    facts = {
+        "job_id": f"{array}_{env['SLURM_ARRAY_TASK_ID']}" if array else env["SLURM_JOB_ID"],
+        "nodes": env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"),
+        "num_nodes": int(env.get("SLURM_NNODES", 1)),
+        "tasks": int(env.get("SLURM_NTASKS", 1)),
+        "restarts": int(env.get("SLURM_RESTART_COUNT", 0)),
+    }
     try:
         import submitit
 
@@ -411,7 +481,7 @@ class PreemptionRequeue(pl.Callback):
     """Requeue the job at the next epoch boundary after submitit's preemption/time-out signal (see
     the module docstring), or when the grace period runs out, whichever comes first."""
 
-    active: "PreemptionRequeue | None" = None  # the one installed in this process
+    active: PreemptionRequeue | None = None  # the one installed in this process
 
     def __init__(self, requeue: Callable[[], None], grace_s: float) -> None:
         self.requeue, self.grace_s = requeue, grace_s
@@ -419,8 +489,11 @@ class PreemptionRequeue(pl.Callback):
         self.fitting = False
 
     def signalled(self, signum, frame) -> None:
-        print(f"Preemption signal {signal.Signals(signum).name}: requeueing after this epoch's checkpoint "
-              f"(or in {self.grace_s:.0f} s)", flush=True)
+        print(
+            f"Preemption signal {signal.Signals(signum).name}: requeueing after this epoch's checkpoint "
+            f"(or in {self.grace_s:.0f} s)",
+            flush=True,
+        )
         self.signalled_at = time.monotonic()
         if not self.fitting:  # testing or reporting: nothing to wait for
             self.requeue()

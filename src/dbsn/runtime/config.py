@@ -19,7 +19,8 @@ import os
 import shutil
 import types
 import typing
-from typing import Any, Iterable, Literal, Union
+from collections.abc import Iterable
+from typing import Any, Literal, Union
 
 import torch
 from hydra.utils import get_object, instantiate
@@ -40,17 +41,44 @@ RUNTIME_KEYS = {"model": {"member"}}
 #: the run's own settings, `tags` (W&B's, and the run's record), `statistics` (the test pass),
 #: `report` (a sweep's report), `budget` (a field job's: which length it trains, `check_budget`).
 TOP_LEVEL_KEYS = {
-    "data", "model", "trainer", "logger", "callbacks", "paths", "hydra", "seed", "ckpt_path", "init_from",
-    "test", "task_name", "tags", "resume", "resume_changes", "statistics", "report", "budget",
+    "data",
+    "model",
+    "trainer",
+    "logger",
+    "callbacks",
+    "paths",
+    "hydra",
+    "seed",
+    "ckpt_path",
+    "init_from",
+    "test",
+    "task_name",
+    "tags",
+    "resume",
+    "resume_changes",
+    "statistics",
+    "report",
+    "budget",
 }
 
 # Top-level keys of train.py and the types they take (None = may be null).
-TOP_LEVEL_TYPES = {"seed": (int, None), "ckpt_path": (str, None), "init_from": (str, None), "test": (bool,),
-                   "resume": (bool,), "task_name": (str,), "resume_changes": (list, None), "tags": (list, None)}
+TOP_LEVEL_TYPES = {
+    "seed": (int, None),
+    "ckpt_path": (str, None),
+    "init_from": (str, None),
+    "test": (bool,),
+    "resume": (bool,),
+    "task_name": (str,),
+    "resume_changes": (list, None),
+    "tags": (list, None),
+}
 
 #: The keys of the top-level sections that are settings without a `_target_` (train and evaluate).
-PLAIN_SECTIONS = {"statistics": {"seed", "resamples", "level"}, "report": {"reference"},
-                  "budget": {"recipe", "backbone", "epochs"}}
+PLAIN_SECTIONS = {
+    "statistics": {"seed", "resamples", "level"},
+    "report": {"reference"},
+    "budget": {"recipe", "backbone", "epochs"},
+}
 
 #: A field job's budgets (conf/budget/): its authors' recipe, or the epochs every method on its backbone shares.
 BUDGET_RECIPES = ("authors", "shared")
@@ -58,22 +86,47 @@ BUDGET_RECIPES = ("authors", "shared")
 #: The top-level keys of evaluate.py's config, each read by the evaluation
 #: (`dbsn.runtime.evaluation`, `dbsn.runtime.run.evaluate`); `check_evaluate_config` refuses others.
 EVALUATE_TOP_LEVEL_KEYS = {
-    "task_name", "tags", "ckpt_path", "output_dir", "n_samples", "samples_per_forward", "rows_per_forward",
-    "data_root", "batch_size", "test_tau", "bn_recalibration", "statistics", "report", "ablation", "evaluations",
-    "ood", "ood_score", "posthoc", "trainer", "logger", "callbacks", "paths", "hydra",
+    "task_name",
+    "tags",
+    "ckpt_path",
+    "output_dir",
+    "n_samples",
+    "samples_per_forward",
+    "rows_per_forward",
+    "data_root",
+    "batch_size",
+    "test_tau",
+    "bn_recalibration",
+    "statistics",
+    "report",
+    "ablation",
+    "evaluations",
+    "ood",
+    "ood_score",
+    "posthoc",
+    "trainer",
+    "logger",
+    "callbacks",
+    "paths",
+    "hydra",
 }
 
 #: evaluate.py's sections of settings without a `_target_`, beyond `PLAIN_SECTIONS`.
-EVALUATE_PLAIN_SECTIONS = {"ablation": {"sizes"},
-                           "bn_recalibration": {"enabled", "images", "augment", "batch_size", "seed"}}
+EVALUATE_PLAIN_SECTIONS = {
+    "ablation": {"sizes"},
+    "bn_recalibration": {"enabled", "images", "augment", "batch_size", "seed"},
+}
 
 
 def _accepted_keys(target: Any) -> tuple[set[str], bool]:
     """Parameter names of `target`'s constructor, and whether it takes **kwargs. A class whose
     constructor passes **kwargs on to its base's accepts the base's names too (up the MRO to
     the first constructor without **kwargs)."""
-    functions = [c.__dict__["__init__"] for c in target.__mro__ if "__init__" in c.__dict__] \
-        if inspect.isclass(target) else [target]
+    functions = (
+        [c.__dict__["__init__"] for c in target.__mro__ if "__init__" in c.__dict__]
+        if inspect.isclass(target)
+        else [target]
+    )
     names: set[str] = set()
     for function in functions:
         parameters = inspect.signature(function).parameters
@@ -86,8 +139,11 @@ def _accepted_keys(target: Any) -> tuple[set[str], bool]:
 def _annotations(target: Any) -> dict[str, Any]:
     """The constructor's parameter annotations, resolved, with those of the base classes'
     constructors that a `**kwargs` passes keys on to; {} where they cannot be resolved."""
-    functions = [c.__dict__["__init__"] for c in reversed(target.__mro__) if "__init__" in c.__dict__] \
-        if inspect.isclass(target) else [target]
+    functions = (
+        [c.__dict__["__init__"] for c in reversed(target.__mro__) if "__init__" in c.__dict__]
+        if inspect.isclass(target)
+        else [target]
+    )
     hints: dict[str, Any] = {}
     for function in functions:  # the most derived last: its annotation wins
         try:
@@ -145,7 +201,9 @@ def _check_type(where: str, value: Any, annotation: Any) -> None:
 def _is_settings_class(annotation: Any) -> bool:
     """Whether a parameter takes an object that a config builds from a mapping with `_target_`
     (a settings dataclass, a network): a string, a number or a list there is a malformed config."""
-    return inspect.isclass(annotation) and (dataclasses.is_dataclass(annotation) or issubclass(annotation, torch.nn.Module))
+    return inspect.isclass(annotation) and (
+        dataclasses.is_dataclass(annotation) or issubclass(annotation, torch.nn.Module)
+    )
 
 
 def _takes_a_mapping(annotation: Any) -> bool:
@@ -170,15 +228,21 @@ def check_node(node: DictConfig, where: str) -> None:
             if key in annotations and key not in HYDRA_KEYS and not OmegaConf.is_missing(node, key):
                 value = node[key]
                 if _takes_a_mapping(annotations[key]) and value is not None and not OmegaConf.is_config(value):
-                    raise ConfigError(f"{where}.{key}={value!r}: expected a mapping of settings with _target_ (the "
-                                      f"class it builds), got {type(value).__name__}.")
+                    raise ConfigError(
+                        f"{where}.{key}={value!r}: expected a mapping of settings with _target_ (the "
+                        f"class it builds), got {type(value).__name__}."
+                    )
                 _check_type(f"{where}.{key}", value, annotations[key])
         if "num_classes" in node and where.endswith(".net"):
-            raise ConfigError(f"{where}.num_classes: the network's class count is the data's (train.py passes the data "
-                              f"module's num_classes); remove {where}.num_classes.")
+            raise ConfigError(
+                f"{where}.num_classes: the network's class count is the data's (train.py passes the data "
+                f"module's num_classes); remove {where}.num_classes."
+            )
         if not takes_kwargs:
             runtime = RUNTIME_KEYS.get(where, set())
-            unknown = [key for key in node.keys() if key not in HYDRA_KEYS and key not in accepted and key not in runtime]
+            unknown = [
+                key for key in node.keys() if key not in HYDRA_KEYS and key not in accepted and key not in runtime
+            ]
             if unknown:
                 raise UnknownKeysError(where, [str(k) for k in unknown], target_name, accepted)
     for key in node.keys():
@@ -195,11 +259,11 @@ def check_node(node: DictConfig, where: str) -> None:
 PRECISIONS = ("32-true", "bf16-mixed", "64-true")
 _REFUSED_PRECISION = {
     "16-mixed": "float16's loss scaling does not reach the methods' own gradient clipping "
-                "(model.optim.grad_clip_norm), which would clip gradients still multiplied by the loss scale",
+    "(model.optim.grad_clip_norm), which would clip gradients still multiplied by the loss scale",
     "bf16-true": "it stores every parameter and buffer in 16 bits: the structure logits θ, the BatchNorm running "
-                 "statistics and the Gaussian weights' scales too",
+    "statistics and the Gaussian weights' scales too",
     "16-true": "it stores every parameter and buffer in 16 bits: the structure logits θ, the BatchNorm running "
-               "statistics and the Gaussian weights' scales too",
+    "statistics and the Gaussian weights' scales too",
 }
 _PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "bf16": "bf16-mixed", "16": "16-mixed", "half": "16-true"}
 
@@ -251,8 +315,10 @@ def check_compile(cfg: DictConfig) -> None:
             from torch.utils._triton import has_triton
 
             if not has_triton():
-                raise ConfigError(f"{where}.enabled=true: inductor needs Triton on a GPU and it is not installed "
-                                  f"(pip install triton), or set {where}.enabled=false.")
+                raise ConfigError(
+                    f"{where}.enabled=true: inductor needs Triton on a GPU and it is not installed "
+                    f"(pip install triton), or set {where}.enabled=false."
+                )
         elif cpp_compiler() is None:
             raise ConfigError(
                 f"{where}.enabled=true: on a CPU inductor compiles C++ kernels, and no C++ compiler was found "
@@ -274,16 +340,27 @@ def check_cuda_graph(cfg: DictConfig, on_this_machine: bool = True) -> None:
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
         if ((node or {}).get("execution") or {}).get("cuda_graph") is not True:
             continue
-        on_cpu = (_on_cpu(trainer) or not torch.cuda.is_available()) if on_this_machine \
-            else str(trainer.get("accelerator", "auto")) == "cpu"  # a cluster's "auto" is its GPUs
+        on_cpu = (
+            (_on_cpu(trainer) or not torch.cuda.is_available())
+            if on_this_machine
+            else str(trainer.get("accelerator", "auto")) == "cpu"
+        )  # a cluster's "auto" is its GPUs
         if on_cpu:
-            raise ConfigError(f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
-                              f"this run trains on the CPU: use trainer=gpu on a machine with a GPU, or set "
-                              f"{where}.execution.cuda_graph=false.")
+            raise ConfigError(
+                f"{where}.execution.cuda_graph=true captures the training step on a CUDA device, and "
+                f"this run trains on the CPU: use trainer=gpu on a machine with a GPU, or set "
+                f"{where}.execution.cuda_graph=false."
+            )
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
-        if nodes not in (1, None) or devices not in (1, "1", None, "auto") and not (isinstance(devices, list) and len(devices) == 1):
-            raise ConfigError(f"{where}.execution.cuda_graph=true captures one process's step: set trainer.devices=1 "
-                              f"trainer.num_nodes=1, or {where}.execution.cuda_graph=false.")
+        if (
+            nodes not in (1, None)
+            or devices not in (1, "1", None, "auto")
+            and not (isinstance(devices, list) and len(devices) == 1)
+        ):
+            raise ConfigError(
+                f"{where}.execution.cuda_graph=true captures one process's step: set trainer.devices=1 "
+                f"trainer.num_nodes=1, or {where}.execution.cuda_graph=false."
+            )
 
 
 def _on_cpu(trainer) -> bool:
@@ -303,8 +380,11 @@ def check_channels_last(cfg: DictConfig) -> None:
     if precision != "bf16-mixed" or not _on_cpu(trainer):
         return
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
-        if node is not None and (node.get("execution") or {}).get("channels_last") is True \
-                and cpu_bf16_channels_last_is_wrong():
+        if (
+            node is not None
+            and (node.get("execution") or {}).get("channels_last") is True
+            and cpu_bf16_channels_last_is_wrong()
+        ):
             raise ConfigError(
                 f"{where}.execution.channels_last=true with trainer.precision=bf16-mixed is refused on this CPU: its oneDNN computes "
                 "wrong bfloat16 weight gradients for the cells' dilated depthwise convolutions in that layout. Use one of "
@@ -327,8 +407,9 @@ def resolve_channels_last(cfg: DictConfig) -> None:
         execution = (node or {}).get("execution")
         if execution is not None and execution.get("channels_last") == "auto":
             compiled = bool((execution.get("compile") or {}).get("enabled"))
-            execution.channels_last = bool(on_cpu and compiled
-                                           and not (precision == "bf16-mixed" and cpu_bf16_channels_last_is_wrong()))
+            execution.channels_last = bool(
+                on_cpu and compiled and not (precision == "bf16-mixed" and cpu_bf16_channels_last_is_wrong())
+            )
 
 
 def _check_finite(node: DictConfig | ListConfig, where: str) -> None:
@@ -422,8 +503,11 @@ def check_backbone(cfg: DictConfig) -> None:
                 "packed_ensemble, mimo, sngp."
             )
         weights = node.get("weights")
-        if (isinstance(weights, DictConfig) and str(weights.get("_target_", "")).endswith(".MCDropoutWeights")
-                and weights.get("placement", "node_outputs") == "node_outputs"):
+        if (
+            isinstance(weights, DictConfig)
+            and str(weights.get("_target_", "")).endswith(".MCDropoutWeights")
+            and weights.get("placement", "node_outputs") == "node_outputs"
+        ):
             raise ConfigError(
                 f"{where}.weights.placement=node_outputs puts dropout on the node outputs of DBSN's cells, and {net} "
                 f"has none: set {where}.weights.placement=every_conv (dropout after every convolution; ResNet-18) or "
@@ -437,22 +521,31 @@ def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", 
     and `callbacks` a mapping of named objects (each with `_target_`, or null), `statistics` and
     `report` their settings only. A malformed file of a user's extension (a YAML list or string)
     is named here, not met later as an AttributeError."""
-    from dbsn.runtime.origin import malformed, set_by
+    from dbsn.runtime.origin import malformed
 
     for section in sections:
         if section in cfg:
             node = cfg._get_node(section)
             if not isinstance(node, DictConfig) or node._is_none() or "_target_" not in node:
-                raise malformed(cfg, section, None if node is None or node._is_none() else cfg[section],
-                                 "a mapping of settings with _target_ (the class it builds)")
+                raise malformed(
+                    cfg,
+                    section,
+                    None if node is None or node._is_none() else cfg[section],
+                    "a mapping of settings with _target_ (the class it builds)",
+                )
     model = cfg.get("model")
-    for where, node in (("model", model), ("model.member", model.get("member") if isinstance(model, DictConfig) else None)):
+    for where, node in (
+        ("model", model),
+        ("model.member", model.get("member") if isinstance(model, DictConfig) else None),
+    ):
         if not isinstance(node, DictConfig):
             continue
         for key in ("member", "net", "optim", "structure_optim", "weights", "prediction", "execution", "task"):
             value = node.get(key)
             if value is not None and not isinstance(value, DictConfig):
-                raise malformed(cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)")
+                raise malformed(
+                    cfg, f"{where}.{key}", value, "a mapping of settings with _target_ (the class it builds)"
+                )
         compile_node = (node.get("execution") or {}).get("compile")
         if compile_node is not None and not isinstance(compile_node, DictConfig):
             raise malformed(cfg, f"{where}.execution.compile", compile_node, "a mapping of settings")
@@ -464,8 +557,9 @@ def check_sections(cfg: DictConfig, sections: Iterable[str] = ("data", "model", 
             raise malformed(cfg, section, node, "a mapping of named objects (name: {_target_: ..., ...})")
         for name, child in node.items():
             if child is not None and (not isinstance(child, DictConfig) or "_target_" not in child):
-                raise malformed(cfg, f"{section}.{name}", child,
-                                 "a mapping with _target_ (the class it builds), or null (none)")
+                raise malformed(
+                    cfg, f"{section}.{name}", child, "a mapping with _target_ (the class it builds), or null (none)"
+                )
     check_plain_sections(cfg, PLAIN_SECTIONS)
 
 
@@ -482,8 +576,10 @@ def check_plain_sections(cfg: DictConfig, sections: dict[str, set[str]]) -> None
             raise malformed(cfg, section, node, f"a mapping of {', '.join(sorted(keys))}")
         unknown = sorted(set(node) - keys)
         if unknown:
-            raise ConfigError(f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
-                              f"{section} takes {', '.join(sorted(keys))}.")
+            raise ConfigError(
+                f"{section}.{unknown[0]} is not a setting{set_by(cfg, f'{section}.{unknown[0]}')}: "
+                f"{section} takes {', '.join(sorted(keys))}."
+            )
 
 
 def check_budget(cfg: DictConfig) -> None:
@@ -500,13 +596,17 @@ def check_budget(cfg: DictConfig) -> None:
         return
     backbone, epochs = node.get("backbone"), node.get("epochs")
     if backbone is None:
-        raise ConfigError("budget=shared gives every method on a backbone the same epochs, and this run names no "
-                          "backbone: it is for the field's jobs (field=<backbone>/<method>, e.g. "
-                          "experiment=cifar10_field field=resnet18/map_fixed budget=shared); set trainer.max_epochs "
-                          "for any other run.")
+        raise ConfigError(
+            "budget=shared gives every method on a backbone the same epochs, and this run names no "
+            "backbone: it is for the field's jobs (field=<backbone>/<method>, e.g. "
+            "experiment=cifar10_field field=resnet18/map_fixed budget=shared); set trainer.max_epochs "
+            "for any other run."
+        )
     if not isinstance(epochs, DictConfig) or backbone not in epochs:
-        raise ConfigError(f"budget=shared has no epochs for the backbone {backbone}: add "
-                          f"budget.epochs.{backbone}=<epochs> (it has {', '.join(map(str, epochs or {})) or 'none'}).")
+        raise ConfigError(
+            f"budget=shared has no epochs for the backbone {backbone}: add "
+            f"budget.epochs.{backbone}=<epochs> (it has {', '.join(map(str, epochs or {})) or 'none'})."
+        )
 
 
 def check_evaluate_config(cfg: DictConfig) -> None:
@@ -517,9 +617,11 @@ def check_evaluate_config(cfg: DictConfig) -> None:
 
     for key in cfg.keys():
         if key not in EVALUATE_TOP_LEVEL_KEYS:
-            raise ConfigError(f"Unknown top-level config key '{key}'{set_by(cfg, str(key))} for evaluate.py."
-                              f"{suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
-                              f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}.")
+            raise ConfigError(
+                f"Unknown top-level config key '{key}'{set_by(cfg, str(key))} for evaluate.py."
+                f"{suggest(str(key), EVALUATE_TOP_LEVEL_KEYS)} Valid keys: "
+                f"{', '.join(sorted(EVALUATE_TOP_LEVEL_KEYS))}."
+            )
     check_sections(cfg, sections=("trainer",))
     check_plain_sections(cfg, EVALUATE_PLAIN_SECTIONS)
 
@@ -545,7 +647,9 @@ def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
             raise ConfigError(f"{key}={value!r}: expected {expected}, got {type(value).__name__}.")
     check_sections(cfg)
     check_budget(cfg)  # before the trainer's epochs are read: the shared budget sets them
-    check_cuda_graph(cfg, on_this_machine)  # before the keys are checked: it may drop speed=fast's setting from an ensemble
+    check_cuda_graph(
+        cfg, on_this_machine
+    )  # before the keys are checked: it may drop speed=fast's setting from an ensemble
     check_backbone(cfg)  # first: the network's other keys would be refused as unknown otherwise (vogn_fbn)
     for section in ("data", "model", "trainer", "logger", "callbacks"):
         node = cfg.get(section)

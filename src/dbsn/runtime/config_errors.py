@@ -5,7 +5,7 @@ origins, the trainer's settings): a `ConfigError` says what is wrong and what wo
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["ConfigError", "UnknownKeysError", "suggest"]
 
@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 
 def suggest(key: str, valid: Iterable[str]) -> str:
-    """" Did you mean '<key>'?" for the valid key closest to `key`, or ""."""
+    """ " Did you mean '<key>'?" for the valid key closest to `key`, or ""."""
     close = difflib.get_close_matches(key, list(valid), n=1)
     return f" Did you mean '{close[0]}'?" if close else ""
 
@@ -27,5 +27,7 @@ class UnknownKeysError(ConfigError):
     def __init__(self, where: str, keys: list[str], target: str, accepted: set[str]) -> None:
         self.where, self.keys, self.target, self.accepted = where, keys, target, accepted
         key = keys[0]
-        super().__init__(f"{where}: unknown key '{key}' for {target}.{suggest(str(key), accepted)} "
-                         f"Valid keys: {', '.join(sorted(accepted))}.")
+        super().__init__(
+            f"{where}: unknown key '{key}' for {target}.{suggest(str(key), accepted)} "
+            f"Valid keys: {', '.join(sorted(accepted))}."
+        )

@@ -55,12 +55,16 @@ def quiet_console() -> None:
     tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoTips) for f in tips.filters):
         tips.addFilter(_NoTips())
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated",
-                            module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*isinstance\(treespec, LeafSpec\)` is deprecated",
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
     # the learning-rate monitor copies each rate with torch.tensor(): a rate that is a tensor (every rate under
     # the CUDA graph, which the schedule writes in place) warned once per run
-    warnings.filterwarnings("ignore", message="To copy construct from a tensor",
-                            module=r"lightning\.pytorch\.callbacks\.lr_monitor")
+    warnings.filterwarnings(
+        "ignore", message="To copy construct from a tensor", module=r"lightning\.pytorch\.callbacks\.lr_monitor"
+    )
 
 
 def _without_flops(summary_data: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
@@ -74,19 +78,39 @@ def summary_callback(rich: bool):
 
     class PlainSummary(ModelSummary):
         @staticmethod
-        def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                      total_flops, **summarize_kwargs):
+        def summarize(
+            summary_data,
+            total_parameters,
+            trainable_parameters,
+            model_size,
+            total_training_modes,
+            total_flops,
+            **summarize_kwargs,
+        ):
             from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
             from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-            table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
-                                          total_flops, *_without_flops(summary_data))
+            table = _format_summary_table(
+                total_parameters,
+                trainable_parameters,
+                model_size,
+                total_training_modes,
+                total_flops,
+                *_without_flops(summary_data),
+            )
             rank_zero_info("\n" + "\n".join(line for line in table.splitlines() if "total flops" not in line.lower()))
 
     class RichSummary(RichModelSummary):
         @staticmethod
-        def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
-                      total_flops, **summarize_kwargs):
+        def summarize(
+            summary_data,
+            total_parameters,
+            trainable_parameters,
+            model_size,
+            total_training_modes,
+            total_flops,
+            **summarize_kwargs,
+        ):
             from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size
             from rich import get_console
             from rich.table import Table
@@ -94,20 +118,25 @@ def summary_callback(rich: bool):
             data = _without_flops(summary_data)
             table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
             for name, _ in data:
-                table.add_column(name, style="dim" if name == " " else None,
-                                 justify="right" if name in ("Params", "Params per Device", "In sizes", "Out sizes") else "left")
+                table.add_column(
+                    name,
+                    style="dim" if name == " " else None,
+                    justify="right" if name in ("Params", "Params per Device", "In sizes", "Out sizes") else "left",
+                )
             for row in zip(*(column for _, column in data)):
                 table.add_row(*row)
             console = get_console()
             console.print(table)
             grid = Table.grid(expand=True)
             grid.add_column()
-            for label, value in (("Trainable params", get_human_readable_count(int(trainable_parameters))),
-                                 ("Non-trainable params", get_human_readable_count(int(total_parameters - trainable_parameters))),
-                                 ("Total params", get_human_readable_count(int(total_parameters))),
-                                 ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
-                                 ("Modules in train mode", total_training_modes["train"]),
-                                 ("Modules in eval mode", total_training_modes["eval"])):
+            for label, value in (
+                ("Trainable params", get_human_readable_count(int(trainable_parameters))),
+                ("Non-trainable params", get_human_readable_count(int(total_parameters - trainable_parameters))),
+                ("Total params", get_human_readable_count(int(total_parameters))),
+                ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+                ("Modules in train mode", total_training_modes["train"]),
+                ("Modules in eval mode", total_training_modes["eval"]),
+            ):
                 grid.add_row(f"[bold]{label}[/]: {value}")
             console.print(grid)
 

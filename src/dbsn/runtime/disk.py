@@ -18,8 +18,12 @@ class OutputError(RuntimeError):
 
 
 #: what an OSError's errno says about the disk it wrote to
-_DISK_PROBLEMS = {28: "the disk is full", 122: "the disk quota is exceeded", 30: "the file system is read-only",
-                  5: "the disk reported an input/output error"}
+_DISK_PROBLEMS = {
+    28: "the disk is full",
+    122: "the disk quota is exceeded",
+    30: "the file system is read-only",
+    5: "the disk reported an input/output error",
+}
 
 
 def disk_problem(error: BaseException, folder: Path) -> str | None:

@@ -39,8 +39,15 @@ class RunInterrupted(BaseException):
         run_dir: the run folder.
     """
 
-    def __init__(self, signum: int, run_dir: Path | None = None, checkpoint: Path | None = None,
-                 epochs_done: int | None = None, max_epochs: int | None = None, epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        signum: int,
+        run_dir: Path | None = None,
+        checkpoint: Path | None = None,
+        epochs_done: int | None = None,
+        max_epochs: int | None = None,
+        epoch: int | None = None,
+    ) -> None:
         self.signum, self.run_dir, self.checkpoint, self.epochs_done = int(signum), run_dir, checkpoint, epochs_done
         self.max_epochs, self.epoch = max_epochs, epoch
         super().__init__(self._message())
@@ -66,33 +73,47 @@ class RunInterrupted(BaseException):
         if self.epochs_done is None:
             return f"{stopped}: to continue from {self.checkpoint}, {resume}."
         if self.max_epochs and self.epochs_done >= self.max_epochs:
-            return (f"{stopped} after training: {self.checkpoint} holds all {self.epochs_done} epochs; to finish, {resume} "
-                    "(it tests the model without training).")
+            return (
+                f"{stopped} after training: {self.checkpoint} holds all {self.epochs_done} epochs; to finish, {resume} "
+                "(it tests the model without training)."
+            )
         of = f" of {self.max_epochs}" if self.max_epochs else ""
         redone = self.epochs_done + 1
-        return (f"{stopped} in epoch {self.epoch or redone}{of}: {self.checkpoint} holds the first {self.epochs_done} "
-                f"epoch{'' if self.epochs_done == 1 else 's'}; to continue, {resume} (from the start of epoch {redone}, "
-                "as an uninterrupted run would).")
+        return (
+            f"{stopped} in epoch {self.epoch or redone}{of}: {self.checkpoint} holds the first {self.epochs_done} "
+            f"epoch{'' if self.epochs_done == 1 else 's'}; to continue, {resume} (from the start of epoch {redone}, "
+            "as an uninterrupted run would)."
+        )
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """What a user can fix (imported when needed: the entry points import nothing heavy before
     Hydra has parsed the command line)."""
+    from hydra.errors import ConfigCompositionException  # a tool's compose of a mistaken override
+
     from dbsn.data.base import CorruptDatasetError, DatasetNotFoundError
     from dbsn.evaluation.base import EvaluationError
+    from dbsn.extensions import ExtensionError
     from dbsn.methods.step import NonFiniteLossError
     from dbsn.methods.temperature import NoValidationSplitError
     from dbsn.posthoc.base import PosthocError
     from dbsn.runtime.checkpoint import CheckpointError
     from dbsn.runtime.config import ConfigError
-    from hydra.errors import ConfigCompositionException  # a tool's compose of a mistaken override
-
-    from dbsn.extensions import ExtensionError
     from dbsn.runtime.disk import OutputError
 
-    return (ConfigError, CheckpointError, DatasetNotFoundError, CorruptDatasetError, NoValidationSplitError,
-            NonFiniteLossError, EvaluationError, PosthocError, OutputError, ExtensionError,
-            ConfigCompositionException)
+    return (
+        ConfigError,
+        CheckpointError,
+        DatasetNotFoundError,
+        CorruptDatasetError,
+        NoValidationSplitError,
+        NonFiniteLossError,
+        EvaluationError,
+        PosthocError,
+        OutputError,
+        ExtensionError,
+        ConfigCompositionException,
+    )
 
 
 def one_line(error: BaseException) -> str:

@@ -22,6 +22,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dbsn import conf_choices
 from dbsn.data.base import DatasetNotFoundError
 from dbsn.evaluation.base import EvaluationError
 from dbsn.evaluation.pipeline import Evaluator
@@ -30,13 +31,22 @@ from dbsn.evaluation.statistics import Statistics
 from dbsn.methods import DBSN, Method
 from dbsn.posthoc.base import PosthocError, PosthocPosterior
 from dbsn.runtime.checkpoint import CONFIG_KEY
-from dbsn import conf_choices
 from dbsn.runtime.config import ConfigError, check_node
 from dbsn.runtime.evaluation_folder import evaluation_folder  # re-exported: where one model's results go
 from dbsn.runtime.memory import release_freed_memory
 
-__all__ = ["apply_overrides", "build_evaluator", "build_posterior", "checkpoint_paths", "evaluation_data",
-           "evaluation_folder", "evaluation_samples", "fatal_in_a_sweep", "fit_posterior", "write_posthoc_run"]
+__all__ = [
+    "apply_overrides",
+    "build_evaluator",
+    "build_posterior",
+    "checkpoint_paths",
+    "evaluation_data",
+    "evaluation_folder",
+    "evaluation_samples",
+    "fatal_in_a_sweep",
+    "fit_posterior",
+    "write_posthoc_run",
+]
 
 
 def _build(node: DictConfig, where: str) -> Any:
@@ -59,19 +69,24 @@ def build_evaluator(cfg: DictConfig) -> Evaluator:
     chosen = cfg.get("evaluations")
     chosen = OmegaConf.create({}) if chosen is None else chosen
     if not isinstance(chosen, DictConfig):
-        raise ConfigError(f"evaluations={OmegaConf.to_container(chosen) if OmegaConf.is_config(chosen) else chosen}: "
-                          "choose evaluations by name, e.g. evaluations=[ood,shift] (conf/evaluations/ lists them).")
+        raise ConfigError(
+            f"evaluations={OmegaConf.to_container(chosen) if OmegaConf.is_config(chosen) else chosen}: "
+            "choose evaluations by name, e.g. evaluations=[ood,shift] (conf/evaluations/ lists them)."
+        )
     if cfg.get("ood") and "ood" not in chosen:
-        raise ConfigError(f"ood={list(cfg.ood)} chooses the sets of the OOD evaluation, which is not chosen: add "
-                          "evaluations=[ood] (with any others, e.g. evaluations=[ood,shift]).")
+        raise ConfigError(
+            f"ood={list(cfg.ood)} chooses the sets of the OOD evaluation, which is not chosen: add "
+            "evaluations=[ood] (with any others, e.g. evaluations=[ood,shift])."
+        )
     for group in ("ood", "ood_score"):  # each OOD set and score on its own first, so a refusal names its key
         for name, node in (cfg.get(group) or {}).items():
             _build(node, f"{group}.{name}")
     evaluations = [_build(node, f"evaluations.{name}") for name, node in chosen.items()]
     sizes = (cfg.get("ablation") or {}).get("sizes")
     try:
-        return Evaluator(evaluations, None if sizes is None else list(sizes), statistics_of(cfg),
-                         between_steps=release_freed_memory)
+        return Evaluator(
+            evaluations, None if sizes is None else list(sizes), statistics_of(cfg), between_steps=release_freed_memory
+        )
     except EvaluationError as err:
         raise ConfigError(str(err)) from err
 
@@ -95,8 +110,10 @@ def build_posterior(cfg: DictConfig) -> PosthocPosterior | None:
         return None
     if not isinstance(node, DictConfig) or "_target_" not in node:
         names = ", ".join(conf_choices("posthoc"))
-        raise ConfigError(f"posthoc={node}: choose a post-hoc posterior by name, e.g. posthoc=laplace "
-                          f"(conf/posthoc/ lists them: {names}).")
+        raise ConfigError(
+            f"posthoc={node}: choose a post-hoc posterior by name, e.g. posthoc=laplace "
+            f"(conf/posthoc/ lists them: {names})."
+        )
     posterior = _build(node, "posthoc")
     if not isinstance(posterior, PosthocPosterior):
         raise ConfigError(f"posthoc: {type(posterior).__name__} is not a dbsn.posthoc.PosthocPosterior")
@@ -106,14 +123,18 @@ def build_posterior(cfg: DictConfig) -> PosthocPosterior | None:
 def checkpoint_paths(cfg: DictConfig) -> list[Path]:
     """`ckpt_path`: one checkpoint, a list of them, or a folder of runs."""
     if OmegaConf.is_missing(cfg, "ckpt_path") or cfg.get("ckpt_path") in (None, "", []):
-        raise ConfigError("ckpt_path is needed: a checkpoint (ckpt_path=<run>/checkpoints/last.ckpt), a list of "
-                          "checkpoints (ckpt_path=[a.ckpt,b.ckpt]: one deep ensemble) or a folder of runs "
-                          "(ckpt_path=<sweep folder>: every run, then the report).")
+        raise ConfigError(
+            "ckpt_path is needed: a checkpoint (ckpt_path=<run>/checkpoints/last.ckpt), a list of "
+            "checkpoints (ckpt_path=[a.ckpt,b.ckpt]: one deep ensemble) or a folder of runs "
+            "(ckpt_path=<sweep folder>: every run, then the report)."
+        )
     value = cfg.ckpt_path
     paths = [Path(p) for p in (list(value) if OmegaConf.is_list(value) else [value])]
     if len(paths) > 1 and any(p.is_dir() for p in paths):
-        raise ConfigError(f"ckpt_path={[str(p) for p in paths]}: a list takes checkpoint files (a deep ensemble); "
-                          "evaluate a folder of runs on its own (ckpt_path=<folder>).")
+        raise ConfigError(
+            f"ckpt_path={[str(p) for p in paths]}: a list takes checkpoint files (a deep ensemble); "
+            "evaluate a folder of runs on its own (ckpt_path=<folder>)."
+        )
     return paths
 
 
@@ -172,8 +193,14 @@ def apply_overrides(model: Method, cfg: DictConfig) -> None:
             method.bn_recalibration = replace(method.bn_recalibration, **changes)
 
 
-def fit_posterior(posterior: PosthocPosterior, model: Method, datamodule, checkpoint: dict, n_samples: int | None,
-                  device: torch.device) -> Method:
+def fit_posterior(
+    posterior: PosthocPosterior,
+    model: Method,
+    datamodule,
+    checkpoint: dict,
+    n_samples: int | None,
+    device: torch.device,
+) -> Method:
     """`posterior` fitted on the finished `model` on `device`, predicting with S = `n_samples`
     members (`evaluation_samples`; None: the method's own)."""
     model.to(device)
@@ -184,8 +211,13 @@ def write_posthoc_run(out: Path, run_config: dict, posterior: PosthocPosterior |
     """`<run>/posthoc/<name>/` reads as a run of its own to the report: the training run's config
     with `posthoc: <name>` (its method) and the evaluation's metrics.json. Only there: with
     `output_dir` elsewhere the evaluation folder holds the results alone."""
-    if posterior is None or out.name != "evaluation" or out.parent.parent.name != "posthoc" \
-            or out.parent.name != posterior.name or not (out.parent.parent.parent / CONFIG_FILE).is_file():
+    if (
+        posterior is None
+        or out.name != "evaluation"
+        or out.parent.parent.name != "posthoc"
+        or out.parent.name != posterior.name
+        or not (out.parent.parent.parent / CONFIG_FILE).is_file()
+    ):
         return
     folder = out.parent
     OmegaConf.save(OmegaConf.create({**run_config, "posthoc": posterior.name}), folder / CONFIG_FILE)

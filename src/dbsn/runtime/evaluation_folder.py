@@ -19,8 +19,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dbsn.evaluation.identity import (checkpoint_identity, describe_checkpoint, disagreement, read_checkpoint, read_json,
-                                      same_checkpoint, stored_digest)
+from dbsn.evaluation.identity import (
+    checkpoint_identity,
+    describe_checkpoint,
+    disagreement,
+    read_checkpoint,
+    read_json,
+    same_checkpoint,
+    stored_digest,
+)
 from dbsn.evaluation.runs import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE
 from dbsn.runtime.checkpoint import CheckpointError, load_checkpoint
 from dbsn.runtime.config import ConfigError
@@ -74,8 +81,11 @@ def evaluation_record(identities: list[dict]) -> dict:
     checkpoint's identity), and for one checkpoint, or several of one run, that run's `run_id`
     (None: several runs, or checkpoints that name none) and, for one, its `digest`."""
     run_ids = {i.get("run_id") for i in identities}
-    return {"run_id": run_ids.pop() if len(run_ids) == 1 else None, "evaluated": identities,
-            **({"digest": identities[0]["digest"]} if len(identities) == 1 else {})}
+    return {
+        "run_id": run_ids.pop() if len(run_ids) == 1 else None,
+        "evaluated": identities,
+        **({"digest": identities[0]["digest"]} if len(identities) == 1 else {}),
+    }
 
 
 def check_run_files(paths: list[Path]) -> None:
@@ -88,9 +98,11 @@ def check_run_files(paths: list[Path]) -> None:
             continue
         reason = disagreement(run_dir, evaluation=False)  # its evaluation folder is `check_folder`'s
         if reason is not None:
-            raise CheckpointError(f"ckpt_path={path}: the run folder {run_dir} holds files of more than one run: {reason}. "
-                                  "Evaluate a run whose files are all its own (move the other run's file out of the "
-                                  "folder, or train again into a new one).")
+            raise CheckpointError(
+                f"ckpt_path={path}: the run folder {run_dir} holds files of more than one run: {reason}. "
+                "Evaluate a run whose files are all its own (move the other run's file out of the "
+                "folder, or train again into a new one)."
+            )
 
 
 def _paths_of(record: dict) -> list[str]:
@@ -107,8 +119,9 @@ def _same_checkpoints(record: dict, identities: list[dict] | None) -> bool:
         return _paths_of(record) == sorted(str(Path(i["path"]).resolve()) for i in identities)
     left = list(theirs)
     for identity in identities:
-        match = next((i for i, other in enumerate(left) if isinstance(other, dict) and same_checkpoint(identity, other)),
-                     None)
+        match = next(
+            (i for i, other in enumerate(left) if isinstance(other, dict) and same_checkpoint(identity, other)), None
+        )
         if match is None:
             return False
         left.pop(match)
@@ -120,22 +133,34 @@ def _other_checkpoint(out: Path, record: dict, identities: list[dict], shown: st
     theirs = [i for i in record.get("evaluated") or [] if isinstance(i, dict)]
     found = ", ".join(describe_checkpoint(i) for i in theirs) or ", ".join(record.get("checkpoints") or []) or "?"
     ours = ", ".join(describe_checkpoint(i) for i in identities)
-    same_run = (len(theirs) == len(identities) == 1 and theirs[0].get("run_id")
-                and theirs[0].get("run_id") == identities[0].get("run_id"))
+    same_run = (
+        len(theirs) == len(identities) == 1
+        and theirs[0].get("run_id")
+        and theirs[0].get("run_id") == identities[0].get("run_id")
+    )
     if same_run:
         epoch = theirs[0].get("epoch")
         keep = out.with_name(f"{out.name}-epoch{epoch}" if epoch is not None else f"{out.name}-old")
         steps = (theirs[0].get("global_step"), identities[0].get("global_step"))
         which = "an earlier" if None not in steps and steps[0] < steps[1] else "another"
-        return (f"{shown} holds the evaluation of {which} checkpoint of this run, {found}, not of {ours}: "
-                f"keep it by moving it (e.g. mv {out} {keep}) or delete it, then evaluate again; or write this "
-                f"evaluation elsewhere (output_dir=<a new folder>).")
-    return (f"{shown} holds the evaluation of another checkpoint, {found}, not of {ours}: an evaluation "
-            f"never mixes two models' results in one folder; choose a new folder (output_dir=<a new folder>).")
+        return (
+            f"{shown} holds the evaluation of {which} checkpoint of this run, {found}, not of {ours}: "
+            f"keep it by moving it (e.g. mv {out} {keep}) or delete it, then evaluate again; or write this "
+            f"evaluation elsewhere (output_dir=<a new folder>)."
+        )
+    return (
+        f"{shown} holds the evaluation of another checkpoint, {found}, not of {ours}: an evaluation "
+        f"never mixes two models' results in one folder; choose a new folder (output_dir=<a new folder>)."
+    )
 
 
-def check_folder(out: Path, own: Path | None = None, posterior=None, identities: list[dict] | None = None,
-                 where: str | None = "output_dir") -> Path:
+def check_folder(
+    out: Path,
+    own: Path | None = None,
+    posterior=None,
+    identities: list[dict] | None = None,
+    where: str | None = "output_dir",
+) -> Path:
     """`out`, if this evaluation may write there: this command's own (Hydra) folder, a new or empty
     folder, or one an earlier evaluation of the same kind (the run's own predictive, or the same
     post-hoc posterior) made for the same checkpoints (`identities`; None: not checked): its files
@@ -147,27 +172,34 @@ def check_folder(out: Path, own: Path | None = None, posterior=None, identities:
     if own is not None and out.resolve() == Path(own).resolve():
         return out
     if (out / CONFIG_FILE).is_file() or (out / CHECKPOINT_DIR).is_dir():
-        raise ConfigError(f"{shown} is a training run's folder: an evaluation never writes over a run's "
-                          f"files; leave output_dir unset (<run>/evaluation) or choose a new folder.")
+        raise ConfigError(
+            f"{shown} is a training run's folder: an evaluation never writes over a run's "
+            f"files; leave output_dir unset (<run>/evaluation) or choose a new folder."
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{shown} is a file: an evaluation writes into a folder; choose a new one.")
     if not out.is_dir() or not any(out.iterdir()):
         return out
     record = read_json(out / METRICS_FILE)
     if record is None or "checkpoints" not in record:
-        raise ConfigError(f"{shown} holds files that no evaluation wrote: an evaluation never writes over "
-                          "them; choose a new or empty folder.")
+        raise ConfigError(
+            f"{shown} holds files that no evaluation wrote: an evaluation never writes over "
+            "them; choose a new or empty folder."
+        )
     if record.get("posthoc") != (posterior.name if posterior else None):
         found = f"posthoc={record['posthoc']}" if record.get("posthoc") else "the run's own predictive"
-        raise ConfigError(f"{shown} holds another evaluation's results ({found}): choose a new folder for "
-                          f"{f'posthoc={posterior.name}' if posterior else 'the run’s own predictive'}.")
+        raise ConfigError(
+            f"{shown} holds another evaluation's results ({found}): choose a new folder for "
+            f"{f'posthoc={posterior.name}' if posterior else 'the run’s own predictive'}."
+        )
     if not _same_checkpoints(record, identities):
         raise ConfigError(_other_checkpoint(out, record, identities, shown))
     return out
 
 
-def evaluation_folder(cfg: DictConfig, paths: list[Path], posterior, hydra_dir: Path,
-                      identities: list[dict] | None = None) -> Path:
+def evaluation_folder(
+    cfg: DictConfig, paths: list[Path], posterior, hydra_dir: Path, identities: list[dict] | None = None
+) -> Path:
     """Where one model's results go: `output_dir` when given; for one checkpoint inside a run
     folder, `<run>/evaluation` (with a posterior: `<run>/posthoc/<name>/evaluation`); else this
     command's own folder. Checked by `check_folder` against the checkpoints' `identities`."""

@@ -39,11 +39,19 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from dbsn import __version__
-from dbsn.evaluation.runs import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE, read_run_record)
+from dbsn.evaluation.runs import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, RUN_FILE, read_run_record
 from dbsn.runtime.config import ConfigError
 
-__all__ = ["LOCK_FILE", "RunFolder", "RunFolderCheck", "check_run_folder", "check_writable", "claim_run_folder",
-           "config_digest", "write_record"]
+__all__ = [
+    "LOCK_FILE",
+    "RunFolder",
+    "RunFolderCheck",
+    "check_run_folder",
+    "check_writable",
+    "claim_run_folder",
+    "config_digest",
+    "write_record",
+]
 
 LOCK_FILE = ".dbsn.lock"
 #: what marks a folder as a run's when it has no run.json (runs written before runs named themselves)
@@ -84,8 +92,10 @@ def check_writable(folder: Path, where: str) -> None:
         raise ConfigError(f"{where}={folder}: {existing} is a file, not a folder; choose another folder.")
     if not os.access(existing, os.W_OK | os.X_OK):
         reason = "is on a read-only file system" if _read_only(existing) else "is not writable by this user"
-        raise ConfigError(f"{where}={folder}: {existing} {reason}, so the run could not write its checkpoints; "
-                          f"choose a writable folder ({where}=...).")
+        raise ConfigError(
+            f"{where}={folder}: {existing} {reason}, so the run could not write its checkpoints; "
+            f"choose a writable folder ({where}=...)."
+        )
 
 
 def _read_only(path: Path) -> bool:
@@ -158,8 +168,10 @@ def check_run_folder(folder: Path, *, resume: bool, ckpt_path: Any = None, where
     folder = Path(folder)
     check_writable(folder, where)
     if _held(folder):
-        raise ConfigError(f"{where}={folder} is in use by a live run ({_holder(folder)}): wait for it to end, or "
-                          f"choose another folder.")
+        raise ConfigError(
+            f"{where}={folder} is in use by a live run ({_holder(folder)}): wait for it to end, or "
+            f"choose another folder."
+        )
     return _decide(folder, resume, ckpt_path, where)
 
 
@@ -172,12 +184,16 @@ def _decide(folder: Path, resume: bool, ckpt_path: Any, where: str) -> str:
     is_run = record is not None or any(name in contents for name in LEGACY_RUN_FILES)
     if not is_run:
         shown = ", ".join(contents[:4]) + (", ..." if len(contents) > 4 else "")
-        raise ConfigError(f"{where}={folder} holds files that are not a run's ({shown}): a run starts in a new or "
-                          f"empty folder; choose another one.")
+        raise ConfigError(
+            f"{where}={folder} holds files that are not a run's ({shown}): a run starts in a new or "
+            f"empty folder; choose another one."
+        )
     if resume or _continues_itself(folder, ckpt_path):
         return "continue"
-    raise ConfigError(f"{where}={folder} holds {_describe(record)}: continue it with resume=true, or start the new "
-                      f"run in a new folder (leave {where} unset for a new timestamped one).")
+    raise ConfigError(
+        f"{where}={folder} holds {_describe(record)}: continue it with resume=true, or start the new "
+        f"run in a new folder (leave {where} unset for a new timestamped one)."
+    )
 
 
 @dataclass
@@ -189,7 +205,7 @@ class RunFolder:
     mode: str
     record: dict | None
     created: bool = False  # this process made the folder
-    begun: bool = False    # run.json written for this start
+    begun: bool = False  # run.json written for this start
     _lock_fd: int | None = None
     _log_handler: logging.Handler | None = field(default=None, repr=False)
 
@@ -203,14 +219,25 @@ class RunFolder:
         changed (`changes`); `continued_from`: another run's checkpoint this new run continues."""
         config = self.path / CONFIG_FILE
         digest = config_digest(config) if config.is_file() else None
-        facts = {"status": "running", "updated": _now(), "dbsn_version": __version__, "host": socket.gethostname(),
-                 "pid": os.getpid(), "config_sha256": digest}
+        facts = {
+            "status": "running",
+            "updated": _now(),
+            "dbsn_version": __version__,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "config_sha256": digest,
+        }
         if self.record is None or self.mode == "new":
             # a folder of a run written before runs named themselves is adopted: its earlier files name no run
             event = "started" if self.mode == "new" else "adopted"
-            self.record = {"run_id": uuid.uuid4().hex, "created": _now(), **facts,
-                           "history": [{"event": event, "at": _now(),
-                                        **({"continues": continued_from} if continued_from else {})}]}
+            self.record = {
+                "run_id": uuid.uuid4().hex,
+                "created": _now(),
+                **facts,
+                "history": [
+                    {"event": event, "at": _now(), **({"continues": continued_from} if continued_from else {})}
+                ],
+            }
         else:
             event = {"event": "resumed", "at": _now(), **({"changes": changes} if changes else {})}
             self.record = {**self.record, **facts, "history": [*self.record.get("history", []), event]}
@@ -223,8 +250,12 @@ class RunFolder:
         was refused before `begin` (a continued run's record stays as it was)."""
         if not self.begun:
             return
-        self.record = {**self.record, "status": status, "updated": _now(),
-                       "history": [*self.record.get("history", []), {"event": status, "at": _now(), **facts}]}
+        self.record = {
+            **self.record,
+            "status": status,
+            "updated": _now(),
+            "history": [*self.record.get("history", []), {"event": status, "at": _now(), **facts}],
+        }
         try:
             write_record(self.path, self.record)
         except OSError as err:  # a full disk must not hide the error that ended the run
@@ -258,15 +289,20 @@ def _lock(folder: Path, where: str) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"{where}={folder} is in use by a live run ({_holder(folder)}): wait for it to end, or "
-                          f"choose another folder.") from None
+        raise ConfigError(
+            f"{where}={folder} is in use by a live run ({_holder(folder)}): wait for it to end, or "
+            f"choose another folder."
+        ) from None
     except OSError as err:
         if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             os.close(fd)
             raise
         os.close(fd)
-        print(f"Note: {folder} is on a file system without locks; nothing stops a second process there.",
-              file=sys.stderr, flush=True)
+        print(
+            f"Note: {folder} is on a file system without locks; nothing stops a second process there.",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}).encode())
@@ -296,8 +332,9 @@ def claim_run_folder(folder: Path, *, resume: bool, ckpt_path: Any = None, where
         if not existed:
             _remove_empty(folder)
         raise
-    return RunFolder(folder, mode, read_run_record(folder) if mode == "continue" else None, created=not existed,
-                     _lock_fd=fd)
+    return RunFolder(
+        folder, mode, read_run_record(folder) if mode == "continue" else None, created=not existed, _lock_fd=fd
+    )
 
 
 def _remove_empty(folder: Path) -> None:
@@ -349,8 +386,12 @@ class RunFolderCheck(Callback):
         from hydra.core.hydra_config import HydraConfig
 
         HydraConfig.instance().set_config(config)  # ${hydra:...} in the folder's name resolves as in the job
-        check_run_folder(Path(str(config.hydra.run.dir)), resume=bool(config.get("resume")),
-                         ckpt_path=config.get("ckpt_path"), where="hydra.run.dir")
+        check_run_folder(
+            Path(str(config.hydra.run.dir)),
+            resume=bool(config.get("resume")),
+            ckpt_path=config.get("ckpt_path"),
+            where="hydra.run.dir",
+        )
 
     @staticmethod
     def _check_sweep(config) -> None:
@@ -370,8 +411,11 @@ _NEW_SWEEP_FOLDERS: set[Path] = set()  # sweep folders this process is about to 
 def remove_new_sweep_folder(folder: Path) -> None:
     """Remove a refused sweep's folder if this process made it and it holds only Hydra's multirun.yaml."""
     folder = Path(folder)
-    if folder.absolute() in _NEW_SWEEP_FOLDERS and folder.is_dir() and \
-            {p.name for p in folder.iterdir()} <= {SWEEP_FILE}:
+    if (
+        folder.absolute() in _NEW_SWEEP_FOLDERS
+        and folder.is_dir()
+        and {p.name for p in folder.iterdir()} <= {SWEEP_FILE}
+    ):
         (folder / SWEEP_FILE).unlink(missing_ok=True)
         _remove_empty(folder)
 
@@ -381,5 +425,7 @@ def check_sweep_folder(folder: Path, *, resume: bool, where: str = "hydra.sweep.
     folder = Path(folder)
     check_writable(folder, where)
     if (folder / SWEEP_FILE).is_file() and not resume:
-        raise ConfigError(f"{where}={folder} holds another sweep ({SWEEP_FILE}): continue its jobs with resume=true, "
-                          f"or choose a new folder (leave {where} unset for a new timestamped one).")
+        raise ConfigError(
+            f"{where}={folder} holds another sweep ({SWEEP_FILE}): continue its jobs with resume=true, "
+            f"or choose a new folder (leave {where} unset for a new timestamped one)."
+        )

@@ -34,15 +34,23 @@ import torch
 
 from dbsn.evaluation.identity import DIGEST_KEY
 
-__all__ = ["DIGEST_KEY", "CheckpointError", "checkpoint_digest", "container_damage", "digest_problem",
-           "read_checkpoint", "with_digest"]
+__all__ = [
+    "DIGEST_KEY",
+    "CheckpointError",
+    "checkpoint_digest",
+    "container_damage",
+    "digest_problem",
+    "read_checkpoint",
+    "with_digest",
+]
 
 ALGORITHM = "sha256"
 #: where the writer's version is recorded (`dbsn.runtime.checkpoint.VERSION_KEY`)
 VERSION_KEY = "dbsn_version"
 #: the advice every refusal of a damaged file ends with
-DAMAGED_ADVICE = ("copy it again from where it was written, or use another checkpoint of the run "
-                  "(checkpoints/epoch*.ckpt)")
+DAMAGED_ADVICE = (
+    "copy it again from where it was written, or use another checkpoint of the run (checkpoints/epoch*.ckpt)"
+)
 
 
 class CheckpointError(RuntimeError):
@@ -97,8 +105,10 @@ def checkpoint_digest(checkpoint: dict[str, Any]) -> str:
 
 def with_digest(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` (a shallow copy) with its digest recorded under `DIGEST_KEY`."""
-    return {**{k: v for k, v in checkpoint.items() if k != DIGEST_KEY},
-            DIGEST_KEY: {"algorithm": ALGORITHM, "tensors": checkpoint_digest(checkpoint)}}
+    return {
+        **{k: v for k, v in checkpoint.items() if k != DIGEST_KEY},
+        DIGEST_KEY: {"algorithm": ALGORITHM, "tensors": checkpoint_digest(checkpoint)},
+    }
 
 
 def digest_problem(checkpoint: dict[str, Any]) -> str | None:
@@ -107,7 +117,11 @@ def digest_problem(checkpoint: dict[str, Any]) -> str | None:
     recorded = checkpoint.get(DIGEST_KEY)
     if recorded is None:
         return None
-    if not isinstance(recorded, dict) or recorded.get("algorithm") != ALGORITHM or not isinstance(recorded.get("tensors"), str):
+    if (
+        not isinstance(recorded, dict)
+        or recorded.get("algorithm") != ALGORITHM
+        or not isinstance(recorded.get("tensors"), str)
+    ):
         return f"its recorded digest is unreadable ({recorded!r:.80})"
     found = checkpoint_digest(checkpoint)
     if found != recorded["tensors"]:
@@ -134,7 +148,9 @@ def container_damage(path: str | os.PathLike) -> str | None:
             if info.CRC == 0 and info.file_size > 0:
                 continue  # written without a CRC
             try:
-                crc = _stored_crc(raw, info) if info.compress_type == zipfile.ZIP_STORED else _inflated_crc(archive, info)
+                crc = (
+                    _stored_crc(raw, info) if info.compress_type == zipfile.ZIP_STORED else _inflated_crc(archive, info)
+                )
             except (zipfile.BadZipFile, OSError, ValueError, zlib.error, EOFError) as err:
                 return f"its entry {info.filename} cannot be read ({err}): truncated or overwritten"
             if crc != info.CRC:
@@ -179,8 +195,10 @@ def read_checkpoint(path: str | os.PathLike) -> Any:
     A checkpoint without a digest loads, with one line (once per file) on which version wrote it."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CheckpointError(f"Checkpoint not found: {path}. train.py writes checkpoints to <run dir>/checkpoints/ "
-                              "(last.ckpt is the most recent).")
+        raise CheckpointError(
+            f"Checkpoint not found: {path}. train.py writes checkpoints to <run dir>/checkpoints/ "
+            "(last.ckpt is the most recent)."
+        )
     damage = container_damage(path)
     if damage is not None:
         raise CheckpointError(f"Checkpoint {path} is corrupt: {damage}. Do not use it: {DAMAGED_ADVICE}.")
@@ -189,7 +207,8 @@ def read_checkpoint(path: str | os.PathLike) -> Any:
     except Exception as err:  # torch raises many types for a bad file; all mean the same here
         raise CheckpointError(
             f"Could not read checkpoint {path} ({type(err).__name__}: {err}). The file is corrupt, truncated or not a "
-            f"PyTorch checkpoint: {DAMAGED_ADVICE}; train.py writes its checkpoints atomically.") from err
+            f"PyTorch checkpoint: {DAMAGED_ADVICE}; train.py writes its checkpoints atomically."
+        ) from err
     if not isinstance(checkpoint, dict):
         return checkpoint
     problem = digest_problem(checkpoint)
@@ -199,6 +218,10 @@ def read_checkpoint(path: str | os.PathLike) -> Any:
         _UNCHECKED_SAID.add(str(path))
         version = checkpoint.get(VERSION_KEY)
         writer = f"dbsn {version}" if version else "a version of dbsn that did not record its version"
-        print(f"Note: {path} was written by {writer}, before checkpoints carried a digest of their tensors: "
-              "loaded without checking its content.", file=sys.stderr, flush=True)
+        print(
+            f"Note: {path} was written by {writer}, before checkpoints carried a digest of their tensors: "
+            "loaded without checking its content.",
+            file=sys.stderr,
+            flush=True,
+        )
     return checkpoint

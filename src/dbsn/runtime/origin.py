@@ -153,7 +153,7 @@ def origin_of(cfg: DictConfig | None, key: str) -> Origin | None:
             loaded = repository.load_config(default.config_path)
         except Exception:  # noqa: BLE001
             continue
-        if loaded is None or not _sets(loaded.config, key[len(package) + 1:] if package else key):
+        if loaded is None or not _sets(loaded.config, key[len(package) + 1 :] if package else key):
             continue
         return _origin(default.config_path, default.primary, sources, choices, _chosen(default.config_path, loaded))
     return None
@@ -187,9 +187,10 @@ def _origin(config_path: str, primary: bool, sources, choices: dict, chooses=())
         return Origin("file", file, file=file, chooses=chooses)
     top = config_path.split("/", 1)[0]
     if top in PRESETS:
-        choice = config_path[len(top) + 1:]
-        return Origin("preset", f"the preset {top}={choice} ({file})", file=file, group=top, choice=choice,
-                      chooses=chooses)
+        choice = config_path[len(top) + 1 :]
+        return Origin(
+            "preset", f"the preset {top}={choice} ({file})", file=file, group=top, choice=choice, chooses=chooses
+        )
     group, _, choice = config_path.rpartition("/")
     chosen = choices.get(group)
     via = f"{group}={choice}" if chosen == choice else f"{group}={chosen}, which builds on {choice}"
@@ -217,17 +218,23 @@ def malformed(cfg: DictConfig, key: str, value: Any, expected: str) -> ConfigErr
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         return ConfigError(f"{key}={shown!r} (set on {origin.text}): expected {expected}, got {_kind(value)}.")
     if whole is not None and (origin is None or origin.file == whole.file):
-        return ConfigError(f"{key}: {whole.text} holds {_kind(value)}, and {key} takes {expected}: a config file of "
-                           "this group is a YAML mapping of key: value lines.")
+        return ConfigError(
+            f"{key}: {whole.text} holds {_kind(value)}, and {key} takes {expected}: a config file of "
+            "this group is a YAML mapping of key: value lines."
+        )
     if origin is not None:
-        option = f" (an option of the group {group} is chosen in the file's defaults list: - {key.rsplit('.', 1)[-1]}: " \
-                 "<option>)" if whole is not None else ""
+        option = (
+            f" (an option of the group {group} is chosen in the file's defaults list: - {key.rsplit('.', 1)[-1]}: "
+            "<option>)"
+            if whole is not None
+            else ""
+        )
         return ConfigError(f"{key}: {origin.text} sets it to {_kind(value)}, and {key} takes {expected}{option}.")
     return ConfigError(f"{key}: expected {expected}, got {_kind(value)}.")
 
 
 def set_by(cfg: DictConfig, key: str) -> str:
-    """" (set on the command line (…))" / " (set by <file>)" for `key`, or "" where not known."""
+    """ " (set on the command line (…))" / " (set by <file>)" for `key`, or "" where not known."""
     origin = origin_of(cfg, key)
     if origin is None:
         return ""
@@ -270,8 +277,10 @@ def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
     target = err.target.rsplit(".", 1)[-1]
     if first.kind == "command line":
         key = err.keys[0]
-        return ConfigError(f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{suggest(key, err.accepted)} "
-                           f"Valid keys: {', '.join(sorted(err.accepted))}.")
+        return ConfigError(
+            f"{err.where}: unknown key '{key}' for {err.target} (set on {first.text}).{suggest(key, err.accepted)} "
+            f"Valid keys: {', '.join(sorted(err.accepted))}."
+        )
     keys = [key for key, origin in zip(err.keys, origins) if origin == first]
     paths = [f"{err.where}.{key}" for key in keys]
     named = ", ".join(paths)
@@ -285,19 +294,30 @@ def explain_unknown(err: UnknownKeysError, cfg: DictConfig) -> ConfigError:
     chosen_there = dict(first.chooses).get(group_of_where)
     if first.kind == "preset":
         for_what = f" for {group_of_where}={chosen_there}" if chosen_there else ""
-        keep = f", or keep the preset's {group_of_where}={chosen_there}" if chosen_there and section \
-            and section != f"{group_of_where}={chosen_there}" else ""
-        return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}{for_what}, and {builds} {no_such}: "
-                           f"remove {them} on the command line with {remove}{keep}.")
+        keep = (
+            f", or keep the preset's {group_of_where}={chosen_there}"
+            if chosen_there and section and section != f"{group_of_where}={chosen_there}"
+            else ""
+        )
+        return ConfigError(
+            f"{named} {'was' if one else 'were'} set by {first.text}{for_what}, and {builds} {no_such}: "
+            f"remove {them} on the command line with {remove}{keep}."
+        )
     if err.where.endswith("net") and chosen_there:
         model = OmegaConf.select(cfg, err.where.rsplit(".", 1)[0]) if "." in err.where else None
         method = _networks_of(model) if isinstance(model, DictConfig) else None
         chosen_method = _section_choice(cfg, err.where.rsplit(".", 1)[0])
         name = f"{method[0]} ({chosen_method})" if method and chosen_method else (method[0] if method else "")
-        runs = f" {name} runs on {method[1]}; to run it on {target}, remove {them} with {remove}." if method \
+        runs = (
+            f" {name} runs on {method[1]}; to run it on {target}, remove {them} with {remove}."
+            if method
             else f" Remove {them} with {remove}."
+        )
         settings = ", ".join(f"{k}={OmegaConf.select(cfg, p)}" for k, p in zip(keys, paths))
-        return ConfigError(f"{err.where}: {first.text} sets {settings} for its own network {group_of_where}="
-                           f"{chosen_there}, and {builds} {no_such}.{runs}")
-    return ConfigError(f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove "
-                       f"{them} with {remove}.")
+        return ConfigError(
+            f"{err.where}: {first.text} sets {settings} for its own network {group_of_where}="
+            f"{chosen_there}, and {builds} {no_such}.{runs}"
+        )
+    return ConfigError(
+        f"{named} {'was' if one else 'were'} set by {first.text}, and {builds} {no_such}: remove {them} with {remove}."
+    )

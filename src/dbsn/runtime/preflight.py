@@ -61,8 +61,10 @@ def _setup(datamodule: Any, stage: str) -> None:
         problem, name = str(err), type(datamodule).__name__
         if "val_size" in problem:
             value = getattr(datamodule, "val_size", None)
-            raise ConfigError(f"data.val_size={value} {problem.removeprefix(f'val_size {value} ')} ({name}): choose a "
-                              "smaller count, or a fraction in (0, 1).") from err
+            raise ConfigError(
+                f"data.val_size={value} {problem.removeprefix(f'val_size {value} ')} ({name}): choose a "
+                "smaller count, or a fraction in (0, 1)."
+            ) from err
         raise ConfigError(f"{problem if problem.startswith('data.') else 'data: ' + problem} ({name}).") from err
 
 
@@ -84,14 +86,22 @@ def training_steps(cfg: DictConfig, datamodule: Any) -> tuple[int, int]:
     name = type(datamodule).__name__
     if batches == 0:
         ranks = f", {per_rank} on each of {world} data-parallel ranks" if world > 1 else ""
-        raise ConfigError(f"data.batch_size={batch_size} is larger than the training split ({images} images of "
-                          f"{name}{ranks}), and data.drop_last=true drops an incomplete batch: the run would train no "
-                          f"step. Set data.batch_size to at most {per_rank}, or data.drop_last=false.")
+        raise ConfigError(
+            f"data.batch_size={batch_size} is larger than the training split ({images} images of "
+            f"{name}{ranks}), and data.drop_last=true drops an incomplete batch: the run would train no "
+            f"step. Set data.batch_size to at most {per_rank}, or data.drop_last=false."
+        )
     overfit = limit_value(trainer, "overfit_batches")
-    key, limit = ("overfit_batches", overfit) if overfit else ("limit_train_batches", limit_value(trainer, "limit_train_batches"))
+    key, limit = (
+        ("overfit_batches", overfit)
+        if overfit
+        else ("limit_train_batches", limit_value(trainer, "limit_train_batches"))
+    )
     if _limited(batches, limit) == 0:
-        raise ConfigError(f"trainer.{key}={limit} of an epoch's {batches} batches is less than one batch: the run would "
-                          f"train no step. Set it to a count >= 1, or a fraction of at least {1 / batches:.3g}.")
+        raise ConfigError(
+            f"trainer.{key}={limit} of an epoch's {batches} batches is less than one batch: the run would "
+            f"train no step. Set it to a count >= 1, or a fraction of at least {1 / batches:.3g}."
+        )
     batches = _limited(batches, limit)
     steps = int(trainer.max_epochs) * batches
     max_steps = trainer.get("max_steps", -1)
@@ -119,8 +129,10 @@ def _check_evaluation_batches(cfg: DictConfig, datamodule: Any) -> None:
             continue
         batches = math.ceil(len(dataset) / int(size))
         if _limited(batches, limit) == 0:
-            raise ConfigError(f"trainer.{key}={limit} of the {batches} batches of the {split.split('_')[0]} split is "
-                              f"less than one batch: set it to a count >= 1, or a fraction of at least {1 / batches:.3g}.")
+            raise ConfigError(
+                f"trainer.{key}={limit} of the {batches} batches of the {split.split('_')[0]} split is "
+                f"less than one batch: set it to a count >= 1, or a fraction of at least {1 / batches:.3g}."
+            )
 
 
 def _check_schedules(cfg: DictConfig, batches: int, steps: int) -> None:
@@ -128,9 +140,11 @@ def _check_schedules(cfg: DictConfig, batches: int, steps: int) -> None:
     ensemble's cycles over its epochs."""
     model = cfg.get("model") or {}
     epochs = cfg.trainer.max_epochs
-    length = f"this run: {epochs} epoch{'s' if epochs != 1 else ''} × {batches} batches" + (
-        f", at most trainer.max_steps={cfg.trainer.max_steps}" if (cfg.trainer.get("max_steps") or -1) > 0 else "") \
+    length = (
+        f"this run: {epochs} epoch{'s' if epochs != 1 else ''} × {batches} batches"
+        + (f", at most trainer.max_steps={cfg.trainer.max_steps}" if (cfg.trainer.get("max_steps") or -1) > 0 else "")
         + f" = {steps} steps"
+    )
     for where, node in (("model", model), ("model.member", model.get("member"))):
         sampler = node.get("sampler") if isinstance(node, DictConfig) else None
         if isinstance(sampler, DictConfig) and isinstance(sampler.get("schedule"), DictConfig):
@@ -142,9 +156,11 @@ def _check_schedules(cfg: DictConfig, batches: int, steps: int) -> None:
         if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith(".SnapshotCollector"):
             cycles = node.get("cycles", 5)
             if isinstance(cycles, int) and cfg.trainer.max_epochs < cycles:
-                raise ConfigError(f"callbacks.{name}.cycles={cycles}: a snapshot ensemble takes one snapshot at the end "
-                                  f"of each cycle of whole epochs, and the run has trainer.max_epochs="
-                                  f"{cfg.trainer.max_epochs}: train at least {cycles} epochs or lower the cycles.")
+                raise ConfigError(
+                    f"callbacks.{name}.cycles={cycles}: a snapshot ensemble takes one snapshot at the end "
+                    f"of each cycle of whole epochs, and the run has trainer.max_epochs="
+                    f"{cfg.trainer.max_epochs}: train at least {cycles} epochs or lower the cycles."
+                )
 
 
 def _cannot_download(datamodule: Any) -> bool:
@@ -161,8 +177,10 @@ def check_run_length(cfg: DictConfig, datamodule: Any) -> int:
     `check_trained` sees a run of no step after its fit."""
     check_files = getattr(datamodule, "check_files", None)
     if getattr(datamodule, "download", False) and _cannot_download(datamodule):
-        raise ConfigError(f"data.download=true: {type(datamodule).__name__} has nothing to download (its data ship "
-                          "with the package that provides them); set data.download=false.")
+        raise ConfigError(
+            f"data.download=true: {type(datamodule).__name__} has nothing to download (its data ship "
+            "with the package that provides them); set data.download=false."
+        )
     if check_files is not None and getattr(datamodule, "download", False):
         from dbsn.data.base import DatasetNotFoundError
 
@@ -185,10 +203,12 @@ def check_trained(trainer) -> None:
     if trainer.global_step > 0:
         return
     reason = " (it was interrupted)" if getattr(trainer, "interrupted", False) else ""
-    raise ConfigError(f"the fit ended without a training step{reason}: it is no trained model, and nothing was tested "
-                      f"or reported. Check the run's length (trainer.max_epochs, trainer.max_steps, "
-                      "trainer.limit_train_batches, callbacks.timer.duration, trainer.max_time) against its data "
-                      "(data.batch_size, data.drop_last).")
+    raise ConfigError(
+        f"the fit ended without a training step{reason}: it is no trained model, and nothing was tested "
+        f"or reported. Check the run's length (trainer.max_epochs, trainer.max_steps, "
+        "trainer.limit_train_batches, callbacks.timer.duration, trainer.max_time) against its data "
+        "(data.batch_size, data.drop_last)."
+    )
 
 
 _DATA: dict[str, Any] = {}  # a sweep's data modules by their config: each data set read once

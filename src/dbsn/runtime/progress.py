@@ -59,8 +59,10 @@ class LineProgress(ProgressBar):
         self._test_start = self._test_last = time.monotonic()
         if self._enabled:
             members = getattr(pl_module, "num_members", None)
-            print(f"test: {_test_batches(trainer)} batches" + (f", S = {members} members each" if members else ""),
-                  flush=True)
+            print(
+                f"test: {_test_batches(trainer)} batches" + (f", S = {members} members each" if members else ""),
+                flush=True,
+            )
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         now = time.monotonic()

@@ -42,8 +42,15 @@ from dbsn.evaluation.runs import OUTSIDE_THE_RUN, flatten_config, under
 from dbsn.runtime.config import ConfigError, to_plain
 from dbsn.runtime.config_errors import suggest
 
-__all__ = ["FIXED", "FREE", "RESUME_CHANGES", "ApplyResumeChanges", "check_resume", "config_differences",
-           "resume_callbacks"]
+__all__ = [
+    "FIXED",
+    "FREE",
+    "RESUME_CHANGES",
+    "ApplyResumeChanges",
+    "check_resume",
+    "config_differences",
+    "resume_callbacks",
+]
 
 #: The top-level option that lists the settings a resume changes.
 RESUME_CHANGES = "resume_changes"
@@ -52,14 +59,29 @@ RESUME_CHANGES = "resume_changes"
 FREE = (
     *OUTSIDE_THE_RUN,
     "init_from",  # init_from's weights are replaced by the checkpoint's on resume
-    "model.prediction", "model.member.prediction", "model.bn_recalibration", "model.member.bn_recalibration",
-    "model.test_tau", "model.member.test_tau",
-    "trainer.inference_mode", "trainer.limit_test_batches", "trainer.limit_predict_batches",
+    "model.prediction",
+    "model.member.prediction",
+    "model.bn_recalibration",
+    "model.member.bn_recalibration",
+    "model.test_tau",
+    "model.member.test_tau",
+    "trainer.inference_mode",
+    "trainer.limit_test_batches",
+    "trainer.limit_predict_batches",
 )
 
 #: Callbacks that only show, time or save the run: their settings may differ on resume.
-FREE_CALLBACKS = ("ModelCheckpoint", "Timer", "LearningRateMonitor", "RichProgressBar", "TQDMProgressBar",
-                  "ModelSummary", "RichModelSummary", "StructurePosteriorMonitor", "LineProgress")
+FREE_CALLBACKS = (
+    "ModelCheckpoint",
+    "Timer",
+    "LearningRateMonitor",
+    "RichProgressBar",
+    "TQDMProgressBar",
+    "ModelSummary",
+    "RichModelSummary",
+    "StructurePosteriorMonitor",
+    "LineProgress",
+)
 
 #: Keys a restored state cannot take, and why; refused even when listed in resume_changes.
 FIXED = {
@@ -112,8 +134,10 @@ def _free(key: str, saved: dict, current: dict) -> bool:
     parts = key.split(".")
     if parts[0] != "callbacks" or len(parts) < 2:
         return False
-    names = [str(((config.get("callbacks") or {}).get(parts[1]) or {}).get("_target_", "")).rsplit(".", 1)[-1]
-             for config in (saved, current)]
+    names = [
+        str(((config.get("callbacks") or {}).get(parts[1]) or {}).get("_target_", "")).rsplit(".", 1)[-1]
+        for config in (saved, current)
+    ]
     present = [name for name in names if name]
     return bool(present) and all(name in FREE_CALLBACKS for name in present)
 
@@ -153,8 +177,10 @@ def _listed(cfg: DictConfig) -> list[str]:
         return []
     items = list(value) if isinstance(value, (ListConfig, list, tuple)) else [value]
     if not all(isinstance(item, str) and item for item in items):
-        raise ConfigError(f"{RESUME_CHANGES}={OmegaConf.to_container(value) if OmegaConf.is_config(value) else value!r}: "
-                          "expected a list of config keys, e.g. resume_changes=[model.optim.lr,trainer.max_epochs].")
+        raise ConfigError(
+            f"{RESUME_CHANGES}={OmegaConf.to_container(value) if OmegaConf.is_config(value) else value!r}: "
+            "expected a list of config keys, e.g. resume_changes=[model.optim.lr,trainer.max_epochs]."
+        )
     return items
 
 
@@ -192,9 +218,11 @@ def check_resume(cfg: DictConfig, path: str | Path | None) -> list[dict]:
     listed = _listed(cfg)
     if path is None:
         if listed:
-            raise ConfigError(f"{RESUME_CHANGES}={listed} changes settings of a resumed run, and this run starts from "
-                              "scratch: give the checkpoint it resumes (ckpt_path=<ckpt>, or resume=true in the run's "
-                              f"folder), or drop {RESUME_CHANGES}.")
+            raise ConfigError(
+                f"{RESUME_CHANGES}={listed} changes settings of a resumed run, and this run starts from "
+                "scratch: give the checkpoint it resumes (ckpt_path=<ckpt>, or resume=true in the run's "
+                f"folder), or drop {RESUME_CHANGES}."
+            )
         return []
     from dbsn.runtime.checkpoint import CONFIG_KEY, load_checkpoint
 
@@ -202,39 +230,54 @@ def check_resume(cfg: DictConfig, path: str | Path | None) -> list[dict]:
     current = to_plain(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]))
     flat = flatten_config(current)
     for key in listed:
-        if not any(under(k, key) for k in flat) and not any(under(k, key) for k in flatten_config(checkpoint[CONFIG_KEY])):
-            raise ConfigError(f"{RESUME_CHANGES} lists '{key}', which is no key of this run's config.{suggest(key, flat)}")
+        if not any(under(k, key) for k in flat) and not any(
+            under(k, key) for k in flatten_config(checkpoint[CONFIG_KEY])
+        ):
+            raise ConfigError(
+                f"{RESUME_CHANGES} lists '{key}', which is no key of this run's config.{suggest(key, flat)}"
+            )
     changes = config_differences(checkpoint[CONFIG_KEY], current)
     for change in changes:
         reason = next((why for prefix, why in FIXED.items() if under(change["key"], prefix)), None)
         if reason is None and "init" in change["key"].rsplit(".", 1)[-1]:
             reason = "it sets only how training starts"
         if reason is not None:
-            raise ConfigError(f"{change['key']}={_show(change['new'])} differs from {_show(change['old'])} in the "
-                              f"checkpoint it resumes ({path}), and a resumed run cannot change it: {reason}. Resume "
-                              f"with {change['key']}={_show(change['old'])}, or start a new run from its weights with "
-                              f"init_from={path}.")
+            raise ConfigError(
+                f"{change['key']}={_show(change['new'])} differs from {_show(change['old'])} in the "
+                f"checkpoint it resumes ({path}), and a resumed run cannot change it: {reason}. Resume "
+                f"with {change['key']}={_show(change['old'])}, or start a new run from its weights with "
+                f"init_from={path}."
+            )
     unlisted = [c for c in changes if not any(under(c["key"], key) for key in listed)]
     if unlisted:
-        shown = ", ".join(f"{c['key']} (the checkpoint's {_show(c['old'])}, this run's {_show(c['new'])})" for c in unlisted[:6])
+        shown = ", ".join(
+            f"{c['key']} (the checkpoint's {_show(c['old'])}, this run's {_show(c['new'])})" for c in unlisted[:6]
+        )
         more = f" and {len(unlisted) - 6} more" if len(unlisted) > 6 else ""
         keys = ",".join(c["key"] for c in unlisted[:6])
-        raise ConfigError(f"this run's config differs from that of the checkpoint it resumes ({path}) in {shown}{more}: "
-                          "a resumed run restores the checkpoint's optimisers and schedules, so they would not be "
-                          "applied as given. Resume with the checkpoint's values, or apply the changes with "
-                          f"{RESUME_CHANGES}=[{keys}], or start a new run from its weights with init_from={path}.")
+        raise ConfigError(
+            f"this run's config differs from that of the checkpoint it resumes ({path}) in {shown}{more}: "
+            "a resumed run restores the checkpoint's optimisers and schedules, so they would not be "
+            "applied as given. Resume with the checkpoint's values, or apply the changes with "
+            f"{RESUME_CHANGES}=[{keys}], or start a new run from its weights with init_from={path}."
+        )
     if any(c["key"].startswith("model.") for c in changes):
         misfit = _state_fits(cfg, checkpoint)
         if misfit is not None:
             keys = ", ".join(c["key"] for c in changes if c["key"].startswith("model."))
-            raise ConfigError(f"with the changes to {keys}, the checkpoint ({path}) no longer fits the model: {misfit}. "
-                              f"Resume with its values, or start a new run from its weights with init_from={path}.")
+            raise ConfigError(
+                f"with the changes to {keys}, the checkpoint ({path}) no longer fits the model: {misfit}. "
+                f"Resume with its values, or start a new run from its weights with init_from={path}."
+            )
     return changes
 
 
 def _hyperparameters(group: dict) -> dict:
-    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-            for k, v in group.items() if k != "params"}
+    return {
+        k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+        for k, v in group.items()
+        if k != "params"
+    }
 
 
 def _set(group: dict, key: str, value: Any) -> None:
@@ -271,8 +314,10 @@ class ApplyResumeChanges(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._groups = [[_hyperparameters(g) for g in opt.param_groups] for opt in trainer.optimizers]
-        self._schedules = [copy.deepcopy({k: v for k, v in c.scheduler.state_dict().items() if k != "lr_lambdas"})
-                           for c in trainer.lr_scheduler_configs]
+        self._schedules = [
+            copy.deepcopy({k: v for k, v in c.scheduler.state_dict().items() if k != "lr_lambdas"})
+            for c in trainer.lr_scheduler_configs
+        ]
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._groups is None:
@@ -280,8 +325,11 @@ class ApplyResumeChanges(pl.Callback):
         scheduled: dict[int, tuple] = {}
         for config, fresh in zip(trainer.lr_scheduler_configs, self._schedules):
             scheduler = config.scheduler
-            keep = {k: v for k, v in scheduler.state_dict().items()
-                    if k in ("last_epoch", "_step_count", "_is_initial", "_get_lr_called_within_step")}
+            keep = {
+                k: v
+                for k, v in scheduler.state_dict().items()
+                if k in ("last_epoch", "_step_count", "_is_initial", "_get_lr_called_within_step")
+            }
             state = {**fresh, **keep}
             if "lr_lambdas" in scheduler.state_dict():
                 state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)

@@ -28,29 +28,64 @@ from dbsn.evaluation.pipeline import Evaluator
 from dbsn.evaluation.report import build_sweep_report, check_sweep_report_folder
 from dbsn.evaluation.runs import CONFIG_FILE, METRICS_FILE, read_run_record, run_checkpoint
 from dbsn.methods import DeepEnsemble, Method
-from dbsn.runtime.build import (build_model, build_trainer, count_parameters, device_of, init_weights,
-                                instantiate_group, load_method, with_facts)
-from dbsn.runtime.checkpoint import (CONFIG_KEY, RandomStateCallback, RunConfigCallback, check_resume_checkpoint,
-                                     load_checkpoint)
+from dbsn.runtime.build import (
+    build_model,
+    build_trainer,
+    count_parameters,
+    device_of,
+    init_weights,
+    instantiate_group,
+    load_method,
+    with_facts,
+)
+from dbsn.runtime.checkpoint import (
+    CONFIG_KEY,
+    RandomStateCallback,
+    RunConfigCallback,
+    check_resume_checkpoint,
+    load_checkpoint,
+)
 from dbsn.runtime.cluster import PreemptionRequeue, job_facts, write_job_facts
 from dbsn.runtime.compile_cache import compile_cache_callbacks
 from dbsn.runtime.config import ConfigError, check_evaluate_config, check_trainer, to_plain, validate_config
-from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
-from dbsn.runtime.evaluation import (apply_overrides, build_evaluator, build_posterior,
-                                     check_prediction_overrides, checkpoint_paths, evaluation_data, evaluation_folder,
-                                     evaluation_samples, fatal_in_a_sweep, fit_posterior, statistics_of,
-                                     write_posthoc_run)
-from dbsn.runtime.evaluation_folder import (check_folder, check_run_files, evaluation_record, evaluation_settings,
-                                            identify)
-from dbsn.runtime.memory import keep_freed_memory
-from dbsn.runtime.preflight import check_run_length, check_trained
-from dbsn.runtime.resume import check_resume, resume_callbacks
-from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.disk import OutputError, disk_problem
 from dbsn.runtime.errors import RunInterrupted
+from dbsn.runtime.evaluation import (
+    apply_overrides,
+    build_evaluator,
+    build_posterior,
+    check_prediction_overrides,
+    checkpoint_paths,
+    evaluation_data,
+    evaluation_folder,
+    evaluation_samples,
+    fatal_in_a_sweep,
+    fit_posterior,
+    statistics_of,
+    write_posthoc_run,
+)
+from dbsn.runtime.evaluation_folder import (
+    check_folder,
+    check_run_files,
+    evaluation_record,
+    evaluation_settings,
+    identify,
+)
+from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
+from dbsn.runtime.memory import keep_freed_memory
+from dbsn.runtime.preflight import check_run_length, check_trained
+from dbsn.runtime.rank import is_rank_zero
+from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.signals import current_watch, interruptible
-from dbsn.runtime.wandb_run import (close_loggers, evaluation_loggers, run_facts, run_group, run_name,
-                                    stable_wandb_id, with_identity)
+from dbsn.runtime.wandb_run import (
+    close_loggers,
+    evaluation_loggers,
+    run_facts,
+    run_group,
+    run_name,
+    stable_wandb_id,
+    with_identity,
+)
 
 __all__ = ["checkpoint_to_resume", "evaluate", "evaluate_checkpoints", "evaluate_folder", "train"]
 
@@ -92,17 +127,24 @@ def train(cfg: DictConfig, output_dir: Path, where: str = "hydra.run.dir") -> di
     statistics = statistics_of(cfg)
     keep_freed_memory()
     output_dir = Path(output_dir)
-    folder = claim_run_folder(output_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
-                              where=where) if is_rank_zero() else None
+    folder = (
+        claim_run_folder(output_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"), where=where)
+        if is_rank_zero()
+        else None
+    )
     try:
         metrics = _train(cfg, composed, output_dir, statistics, folder)
     except BaseException as err:
         if folder is not None:
-            folder.end("interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit, RunInterrupted)) else "failed",
-                       error=f"{type(err).__name__}: {err}"[:500])
+            folder.end(
+                "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit, RunInterrupted)) else "failed",
+                error=f"{type(err).__name__}: {err}"[:500],
+            )
         if isinstance(err, OSError) and (problem := disk_problem(err, output_dir)) is not None:
-            raise OutputError(f"Could not write {err.filename or 'a file'} in the run folder {output_dir}: {problem}. "
-                              "Free space (or choose a writable folder), then continue with resume=true.") from err
+            raise OutputError(
+                f"Could not write {err.filename or 'a file'} in the run folder {output_dir}: {problem}. "
+                "Free space (or choose a writable folder), then continue with resume=true."
+            ) from err
         raise
     else:
         if folder is not None:
@@ -113,24 +155,29 @@ def train(cfg: DictConfig, output_dir: Path, where: str = "hydra.run.dir") -> di
             folder.release()
 
 
-def _begin(composed: DictConfig, plain: dict, output_dir: Path, folder: RunFolder, ckpt_path: Path | None,
-           changes: list) -> None:
+def _begin(
+    composed: DictConfig, plain: dict, output_dir: Path, folder: RunFolder, ckpt_path: Path | None, changes: list
+) -> None:
     """Write the run's files for this start: the resolved config, Hydra's record, run.json (with the
     settings a resume changed), the log file."""
     if folder.mode == "continue" and ckpt_path is None and (output_dir / METRICS_FILE).is_file():
-        raise ConfigError(f"{output_dir} holds a finished run without a checkpoint to continue: start the new run in "
-                          "a new folder.")
+        raise ConfigError(
+            f"{output_dir} holds a finished run without a checkpoint to continue: start the new run in a new folder."
+        )
     OmegaConf.save(OmegaConf.create(plain), output_dir / CONFIG_FILE)
     write_hydra_files(output_dir, composed)
-    folder.begin(changes=changes, continued_from=str(ckpt_path) if ckpt_path is not None and folder.mode == "new" else None)
+    folder.begin(
+        changes=changes, continued_from=str(ckpt_path) if ckpt_path is not None and folder.mode == "new" else None
+    )
     if HydraConfig.initialized():
         folder.log_to_file(str(HydraConfig.get().job.name))
     if (facts := job_facts()) is not None:  # which SLURM job ran (or resumed) this run, and its logs
         write_job_facts(output_dir, facts)
 
 
-def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
-           folder: RunFolder | None) -> dict[str, float]:
+def _train(
+    cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics, folder: RunFolder | None
+) -> dict[str, float]:
     """The body of `train` once the folder is claimed (`folder`: None on ranks other than 0)."""
     ckpt_path = checkpoint_to_resume(cfg, output_dir)
     resume_changes = check_resume(cfg, ckpt_path)  # [{"key", "old", "new"}] applied on resume (run history)
@@ -151,16 +198,28 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
         init_weights(model, cfg.init_from)
     Console().print(f"{type(model).__name__}: {count_parameters(model):,} parameters")
     epoch_timer, curve, budget = EpochTimer(), TrainingCurve(), TrainingBudget()
-    callbacks = instantiate_group(cfg.get("callbacks")) + [RunConfigCallback(plain, run_id), RandomStateCallback(),
-                                                           epoch_timer, curve, budget,
-                                                           *resume_callbacks(resume_changes), *current_watch(),
-                                                           *compile_cache_callbacks(model, output_dir)]
+    callbacks = instantiate_group(cfg.get("callbacks")) + [
+        RunConfigCallback(plain, run_id),
+        RandomStateCallback(),
+        epoch_timer,
+        curve,
+        budget,
+        *resume_callbacks(resume_changes),
+        *current_watch(),
+        *compile_cache_callbacks(model, output_dir),
+    ]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)
     facts = run_facts(plain, output_dir)
-    logger_cfg, wandb = with_identity(cfg.get("logger"), lambda: {
-        "id": stable_wandb_id(output_dir), "group": run_group(output_dir, plain.get("task_name")),
-        "name": run_name(facts), "job_type": "train"})
+    logger_cfg, wandb = with_identity(
+        cfg.get("logger"),
+        lambda: {
+            "id": stable_wandb_id(output_dir),
+            "group": run_group(output_dir, plain.get("task_name")),
+            "name": run_name(facts),
+            "job_type": "train",
+        },
+    )
     loggers = instantiate_group(logger_cfg)
     trainer = build_trainer(cfg.trainer, output_dir, callbacks, loggers)
     try:
@@ -172,7 +231,9 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
     for logger in loggers:
         logger.log_hyperparams(with_facts(plain, logger, facts, wandb))
 
-    reset_peak_memory(trainer.strategy.root_device)  # the cost's peak memory: this run's, not an earlier one's in this process
+    reset_peak_memory(
+        trainer.strategy.root_device
+    )  # the cost's peak memory: this run's, not an earlier one's in this process
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     check_trained(trainer)
     if model.temperature_scaling:
@@ -187,17 +248,33 @@ def _train(cfg: DictConfig, composed: DictConfig, output_dir: Path, statistics,
         Console().print(f"Training time: {timedelta(seconds=round(train_seconds))} (h:mm:ss, resumed parts included)")
     if not cfg.get("test", True):
         return {}
-    def record() -> dict:
-        return {"run_id": run_id, "n_samples": model.num_members, "epochs": trainer.current_epoch, "seed": cfg.get("seed"),
-                "world_size": trainer.world_size, "parallel": model.parallel, "train_seconds": train_seconds,
-                "convergence": curve.summary(), "budget": budget.record(datamodule),
-                **model.run_facts(), "slurm": job_facts(),
-                "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None)}
 
-    subject = Subject(model, datamodule, title_of(type(model).__name__, plain["data"], model.n_samples),
-                      trainer.strategy.root_device, progress_of(cfg))
-    metrics = Evaluator(statistics=statistics).evaluate(subject, trainer, output_dir, loggers, record, structure=False,
-                                                        epoch_seconds=epoch_timer.mean_epoch_seconds)
+    def record() -> dict:
+        return {
+            "run_id": run_id,
+            "n_samples": model.num_members,
+            "epochs": trainer.current_epoch,
+            "seed": cfg.get("seed"),
+            "world_size": trainer.world_size,
+            "parallel": model.parallel,
+            "train_seconds": train_seconds,
+            "convergence": curve.summary(),
+            "budget": budget.record(datamodule),
+            **model.run_facts(),
+            "slurm": job_facts(),
+            "last_checkpoint": getattr(trainer.checkpoint_callback, "last_model_path", None),
+        }
+
+    subject = Subject(
+        model,
+        datamodule,
+        title_of(type(model).__name__, plain["data"], model.n_samples),
+        trainer.strategy.root_device,
+        progress_of(cfg),
+    )
+    metrics = Evaluator(statistics=statistics).evaluate(
+        subject, trainer, output_dir, loggers, record, structure=False, epoch_seconds=epoch_timer.mean_epoch_seconds
+    )
     close_loggers(loggers, "success", finish_wandb=trainer.is_global_zero)
     return metrics
 
@@ -226,8 +303,10 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     keep_freed_memory()
     if len(paths) == 1 and paths[0].is_dir():
         if cfg.get("output_dir"):
-            raise ConfigError(f"output_dir={cfg.output_dir} takes one model's results; a folder of runs is evaluated into "
-                              "each run's own evaluation/ folder (and <folder>/report): leave output_dir unset.")
+            raise ConfigError(
+                f"output_dir={cfg.output_dir} takes one model's results; a folder of runs is evaluated into "
+                "each run's own evaluation/ folder (and <folder>/report): leave output_dir unset."
+            )
         return evaluate_folder(cfg, paths[0], evaluator, posterior)
     check_run_files(paths)
     identities = identify(paths)
@@ -235,8 +314,15 @@ def evaluate(cfg: DictConfig, output_dir: Path) -> dict:
     return evaluate_checkpoints(cfg, paths, out, evaluator, posterior, identities=identities)
 
 
-def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluator: Evaluator, posterior=None,
-                         in_sweep: bool = False, identities: list[dict] | None = None) -> dict[str, float] | None:
+def evaluate_checkpoints(
+    cfg: DictConfig,
+    paths: list[Path],
+    out: Path,
+    evaluator: Evaluator,
+    posterior=None,
+    in_sweep: bool = False,
+    identities: list[dict] | None = None,
+) -> dict[str, float] | None:
     """The test pass and the chosen evaluations of one model (several paths: a deep ensemble;
     `posterior`: a post-hoc posterior of the run). In a sweep, a run the posterior does not
     apply to is skipped (None). metrics.json records what was evaluated (`identities`, read from
@@ -245,8 +331,10 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
     first = load_checkpoint(paths[0])
     datamodule = evaluation_data(cfg, first)
     run_data = first[CONFIG_KEY]["data"]
-    members = [load_method(p, datamodule.num_classes, run_data["_target_"], first if i == 0 else None)
-               for i, p in enumerate(paths)]
+    members = [
+        load_method(p, datamodule.num_classes, run_data["_target_"], first if i == 0 else None)
+        for i, p in enumerate(paths)
+    ]
     model: Method = members[0] if len(members) == 1 else DeepEnsemble(members)
     apply_overrides(model, cfg)
     n_samples = evaluation_samples(cfg, posterior)  # S: the posterior's to use, else the model's
@@ -265,14 +353,20 @@ def evaluate_checkpoints(cfg: DictConfig, paths: list[Path], out: Path, evaluato
         subject.model = model = fit_posterior(posterior, model, datamodule, first, n_samples, device)
     name = type(model).__name__ + (f" of {len(members)}" if len(members) > 1 else "")
     subject.title = title_of(name, run_data, model.num_members)
-    facts = {"n_samples": model.num_members, "checkpoints": [str(p) for p in paths], "epoch": first.get("epoch"),
-             **({"posthoc": posterior.name, "seed": first[CONFIG_KEY].get("seed")} if posterior else {}),
-             **evaluation_record(identities), "settings": evaluation_settings(cfg, posterior)}
+    facts = {
+        "n_samples": model.num_members,
+        "checkpoints": [str(p) for p in paths],
+        "epoch": first.get("epoch"),
+        **({"posthoc": posterior.name, "seed": first[CONFIG_KEY].get("seed")} if posterior else {}),
+        **evaluation_record(identities),
+        "settings": evaluation_settings(cfg, posterior),
+    }
     loggers = evaluation_loggers(cfg, paths, first[CONFIG_KEY], out, model, posterior)
     trainer = build_trainer(cfg.trainer, out, callbacks=instantiate_group(cfg.get("callbacks")), loggers=loggers)
     try:
-        values = evaluator.evaluate(subject, trainer, out, loggers, record=lambda: {**facts, **model.run_facts()},
-                                    checked=posterior is not None)
+        values = evaluator.evaluate(
+            subject, trainer, out, loggers, record=lambda: {**facts, **model.run_facts()}, checked=posterior is not None
+        )
     except BaseException:
         close_loggers(loggers, "failed")  # else the next run of a folder would log into this W&B run
         raise
@@ -288,8 +382,10 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
     evaluation fails, are listed; a missing data set or evaluation input stops the sweep."""
     runs = sorted(p.parent for p in root.rglob(CONFIG_FILE) if "evaluation" not in p.parts and "posthoc" not in p.parts)
     if not runs:
-        raise ConfigError(f"ckpt_path={root} is a folder without training runs (folders with {CONFIG_FILE}): give a "
-                          "checkpoint (<run>/checkpoints/last.ckpt), a list of them, or a folder of runs (a sweep).")
+        raise ConfigError(
+            f"ckpt_path={root} is a folder without training runs (folders with {CONFIG_FILE}): give a "
+            "checkpoint (<run>/checkpoints/last.ckpt), a list of them, or a folder of runs (a sweep)."
+        )
     check_sweep_report_folder(root)  # before any run is evaluated
     problems: dict[str, str] = {}
     for run_dir in runs:
@@ -310,8 +406,9 @@ def evaluate_folder(cfg: DictConfig, root: Path, evaluator: Evaluator, posterior
             problems[str(run_dir)] = f"{type(err).__name__}: {err}"
     for run, problem in problems.items():
         Console().print(f"[red]not evaluated[/red] {run}: {problem}")
-    report = build_sweep_report(root, reference=str((cfg.get("report") or {}).get("reference") or "dbsn"),
-                                statistics=statistics_of(cfg))
+    report = build_sweep_report(
+        root, reference=str((cfg.get("report") or {}).get("reference") or "dbsn"), statistics=statistics_of(cfg)
+    )
     for line in report.summary:
         Console().print(line)
     Console().print(f"Report: {root / 'report'}")

@@ -163,7 +163,9 @@ class Interruptions:
         checkpoint = None if self.run_dir is None else last_checkpoint(self.run_dir)
         if checkpoint is None or not checkpoint.is_file():
             return RunInterrupted(signum, self.run_dir, None)
-        return RunInterrupted(signum, self.run_dir, checkpoint, _epochs_in(checkpoint), self.watch.max_epochs, self.epoch)
+        return RunInterrupted(
+            signum, self.run_dir, checkpoint, _epochs_in(checkpoint), self.watch.max_epochs, self.epoch
+        )
 
     def _say(self, text: str) -> None:
         try:  # not print(): the signal may have interrupted a write to the same stream

@@ -11,8 +11,8 @@ anything is trained or submitted.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -21,8 +21,9 @@ from dbsn.runtime.config import ConfigError
 __all__ = ["check_jobs", "compose_jobs", "refuse"]
 
 
-def compose_jobs(launcher, job_overrides: Sequence[Sequence[str]],
-                 initial_job_idx: int) -> tuple[list[DictConfig], list[Path]]:
+def compose_jobs(
+    launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+) -> tuple[list[DictConfig], list[Path]]:
     """Each job's config, resolved as it will run (its `${hydra:...}` values included), and its run
     folder `<sweep dir>/<subdir>`."""
     from hydra.core.hydra_config import HydraConfig
@@ -61,14 +62,20 @@ def check_jobs(configs: Sequence[DictConfig], run_dirs: Sequence[Path], initial_
         num = initial_job_idx + idx
         key = Path(run_dir).absolute()
         if key in seen:
-            raise ConfigError(f"sweep jobs #{seen[key]} and #{num} would both run in {run_dir}: give every job its own "
-                              "folder (hydra.sweep.subdir, by default the job's number).")
+            raise ConfigError(
+                f"sweep jobs #{seen[key]} and #{num} would both run in {run_dir}: give every job its own "
+                "folder (hydra.sweep.subdir, by default the job's number)."
+            )
         seen[key] = num
         try:
             if "model" in job and "data" in job:  # a train.py job
                 check_job(job, output_dir=run_dir)
-                check_run_folder(run_dir, resume=bool(job.get("resume")), ckpt_path=job.get("ckpt_path"),
-                                 where=f"the job's folder hydra.sweep.dir/{Path(run_dir).name}")
+                check_run_folder(
+                    run_dir,
+                    resume=bool(job.get("resume")),
+                    ckpt_path=job.get("ckpt_path"),
+                    where=f"the job's folder hydra.sweep.dir/{Path(run_dir).name}",
+                )
         except ConfigError as err:
             raise ConfigError(f"{_job_name(num, job)}: {err}") from err
         except Exception as err:  # a user error of another kind (a checkpoint, a data set): the same line

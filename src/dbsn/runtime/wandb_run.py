@@ -22,14 +22,22 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from dbsn.evaluation.runs import (CONFIG_FILE, WANDB_ID_FILE, backbone_of, hydra_choices, load_run_config,
-                                  method_and_dataset, sweep_of)
+from dbsn.evaluation.runs import (
+    CONFIG_FILE,
+    WANDB_ID_FILE,
+    backbone_of,
+    hydra_choices,
+    load_run_config,
+    method_and_dataset,
+    sweep_of,
+)
 from dbsn.runtime.build import instantiate_group, with_facts
 from dbsn.runtime.config import to_plain
 from dbsn.runtime.rank import is_rank_zero
@@ -63,10 +71,18 @@ def run_facts(config: dict, run_dir: Path) -> dict[str, Any]:
     size = model.get("size", 1) if member else 1
     net = (member or model).get("net") or {}
     network = backbone_of(model, hydra_choices(run_dir)) or str(net.get("_target_", "?")).rsplit(".", 1)[-1]
-    return {"method": method, "dataset": dataset, "seed": config.get("seed"), "network": network,
-            "T": (member or model).get("train_samples", 1),
-            "S": size * n_samples_of(member) if member else model.get("size") or n_samples_of(model),  # size: M of a single-pass ensemble
-            "epochs": trainer.get("max_epochs"), "batch_size": data.get("batch_size")}
+    return {
+        "method": method,
+        "dataset": dataset,
+        "seed": config.get("seed"),
+        "network": network,
+        "T": (member or model).get("train_samples", 1),
+        "S": size * n_samples_of(member)
+        if member
+        else model.get("size") or n_samples_of(model),  # size: M of a single-pass ensemble
+        "epochs": trainer.get("max_epochs"),
+        "batch_size": data.get("batch_size"),
+    }
 
 
 def n_samples_of(model: dict) -> int:
@@ -84,8 +100,9 @@ def is_wandb_node(node) -> bool:
     return isinstance(node, (dict, DictConfig)) and str(node.get("_target_", "")).endswith("WandbLogger")
 
 
-def with_identity(loggers: DictConfig | None, make_identity: Callable[[], dict[str, Any]],
-                  save_dir: Path | None = None) -> tuple[DictConfig | None, dict[str, Any] | None]:
+def with_identity(
+    loggers: DictConfig | None, make_identity: Callable[[], dict[str, Any]], save_dir: Path | None = None
+) -> tuple[DictConfig | None, dict[str, Any] | None]:
     """The logger group with each W&B logger's unset identity keys (id, group, name, job type)
     filled from `make_identity()`, and the identity in effect (None without a W&B logger).
     `make_identity` is called only when a W&B logger needs it: it may write the id file."""
@@ -120,7 +137,9 @@ def logged_to_wandb(config: dict) -> bool:
     return any(is_wandb_node(node) for node in (config.get("logger") or {}).values())
 
 
-def evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, out: Path, model, posterior=None) -> list:
+def evaluation_loggers(
+    cfg: DictConfig, paths: list[Path], train_config: dict, out: Path, model, posterior=None
+) -> list:
     """The evaluation's loggers. A W&B logger logs into a run linked to the training run: the
     training run's group and name, job type `evaluate`, the training runs' W&B ids, the
     evaluation's settings under `evaluation`, S as evaluated; its id is kept in `out`. A deep
@@ -135,20 +154,32 @@ def evaluation_loggers(cfg: DictConfig, paths: list[Path], train_config: dict, o
     if posterior is not None:  # a method of its own (as in the report), on top of the run's
         facts.update(method=f"{facts['method']}+{posterior.name}", posthoc=posterior.name, base_method=facts["method"])
     name = run_name(facts) if len(paths) == 1 else f"deep_ensemble {facts['dataset']} {facts['members']}"
-    group = (configured_group(train_config) or run_group(run_dir, train_config.get("task_name")) if in_runs
-             else run_group(out, cfg.get("task_name")))
-    logger_cfg, wandb = with_identity(cfg.get("logger"), lambda: {
-        "id": stable_wandb_id(out), "group": group, "name": name, "job_type": "evaluate"}, save_dir=out)
+    group = (
+        configured_group(train_config) or run_group(run_dir, train_config.get("task_name"))
+        if in_runs
+        else run_group(out, cfg.get("task_name"))
+    )
+    logger_cfg, wandb = with_identity(
+        cfg.get("logger"),
+        lambda: {"id": stable_wandb_id(out), "group": group, "name": name, "job_type": "evaluate"},
+        save_dir=out,
+    )
     loggers = instantiate_group(logger_cfg)
     if wandb is None:
         return loggers
-    train_ids = [(d / WANDB_ID_FILE).read_text().strip() for d in run_dirs
-                 if in_runs and logged_to_wandb(load_run_config(d)) and (d / WANDB_ID_FILE).is_file()]
+    train_ids = [
+        (d / WANDB_ID_FILE).read_text().strip()
+        for d in run_dirs
+        if in_runs and logged_to_wandb(load_run_config(d)) and (d / WANDB_ID_FILE).is_file()
+    ]
     settings = {k: v for k, v in to_plain(cfg).items() if k not in ("logger", "hydra", "paths", "callbacks", "trainer")}
     links = {"train_run_id": train_ids[0]} if len(paths) == 1 and train_ids else {"train_run_ids": train_ids}
     for logger in loggers:
-        logger.log_hyperparams(with_facts(train_config, logger, facts, wandb, evaluation=settings,
-                                          checkpoints=[str(p) for p in paths], **links))
+        logger.log_hyperparams(
+            with_facts(
+                train_config, logger, facts, wandb, evaluation=settings, checkpoints=[str(p) for p in paths], **links
+            )
+        )
     return loggers
 
 

@@ -44,21 +44,24 @@ class SampleSet(nn.Module):
                 destination[f"{prefix}{i}.{name}"] = tensor
         destination[f"{prefix}steps"] = torch.tensor(self.steps, dtype=torch.long)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         members: dict[int, dict[str, Tensor]] = {}
         steps = state_dict.get(f"{prefix}steps")
         for key, tensor in state_dict.items():
             if not key.startswith(prefix) or key == f"{prefix}steps":
                 continue
-            index, _, name = key[len(prefix):].partition(".")
+            index, _, name = key[len(prefix) :].partition(".")
             if not index.isdigit() or not name:
                 unexpected_keys.append(key)
                 continue
             members.setdefault(int(index), {})[name] = tensor.detach().to("cpu")
         if sorted(members) != list(range(len(members))) or (steps is not None and len(steps) != len(members)):
-            error_msgs.append(f"{prefix}: samples {sorted(members)} with {0 if steps is None else len(steps)} steps, "
-                              "not samples 0, 1, ... each with its step")
+            error_msgs.append(
+                f"{prefix}: samples {sorted(members)} with {0 if steps is None else len(steps)} steps, "
+                "not samples 0, 1, ... each with its step"
+            )
             return
         self.members = [members[i] for i in range(len(members))]
         self.steps = [] if steps is None else [int(s) for s in steps]

@@ -58,8 +58,10 @@ class CyclicalSchedule:
         if self.samples_per_cycle < 1:
             raise ValueError(f"samples_per_cycle must be >= 1, got {self.samples_per_cycle}")
         if self.sample_spacing <= 0 or (self.samples_per_cycle - 1) * self.sample_spacing >= 1:
-            raise ValueError(f"sample_spacing must be > 0 and put the {self.samples_per_cycle} samples of a cycle inside "
-                             f"it ((samples_per_cycle - 1) x sample_spacing < 1), got {self.sample_spacing}")
+            raise ValueError(
+                f"sample_spacing must be > 0 and put the {self.samples_per_cycle} samples of a cycle inside "
+                f"it ((samples_per_cycle - 1) x sample_spacing < 1), got {self.sample_spacing}"
+            )
 
     @property
     def kept(self) -> int:
@@ -71,9 +73,11 @@ class CyclicalSchedule:
         samples (a run of fewer than cycles × samples_per_cycle steps)."""
         shortest = total_steps // self.cycles
         if shortest < 1 or self._sample_offsets(shortest)[0] < 0:
-            raise ValueError(f"a run of {total_steps} steps in {self.cycles} cycles cannot keep {self.samples_per_cycle} "
-                             f"samples {self.sample_spacing:g} of a cycle apart in each: train longer "
-                             "(trainer.max_epochs), or lower the sampler's cycles, samples_per_cycle or sample_spacing")
+            raise ValueError(
+                f"a run of {total_steps} steps in {self.cycles} cycles cannot keep {self.samples_per_cycle} "
+                f"samples {self.sample_spacing:g} of a cycle apart in each: train longer "
+                "(trainer.max_epochs), or lower the sampler's cycles, samples_per_cycle or sample_spacing"
+            )
 
     def cycle(self, step: int, total_steps: int) -> int:
         """The cycle of `step`: the c with ⌊cK/M⌋ <= step < ⌊(c + 1)K/M⌋."""

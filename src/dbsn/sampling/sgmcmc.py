@@ -52,8 +52,19 @@ class CyclicalSGMCMC(Optimizer):
         seed: the seed of the noise's generator.
     """
 
-    def __init__(self, params, *, lr: float, schedule: CyclicalSchedule, total_steps: int, dataset_size: int,
-                 friction: float = 0.9, weight_decay: float = 0.0, temperature: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        schedule: CyclicalSchedule,
+        total_steps: int,
+        dataset_size: int,
+        friction: float = 0.9,
+        weight_decay: float = 0.0,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         _check(lr, friction, weight_decay, temperature)
         if dataset_size < 1:
             raise ValueError(f"dataset_size (N) must be >= 1, got {dataset_size}")
@@ -180,6 +191,14 @@ class CyclicalSampler:
 
     def build(self, params, *, total_steps: int, dataset_size: int, seed: int = 0) -> CyclicalSGMCMC:
         """The sampler over `params` for a run of `total_steps` steps on `dataset_size` examples."""
-        return CyclicalSGMCMC(params, lr=self.lr, schedule=self.schedule, total_steps=total_steps,
-                              dataset_size=dataset_size, friction=self.friction, weight_decay=self.weight_decay,
-                              temperature=self.posterior_temperature(dataset_size), seed=seed)
+        return CyclicalSGMCMC(
+            params,
+            lr=self.lr,
+            schedule=self.schedule,
+            total_steps=total_steps,
+            dataset_size=dataset_size,
+            friction=self.friction,
+            weight_decay=self.weight_decay,
+            temperature=self.posterior_temperature(dataset_size),
+            seed=seed,
+        )

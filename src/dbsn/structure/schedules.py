@@ -49,9 +49,7 @@ class TauSchedule:
         if not self.minimum > 0:
             raise ValueError(f"TauSchedule.minimum must be > 0, got {self.minimum}")
         if not self.initial >= self.minimum:
-            raise ValueError(
-                f"TauSchedule.initial ({self.initial}) must be >= minimum ({self.minimum})"
-            )
+            raise ValueError(f"TauSchedule.initial ({self.initial}) must be >= minimum ({self.minimum})")
         if not self.decay >= 0:
             raise ValueError(f"TauSchedule.decay must be >= 0, got {self.decay}")
 
@@ -86,9 +84,7 @@ class BetaSchedule:
         if not self.end <= self.start:
             raise ValueError(f"BetaSchedule.end ({self.end}) must be <= start ({self.start})")
         if not self.decay_per_epoch >= 0:
-            raise ValueError(
-                f"BetaSchedule.decay_per_epoch must be >= 0, got {self.decay_per_epoch}"
-            )
+            raise ValueError(f"BetaSchedule.decay_per_epoch must be >= 0, got {self.decay_per_epoch}")
 
     def __call__(self, epoch: int) -> float:
         if epoch < 0:

@@ -11,8 +11,22 @@ on small random inputs on the CPU, in seconds. Each raises AssertionError naming
 returns what it checked.
 """
 
-from dbsn.testing.checks import (check_calibrator, check_evaluation, check_method, check_ood_score, make_subject,
-                                 miscalibrated, tiny_net)
+from dbsn.testing.checks import (
+    check_calibrator,
+    check_evaluation,
+    check_method,
+    check_ood_score,
+    make_subject,
+    miscalibrated,
+    tiny_net,
+)
 
-__all__ = ["check_calibrator", "check_evaluation", "check_method", "check_ood_score", "make_subject",
-           "miscalibrated", "tiny_net"]
+__all__ = [
+    "check_calibrator",
+    "check_evaluation",
+    "check_method",
+    "check_ood_score",
+    "make_subject",
+    "miscalibrated",
+    "tiny_net",
+]

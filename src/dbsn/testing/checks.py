@@ -20,8 +20,15 @@ from dbsn.metrics.uncertainty import uncertainty_decomposition
 from dbsn.nets import StructureNet
 from dbsn.posthoc.calibrators import Calibrator
 
-__all__ = ["check_calibrator", "check_evaluation", "check_method", "check_ood_score", "make_subject", "miscalibrated",
-           "tiny_net"]
+__all__ = [
+    "check_calibrator",
+    "check_evaluation",
+    "check_method",
+    "check_ood_score",
+    "make_subject",
+    "miscalibrated",
+    "tiny_net",
+]
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -57,8 +64,9 @@ def check_method(method, batch: int = 4, seed: int = 0, **settings) -> dict[str,
     loss = out["loss"]
     assert loss.ndim == 0 and torch.isfinite(loss), f"training_loss: loss must be a finite scalar, got {loss}"
     loss.backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in method.parameters()), \
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in method.parameters()), (
         "training_loss: no gradient reaches the method's parameters"
+    )
     method.zero_grad()
     method.eval()
     method.enable_test_noise()
@@ -67,32 +75,59 @@ def check_method(method, batch: int = 4, seed: int = 0, **settings) -> dict[str,
     n = method.num_members
     with torch.no_grad(), method.fixed_members(n + 1):
         members = method.predict_members(x)
-        assert members.shape == (n, batch, method.num_classes), \
+        assert members.shape == (n, batch, method.num_classes), (
             f"predict_members: expected {(n, batch, method.num_classes)}, got {tuple(members.shape)}"
-        torch.testing.assert_close(members.logsumexp(-1), torch.zeros(n, batch), atol=ATOL, rtol=0,
-                                   msg="predict_members: each member's log-probabilities must sum to 1")
+        )
+        torch.testing.assert_close(
+            members.logsumexp(-1),
+            torch.zeros(n, batch),
+            atol=ATOL,
+            rtol=0,
+            msg="predict_members: each member's log-probabilities must sum to 1",
+        )
         if not afresh:
-            torch.testing.assert_close(method.predict_members(x), members, atol=ATOL, rtol=RTOL,
-                                       msg="a method that draws its members afresh must hold them in fixed_members(n)")
+            torch.testing.assert_close(
+                method.predict_members(x),
+                members,
+                atol=ATOL,
+                rtol=RTOL,
+                msg="a method that draws its members afresh must hold them in fixed_members(n)",
+            )
         if not afresh and not method.is_calibrated:
             ensemble = members.logsumexp(0) - math.log(n)
-            torch.testing.assert_close(method.predict_log_probs(x), ensemble, atol=ATOL, rtol=RTOL,
-                                       msg="predict_log_probs must be the members' average (the Bayes ensemble)")
+            torch.testing.assert_close(
+                method.predict_log_probs(x),
+                ensemble,
+                atol=ATOL,
+                rtol=RTOL,
+                msg="predict_log_probs must be the members' average (the Bayes ensemble)",
+            )
             checked["members"] = True
         try:
             logits, features = method.member_outputs(x, n + 1)
         except FeaturesUnavailable:
             return checked
         heads = method.member_heads(n + 1)
-        assert logits.shape[:2] == (n + 1, batch) and features.shape[:2] == (n + 1, batch), \
+        assert logits.shape[:2] == (n + 1, batch) and features.shape[:2] == (n + 1, batch), (
             "member_outputs: logits and features must be (n, b, ...)"
+        )
         if heads is not None:
             for s, (weight, bias) in enumerate(heads):
-                torch.testing.assert_close(F.linear(features[s], weight, bias), logits[s], atol=ATOL, rtol=RTOL,
-                                           msg=f"member {s}: its linear head on its features must give its logits")
+                torch.testing.assert_close(
+                    F.linear(features[s], weight, bias),
+                    logits[s],
+                    atol=ATOL,
+                    rtol=RTOL,
+                    msg=f"member {s}: its linear head on its features must give its logits",
+                )
         if not afresh:
-            torch.testing.assert_close(logits[:n].log_softmax(-1), members, atol=ATOL, rtol=RTOL,
-                                       msg="member_outputs' logits must be the members the prediction averages")
+            torch.testing.assert_close(
+                logits[:n].log_softmax(-1),
+                members,
+                atol=ATOL,
+                rtol=RTOL,
+                msg="member_outputs' logits must be the members the prediction averages",
+            )
         checked["features"] = True
     return checked
 
@@ -107,7 +142,7 @@ def _linear_members(n: int, classes: int, dim: int, seed: int):
 
     def logits_of(images: Tensor, k: int, first: int = 0) -> Tensor:
         h = features_of(images)
-        return torch.stack([F.linear(h, w, b) for w, b in heads[first:first + k]])
+        return torch.stack([F.linear(h, w, b) for w, b in heads[first : first + k]])
 
     return heads, features_of, logits_of
 
@@ -123,8 +158,14 @@ def check_ood_score(score: OODScore, members: int = 2, classes: int = 4, dim: in
     heads, features_of, logits_of = _linear_members(members, classes, dim, seed)
     train_images, test_images = torch.rand(60, 3, 32, 32, generator=g), torch.rand(10, 3, 32, 32, generator=g)
     train_logits = logits_of(train_images, members)
-    training = Training(train_logits, features_of(train_images).expand(members, -1, -1).clone(),
-                        torch.arange(len(train_images)) % classes, classes, heads, "Linear")
+    training = Training(
+        train_logits,
+        features_of(train_images).expand(members, -1, -1).clone(),
+        torch.arange(len(train_images)) % classes,
+        classes,
+        heads,
+        "Linear",
+    )
     found = {}
     for treatment in score.treatments:
         each = score.with_members(treatment) if treatment != score.members else copy.deepcopy(score)
@@ -132,16 +173,22 @@ def check_ood_score(score: OODScore, members: int = 2, classes: int = 4, dim: in
 
         def scored(images: Tensor) -> Tensor:
             logits = logits_of(images, members)
-            batch = Members(members, images, logits, features_of(images).expand(members, -1, -1).clone(),
-                            logits_of, members)
+            batch = Members(
+                members, images, logits, features_of(images).expand(members, -1, -1).clone(), logits_of, members
+            )
             return each.score(batch).detach()
 
         whole = scored(test_images)
         assert whole.shape == (len(test_images),), f"{treatment}: score must be (b,), got {tuple(whole.shape)}"
         assert torch.isfinite(whole).all(), f"{treatment}: score must be finite"
         parts = torch.cat([scored(test_images[:3]), scored(test_images[3:])])
-        torch.testing.assert_close(parts, whole, atol=ATOL, rtol=RTOL,
-                                   msg=f"{treatment}: a score must not depend on how the images are batched")
+        torch.testing.assert_close(
+            parts,
+            whole,
+            atol=ATOL,
+            rtol=RTOL,
+            msg=f"{treatment}: a score must not depend on how the images are batched",
+        )
         assert isinstance(each.params(), dict) and each.computed_on
         found[treatment] = whole
     return found
@@ -172,8 +219,13 @@ def check_calibrator(calibrator: Calibrator, classes: int = 5, seed: int = 0) ->
     out = fitted(test_lp)
     assert out.shape == test_lp.shape and out.dtype == test_lp.dtype, "calibrated log-probabilities: input's shape"
     assert torch.isfinite(out).all(), "calibrated log-probabilities must be finite"
-    torch.testing.assert_close(out.logsumexp(-1), torch.zeros(len(out), dtype=out.dtype), atol=1e-6, rtol=0,
-                               msg="calibrated probabilities must sum to 1")
+    torch.testing.assert_close(
+        out.logsumexp(-1),
+        torch.zeros(len(out), dtype=out.dtype),
+        atol=1e-6,
+        rtol=0,
+        msg="calibrated probabilities must sum to 1",
+    )
     torch.testing.assert_close(again(test_lp), out, msg="fitting twice on the same data must give the same map")
     assert fitted(test_lp.float()).dtype == torch.float32, "float32 in, float32 out"
     torch.testing.assert_close(fitted(test_lp[None])[0], out, msg="a map of (..., C): leading dimensions pass through")

@@ -27,8 +27,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 #: The initialisations measured, by name: their `random_sign_init` values.
-INITS = {"random signs (p = 0.5)": 0.5, "N(1, 0.5²) (the authors')": -0.5, "N(1, 0.25²)": -0.25,
-         "N(1, 0.1²)": -0.1, "ones": 1.0}
+INITS = {
+    "random signs (p = 0.5)": 0.5,
+    "N(1, 0.5²) (the authors')": -0.5,
+    "N(1, 0.25²)": -0.25,
+    "N(1, 0.1²)": -0.1,
+    "ones": 1.0,
+}
 BATCH, PIXELS = 64, 16
 
 
@@ -40,8 +45,10 @@ def _digits(val_size: float = 0.15):
     data = DigitsDataModule(num_workers=0, val_size=val_size, batch_size=BATCH)
     data.setup("fit")
     small = lambda x: F.interpolate(x, size=PIXELS, mode="bilinear", align_corners=False, antialias=True)  # noqa: E731
-    return ((small(data.preprocess(data.train_set.images)), data.train_set.labels),
-            (small(data.preprocess(data.val_set.images)), data.val_set.labels))
+    return (
+        (small(data.preprocess(data.train_set.images)), data.train_set.labels),
+        (small(data.preprocess(data.val_set.images)), data.val_set.labels),
+    )
 
 
 def _shared_weights(model) -> list:
@@ -62,7 +69,7 @@ def gradient_cosine(model, x, y) -> float:
     weights = _shared_weights(model)
     grads = []
     for m in range(model.size):
-        g = torch.autograd.grad(F.cross_entropy(logits[m::model.size], y), weights, retain_graph=True)
+        g = torch.autograd.grad(F.cross_entropy(logits[m :: model.size], y), weights, retain_graph=True)
         grads.append(torch.cat([t.flatten() for t in g]))
     g = torch.nn.functional.normalize(torch.stack(grads), dim=1)
     n = model.size
@@ -81,7 +88,7 @@ def train_steps(model, x, y, steps: int, batch_size: int, steps_per_epoch: int, 
         batch = torch.randint(len(y), (batch_size,), generator=generator)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        model.step_body(x[batch], y[batch], opts, opts[:len(schedules)], lambda loss, last: loss.backward())
+        model.step_body(x[batch], y[batch], opts, opts[: len(schedules)], lambda loss, last: loss.backward())
         if (step + 1) % steps_per_epoch == 0:
             for schedule in schedules:
                 schedule.step()
@@ -100,14 +107,27 @@ def measure(backbone: str, init: float, seed: int, steps: int, data, net_overrid
     steps_per_epoch = len(y) // BATCH
     epochs = max(1, steps // steps_per_epoch)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*method_overrides("batch_ensemble", epochs, steps_per_epoch, backbone=backbone,
-                                                            net_overrides=list(net_overrides)),
-                                          *shared_overrides(), f"model.random_sign_init={init}"])
+        cfg = compose(
+            "train",
+            overrides=[
+                *method_overrides(
+                    "batch_ensemble", epochs, steps_per_epoch, backbone=backbone, net_overrides=list(net_overrides)
+                ),
+                *shared_overrides(),
+                f"model.random_sign_init={init}",
+            ],
+        )
     torch.manual_seed(seed)
     model = build_model(cfg.model, 10)
     model.dataset_size = len(y)
-    model._trainer = SimpleNamespace(max_epochs=epochs, world_size=1, precision="32-true", datamodule=None,
-                                     num_training_batches=steps_per_epoch, current_epoch=0)
+    model._trainer = SimpleNamespace(
+        max_epochs=epochs,
+        world_size=1,
+        precision="32-true",
+        datamodule=None,
+        num_training_batches=steps_per_epoch,
+        current_epoch=0,
+    )
     model.train()
     generator = torch.Generator().manual_seed(100 + seed)
     batch = torch.randint(len(y), (BATCH,), generator=generator)
@@ -120,12 +140,17 @@ def measure(backbone: str, init: float, seed: int, steps: int, data, net_overrid
         val_log_probs = torch.logsumexp(members.log_softmax(-1), 1) - torch.log(torch.tensor(float(model.size)))
         votes = members.argmax(-1)
         disagreement = float((votes[:, :, None] != votes[:, None, :]).float().mean()) * model.size / (model.size - 1)
-    return {"backbone": backbone, "random_sign_init": init, "seed": seed, "steps": steps,
-            "grad_cosine_at_init": round(cosine, 4),
-            "train_nll": round(float(-train_log_probs.gather(1, y[:, None]).mean()), 4),
-            "val_nll": round(float(-val_log_probs.gather(1, y_val[:, None]).mean()), 4),
-            "val_error": round(float((val_log_probs.argmax(1) != y_val).float().mean()), 4),
-            "member_disagreement": round(disagreement, 4)}
+    return {
+        "backbone": backbone,
+        "random_sign_init": init,
+        "seed": seed,
+        "steps": steps,
+        "grad_cosine_at_init": round(cosine, 4),
+        "train_nll": round(float(-train_log_probs.gather(1, y[:, None]).mean()), 4),
+        "val_nll": round(float(-val_log_probs.gather(1, y_val[:, None]).mean()), 4),
+        "val_error": round(float((val_log_probs.argmax(1) != y_val).float().mean()), 4),
+        "member_disagreement": round(disagreement, 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -133,8 +158,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backbone", choices=("structure_net", "resnet18"), default="structure_net")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--inits", default=",".join(f"{v:g}" for v in INITS.values()),
-                        help="random_sign_init values (p > 0: random signs; -σ: N(1, σ²); 1: ones)")
+    parser.add_argument(
+        "--inits",
+        default=",".join(f"{v:g}" for v in INITS.values()),
+        help="random_sign_init values (p > 0: random signs; -σ: N(1, σ²); 1: ones)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file too")
     args = parser.parse_args(argv)
     data = _digits()

@@ -99,8 +99,11 @@ from dbsn.tools.comparison_folder import check_output, finished_run, finished_tu
 #: The networks a comparison runs on, at CPU size: DBSN's small cell network (the paper's B = 4, one
 #: cell per stage), a ResNet-18 of width 16 and a WideResNet-16-2. Methods that need DBSN's cells
 #: (`Method.networks` "cells": dbsn, fbn, vogn_fbn) run on the cell network whatever the backbone.
-BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": ["width=16"],
-             "wrn28_10": ["depth=16", "widen_factor=2"]}
+BACKBONES = {
+    "structure_net": ["num_nodes=4", "cells_per_stage=1"],
+    "resnet18": ["width=16"],
+    "wrn28_10": ["depth=16", "widen_factor=2"],
+}
 #: The protocols. "fair" (the default): what every method shares is the data, the epochs, the batch and
 #: the learning-rate schedule's shape (`SHARED_SCHEDULE`); each keeps its authors' relative settings
 #: (loss over members, fast-weight lr, initialisation, momentum, weight decay, warm-up), and its base lr
@@ -111,8 +114,16 @@ BACKBONES = {"structure_net": ["num_nodes=4", "cells_per_stage=1"], "resnet18": 
 #: lr / M per member and MIMO at 1 / M of its gradient (kept to reproduce them).
 PROTOCOLS = ("fair", "shared")
 SHARED_SCHEDULE = {"schedule": "multistep", "milestones": "[0.5,0.75]", "gamma": 0.1}
-SHARED_OPTIMIZER = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1.0e-4, "nesterov": "false", "grad_clip_norm": 5.0,
-                    "milestones": "[0.5,0.75]", "gamma": 0.1, "warmup_epochs": 0}
+SHARED_OPTIMIZER = {
+    "lr": 0.1,
+    "momentum": 0.9,
+    "weight_decay": 1.0e-4,
+    "nesterov": "false",
+    "grad_clip_norm": 5.0,
+    "milestones": "[0.5,0.75]",
+    "gamma": 0.1,
+    "warmup_epochs": 0,
+}
 #: `--tune`'s base learning rates, the same for every method: the paper's 0.1, halved and doubled twice
 LR_GRID = (0.025, 0.05, 0.1, 0.2, 0.4)
 #: the validation split `--tune` selects on (every run of the comparison trains without it)
@@ -154,11 +165,16 @@ def data_choices() -> list[str]:
     from hydra.utils import get_class
 
     from dbsn.data import ImageClassificationDataModule
-
     from dbsn.extensions import config_dirs
 
-    return sorted({path.stem for folder in config_dirs() for path in (folder / "data").glob("*.yaml")
-                   if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule)})
+    return sorted(
+        {
+            path.stem
+            for folder in config_dirs()
+            for path in (folder / "data").glob("*.yaml")
+            if issubclass(get_class(OmegaConf.load(path)._target_), ImageClassificationDataModule)
+        }
+    )
 
 
 def override_key(override: str) -> str:
@@ -176,17 +192,28 @@ def ood_sets(evaluations, ood, data: str) -> list[str]:
     when ood is chosen without sets, or sets are given without ood."""
     if "ood" not in evaluations:
         if ood:
-            raise ConfigError(f"--ood {','.join(ood)} chooses the sets of the ood evaluation, which is not chosen: add "
-                              "ood to --evaluations")
+            raise ConfigError(
+                f"--ood {','.join(ood)} chooses the sets of the ood evaluation, which is not chosen: add "
+                "ood to --evaluations"
+            )
         return []
     sets = list(ood or DEFAULT_OOD.get(data, ()))
     if not sets:
-        raise ConfigError(f"--evaluations ood on {data} needs --ood (sets of conf/ood/: {', '.join(conf_choices('ood'))})")
+        raise ConfigError(
+            f"--evaluations ood on {data} needs --ood (sets of conf/ood/: {', '.join(conf_choices('ood'))})"
+        )
     return sets
 
 
-def evaluation_passes(evaluations=(), posthoc=(), ood=(), data: str = "digits", output_dir: Path = Path("outputs/compare"),
-                      train_overrides: list[str] = (), evaluate_extra: list[str] = ()) -> dict[str, list[str]]:
+def evaluation_passes(
+    evaluations=(),
+    posthoc=(),
+    ood=(),
+    data: str = "digits",
+    output_dir: Path = Path("outputs/compare"),
+    train_overrides: list[str] = (),
+    evaluate_extra: list[str] = (),
+) -> dict[str, list[str]]:
     """evaluate.py's overrides of each pass after a method's training, by name: "evaluations" (the
     chosen evaluations, when any), then "posthoc=<name>" for each post-hoc posterior (the test pass
     only). Each reuses the training's `trainer` and `statistics` overrides; `evaluate_extra` under
@@ -199,11 +226,17 @@ def evaluation_passes(evaluations=(), posthoc=(), ood=(), data: str = "digits", 
         if "ood" in evaluations:
             chosen.append(f"ood=[{','.join(ood)}]")
         if "shift" in evaluations and data not in PUBLISHED_SHIFT:  # generated once, shared by every method
-            chosen += ["evaluations.shift.generate=true", f"evaluations.shift.root={Path(output_dir).resolve() / f'{data}-C'}"]
+            chosen += [
+                "evaluations.shift.generate=true",
+                f"evaluations.shift.root={Path(output_dir).resolve() / f'{data}-C'}",
+            ]
         passes["evaluations"] = [*shared, *chosen, *(o for o in evaluate_extra if top_key(o) not in POSTHOC_KEYS)]
     for name in posthoc:
-        passes[f"posthoc={name}"] = [*shared, f"posthoc={name}",
-                                     *(o for o in evaluate_extra if top_key(o) not in EVALUATION_KEYS)]
+        passes[f"posthoc={name}"] = [
+            *shared,
+            f"posthoc={name}",
+            *(o for o in evaluate_extra if top_key(o) not in EVALUATION_KEYS),
+        ]
     return passes
 
 
@@ -296,9 +329,17 @@ def lr_key(method: str) -> str:
     return f"model.{method_config(method).optimizer_key}.lr"
 
 
-def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: int = 100,
-                     net_overrides: list[str] = (), batch_size: int = 64, backbone: str = "structure_net",
-                     protocol: str = "fair", lr: float | None = None) -> list[str]:
+def method_overrides(
+    method: str,
+    epochs: int,
+    steps_per_epoch: int,
+    n_samples: int = 100,
+    net_overrides: list[str] = (),
+    batch_size: int = 64,
+    backbone: str = "structure_net",
+    protocol: str = "fair",
+    lr: float | None = None,
+) -> list[str]:
     """One method's model on `backbone` (at the CPU size of `BACKBONES`; the cell network for
     the methods that need cells) under `protocol` (`PROTOCOLS`; `lr`: its base learning rate,
     None = its config's) and the schedules compressed into `epochs` of `steps_per_epoch`
@@ -308,9 +349,14 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
     model = "model.member" if entry.member else "model"  # a deep ensemble's: its members'
     net = "structure_net" if entry.networks == "cells" else backbone
     choice = "model/net@model.member.net" if entry.member else "model/net"  # the members' network
-    overrides = [f"model={method}", f"{choice}={net}", f"trainer.max_epochs={epochs}",
-                 "trainer.log_every_n_steps=10", *[f"{model}.net.{o}" for o in BACKBONES.get(net, ())],
-                 *[f"{model}.net.{o}" for o in net_overrides]]
+    overrides = [
+        f"model={method}",
+        f"{choice}={net}",
+        f"trainer.max_epochs={epochs}",
+        "trainer.log_every_n_steps=10",
+        *[f"{model}.net.{o}" for o in BACKBONES.get(net, ())],
+        *[f"{model}.net.{o}" for o in net_overrides],
+    ]
     if entry.member:  # an ensemble of networks trained side by side: three of them
         overrides.append("model.size=3")
     optim = f"model.{entry.optimizer_key}"
@@ -329,9 +375,11 @@ def method_overrides(method: str, epochs: int, steps_per_epoch: int, n_samples: 
         overrides.append(f"model.prediction.n_samples={n_samples}")
     total = epochs * steps_per_epoch
     if entry.samples_structure:  # compress the 100-epoch schedules into this run
-        overrides += [f"model.tau.decay={math.log(3.0) / (total * batch_size / REFERENCE_BATCH):.3e}",
-                      f"model.beta.decay_per_epoch={0.5 / (0.8 * epochs):.4f}",
-                      "model.structure_optim.lr=3e-3"]
+        overrides += [
+            f"model.tau.decay={math.log(3.0) / (total * batch_size / REFERENCE_BATCH):.3e}",
+            f"model.beta.decay_per_epoch={0.5 / (0.8 * epochs):.4f}",
+            "model.structure_optim.lr=3e-3",
+        ]
         if "train_samples" in entry.config:  # VOGN-FBN has none: one structure per weight sample
             overrides.append("model.train_samples=1")
     if "kl_warmup_steps" in entry.optimizer:  # VOGN's KL warm-up: the first tenth of the run
@@ -358,13 +406,16 @@ def choose(curve: dict[float, float]) -> float:
     """The grid value with the lowest validation NLL (the smaller one on a tie)."""
     finite = {lr: nll for lr, nll in curve.items() if math.isfinite(nll)}
     if not finite:
-        raise ConfigError(f"every learning rate of the grid {sorted(curve)} diverged or never validated: "
-                          "try a grid of smaller values (--lr-grid)")
+        raise ConfigError(
+            f"every learning rate of the grid {sorted(curve)} diverged or never validated: "
+            "try a grid of smaller values (--lr-grid)"
+        )
     return min(sorted(finite), key=lambda lr: finite[lr])
 
 
-def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, epochs: int,
-         resume: bool = False) -> dict:
+def tune(
+    method: str, grid, overrides_at, shared: list[str], output_dir: Path, epochs: int, resume: bool = False
+) -> dict:
     """`method` trained once per learning rate of `grid` (`overrides_at(lr)`: its model's overrides),
     on the training split without its validation part, each run validated once, at its end, and
     never tested; the chosen rate is the one of the lowest validation NLL (`choose`). Returns the
@@ -379,10 +430,18 @@ def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, e
         run_dir = Path(output_dir) / "tune" / method / f"lr_{lr:g}"
         Console().print(f"[bold]Tuning {method}: lr = {lr:g}[/bold]")
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides_at(lr), *shared, "test=false",
-                                              f"trainer.check_val_every_n_epoch={epochs}",
-                                              f"paths.output_dir={run_dir}", "task_name=compare_tune",
-                                              *(["resume=true"] if resume else [])])
+            cfg = compose(
+                "train",
+                overrides=[
+                    *overrides_at(lr),
+                    *shared,
+                    "test=false",
+                    f"trainer.check_val_every_n_epoch={epochs}",
+                    f"paths.output_dir={run_dir}",
+                    "task_name=compare_tune",
+                    *(["resume=true"] if resume else []),
+                ],
+            )
         try:
             if not (resume and finished_tuning_run(run_dir)):
                 train(cfg, run_dir, where="--out")
@@ -390,8 +449,13 @@ def tune(method: str, grid, overrides_at, shared: list[str], output_dir: Path, e
         except NonFiniteLossError:
             curve[lr] = math.inf
     chosen = choose(curve)
-    return {"grid": [float(lr) for lr in grid], "validation_nll": {f"{lr:g}": curve[lr] for lr in grid},
-            "chosen": chosen, "key": None, "selected_by": "the validation NLL after the last epoch, the test set unseen"}
+    return {
+        "grid": [float(lr) for lr in grid],
+        "validation_nll": {f"{lr:g}": curve[lr] for lr in grid},
+        "chosen": chosen,
+        "key": None,
+        "selected_by": "the validation NLL after the last epoch, the test set unseen",
+    }
 
 
 def reused_tuning(directory: Path, methods, protocol: str) -> dict[str, dict]:
@@ -401,17 +465,35 @@ def reused_tuning(directory: Path, methods, protocol: str) -> dict[str, dict]:
         raise ConfigError("--tuned-from reuses the fair protocol's learning-rate search: drop --protocol shared")
     missing = [m for m in methods if not (directory / m / TUNING_FILE).is_file()]
     if missing:
-        raise ConfigError(f"--tuned-from {directory}: no {TUNING_FILE} for {', '.join(missing)} (run that comparison "
-                          "with --tune and these methods first, or leave these methods out)")
-    return {m: {**json.loads((directory / m / TUNING_FILE).read_text()), "reused_from": str(directory)} for m in methods}
+        raise ConfigError(
+            f"--tuned-from {directory}: no {TUNING_FILE} for {', '.join(missing)} (run that comparison "
+            "with --tune and these methods first, or leave these methods out)"
+        )
+    return {
+        m: {**json.loads((directory / m / TUNING_FILE).read_text()), "reused_from": str(directory)} for m in methods
+    }
 
 
-def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outputs/compare"),
-                   extra: list[str] | None = None, n_samples: int = 100,
-                   net_overrides: list[str] = (), batch_size: int = 64, data: str = "digits",
-                   subset: int | float | None = None, backbone: str = "structure_net", evaluations=(), posthoc=(),
-                   ood=None, evaluate_extra: list[str] = (), protocol: str = "fair", lr_grid=None,
-                   tuned_from: Path | None = None, resume: bool = False) -> dict[str, dict[str, float]]:
+def run_comparison(
+    methods=None,
+    epochs: int = 10,
+    output_dir: Path = Path("outputs/compare"),
+    extra: list[str] | None = None,
+    n_samples: int = 100,
+    net_overrides: list[str] = (),
+    batch_size: int = 64,
+    data: str = "digits",
+    subset: int | float | None = None,
+    backbone: str = "structure_net",
+    evaluations=(),
+    posthoc=(),
+    ood=None,
+    evaluate_extra: list[str] = (),
+    protocol: str = "fair",
+    lr_grid=None,
+    tuned_from: Path | None = None,
+    resume: bool = False,
+) -> dict[str, dict[str, float]]:
     """Train and test each method on `data` (its training `subset`, if any) into
     ``output_dir/<method>`` under `protocol`, each with the learning rate of `lr_grid` that its
     validation NLL chooses (`tune`; None: its config's, or with `tuned_from` the rate an earlier
@@ -424,9 +506,13 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if lr_grid is not None and protocol != "fair":
-        raise ConfigError("--tune chooses each method's own learning rate: it belongs to the fair protocol (--protocol fair)")
+        raise ConfigError(
+            "--tune chooses each method's own learning rate: it belongs to the fair protocol (--protocol fair)"
+        )
     if lr_grid is not None and tuned_from is not None:
-        raise ConfigError("--tune searches the learning rates and --tuned-from reuses an earlier search's: give one of them")
+        raise ConfigError(
+            "--tune searches the learning rates and --tuned-from reuses an earlier search's: give one of them"
+        )
     reused = {} if tuned_from is None else reused_tuning(Path(tuned_from), methods, protocol)
     check_output(Path(output_dir), methods, compared_methods(), resume)  # before anything trains
     from hydra import compose, initialize_config_dir
@@ -439,21 +525,28 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
     val_size = next((o.split("=", 1)[1] for o in reversed(extra) if override_key(o) == "data.val_size"), None)
     if posthoc and val_size is None:
         extra.append(f"data.val_size={POSTHOC_VAL_SIZE}")
-        Console().print(f"--posthoc: every method trains with data.val_size={POSTHOC_VAL_SIZE}, the validation split the "
-                        "calibrators are fitted on (never the test set; the conformal sets calibrate on it too)",
-                        soft_wrap=True)
+        Console().print(
+            f"--posthoc: every method trains with data.val_size={POSTHOC_VAL_SIZE}, the validation split the "
+            "calibrators are fitted on (never the test set; the conformal sets calibrate on it too)",
+            soft_wrap=True,
+        )
     elif posthoc and val_size in ("0", "0.0", "null"):
-        raise ConfigError(f"--posthoc {','.join(posthoc)} is fitted on a validation split, and data.val_size={val_size} "
-                          f"leaves none: drop it (--posthoc adds data.val_size={POSTHOC_VAL_SIZE}) or set a size")
+        raise ConfigError(
+            f"--posthoc {','.join(posthoc)} is fitted on a validation split, and data.val_size={val_size} "
+            f"leaves none: drop it (--posthoc adds data.val_size={POSTHOC_VAL_SIZE}) or set a size"
+        )
     tuning_split = lr_grid is not None or tuned_from is not None  # every run trains without the search's split
     if tuning_split and val_size is None and not posthoc:
         extra.append(f"data.val_size={TUNE_VAL_SIZE}")
     elif tuning_split and val_size in ("0", "0.0", "null"):
-        raise ConfigError(f"--tune selects on a validation split, and data.val_size={val_size} leaves none: drop it "
-                          f"(--tune adds data.val_size={TUNE_VAL_SIZE}) or set a size")
+        raise ConfigError(
+            f"--tune selects on a validation split, and data.val_size={val_size} leaves none: drop it "
+            f"(--tune adds data.val_size={TUNE_VAL_SIZE}) or set a size"
+        )
     shared = [*shared_overrides(data, batch_size, subset), *extra]
-    passes = evaluation_passes(evaluations, posthoc, ood_sets(evaluations, ood, data), data, output_dir, shared,
-                               evaluate_extra)
+    passes = evaluation_passes(
+        evaluations, posthoc, ood_sets(evaluations, ood, data), data, output_dir, shared, evaluate_extra
+    )
     check_passes(passes, Path(output_dir) / methods[0])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         data_cfg = compose("train", overrides=[f"model={methods[0]}", *shared]).data
@@ -463,21 +556,40 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
         run_dir = Path(output_dir) / method
 
         def overrides_at(lr, method=method):
-            return method_overrides(method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone,
-                                    protocol, lr)
+            return method_overrides(
+                method, epochs, steps_per_epoch, n_samples, net_overrides, batch_size, backbone, protocol, lr
+            )
+
         tuning, member = reused.get(method), method_config(method).member
         if lr_grid is not None and member is not None and member.name in results:
             # a deep ensemble's members are networks of a method trained alone (map_fixed): their search is its
-            tuning = {**json.loads((Path(output_dir) / member.name / TUNING_FILE).read_text()),
-                      "key": lr_key(method), "shared_with": member.name}
+            tuning = {
+                **json.loads((Path(output_dir) / member.name / TUNING_FILE).read_text()),
+                "key": lr_key(method),
+                "shared_with": member.name,
+            }
         elif lr_grid is not None:
-            tuning = {**tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs, resume), "key": lr_key(method)}
-            Console().print(f"{method}: lr = {tuning['chosen']:g} (validation NLL "
-                            + ", ".join(f"{k}: {v:.4f}" for k, v in tuning["validation_nll"].items()) + ")", soft_wrap=True)
+            tuning = {
+                **tune(method, lr_grid, overrides_at, shared, Path(output_dir), epochs, resume),
+                "key": lr_key(method),
+            }
+            Console().print(
+                f"{method}: lr = {tuning['chosen']:g} (validation NLL "
+                + ", ".join(f"{k}: {v:.4f}" for k, v in tuning["validation_nll"].items())
+                + ")",
+                soft_wrap=True,
+            )
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[*overrides_at(None if tuning is None else tuning["chosen"]),
-                                              *shared, f"paths.output_dir={run_dir}", "task_name=compare",
-                                              *(["resume=true"] if resume else [])])
+            cfg = compose(
+                "train",
+                overrides=[
+                    *overrides_at(None if tuning is None else tuning["chosen"]),
+                    *shared,
+                    f"paths.output_dir={run_dir}",
+                    "task_name=compare",
+                    *(["resume=true"] if resume else []),
+                ],
+            )
         done = finished_run(run_dir, validated(cfg)) if resume else None
         if done is not None:
             Console().print(f"{method}: kept, its run in {run_dir} finished with these settings")
@@ -485,8 +597,12 @@ def run_comparison(methods=None, epochs: int = 10, output_dir: Path = Path("outp
         if tuning is not None:
             (run_dir / TUNING_FILE).write_text(json.dumps(tuning, indent=2) + "\n")
         record = json.loads((run_dir / "metrics.json").read_text())
-        results[method] = {**metrics, "train_seconds": record["train_seconds"], "intervals": record.get("intervals", {}),
-                           "cost": record.get("cost", {})}
+        results[method] = {
+            **metrics,
+            "train_seconds": record["train_seconds"],
+            "intervals": record.get("intervals", {}),
+            "cost": record.get("cost", {}),
+        }
         evaluate_run(run_dir, method, passes)
     write_table(results, Path(output_dir), epochs, batch_size, data, num_train if data_cfg.train_subset else None)
     reference = reference_name(methods, backbone)
@@ -517,14 +633,27 @@ def print_paired(report, reference: str) -> None:
 
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    table = Table("method", "metric", "difference", "95 % interval", "", title=f"Paired differences: method − {reference} "
-                  "(same test examples; * the interval excludes 0, † also after Holm's correction)")
+    table = Table(
+        "method",
+        "metric",
+        "difference",
+        "95 % interval",
+        "",
+        title=f"Paired differences: method − {reference} "
+        "(same test examples; * the interval excludes 0, † also after Holm's correction)",
+    )
     for row in rows:
         mark = ("*" if row["excludes_zero"] == "True" else "") + ("†" if row["holm_rejected"] == "True" else "")
-        low, high, misses = shown_interval(None, float(row["difference"]), float(row["low"]), float(row["high"]),
-                                           difference=True)
-        table.add_row(row["method"], row["metric"], f"{float(row['difference']):+.4f}",
-                      f"[{low:+.4f}, {high:+.4f}]" + (f" {OUTSIDE_NOTE}" if misses else ""), mark)
+        low, high, misses = shown_interval(
+            None, float(row["difference"]), float(row["low"]), float(row["high"]), difference=True
+        )
+        table.add_row(
+            row["method"],
+            row["metric"],
+            f"{float(row['difference']):+.4f}",
+            f"[{low:+.4f}, {high:+.4f}]" + (f" {OUTSIDE_NOTE}" if misses else ""),
+            mark,
+        )
     Console().print(table)
     for line in report.summary:
         Console().print(line)
@@ -540,36 +669,61 @@ def _with_interval(key: str, scale: float, digits: int):
         low, high, misses = shown_interval(key, scale * value, scale * interval[0], scale * interval[1], scale=scale)
         text += f" [{low:.{digits}f}, {high:.{digits}f}]"
         return f"{text} {OUTSIDE_NOTE}" if misses else text
+
     return show
 
 
 #: (column, metric key, format of (value, its 95 % interval or None))
-COLUMNS = (("error %", "test/error", _with_interval("test/error", 100, 2)),
-           ("NLL", "test/nll", _with_interval("test/nll", 1, 4)),
-           ("Brier", "test/brier", _with_interval("test/brier", 1, 4)),
-           ("CE²", "test/ce2", _with_interval("test/ce2", 1, 5)),
-           ("ECE (plug-in, biased)", "test/ece", lambda v, _: "–" if v is None else f"{v:.4f}"),
-           ("calibrated NLL", "test/calibrated/nll", _with_interval("test/calibrated/nll", 1, 4)),
-           ("train min", "train_seconds", lambda v, _: "–" if v is None else f"{v / 60:.1f}"))
+COLUMNS = (
+    ("error %", "test/error", _with_interval("test/error", 100, 2)),
+    ("NLL", "test/nll", _with_interval("test/nll", 1, 4)),
+    ("Brier", "test/brier", _with_interval("test/brier", 1, 4)),
+    ("CE²", "test/ce2", _with_interval("test/ce2", 1, 5)),
+    ("ECE (plug-in, biased)", "test/ece", lambda v, _: "–" if v is None else f"{v:.4f}"),
+    ("calibrated NLL", "test/calibrated/nll", _with_interval("test/calibrated/nll", 1, 4)),
+    ("train min", "train_seconds", lambda v, _: "–" if v is None else f"{v / 60:.1f}"),
+)
 
 
-def write_table(results: dict[str, dict[str, float]], output_dir: Path, epochs: int, batch_size: int = 64,
-                data: str = "digits", train_subset: int | None = None) -> str:
+def write_table(
+    results: dict[str, dict[str, float]],
+    output_dir: Path,
+    epochs: int,
+    batch_size: int = 64,
+    data: str = "digits",
+    train_subset: int | None = None,
+) -> str:
     """Print the results as a table titled with the run's settings; write it to comparison.md
     and, with those settings (`train_subset`: the subset's images, None = the whole training
     split), to comparison.json."""
-    rows = [[method, *(fmt(m.get(key), (m.get("intervals") or {}).get(key)) for _, key, fmt in COLUMNS)]
-            for method, m in results.items()]
+    rows = [
+        [method, *(fmt(m.get(key), (m.get("intervals") or {}).get(key)) for _, key, fmt in COLUMNS)]
+        for method, m in results.items()
+    ]
     header = ["method", *(name for name, _, _ in COLUMNS)]
     markdown = "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]) + "\n"
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "comparison.md").write_text(markdown)
-    (output_dir / "comparison.json").write_text(json.dumps(
-        {"date": date.today().isoformat(), "data": data, "train_subset": train_subset, "epochs": epochs,
-         "batch_size": batch_size, "results": results}, indent=2) + "\n")
+    (output_dir / "comparison.json").write_text(
+        json.dumps(
+            {
+                "date": date.today().isoformat(),
+                "data": data,
+                "train_subset": train_subset,
+                "epochs": epochs,
+                "batch_size": batch_size,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     subset = f", a {train_subset}-image training subset" if train_subset else ""
-    table = Table(*header, title=f"{data}{subset}, {epochs} epochs, batch {batch_size}: value [95 % bootstrap interval "
-                                "over the test examples]")
+    table = Table(
+        *header,
+        title=f"{data}{subset}, {epochs} epochs, batch {batch_size}: value [95 % bootstrap interval "
+        "over the test examples]",
+    )
     for row in rows:
         table.add_row(*row)
     Console().print(table)
@@ -592,49 +746,106 @@ def names(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="digits", help="a classification dataset of conf/data/")
-    parser.add_argument("--subset", type=count_or_fraction, default=None,
-                        help="train on a class-stratified subset: a count of images or a fraction (data.train_subset)")
+    parser.add_argument(
+        "--subset",
+        type=count_or_fraction,
+        default=None,
+        help="train on a class-stratified subset: a count of images or a fraction (data.train_subset)",
+    )
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--methods", default=",".join(compared_methods()),
-                        help="the methods of conf/model/ to train, comma-separated (default: every one)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(compared_methods()),
+        help="the methods of conf/model/ to train, comma-separated (default: every one)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=100,
-                        help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
-                             "of the whole test set: fewer on a large test set on CPU)")
-    parser.add_argument("--backbone", choices=backbone_choices(), default="structure_net",
-                        help="the network of the methods that do not need DBSN's cells, at CPU size: the small cell "
-                             "network (default), ResNet-18 of width 16, WideResNet-16-2, or a backbone of an "
-                             "extension (model/net/<name>.yaml, at its config's size)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=100,
+        help="S, members of the stochastic methods' test ensembles (the test pass costs S forwards "
+        "of the whole test set: fewer on a large test set on CPU)",
+    )
+    parser.add_argument(
+        "--backbone",
+        choices=backbone_choices(),
+        default="structure_net",
+        help="the network of the methods that do not need DBSN's cells, at CPU size: the small cell "
+        "network (default), ResNet-18 of width 16, WideResNet-16-2, or a backbone of an "
+        "extension (model/net/<name>.yaml, at its config's size)",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/compare"))
-    parser.add_argument("--evaluations", type=names, default=[],
-                        help="after each method's training, these evaluations of conf/evaluations/ (comma-separated: "
-                             "ood,shift,conformal,adversarial) into <method>/evaluation")
-    parser.add_argument("--ood", type=names, default=None,
-                        help="the OOD evaluation's sets of conf/ood/ (default on digits: photos,noise)")
-    parser.add_argument("--ood-scores", type=names, default=[],
-                        help="post-hoc OOD scores of conf/ood_score/ (dbsn's or an extension's) for --evaluations ood, "
-                             "instead of its default list, e.g. energy,knn")
-    parser.add_argument("--posthoc", type=names, default=[],
-                        help="then each of these post-hoc posteriors of conf/posthoc/ (comma-separated: temperature,"
-                             "histogram_binning,isotonic,dirichlet,...) into <method>/posthoc/<name>/")
-    parser.add_argument("--evaluate-overrides", action="append", type=shlex.split, default=[], metavar='"KEY=VALUE ..."',
-                        help="evaluate.py overrides of the evaluations (evaluations.*, ood.*) and post-hoc passes "
-                             "(posthoc.*), or of both (the rest); repeatable")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="fair",
-                        help="fair (default): each method keeps its authors' relative settings, the schedule's shape is "
-                             "shared; shared: every method with the paper's one SGD recipe (the earlier comparisons')")
-    parser.add_argument("--tune", action="store_true",
-                        help="choose each method's base learning rate from --lr-grid by its validation NLL (a validation "
-                             f"split of {TUNE_VAL_SIZE:g} held out of training; the test set unseen) before its run")
-    parser.add_argument("--lr-grid", type=lambda text: [float(v) for v in names(text)], default=list(LR_GRID),
-                        help="the learning rates --tune tries, the same for every method (default: "
-                             + ",".join(f"{v:g}" for v in LR_GRID) + ")")
-    parser.add_argument("--tuned-from", type=Path, default=None, metavar="DIR",
-                        help="train with the learning rates an earlier --tune comparison in DIR chose (its "
-                             "<method>/tuning.json): one search for every seed (e.g. with seed=1)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the comparison in --out: finished methods are kept, unfinished ones continue from "
-                             "their last checkpoints (without it, --out must be new or empty)")
+    parser.add_argument(
+        "--evaluations",
+        type=names,
+        default=[],
+        help="after each method's training, these evaluations of conf/evaluations/ (comma-separated: "
+        "ood,shift,conformal,adversarial) into <method>/evaluation",
+    )
+    parser.add_argument(
+        "--ood",
+        type=names,
+        default=None,
+        help="the OOD evaluation's sets of conf/ood/ (default on digits: photos,noise)",
+    )
+    parser.add_argument(
+        "--ood-scores",
+        type=names,
+        default=[],
+        help="post-hoc OOD scores of conf/ood_score/ (dbsn's or an extension's) for --evaluations ood, "
+        "instead of its default list, e.g. energy,knn",
+    )
+    parser.add_argument(
+        "--posthoc",
+        type=names,
+        default=[],
+        help="then each of these post-hoc posteriors of conf/posthoc/ (comma-separated: temperature,"
+        "histogram_binning,isotonic,dirichlet,...) into <method>/posthoc/<name>/",
+    )
+    parser.add_argument(
+        "--evaluate-overrides",
+        action="append",
+        type=shlex.split,
+        default=[],
+        metavar='"KEY=VALUE ..."',
+        help="evaluate.py overrides of the evaluations (evaluations.*, ood.*) and post-hoc passes "
+        "(posthoc.*), or of both (the rest); repeatable",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="fair",
+        help="fair (default): each method keeps its authors' relative settings, the schedule's shape is "
+        "shared; shared: every method with the paper's one SGD recipe (the earlier comparisons')",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="choose each method's base learning rate from --lr-grid by its validation NLL (a validation "
+        f"split of {TUNE_VAL_SIZE:g} held out of training; the test set unseen) before its run",
+    )
+    parser.add_argument(
+        "--lr-grid",
+        type=lambda text: [float(v) for v in names(text)],
+        default=list(LR_GRID),
+        help="the learning rates --tune tries, the same for every method (default: "
+        + ",".join(f"{v:g}" for v in LR_GRID)
+        + ")",
+    )
+    parser.add_argument(
+        "--tuned-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="train with the learning rates an earlier --tune comparison in DIR chose (its "
+        "<method>/tuning.json): one search for every seed (e.g. with seed=1)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the comparison in --out: finished methods are kept, unfinished ones continue from "
+        "their last checkpoints (without it, --out must be new or empty)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every method")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods.split(",")) - set(compared_methods()))
@@ -644,8 +855,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
     if any(o.startswith("data=") for o in args.overrides):
         parser.error("choose the dataset with --data, not a data=... override")
-    for option, group in (("evaluations", "evaluations"), ("ood", "ood"), ("ood_scores", "ood_score"),
-                          ("posthoc", "posthoc")):
+    for option, group in (
+        ("evaluations", "evaluations"),
+        ("ood", "ood"),
+        ("ood_scores", "ood_score"),
+        ("posthoc", "posthoc"),
+    ):
         unknown = sorted(set(getattr(args, option) or ()) - set(conf_choices(group)))
         if unknown:
             parser.error(f"unknown --{option} {unknown}; choose from {', '.join(conf_choices(group))}")
@@ -657,12 +872,25 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
     if args.ood_scores:
         args.evaluate_overrides.append([f"ood_score=[{','.join(args.ood_scores)}]"])
-    return run_comparison(args.methods.split(","), args.epochs, args.out, args.overrides, batch_size=args.batch_size,
-                          data=args.data, subset=args.subset, n_samples=args.samples, backbone=args.backbone,
-                          evaluations=args.evaluations, posthoc=args.posthoc, ood=args.ood,
-                          evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk], protocol=args.protocol,
-                          lr_grid=args.lr_grid if args.tune else None, tuned_from=args.tuned_from,
-                          resume=args.resume)
+    return run_comparison(
+        args.methods.split(","),
+        args.epochs,
+        args.out,
+        args.overrides,
+        batch_size=args.batch_size,
+        data=args.data,
+        subset=args.subset,
+        n_samples=args.samples,
+        backbone=args.backbone,
+        evaluations=args.evaluations,
+        posthoc=args.posthoc,
+        ood=args.ood,
+        evaluate_extra=[o for chunk in args.evaluate_overrides for o in chunk],
+        protocol=args.protocol,
+        lr_grid=args.lr_grid if args.tune else None,
+        tuned_from=args.tuned_from,
+        resume=args.resume,
+    )
 
 
 def cli() -> None:

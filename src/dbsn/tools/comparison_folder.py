@@ -12,8 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dbsn.evaluation.runs import (CONFIG_FILE, METRICS_FILE, OUTSIDE_THE_RUN, flatten_config, load_run_config,
-                                 read_run_record, under)
+from dbsn.evaluation.runs import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    OUTSIDE_THE_RUN,
+    flatten_config,
+    load_run_config,
+    read_run_record,
+    under,
+)
 from dbsn.runtime.config import ConfigError
 
 __all__ = ["COMPARISON_FILES", "check_output", "finished_run", "finished_tuning_run", "validated"]
@@ -36,13 +43,16 @@ def check_output(output_dir: Path, methods, known_methods, resume: bool) -> None
     foreign = [e for e in entries if e not in COMPARISON_FILES and e not in set(known_methods)]
     if foreign:
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ConfigError(f"--out {output_dir} holds files that are not a comparison's ({shown}): choose a new or "
-                          "empty --out.")
+        raise ConfigError(
+            f"--out {output_dir} holds files that are not a comparison's ({shown}): choose a new or empty --out."
+        )
     found = [e for e in entries if e not in COMPARISON_FILES]
     if not resume:
-        raise ConfigError(f"--out {output_dir} holds a comparison already ({', '.join(found) or 'its tables'}): "
-                          "continue it with --resume (finished methods are kept, unfinished ones continue from their "
-                          "checkpoints), or choose a new --out.")
+        raise ConfigError(
+            f"--out {output_dir} holds a comparison already ({', '.join(found) or 'its tables'}): "
+            "continue it with --resume (finished methods are kept, unfinished ones continue from their "
+            "checkpoints), or choose a new --out."
+        )
     for method in found:
         check_run_folder(output_dir / method, resume=True, where=f"--out {output_dir}: the method folder")
 
@@ -57,13 +67,18 @@ def finished_run(run_dir: Path, config: dict) -> dict | None:
     if record is None or record.get("status") != "finished" or not (Path(run_dir) / METRICS_FILE).is_file():
         return None
     saved, ours = flatten_config(load_run_config(run_dir)), flatten_config(json.loads(json.dumps(config)))
-    keys = sorted(k for k in saved.keys() | ours.keys()
-                  if not any(under(k, p) for p in OUTSIDE_THE_RUN) and saved.get(k, "<absent>") != ours.get(k, "<absent>"))
+    keys = sorted(
+        k
+        for k in saved.keys() | ours.keys()
+        if not any(under(k, p) for p in OUTSIDE_THE_RUN) and saved.get(k, "<absent>") != ours.get(k, "<absent>")
+    )
     if keys:
         key = keys[0]
-        raise ConfigError(f"{run_dir} holds a finished run with other settings ({key}: {saved.get(key, '<absent>')} "
-                          f"there, {ours.get(key, '<absent>')} here{f', and {len(keys) - 1} more' if len(keys) > 1 else ''}"
-                          "): choose a new --out for this comparison.")
+        raise ConfigError(
+            f"{run_dir} holds a finished run with other settings ({key}: {saved.get(key, '<absent>')} "
+            f"there, {ours.get(key, '<absent>')} here{f', and {len(keys) - 1} more' if len(keys) > 1 else ''}"
+            "): choose a new --out for this comparison."
+        )
     return json.loads((Path(run_dir) / METRICS_FILE).read_text())
 
 

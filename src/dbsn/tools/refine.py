@@ -65,7 +65,9 @@ def build_member_config(dbsn_run: dict, structure: torch.Tensor, seed: int, outp
     others = [o for o in overrides if not o.startswith("data.")]
     cfg = _compose(["model=map_fixed", f"seed={seed}", "task_name=refine", *others], output_dir)
     with open_dict(cfg):
-        cfg.data = OmegaConf.merge(dbsn_run["data"], OmegaConf.from_dotlist([o[len("data."):] for o in data_overrides]))
+        cfg.data = OmegaConf.merge(
+            dbsn_run["data"], OmegaConf.from_dotlist([o[len("data.") :] for o in data_overrides])
+        )
         cfg.model.net = dbsn_run["model"]["net"]
         cfg.model.optim = dbsn_run["model"]["optim"]
         cfg.model.fixed_structure = structure.tolist()
@@ -74,8 +76,9 @@ def build_member_config(dbsn_run: dict, structure: torch.Tensor, seed: int, outp
     return cfg
 
 
-def refine(dbsn_ckpt, members: int = 10, seed: int = 0, output_dir: Path | None = None,
-           overrides: list[str] | None = None) -> dict:
+def refine(
+    dbsn_ckpt, members: int = 10, seed: int = 0, output_dir: Path | None = None, overrides: list[str] | None = None
+) -> dict:
     """Train both ensembles and return {"refined": metrics, "control": metrics, ...}."""
     from dbsn.runtime.run import evaluate, train
 
@@ -83,9 +86,17 @@ def refine(dbsn_ckpt, members: int = 10, seed: int = 0, output_dir: Path | None 
     output_dir = Path(output_dir or Path("outputs/refine") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     structures, dbsn_run = structures_from_checkpoint(dbsn_ckpt, members, seed)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "structures.json").write_text(json.dumps(
-        {"dbsn_checkpoint": str(dbsn_ckpt), "seed": seed, "ops": dbsn_run["model"]["net"]["ops"],
-         "structures": structures.argmax(-1).tolist()}, indent=2))
+    (output_dir / "structures.json").write_text(
+        json.dumps(
+            {
+                "dbsn_checkpoint": str(dbsn_ckpt),
+                "seed": seed,
+                "ops": dbsn_run["model"]["net"]["ops"],
+                "structures": structures.argmax(-1).tolist(),
+            },
+            indent=2,
+        )
+    )
 
     results = {}
     for name, chosen in (("refined", structures), ("control", structures[:1].expand(members, -1, -1))):

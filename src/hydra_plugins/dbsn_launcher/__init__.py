@@ -11,7 +11,8 @@ work is in `dbsn.runtime`, imported lazily (Hydra imports every plugin module at
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
@@ -54,9 +55,14 @@ class DBSNSlurmLauncher(SlurmLauncher):
             print(f"Error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict) -> Any:
-        from dbsn.runtime.cluster import install_preemption_handler, job_overrides_with_resume, limit_threads_to_allocation
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict
+    ) -> Any:
+        from dbsn.runtime.cluster import (
+            install_preemption_handler,
+            job_overrides_with_resume,
+            limit_threads_to_allocation,
+        )
 
         limit_threads_to_allocation()
         delay = float(self.params.get("signal_delay_s") or 0)

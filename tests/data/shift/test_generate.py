@@ -120,7 +120,7 @@ def test_motion_blur_stores_the_blurred_values_truncated_not_rounded():
     above 0.5 the stored value is still its floor (rounding, as ImageMagick does not, adds 1)."""
     image = np.zeros((1, 32, 32, 3), np.uint8)
     image[0, 16, 16] = 200
-    weights = np.exp(-np.arange(13) ** 2 / 8.0)
+    weights = np.exp(-(np.arange(13) ** 2) / 8.0)
     values = 200 * weights / weights.sum()
     above_half = (values % 1 > 0.5) & (values % 1 < 0.99)
     assert above_half.sum() >= 3, values  # the crafted case has values that rounding would move up
@@ -186,8 +186,11 @@ def test_motion_blur_matches_imagemagick():
     for images in (rgb, grey):
         for radius, sigma in kernels:
             angles = rng.uniform(-135, 45, len(images))
-            ours = generate._imagemagick_8bit(generate._motion_kernel_blur(
-                images.reshape(*images.shape[:3], -1).astype(np.float64), radius, sigma, angles)).reshape(images.shape)
+            ours = generate._imagemagick_8bit(
+                generate._motion_kernel_blur(
+                    images.reshape(*images.shape[:3], -1).astype(np.float64), radius, sigma, angles
+                )
+            ).reshape(images.shape)
             theirs = np.stack([imagemagick(image, radius, sigma, angle) for image, angle in zip(images, angles)])
             agreement = (ours == theirs).mean()
             assert agreement >= 0.99, (images.shape, radius, sigma, agreement)
@@ -197,6 +200,7 @@ def test_motion_blur_matches_imagemagick():
 def test_saturate_lowers_saturation_at_severities_1_2_and_raises_it_at_3_to_5(patches):
     """(a, b) = (0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2) on S: severities 1-2 grey the
     image, 3-5 saturate it, so the change dips at severity 3 (S x 1.5 moves less than S x 0.1)."""
+
     def saturation(images):
         return generate._rgb_to_hsv(images.transpose(0, 2, 3, 1) / 255.0)[..., 1].mean()
 
@@ -214,7 +218,9 @@ def test_elastic_transform_warps_more_locally_and_less_globally_with_severity(pa
     assert all(later < earlier for earlier, later in pairwise(change)), change
     hwc = np.ascontiguousarray(patches.transpose(0, 2, 3, 1))
     field_only = [
-        np.abs(generate._elastic_transform(hwc, (alpha, sigma, 0.0), np.random.default_rng(s)) - hwc.astype(float)).mean()
+        np.abs(
+            generate._elastic_transform(hwc, (alpha, sigma, 0.0), np.random.default_rng(s)) - hwc.astype(float)
+        ).mean()
         for s, (alpha, sigma, _) in enumerate(shift.PARAMETERS["elastic_transform"])
     ]
     assert field_only[0] == 0 and all(later > earlier for earlier, later in pairwise(field_only)), field_only

@@ -16,8 +16,11 @@ from tests.support.fakeruns import job_dir, write_yaml
 
 C10 = "dbsn.data.CIFAR10DataModule"
 RESNET18 = {"_target_": "dbsn.nets.ResNet18"}
-SHARED = {"recipe": "shared", "backbone": "resnet18",
-          "epochs": {"structure_net": 100, "resnet18": 200, "wrn28_10": 200}}
+SHARED = {
+    "recipe": "shared",
+    "backbone": "resnet18",
+    "epochs": {"structure_net": 100, "resnet18": 200, "wrn28_10": 200},
+}
 
 
 def _rows(path: Path) -> dict[tuple[str, str], dict[str, str]]:
@@ -46,11 +49,18 @@ def test_every_row_of_every_table_has_a_budget_row_with_its_steps(outputs, tmp_p
     # every (row, dataset) of the main table has its budget row (the fbn run, of an older version, records none)
     with (tmp_path / "report" / "table1_error.csv").open() as f:
         cells = {(r["method"], r["dataset"]) for r in csv.DictReader(f)}
-    assert cells == set(budgets) == {("dbsn", "cifar10"), ("dbsn", "cifar100"), ("map", "cifar10"), ("map", "cifar100"),
-                                     ("fbn", "cifar10")}
+    assert (
+        cells
+        == set(budgets)
+        == {("dbsn", "cifar10"), ("dbsn", "cifar100"), ("map", "cifar10"), ("map", "cifar100"), ("fbn", "cifar10")}
+    )
     dbsn = budgets["dbsn", "cifar10"]
     assert (dbsn["epochs"], dbsn["steps"], dbsn["images seen"], dbsn["training images"]) == (
-        "100", "78,100", "5.00 M", "50,000")
+        "100",
+        "78,100",
+        "5.00 M",
+        "50,000",
+    )
     assert dbsn["time"] == "10.0–30.0 min" and dbsn["recipe"] == dbsn["notes"] == "–"  # 600 s × seed 1..3
     assert budgets["map", "cifar100"]["steps"] == "78,000–78,100"  # a pooled row shows its runs' range
     assert budgets["map", "cifar10"]["time"] == "0.3–1.0 h"  # 1,200 and 3,600 s (seeds 1 and 3): in hours
@@ -66,42 +76,84 @@ def test_every_row_of_every_table_has_a_budget_row_with_its_steps(outputs, tmp_p
 
 def _run(root: Path, name: str, seed: int, model: dict, data: dict, budget: dict | None, record: dict) -> Path:
     folder = root / f"{name}_{seed}"
-    write_yaml(folder / "resolved_config.yaml", {"model": model, "data": {"_target_": C10, **data}, "seed": seed,
-                                                 **({"budget": budget} if budget else {})})
+    write_yaml(
+        folder / "resolved_config.yaml",
+        {"model": model, "data": {"_target_": C10, **data}, "seed": seed, **({"budget": budget} if budget else {})},
+    )
     metrics = {"test/error": 0.05 + 0.01 * seed, "test/nll": 0.2, "test/ece": 0.01}
     (folder / "metrics.json").write_text(json.dumps({"metrics": metrics, "seed": seed, "n_samples": 1, **record}))
     return folder
 
 
 def _trained(epochs: int, batches: int, batch: int, train_images: int = 50_000, seconds: float = 3000.0) -> dict:
-    return {"epochs": epochs, "train_seconds": seconds, "budget": {
-        "steps": epochs * batches, "images": epochs * batches * batch, "train_images": train_images,
-        "batch_size": batch}}
+    return {
+        "epochs": epochs,
+        "train_seconds": seconds,
+        "budget": {
+            "steps": epochs * batches,
+            "images": epochs * batches * batch,
+            "train_images": train_images,
+            "batch_size": batch,
+        },
+    }
 
 
 def test_field_rows_say_their_recipe_held_out_split_and_temperature(tmp_path):
     runs = tmp_path / "runs"
     deterministic = {"_target_": "dbsn.methods.MAP", "net": RESNET18, "learn_structure": False}
     for seed in (1, 2):
-        authors = _run(runs, "map_authors", seed, deterministic, {}, {"recipe": "authors", "backbone": "resnet18"},
-                       _trained(75, 390, 128))
+        authors = _run(
+            runs,
+            "map_authors",
+            seed,
+            deterministic,
+            {},
+            {"recipe": "authors", "backbone": "resnet18"},
+            _trained(75, 390, 128),
+        )
         _run(runs, "map_shared", seed, deterministic, {}, SHARED, _trained(200, 390, 128, seconds=8000.0))
-        _run(runs, "ddu", seed, {"_target_": "dbsn.methods.DDU", "net": RESNET18}, {"val_size": 5000}, SHARED,
-             _trained(200, 351, 128, train_images=45_000, seconds=7200.0))
-        _run(runs, "csghmc", seed, {"_target_": "dbsn.methods.CSGMCMC", "net": RESNET18}, {}, SHARED,
-             {**_trained(200, 781, 64, seconds=9000.0), "sampler_temperature": 1 / 50_000,
-              "sampler_noise_std_max": 2.97e-6})
+        _run(
+            runs,
+            "ddu",
+            seed,
+            {"_target_": "dbsn.methods.DDU", "net": RESNET18},
+            {"val_size": 5000},
+            SHARED,
+            _trained(200, 351, 128, train_images=45_000, seconds=7200.0),
+        )
+        _run(
+            runs,
+            "csghmc",
+            seed,
+            {"_target_": "dbsn.methods.CSGMCMC", "net": RESNET18},
+            {},
+            SHARED,
+            {
+                **_trained(200, 781, 64, seconds=9000.0),
+                "sampler_temperature": 1 / 50_000,
+                "sampler_noise_std_max": 2.97e-6,
+            },
+        )
         # a post-hoc posterior of the authors' run: its metrics.json is an evaluation's, without a budget
-        write_yaml(authors / "posthoc" / "laplace" / "resolved_config.yaml",
-                   {**yaml.safe_load((authors / "resolved_config.yaml").read_text()), "posthoc": "laplace"})
-        (authors / "posthoc" / "laplace" / "metrics.json").write_text(json.dumps(
-            {"metrics": {"test/error": 0.06, "test/nll": 0.19, "test/ece": 0.01}, "seed": seed, "n_samples": 1}))
+        write_yaml(
+            authors / "posthoc" / "laplace" / "resolved_config.yaml",
+            {**yaml.safe_load((authors / "resolved_config.yaml").read_text()), "posthoc": "laplace"},
+        )
+        (authors / "posthoc" / "laplace" / "metrics.json").write_text(
+            json.dumps(
+                {"metrics": {"test/error": 0.06, "test/nll": 0.19, "test/ece": 0.01}, "seed": seed, "n_samples": 1}
+            )
+        )
     build_report([runs], tmp_path / "report")
     budgets = _rows(tmp_path / "report" / "budget.md")
     authors = budgets["map_fixed@resnet18 (budget.recipe=authors, epochs=75)", "cifar10"]
     shared = budgets["map_fixed@resnet18 (budget.recipe=shared, epochs=200)", "cifar10"]  # the row's name says it too
     assert (authors["recipe"], authors["epochs"], authors["steps"], authors["images seen"]) == (
-        "authors", "75", "29,250", "3.74 M")
+        "authors",
+        "75",
+        "29,250",
+        "3.74 M",
+    )
     assert (shared["recipe"], shared["epochs"], shared["steps"], shared["time"]) == ("shared", "200", "78,000", "2.2 h")
     ddu = budgets["ddu@resnet18", "cifar10"]
     assert ddu["training images"] == "45,000" and ddu["steps"] == "70,200"
@@ -113,5 +165,6 @@ def test_field_rows_say_their_recipe_held_out_split_and_temperature(tmp_path):
     assert (posthoc["epochs"], posthoc["steps"]) == ("75", "29,250") and "post-hoc posterior" in posthoc["notes"]
     text = (tmp_path / "report" / "budget.md").read_text()
     assert "ran the authors' recipes of the field's sweeps (`budget=authors`" in text
-    assert ("3 row(s) the shared budget (`budget=shared`: every method on a backbone the same epochs: "
-            "resnet18 200") in text
+    assert (
+        "3 row(s) the shared budget (`budget=shared`: every method on a backbone the same epochs: resnet18 200"
+    ) in text

@@ -36,13 +36,21 @@ def test_a_paired_difference_is_antisymmetric_and_zero_against_oneself():
     statistics = Statistics(seed=1, resamples=300)
     a = {1: _predictions(1, 0.8), 2: _predictions(2, 0.8)}
     b = {1: _predictions(11, 0.75, 0.8), 2: _predictions(12, 0.75, 0.8)}
-    ab, ba, aa = paired_differences(a, b, statistics), paired_differences(b, a, statistics), paired_differences(a, a, statistics)
+    ab, ba, aa = (
+        paired_differences(a, b, statistics),
+        paired_differences(b, a, statistics),
+        paired_differences(a, a, statistics),
+    )
     assert set(ab) == {"error", "NLL", "Brier", "CE²"}  # no calibrated predictions given; no plug-in ECE
     for name in ab:
         for seed in (1, 2):
             value, low, high = ab[name]["seeds"][seed]
             other = ba[name]["seeds"][seed]
-            assert value == pytest.approx(-other[0]) and low == pytest.approx(-other[2]) and high == pytest.approx(-other[1])
+            assert (
+                value == pytest.approx(-other[0])
+                and low == pytest.approx(-other[2])
+                and high == pytest.approx(-other[1])
+            )
             assert aa[name]["seeds"][seed] == (0.0, 0.0, 0.0)
         assert ab[name]["combined"][0] == pytest.approx(-ba[name]["combined"][0])
         assert aa[name]["combined"] == (0.0, 0.0, 0.0) and aa[name]["p"] == 1.0
@@ -54,7 +62,9 @@ def test_a_crafted_better_method_has_a_negative_difference_whose_interval_exclud
     better = {"log_probs": worse["log_probs"].clone(), "targets": targets}
     fixed = torch.arange(N) % 5 == 0  # the better method also gets every fifth example right that the worse one missed
     wrong = worse["log_probs"].argmax(1) != targets
-    better["log_probs"][fixed & wrong] = worse["log_probs"][fixed & wrong].roll(-1, dims=1)  # moves the argmax to the target
+    better["log_probs"][fixed & wrong] = worse["log_probs"][fixed & wrong].roll(
+        -1, dims=1
+    )  # moves the argmax to the target
     assert bool((better["log_probs"].argmax(1) == targets)[fixed].all())
     gained = int((fixed & wrong).sum()) / N
     found = paired_differences({0: better}, {0: worse}, Statistics(resamples=500))
@@ -79,7 +89,9 @@ def _seed_rows(k: int, delta: float, seed_sd: float, test_sd: float, resamples: 
     shared = test_sd * torch.randn(1, resamples + 1, generator=generator, dtype=torch.float64)
     own = 0.3 * test_sd * torch.randn(k, resamples + 1, generator=generator, dtype=torch.float64)
     rows = delta + seed_effects + shared + own
-    rows[:, 1:] = rows[:, 1:] - rows[:, 1:].mean(1, keepdim=True) + rows[:, :1]  # resamples centred on each seed's value
+    rows[:, 1:] = (
+        rows[:, 1:] - rows[:, 1:].mean(1, keepdim=True) + rows[:, :1]
+    )  # resamples centred on each seed's value
     return rows
 
 
@@ -121,8 +133,11 @@ def test_calibrated_metrics_are_paired_only_between_runs_calibrated_alike():
     from dbsn.evaluation.report.comparisons import _same_calibration
 
     a = {**_predictions(1, 0.8), "calibrated_log_probs": torch.zeros(N, C), "calibrated_on": "validation"}
-    b = {**_predictions(2, 0.8), "calibrated_log_probs": torch.zeros(N, C),
-         "calibrated_on": "test, 2-fold cross-validation (Ashukha et al. 2020)"}
+    b = {
+        **_predictions(2, 0.8),
+        "calibrated_log_probs": torch.zeros(N, C),
+        "calibrated_on": "test, 2-fold cross-validation (Ashukha et al. 2020)",
+    }
     assert "calibrated_log_probs" not in _same_calibration(a, b)
     assert _same_calibration(a, {**b, "calibrated_on": "validation"}) is a
     found = paired_differences({1: _same_calibration(a, b)}, {1: b}, Statistics(resamples=50))
@@ -137,15 +152,23 @@ def test_an_interval_that_misses_its_estimate_says_why():
 
 
 def _run(folder: Path, method: str, seed: int, predictions: dict, cost: dict | None = None, ablation=None) -> Path:
-    write_run(folder, MODELS.get(method, {"_target_": "dbsn.methods.DeepEnsemble", "weights": None}),
-              "dbsn.data.CIFAR10DataModule", seed, 0.1)
+    write_run(
+        folder,
+        MODELS.get(method, {"_target_": "dbsn.methods.DeepEnsemble", "weights": None}),
+        "dbsn.data.CIFAR10DataModule",
+        seed,
+        0.1,
+    )
     record = json.loads((folder / "metrics.json").read_text())
     record["metrics"]["test/calibrated/nll"] = 0.5
     record["intervals"] = {"test/error": [0.05, 0.15]}
     record["cost"] = cost or {}
     (folder / "metrics.json").write_text(json.dumps(record))
-    np.savez(folder / "predictions.npz", log_probs=predictions["log_probs"].float().numpy(),
-             targets=predictions["targets"].numpy())
+    np.savez(
+        folder / "predictions.npz",
+        log_probs=predictions["log_probs"].float().numpy(),
+        targets=predictions["targets"].numpy(),
+    )
     if ablation is not None:
         (folder / "ablation").mkdir()
         (folder / "ablation" / "results.json").write_text(json.dumps(ablation))
@@ -153,15 +176,38 @@ def _run(folder: Path, method: str, seed: int, predictions: dict, cost: dict | N
 
 
 def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_equivalent(tmp_path):
-    cost = {"params": 1000, "train_flops_per_image": 3e6, "predict_flops_per_image": 1e6, "n_samples": 1,
-            "epoch_seconds": 2.0, "peak_memory_mib": 100.0, "peak_memory_of": "cpu_max_rss"}
+    cost = {
+        "params": 1000,
+        "train_flops_per_image": 3e6,
+        "predict_flops_per_image": 1e6,
+        "n_samples": 1,
+        "epoch_seconds": 2.0,
+        "peak_memory_mib": 100.0,
+        "peak_memory_of": "cpu_max_rss",
+    }
     for seed in (1, 2):
-        _run(tmp_path / "runs" / f"dbsn{seed}", "dbsn", seed, _predictions(seed, 0.8), {**cost, "predict_flops_per_image": 5e6})
+        _run(
+            tmp_path / "runs" / f"dbsn{seed}",
+            "dbsn",
+            seed,
+            _predictions(seed, 0.8),
+            {**cost, "predict_flops_per_image": 5e6},
+        )
         _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(10 + seed, 0.8), cost)
     ensemble = _predictions(30, 0.85)
-    curve = [{"n_samples": 1, "calibrated_nll": 0.9}, {"n_samples": 2, "calibrated_nll": 0.6},
-             {"n_samples": 3, "calibrated_nll": 0.3}]
-    _run(tmp_path / "runs" / "de1", "deep_ensemble", 1, ensemble, {**cost, "predict_flops_per_image": 3e6}, ablation=curve)
+    curve = [
+        {"n_samples": 1, "calibrated_nll": 0.9},
+        {"n_samples": 2, "calibrated_nll": 0.6},
+        {"n_samples": 3, "calibrated_nll": 0.3},
+    ]
+    _run(
+        tmp_path / "runs" / "de1",
+        "deep_ensemble",
+        1,
+        ensemble,
+        {**cost, "predict_flops_per_image": 3e6},
+        ablation=curve,
+    )
     out = tmp_path / "report"
     report = build_report([tmp_path / "runs"], out)
     text = (out / "report.md").read_text()
@@ -170,7 +216,9 @@ def test_the_report_pairs_methods_by_seed_and_draws_the_cost_and_the_ensemble_eq
         rows = list(csv.DictReader(f))
     assert {r["method"] for r in rows} == {"map", "deep_ensemble"} and {r["metric"] for r in rows} >= {"error", "NLL"}
     error = next(r for r in rows if (r["method"], r["metric"]) == ("map", "error"))
-    assert set(json.loads(error["per_seed"])) == {"1", "2"} and float(error["low"]) <= float(error["difference"]) <= float(error["high"])
+    assert set(json.loads(error["per_seed"])) == {"1", "2"} and float(error["low"]) <= float(
+        error["difference"]
+    ) <= float(error["high"])
     assert any(line.startswith("cifar10: indistinguishable from dbsn") for line in report.summary)
     assert "## Cost" in text and (out / "pareto_cifar10.png").stat().st_size > 1000
     assert "## Deep-ensemble equivalent" in text
@@ -189,16 +237,17 @@ def _ensemble_run(folder: Path, seed: int, sizes: list[int], statistics: Statist
     """A deep-ensemble run whose ablation saved each size's per-example calibrated NLL, as an evaluation
     writes it: predictions of its last size, a curve falling with its size."""
     from dbsn.evaluation.ablation import CALIBRATED_NLL_FILE
-    from dbsn.evaluation.report.comparisons import _calibrated_nll
     from dbsn.evaluation.report.collect import Run
+    from dbsn.evaluation.report.comparisons import _calibrated_nll
 
     predictions = _predictions(40 + seed, 0.85, 0.75)
     _run(folder, "deep_ensemble", seed, predictions)
     _, last = _calibrated_nll(Run(folder, "deep_ensemble", "cifar10", seed, "ok"), statistics)
     nll = torch.stack([last + 0.3 * (sizes[-1] - s) / sizes[-1] for s in sizes])
     (folder / "ablation").mkdir()
-    (folder / "ablation" / "results.json").write_text(json.dumps(
-        [{"n_samples": s, "calibrated_nll": float(v.mean())} for s, v in zip(sizes, nll)]))
+    (folder / "ablation" / "results.json").write_text(
+        json.dumps([{"n_samples": s, "calibrated_nll": float(v.mean())} for s, v in zip(sizes, nll)])
+    )
     np.savez(folder / CALIBRATED_NLL_FILE, sizes=np.array(sizes), nll=nll.float().numpy())
     return folder
 
@@ -220,8 +269,9 @@ def test_the_ensemble_equivalent_carries_the_curves_noise_and_names_what_it_leav
     build_report([runs], tmp_path / "report", statistics=statistics)
     with (tmp_path / "report" / "equivalent.csv").open() as f:
         rows = {r["method"]: r for r in csv.DictReader(f)}
-    curves = torch.stack([torch.from_numpy(np.load(e / "ablation" / "calibrated_nll.npz")["nll"]).double()
-                          for e in ensembles])
+    curves = torch.stack(
+        [torch.from_numpy(np.load(e / "ablation" / "calibrated_nll.npz")["nll"]).double() for e in ensembles]
+    )
     method = torch.stack([_calibrated_nll(Run(m, "map", "cifar10", 0, "ok"), statistics)[1] for m in maps])
     expected = equivalent_interval(method, curves, sizes, statistics.level)
     assert [float(rows["map"][k]) for k in ("dee", "dee_low", "dee_high")] == pytest.approx(expected[:3])
@@ -260,7 +310,9 @@ def test_a_post_hoc_runs_predictions_are_read_from_its_evaluation(tmp_path):
 
     folder = tmp_path / "run" / "posthoc" / "laplace"
     (folder / "evaluation").mkdir(parents=True)
-    np.savez(folder / "evaluation" / "predictions.npz", log_probs=np.zeros((3, 2), np.float32), targets=np.arange(3) % 2)
+    np.savez(
+        folder / "evaluation" / "predictions.npz", log_probs=np.zeros((3, 2), np.float32), targets=np.arange(3) % 2
+    )
     found = load_predictions(Run(folder, "map_fixed+laplace", "digits", 0, "ok"))
     assert found["log_probs"].dtype == torch.float64 and found["targets"].tolist() == [0, 1, 0]
     assert load_predictions(Run(tmp_path / "run", "map_fixed", "digits", 0, "ok")) is None  # a run's own only
@@ -270,8 +322,12 @@ def test_the_learning_rate_search_is_tabled_once_per_search_with_its_choice(tmp_
     """tuning.json beside a run: one row per search (the grid's validation NLLs, a diverged rate
     named, the choice), the figure of the means; a run that reused another seed's search is named,
     not tabled twice."""
-    search = {"grid": [0.1, 0.4], "validation_nll": {"0.1": 0.52, "0.4": float("inf")}, "chosen": 0.1,
-              "key": "model.optim.lr"}
+    search = {
+        "grid": [0.1, 0.4],
+        "validation_nll": {"0.1": 0.52, "0.4": float("inf")},
+        "chosen": 0.1,
+        "key": "model.optim.lr",
+    }
     for seed, record in ((1, search), (2, {**search, "reused_from": "elsewhere"})):
         folder = _run(tmp_path / "runs" / f"map{seed}", "map", seed, _predictions(seed, 0.8))
         (folder / "tuning.json").write_text(json.dumps(record))
@@ -281,7 +337,9 @@ def test_the_learning_rate_search_is_tabled_once_per_search_with_its_choice(tmp_
     text = (out / "tuning.md").read_text()
     with (out / "tuning.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [(r["method"], r["seed"], float(r["val_nll_lr_0.1"]), r["chosen"]) for r in rows] == [("map", "1", 0.52, "0.1")]
+    assert [(r["method"], r["seed"], float(r["val_nll_lr_0.1"]), r["chosen"]) for r in rows] == [
+        ("map", "1", 0.52, "0.1")
+    ]
     assert "| map | cifar10 | 1 | 0.5200 | diverged | 0.1 |" in text
     assert "map seed 2" in text and "## Learning-rate search" in (out / "report.md").read_text()
     assert (out / "tuning_cifar10.png").stat().st_size > 1000

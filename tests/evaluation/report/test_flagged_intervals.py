@@ -44,7 +44,8 @@ def _exactly_calibrated() -> PredictionRecorder:
 
 
 def test_an_interval_that_misses_its_estimate_is_flagged_on_the_console_in_wandb_and_in_the_report(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("COLUMNS", "400")  # the console table on one line per row
@@ -53,11 +54,15 @@ def test_an_interval_that_misses_its_estimate_is_flagged_on_the_console_in_wandb
     ece = float(expected_calibration_error(probs, recorded.targets, n_bins=15))
     assert ece == pytest.approx(0.0, abs=1e-6)
     error = float((probs.argmax(1) != recorded.targets).double().mean())
-    metrics = {"test/error": error, "test/nll": float(-probs.log()[torch.arange(500), recorded.targets].mean()),
-               "test/ece": ece}
+    metrics = {
+        "test/error": error,
+        "test/nll": float(-probs.log()[torch.arange(500), recorded.targets].mean()),
+        "test/ece": ece,
+    }
     folder = write_run(tmp_path / "runs" / "dbsn1", MODELS["dbsn"], DATA["cifar10"], seed=1, error=None)
-    results = prediction_results(None, recorded, metrics, "crafted", structure=False,
-                                 statistics=Statistics(seed=0, resamples=400))
+    results = prediction_results(
+        None, recorded, metrics, "crafted", structure=False, statistics=Statistics(seed=0, resamples=400)
+    )
     low, high = results.intervals["test/ece"]
     assert ece < low < high  # the crafted interval misses its estimate; the error's does not
     assert results.intervals["test/error"][0] <= error <= results.intervals["test/error"][1]

@@ -22,8 +22,9 @@ def runs(tmp_path: Path) -> dict[str, Path]:
     """Three dbsn seeds that name themselves, each with a checkpoint."""
     found = {}
     for seed in (1, 2, 3):
-        folder = name_run(write_run(tmp_path / "runs" / str(seed), MODELS["dbsn"], DATA["cifar10"], seed, 0.05 * seed),
-                          f"{seed}" * 32)
+        folder = name_run(
+            write_run(tmp_path / "runs" / str(seed), MODELS["dbsn"], DATA["cifar10"], seed, 0.05 * seed), f"{seed}" * 32
+        )
         write_checkpoint(folder / "checkpoints" / "last.ckpt", f"{seed}" * 32, epoch=9, global_step=90)
         found[str(seed)] = folder
     return found
@@ -41,13 +42,16 @@ def test_runs_whose_files_agree_are_pooled(tmp_path):
     assert len(report.with_status("ok")) == 3 and table_cell(tmp_path).endswith("(3) |")
 
 
-@pytest.mark.parametrize("fault, reason", [
-    ("metrics", "metrics.json is of run bbbbbbbb, not of this folder's run 22222222"),
-    ("config", "resolved_config.yaml is not the config run 22222222 recorded"),
-    ("checkpoint", "checkpoints/epoch003.ckpt belongs to run bbbbbbbb, not to this folder's run 22222222"),
-    ("unnamed checkpoint", "checkpoints/epoch003.ckpt names no run"),
-    ("evaluation", "evaluation/metrics.json is of run bbbbbbbb"),
-])
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("metrics", "metrics.json is of run bbbbbbbb, not of this folder's run 22222222"),
+        ("config", "resolved_config.yaml is not the config run 22222222 recorded"),
+        ("checkpoint", "checkpoints/epoch003.ckpt belongs to run bbbbbbbb, not to this folder's run 22222222"),
+        ("unnamed checkpoint", "checkpoints/epoch003.ckpt names no run"),
+        ("evaluation", "evaluation/metrics.json is of run bbbbbbbb"),
+    ],
+)
 def test_a_run_whose_files_disagree_is_listed_with_the_reason_and_left_out(tmp_path, fault, reason):
     run = runs(tmp_path)["2"]
     if fault == "metrics":  # another run's metrics.json copied in
@@ -79,7 +83,13 @@ def test_a_posthoc_run_answers_to_its_training_run(tmp_path):
     posthoc = run / "posthoc" / "temperature"
     posthoc.mkdir(parents=True)
     (posthoc / "resolved_config.yaml").write_text((run / "resolved_config.yaml").read_text() + "posthoc: temperature\n")
-    record = {"metrics": {"test/error": 0.05}, "seed": 1, "posthoc": "temperature", "checkpoints": ["x"], "run_id": "1" * 32}
+    record = {
+        "metrics": {"test/error": 0.05},
+        "seed": 1,
+        "posthoc": "temperature",
+        "checkpoints": ["x"],
+        "run_id": "1" * 32,
+    }
     (posthoc / "metrics.json").write_text(json.dumps(record))
     assert examine(posthoc) == (None, None)
     (posthoc / "metrics.json").write_text(json.dumps({**record, "run_id": B}))
@@ -89,10 +99,16 @@ def test_a_posthoc_run_answers_to_its_training_run(tmp_path):
 def test_an_evaluation_of_an_earlier_checkpoint_of_the_run_is_named_in_the_notes(tmp_path):
     run = runs(tmp_path)["1"]
     (run / "evaluation").mkdir()
-    earlier = {"path": str(run / "checkpoints" / "last.ckpt"), "run_id": "1" * 32, "epoch": 3, "global_step": 30,
-               "digest": None}
-    (run / "evaluation" / "metrics.json").write_text(json.dumps({"checkpoints": [earlier["path"]], "run_id": "1" * 32,
-                                                                "evaluated": [earlier]}))
+    earlier = {
+        "path": str(run / "checkpoints" / "last.ckpt"),
+        "run_id": "1" * 32,
+        "epoch": 3,
+        "global_step": 30,
+        "digest": None,
+    }
+    (run / "evaluation" / "metrics.json").write_text(
+        json.dumps({"checkpoints": [earlier["path"]], "run_id": "1" * 32, "evaluated": [earlier]})
+    )
     assert examine(run)[0] is None and "no longer among the run's checkpoints" in examine(run)[1]
     report = build_report([tmp_path / "runs"], tmp_path / "report")
     assert len(report.with_status("ok")) == 3
@@ -119,11 +135,27 @@ def test_a_posthoc_evaluation_of_an_earlier_checkpoint_is_named_in_the_notes(tmp
     posthoc.mkdir(parents=True)
     (posthoc / "resolved_config.yaml").write_text((run / "resolved_config.yaml").read_text() + "posthoc: temperature\n")
     earlier = {"path": str(run / "checkpoints" / "last.ckpt"), "run_id": "1" * 32, "epoch": 3, "global_step": 30}
-    (posthoc / "metrics.json").write_text(json.dumps({"metrics": {"test/error": 0.05}, "seed": 1, "posthoc": "temperature",
-                                                      "checkpoints": ["x"], "run_id": "1" * 32, "evaluated": [earlier]}))
+    (posthoc / "metrics.json").write_text(
+        json.dumps(
+            {
+                "metrics": {"test/error": 0.05},
+                "seed": 1,
+                "posthoc": "temperature",
+                "checkpoints": ["x"],
+                "run_id": "1" * 32,
+                "evaluated": [earlier],
+            }
+        )
+    )
     assert examine(posthoc)[0] is None and "its evaluation is of" in examine(posthoc)[1]
-    (posthoc / "metrics.json").write_text(json.dumps({**json.loads((posthoc / "metrics.json").read_text()),
-                                                      "evaluated": [dict(earlier, epoch=9, global_step=90)]}))
+    (posthoc / "metrics.json").write_text(
+        json.dumps(
+            {
+                **json.loads((posthoc / "metrics.json").read_text()),
+                "evaluated": [dict(earlier, epoch=9, global_step=90)],
+            }
+        )
+    )
     assert examine(posthoc) == (None, None)
 
 
@@ -134,8 +166,9 @@ def test_a_run_that_adopted_an_older_folder_accepts_its_unnamed_files(tmp_path):
     run = runs(tmp_path)["2"]
     record = json.loads((run / "run.json").read_text())
     write_checkpoint(run / "checkpoints" / "epoch003.ckpt", None, epoch=3)
-    (run / "metrics.json").write_text(json.dumps({k: v for k, v in json.loads((run / "metrics.json").read_text()).items()
-                                                  if k != "run_id"}))
+    (run / "metrics.json").write_text(
+        json.dumps({k: v for k, v in json.loads((run / "metrics.json").read_text()).items() if k != "run_id"})
+    )
     assert "names no run" in examine(run)[0]
     (run / "run.json").write_text(json.dumps({**record, "history": [{"event": "adopted", "at": "then"}]}))
     assert examine(run) == (None, None)

@@ -20,11 +20,14 @@ from tests.support.fakeruns import DATA, MODELS, write_yaml
 
 def config(seed: int, **changes) -> dict:
     """A resolved config with the keys that matter here; `changes`: dotted key -> value."""
-    node = {"model": dict(MODELS["dbsn"], prediction={"n_samples": 100, "samples_per_forward": 4}),
-            "data": {"_target_": DATA["cifar10"], "root": "data", "num_workers": 2, "train_subset": None},
-            "trainer": {"max_epochs": 100, "limit_test_batches": None, "enable_progress_bar": True},
-            "paths": {"output_dir": f"/somewhere/{seed}"}, "logger": {"csv": {"save_dir": f"/somewhere/{seed}"}},
-            "seed": seed}
+    node = {
+        "model": dict(MODELS["dbsn"], prediction={"n_samples": 100, "samples_per_forward": 4}),
+        "data": {"_target_": DATA["cifar10"], "root": "data", "num_workers": 2, "train_subset": None},
+        "trainer": {"max_epochs": 100, "limit_test_batches": None, "enable_progress_bar": True},
+        "paths": {"output_dir": f"/somewhere/{seed}"},
+        "logger": {"csv": {"save_dir": f"/somewhere/{seed}"}},
+        "seed": seed,
+    }
     for key, value in changes.items():
         *path, last = key.split(".")
         here = node
@@ -34,12 +37,20 @@ def config(seed: int, **changes) -> dict:
     return node
 
 
-def write(folder: Path, seed: int, error: float, n_samples: int = 100, epochs: int = 100, predictions: bool = False,
-          **changes) -> Path:
+def write(
+    folder: Path, seed: int, error: float, n_samples: int = 100, epochs: int = 100, predictions: bool = False, **changes
+) -> Path:
     write_yaml(folder / "resolved_config.yaml", config(seed, **changes))
-    (folder / "metrics.json").write_text(json.dumps({"metrics": {"test/error": error, "test/nll": 2 * error,
-                                                                 "test/ece": 0.01}, "seed": seed,
-                                                     "n_samples": n_samples, "epochs": epochs}))
+    (folder / "metrics.json").write_text(
+        json.dumps(
+            {
+                "metrics": {"test/error": error, "test/nll": 2 * error, "test/ece": 0.01},
+                "seed": seed,
+                "n_samples": n_samples,
+                "epochs": epochs,
+            }
+        )
+    )
     if predictions:  # one fixed test set of 200 examples, right on a share 1 - error of them
         targets = torch.arange(200) % 10
         right = torch.rand(200, generator=torch.Generator().manual_seed(seed)) >= error
@@ -67,8 +78,13 @@ def read_csv(path: Path) -> list[dict]:
 def test_only_runs_that_differ_in_their_seed_are_pooled(tmp_path):
     runs = tmp_path / "runs"
     for seed, error in ((1, 0.05), (2, 0.06), (3, 0.07)):  # three seeds; where each wrote its files does not matter
-        write(runs / f"seed{seed}", seed, error, predictions=True, **{"data.num_workers": seed, "data.root": f"/d{seed}",
-                                                                      "trainer.enable_progress_bar": seed == 1})
+        write(
+            runs / f"seed{seed}",
+            seed,
+            error,
+            predictions=True,
+            **{"data.num_workers": seed, "data.root": f"/d{seed}", "trainer.enable_progress_bar": seed == 1},
+        )
     write(runs / "short", 1, 0.30, epochs=3, predictions=True, **{"trainer.max_epochs": 3})
     write(runs / "small_test", 2, 0.50, n_samples=10, **{"trainer.limit_test_batches": 1})
     report = build_report([runs], tmp_path / "report")
@@ -96,19 +112,36 @@ def test_only_runs_that_differ_in_their_seed_are_pooled(tmp_path):
 def test_seven_runs_of_one_seed_and_seven_settings_are_seven_rows(tmp_path):
     """The case found: seven DBSN runs, all seed 0, with different epochs, subsets and S, were one
     cell "82.37 ± 6.40 (7)" labelled over seeds."""
-    settings = [{}, {"trainer.max_epochs": 3}, {"trainer.max_epochs": 10}, {"data.train_subset": 500},
-                {"trainer.limit_test_batches": 1}, {"trainer.limit_test_batches": 1, "trainer.max_epochs": 3},
-                {"model.prediction.n_samples": 10}]
+    settings = [
+        {},
+        {"trainer.max_epochs": 3},
+        {"trainer.max_epochs": 10},
+        {"data.train_subset": 500},
+        {"trainer.limit_test_batches": 1},
+        {"trainer.limit_test_batches": 1, "trainer.max_epochs": 3},
+        {"model.prediction.n_samples": 10},
+    ]
     for i, changes in enumerate(settings):
-        write(tmp_path / "runs" / str(i), 0, 0.1 + 0.1 * i, n_samples=changes.get("model.prediction.n_samples", 100),
-              **changes)
+        write(
+            tmp_path / "runs" / str(i),
+            0,
+            0.1 + 0.1 * i,
+            n_samples=changes.get("model.prediction.n_samples", 100),
+            **changes,
+        )
     report = build_report([tmp_path / "runs"], tmp_path / "report")
     table = rows_of(tmp_path / "report" / "table1_error.md")
     assert all(cell[0].endswith("(1)") for cell in table.values()), table
     # no setting has more runs than another: rows are named by what differs from each key's most common value
-    assert list(table) == ["dbsn", "dbsn (S=10)", "dbsn (data.train_subset=500)", "dbsn (trainer.limit_test_batches=1)",
-                           "dbsn (trainer.limit_test_batches=1, trainer.max_epochs=3)", "dbsn (trainer.max_epochs=10)",
-                           "dbsn (trainer.max_epochs=3)"]
+    assert list(table) == [
+        "dbsn",
+        "dbsn (S=10)",
+        "dbsn (data.train_subset=500)",
+        "dbsn (trainer.limit_test_batches=1)",
+        "dbsn (trainer.limit_test_batches=1, trainer.max_epochs=3)",
+        "dbsn (trainer.max_epochs=10)",
+        "dbsn (trainer.max_epochs=3)",
+    ]
     assert table["dbsn"] == ["10.00 (1)"] and table["dbsn (S=10)"] == ["70.00 (1)"]
     assert any("no setting has more of its runs than every other" in w for w in report.warnings)
 
@@ -117,8 +150,10 @@ def test_without_a_row_of_the_reference_the_report_says_how_to_choose_one(tmp_pa
     write(tmp_path / "runs" / "a", 0, 0.1, **{"trainer.max_epochs": 3})
     write(tmp_path / "runs" / "b", 0, 0.2, **{"trainer.max_epochs": 10})
     report = build_report([tmp_path / "runs"], tmp_path / "report")
-    assert set(rows_of(tmp_path / "report" / "table1_error.md")) == {"dbsn (trainer.max_epochs=3)",
-                                                                    "dbsn (trainer.max_epochs=10)"}
+    assert set(rows_of(tmp_path / "report" / "table1_error.md")) == {
+        "dbsn (trainer.max_epochs=3)",
+        "dbsn (trainer.max_epochs=10)",
+    }
     assert any("no row is dbsn" in w and "--reference" in w for w in report.warnings)
 
 
@@ -144,9 +179,18 @@ def test_a_posthoc_run_is_in_the_row_of_its_training_run(tmp_path):
     short = write(tmp_path / "runs" / "short", 1, 0.30, epochs=3, **{"trainer.max_epochs": 3})
     posthoc = short / "posthoc" / "temperature"
     write_yaml(posthoc / "resolved_config.yaml", {**config(1, **{"trainer.max_epochs": 3}), "posthoc": "temperature"})
-    (posthoc / "metrics.json").write_text(json.dumps({"metrics": {"test/error": 0.3, "test/nll": 0.4, "test/ece": 0.02},
-                                                      "seed": 1, "n_samples": 100, "posthoc": "temperature",
-                                                      "calibrator": "temperature", "settings": {}}))
+    (posthoc / "metrics.json").write_text(
+        json.dumps(
+            {
+                "metrics": {"test/error": 0.3, "test/nll": 0.4, "test/ece": 0.02},
+                "seed": 1,
+                "n_samples": 100,
+                "posthoc": "temperature",
+                "calibrator": "temperature",
+                "settings": {},
+            }
+        )
+    )
     build_report([tmp_path / "runs"], tmp_path / "report")
     calibrators = (tmp_path / "report" / "calibrators.md").read_text()
     assert "| dbsn (trainer.max_epochs=3) | 0.6000 (1) | 0.4000 (1) |" in calibrators  # NLL: before, after

@@ -43,11 +43,11 @@ def _wrong(generator, difficulty: torch.Tensor, theta: float, rho: float, seed_s
     repetitions, n = difficulty.shape
     effect = seed_sd * torch.randn(repetitions, K, 1, generator=generator, dtype=torch.float64)
     own = torch.randn(repetitions, K, n, generator=generator, dtype=torch.float64)
-    return rho * difficulty[:, None] + (1 - rho ** 2) ** 0.5 * own > theta + effect
+    return rho * difficulty[:, None] + (1 - rho**2) ** 0.5 * own > theta + effect
 
 
 def _population_error(theta: float, seed_sd: float) -> float:
-    return float(norm.sf(theta / math.sqrt(1 + seed_sd ** 2)))
+    return float(norm.sf(theta / math.sqrt(1 + seed_sd**2)))
 
 
 def _predictions(wrong: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -71,8 +71,9 @@ def main_table_coverage(seed_sd: float, repetitions: int, seed: int = 0) -> tupl
     targets, truth, covered, seeds_only = torch.arange(N) % C, _population_error(THETA, seed_sd), 0, 0
     for r in range(repetitions):
         weights = _statistics(seed, r).weights(N)
-        rows = torch.stack([weighted_error(_predictions(wrong[r, s], targets)["log_probs"].exp(), targets, weights)
-                            for s in range(K)])
+        rows = torch.stack(
+            [weighted_error(_predictions(wrong[r, s], targets)["log_probs"].exp(), targets, weights) for s in range(K)]
+        )
         cell = seed_cell(rows[:, 0].tolist(), resampled_covariance(rows[:, 1:]), 0.95)
         low, high = t_interval(rows[:, 0].tolist())
         covered += cell.low <= truth <= cell.high
@@ -90,9 +91,11 @@ def paired_coverage(seed_sd: float, reference_rho: float, repetitions: int, seed
     truth = _population_error(THETA, seed_sd) - _population_error(THETA + 0.05, seed_sd)
     targets, covered, dfs = torch.arange(N) % C, 0, []
     for r in range(repetitions):
-        found = paired_differences({s: _predictions(method[r, s], targets) for s in range(K)},
-                                   {s: _predictions(reference[r, s], targets) for s in range(K)},
-                                   _statistics(seed, r))["error"]
+        found = paired_differences(
+            {s: _predictions(method[r, s], targets) for s in range(K)},
+            {s: _predictions(reference[r, s], targets) for s in range(K)},
+            _statistics(seed, r),
+        )["error"]
         _, low, high = found["combined"]
         covered += low <= truth <= high
         dfs.append(found["df"])
@@ -104,7 +107,7 @@ def gaussian_coverage(seed_variance: float, shared: float, assumed: float, repet
     `seed_variance`, test noise of variance 1 per seed of which `shared` is common to all seeds (c),
     given the test noise's covariance with `assumed` >= `shared` off the diagonal (a bound)."""
     generator = torch.Generator().manual_seed(seed)
-    common = shared ** 0.5 * torch.randn(repetitions, 1, generator=generator, dtype=torch.float64)
+    common = shared**0.5 * torch.randn(repetitions, 1, generator=generator, dtype=torch.float64)
     own = (seed_variance + 1 - shared) ** 0.5 * torch.randn(repetitions, K, generator=generator, dtype=torch.float64)
     values = common + own  # the seed effect and the test noise's own part together
     test_cov = assumed + (1 - assumed) * torch.eye(K, dtype=torch.float64)

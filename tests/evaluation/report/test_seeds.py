@@ -15,8 +15,14 @@ from scipy.stats import norm, t
 from dbsn.evaluation.report.collect import Run
 from dbsn.evaluation.report.format import SEEDS_AND_TEST, SEEDS_AND_TEST_BOUND, TEST_ONLY, seed_cell, t_interval
 from dbsn.evaluation.report.population import PopulationCells
-from dbsn.evaluation.report.seeds import (bounded_covariance, combine_seeds, holm_note, holm_reachable, holm_threshold,
-                                          resampled_covariance)
+from dbsn.evaluation.report.seeds import (
+    bounded_covariance,
+    combine_seeds,
+    holm_note,
+    holm_reachable,
+    holm_threshold,
+    resampled_covariance,
+)
 from dbsn.evaluation.statistics import Statistics
 from dbsn.metrics.intervals import weighted_error
 
@@ -28,13 +34,13 @@ def test_the_variance_of_the_mean_is_the_seeds_spread_over_k_plus_their_shared_t
     rng = np.random.default_rng(0)
     k, draws, seed_sd = 4, 400_000, 0.5
     sd = np.array([1.0, 0.8, 1.2, 0.9])
-    correlation = np.array([[1, .7, .5, .6], [.7, 1, .4, .8], [.5, .4, 1, .3], [.6, .8, .3, 1]])
+    correlation = np.array([[1, 0.7, 0.5, 0.6], [0.7, 1, 0.4, 0.8], [0.5, 0.4, 1, 0.3], [0.6, 0.8, 0.3, 1]])
     sigma = correlation * np.outer(sd, sd)
     x = seed_sd * rng.standard_normal((draws, k)) + rng.standard_normal((draws, k)) @ np.linalg.cholesky(sigma).T
     c = (sigma.sum() - np.trace(sigma)) / (k * (k - 1))
     variance, s2 = x.mean(1).var(), x.var(1, ddof=1).mean()
     assert s2 / k + c == pytest.approx(variance, rel=0.01)
-    assert s2 / k + sigma.sum() / k ** 2 > 1.1 * variance  # the double count
+    assert s2 / k + sigma.sum() / k**2 > 1.1 * variance  # the double count
 
 
 def test_combine_seeds_at_its_limits():
@@ -42,14 +48,15 @@ def test_combine_seeds_at_its_limits():
     # no shared test noise: Student's t over the seeds on k - 1 degrees of freedom
     found = combine_seeds(values, torch.zeros(3, 3), 0.95)
     assert found.df == pytest.approx(2) and (found.low, found.high) == pytest.approx(t_interval(values.tolist()))
-    assert found.p == pytest.approx(2 * t.sf(0.12 / (0.02 / 3 ** 0.5), 2))
+    assert found.p == pytest.approx(2 * t.sf(0.12 / (0.02 / 3**0.5), 2))
     # shared noise only (seeds that agree exactly): normal theory on c
     found = combine_seeds(torch.full((3,), 0.12), torch.full((3, 3), 1e-4), 0.95)
     assert math.isinf(found.df) and found.high - found.value == pytest.approx(norm.ppf(0.975) * 1e-2)
     # shared noise added to the seeds' variance, the degrees of freedom between k - 1 and many
     found = combine_seeds(values, torch.full((3, 3), 1e-4) + 1e-4 * torch.eye(3), 0.95)
     assert 2 < found.df < 50 and found.high - found.value == pytest.approx(
-        t.ppf(0.975, found.df) * (0.02 ** 2 / 3 + 1e-4) ** 0.5)
+        t.ppf(0.975, found.df) * (0.02**2 / 3 + 1e-4) ** 0.5
+    )
     # one seed: value ± z sqrt(variance), normal p
     found = combine_seeds(torch.tensor([0.03]), torch.tensor([[1e-4]]), 0.95)
     assert (found.low, found.high) == pytest.approx((0.03 - norm.ppf(0.975) * 0.01, 0.03 + norm.ppf(0.975) * 0.01))
@@ -97,8 +104,15 @@ def _run(folder, seed: int, accuracy: float, interval=None, predictions: bool = 
     if predictions:
         np.savez(folder / "predictions.npz", **arrays)
     error = float((np.argmax(arrays["log_probs"], 1) != arrays["targets"]).mean())
-    return Run(folder, "map", "cifar10", seed, "ok", metrics={"test/error": error},
-               intervals={} if interval is None else {"test/error": interval})
+    return Run(
+        folder,
+        "map",
+        "cifar10",
+        seed,
+        "ok",
+        metrics={"test/error": error},
+        intervals={} if interval is None else {"test/error": interval},
+    )
 
 
 def test_a_cell_of_runs_with_predictions_adds_the_test_noise_they_share(tmp_path):

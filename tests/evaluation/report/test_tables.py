@@ -5,8 +5,8 @@ the `outputs` fixture) gathered into tables whose numbers are checked by hand.
 from __future__ import annotations
 
 import csv
-import re
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,10 @@ def test_table1_means_by_hand_and_fbn_inferred(outputs, tmp_path):
     # mean ± std [mean ± t(0.975, n - 1) std / sqrt(n)] (n): t(0.975, 2) = 4.303, t(0.975, 1) = 12.71; these runs
     # keep neither predictions nor intervals, so the interval is over the seeds alone, marked ¶
     assert rows["dbsn"] == ["6.00 ± 1.00 [3.52, 8.48]¶ (3)", "22.00 ± 2.00 [17.03, 26.97]¶ (3)"]
-    assert rows["map"] == ["9.00 ± 1.41 [0.00, 21.71]¶ (2)", "30.50 ± 0.71 [24.15, 36.85]¶ (2)"]  # failed seed 2 out; an error stops at 0
+    assert rows["map"] == [
+        "9.00 ± 1.41 [0.00, 21.71]¶ (2)",
+        "30.50 ± 0.71 [24.15, 36.85]¶ (2)",
+    ]  # failed seed 2 out; an error stops at 0
     assert rows["fbn"] == ["4.00 (1)", "–"]  # no std from one run, and this run has no bootstrap interval
     by_cell = {(r["method"], r["dataset"]): r for r in read_csv(tmp_path / "report" / "table1_error.csv")}
     assert float(by_cell["dbsn", "cifar10"]["mean"]) == pytest.approx(6.0)
@@ -91,13 +94,22 @@ def test_training_time_table_and_ratio_to_dbsn_by_hand(outputs, tmp_path):
 def test_evaluation_summaries_and_figures(outputs, tmp_path):
     def write_ood(folder, ood_set, auroc, seed):
         folder.mkdir(parents=True)
-        scores = {name: {"auroc": auroc, "aupr": auroc - 0.1, "aupr_in": 0.5, "fpr95": 1 - auroc}
-                  for name in ("entropy", "mutual_information", "max_probability")}
-        (folder / "metrics.json").write_text(json.dumps(
-            {"in_distribution": "cifar10", "ood": ood_set, "n_samples": 100, "scores": scores}))
+        scores = {
+            name: {"auroc": auroc, "aupr": auroc - 0.1, "aupr_in": 0.5, "fpr95": 1 - auroc}
+            for name in ("entropy", "mutual_information", "max_probability")
+        }
+        (folder / "metrics.json").write_text(
+            json.dumps({"in_distribution": "cifar10", "ood": ood_set, "n_samples": 100, "scores": scores})
+        )
         rng = np.random.default_rng(seed)
-        np.savez(folder / "scores.npz", **{f"{side}_{name}": rng.uniform(0, 2.3, 50) for side in ("in", "out")
-                                            for name in ("entropy", "mutual_information", "max_probability")})
+        np.savez(
+            folder / "scores.npz",
+            **{
+                f"{side}_{name}": rng.uniform(0, 2.3, 50)
+                for side in ("in", "out")
+                for name in ("entropy", "mutual_information", "max_probability")
+            },
+        )
 
     # dbsn: evaluated with ood=[svhn,cifar100] (a folder per set); map: one set, in the layout of
     # an older version (evaluation/ood/metrics.json)
@@ -108,17 +120,31 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
     write_ood(job_dir(outputs, "map", "cifar10", 1) / "evaluation" / "ood", "svhn", 0.80, 1)
     # a stale single-set file beside the per-set folders (re-evaluated run) is not counted again
     (job_dir(outputs, "dbsn", "cifar10", 1) / "evaluation" / "ood" / "metrics.json").write_text(
-        (job_dir(outputs, "dbsn", "cifar10", 1) / "evaluation" / "ood" / "svhn" / "metrics.json").read_text()
-        .replace("0.9,", "0.1,"))
+        (job_dir(outputs, "dbsn", "cifar10", 1) / "evaluation" / "ood" / "svhn" / "metrics.json")
+        .read_text()
+        .replace("0.9,", "0.1,")
+    )
     for seed, (clean, attacked, entropy) in {1: (0.9, 0.3, 1.0), 2: (0.92, 0.5, 1.2)}.items():
-        write_csv(job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "adversarial" / "results.csv",
-                  ["attack", "epsilon", "accuracy", "mean_entropy", "n_examples"],
-                  [["fgsm", 0.0, clean, 0.2, 1000], ["fgsm", 0.1, attacked, entropy, 1000],
-                   ["bim", 0.0, clean, 0.2, 1000], ["bim", 0.1, attacked / 2, entropy, 1000]])
-        write_csv(job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "ablation" / "results.csv",
-                  ["n_samples", "error", "nll", "brier", "ece"],
-                  [[1, 0.08 + 0.02 * (seed - 1), 0.3, 0.1, 0.03], [3, 0.07, 0.25, 0.1, 0.02],
-                   [10, 0.06 + 0.01 * (seed - 1), 0.2, 0.1, 0.02], [100, 0.05 + 0.01 * (seed - 1), 0.18, 0.1, 0.01]])
+        write_csv(
+            job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "adversarial" / "results.csv",
+            ["attack", "epsilon", "accuracy", "mean_entropy", "n_examples"],
+            [
+                ["fgsm", 0.0, clean, 0.2, 1000],
+                ["fgsm", 0.1, attacked, entropy, 1000],
+                ["bim", 0.0, clean, 0.2, 1000],
+                ["bim", 0.1, attacked / 2, entropy, 1000],
+            ],
+        )
+        write_csv(
+            job_dir(outputs, "dbsn", "cifar10", seed) / "evaluation" / "ablation" / "results.csv",
+            ["n_samples", "error", "nll", "brier", "ece"],
+            [
+                [1, 0.08 + 0.02 * (seed - 1), 0.3, 0.1, 0.03],
+                [3, 0.07, 0.25, 0.1, 0.02],
+                [10, 0.06 + 0.01 * (seed - 1), 0.2, 0.1, 0.02],
+                [100, 0.05 + 0.01 * (seed - 1), 0.18, 0.1, 0.01],
+            ],
+        )
 
     out = tmp_path / "report"
     build_report([outputs], out)
@@ -135,7 +161,9 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
     assert "| dbsn | entropy | 0.7100 ± 0.0141 (2) |" in near and "| map |" not in near
     assert (out / "ood_entropy_cdf_cifar10_cifar100.png").stat().st_size > 0
     rows = read_csv(out / "ood.csv")
-    auroc = next(r for r in rows if (r["method"], r["ood"], r["score"], r["metric"]) == ("dbsn", "svhn", "entropy", "auroc"))
+    auroc = next(
+        r for r in rows if (r["method"], r["ood"], r["score"], r["metric"]) == ("dbsn", "svhn", "entropy", "auroc")
+    )
     assert float(auroc["mean"]) == pytest.approx(0.91) and auroc["n"] == "2"
 
     adversarial = without_intervals(section(text, "## Adversarial robustness"))
@@ -149,7 +177,9 @@ def test_evaluation_summaries_and_figures(outputs, tmp_path):
 
     ablation = section(text, "## Number of Monte Carlo samples S")
     assert "| method | dataset | error % S=1 | error % S=10 | error % S=100 | NLL S=1 |" in ablation
-    assert "| dbsn | cifar10 | 9.00 | 6.50 | 5.50 | 0.3000 | 0.2000 | 0.1800 | 0.0300 | 0.0200 | 0.0100 | 2 |" in ablation
+    assert (
+        "| dbsn | cifar10 | 9.00 | 6.50 | 5.50 | 0.3000 | 0.2000 | 0.1800 | 0.0300 | 0.0200 | 0.0100 | 2 |" in ablation
+    )
     assert {r["n_samples"] for r in read_csv(out / "ablation.csv")} == {"1", "3", "10", "100"}
     for name in ("ood.md", "adversarial.md", "ablation.md", "ood.csv", "adversarial.csv", "ablation.csv"):
         assert (out / name).is_file()

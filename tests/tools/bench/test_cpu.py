@@ -62,7 +62,9 @@ def test_the_cpu_suite_times_every_case_and_says_how_far_it_is(capsys):
     (a log file, not a terminal, under pytest)."""
     from dbsn.tools.bench import cpu
 
-    result = cpu.run("tiny", batch=2, repeats=1, memory=False, compiled=False, pipeline_images=0, statistics_examples=300)
+    result = cpu.run(
+        "tiny", batch=2, repeats=1, memory=False, compiled=False, pipeline_images=0, statistics_examples=300
+    )
     assert result["statistics"]["examples"] == 300 and result["statistics"]["test_pass_seconds"] > 0
     assert set(result["seconds"]) == set(cpu.CASES) and all(s > 0 for s in result["seconds"].values())
     ratio = result["ratios"]["dbsn_t1 / map_fixed (target <= 1.10)"]

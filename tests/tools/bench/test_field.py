@@ -8,11 +8,29 @@ import pytest
 from dbsn.tools import bench
 
 
-@pytest.mark.parametrize("backbone, methods", [
-    ("resnet18", ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble", "mimo",
-                  "sngp", "ddu", "masksembles", "snapshot_ensemble", "csghmc")),
-    ("structure_net", ("map_fixed", "dbsn", "mimo", "masksembles", "csghmc_structure")),
-])
+@pytest.mark.parametrize(
+    "backbone, methods",
+    [
+        (
+            "resnet18",
+            (
+                "map_fixed",
+                "mc_dropout",
+                "deep_ensemble",
+                "batch_ensemble",
+                "rank1_bnn",
+                "packed_ensemble",
+                "mimo",
+                "sngp",
+                "ddu",
+                "masksembles",
+                "snapshot_ensemble",
+                "csghmc",
+            ),
+        ),
+        ("structure_net", ("map_fixed", "dbsn", "mimo", "masksembles", "csghmc_structure")),
+    ],
+)
 def test_field_suite_times_every_method_against_one_network(backbone, methods, tmp_path, monkeypatch):
     import json
 
@@ -20,15 +38,32 @@ def test_field_suite_times_every_method_against_one_network(backbone, methods, t
 
     monkeypatch.setattr(field, "FIELD_METHODS", tuple(m for m in methods if m not in field.CELL_METHODS))
     out = tmp_path / "field.json"
-    result = bench.main(["--suite", "field", "--backbone", backbone, "--size", "tiny", "--batch", "4", "--repeats", "1",
-                         "--device", "cpu", "--json", str(out)])
+    result = bench.main(
+        [
+            "--suite",
+            "field",
+            "--backbone",
+            backbone,
+            "--size",
+            "tiny",
+            "--batch",
+            "4",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["ratios"] == result["ratios"]
     assert set(result["parameters"]) == set(methods)
     for name in methods:
         assert result["seconds"][f"{name} train"] > 0 and result["seconds"][f"{name} predict"] > 0
         if name != "map_fixed":
             assert result["ratios"][f"{name} predict / map_fixed predict"] == pytest.approx(
-                result["seconds"][f"{name} predict"] / result["seconds"]["map_fixed predict"])
+                result["seconds"][f"{name} predict"] / result["seconds"]["map_fixed predict"]
+            )
     params, members = result["parameters"], result["members"]
     if "deep_ensemble" in params:  # four networks: four times the parameters, four members
         assert params["deep_ensemble"] == 4 * params["map_fixed"] and members["deep_ensemble"] == 4

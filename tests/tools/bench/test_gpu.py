@@ -17,8 +17,24 @@ def test_gpu_suite_runs_every_configuration_and_prints_its_table(tmp_path):
     from dbsn.tools.bench import gpu as bench_gpu
 
     out = tmp_path / "suite.json"
-    common = ["--suite", "gpu", "--net", "tiny", "--batch", "4", "--steps", "2", "--device", "cpu",
-              "--compile-backend", "aot_eager", "--json", str(out), "--prediction-batch", "1"]
+    common = [
+        "--suite",
+        "gpu",
+        "--net",
+        "tiny",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--compile-backend",
+        "aot_eager",
+        "--json",
+        str(out),
+        "--prediction-batch",
+        "1",
+    ]
     bench.main([*common, "--configs", "fp32 eager per-edge"])
     first = json.loads(out.read_text())
     assert set(first["training"]) == {"fp32 eager per-edge | grouped"}
@@ -36,7 +52,13 @@ def test_gpu_suite_runs_every_configuration_and_prints_its_table(tmp_path):
         test = 10_000 / rate if rate else 0.0
         assert abs(row["projected_hours_100_epochs"] - (steps * row["seconds_per_step"] + test) / 3600) < 1e-9
         flops = result["flops_per_step"]["grouped"]
-        assert abs(row["fraction_of_matmul_peak"] - flops / row["seconds_per_step"] / result["matmul_flops_per_second"][precision]) < 1e-9
+        assert (
+            abs(
+                row["fraction_of_matmul_peak"]
+                - flops / row["seconds_per_step"] / result["matmul_flops_per_second"][precision]
+            )
+            < 1e-9
+        )
     table = bench_gpu.markdown(result)
     assert table.count("| bf16 eager fused | grouped |") == 1 and "100 epochs (h)" in table
     assert "| bf16 fused + CUDA graph | grouped | needs a CUDA device |" in table

@@ -23,8 +23,9 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     for part in window.PARTS:
         bench.main([*TINY, *out, "--part", part])
     bench.main([*TINY, *out, "--part", "compile", "--cache", str(tmp_path / "compile_cache.bin")])
-    results = {name: json.loads((tmp_path / f"gpu_{name}.json").read_text())
-               for name in (*window.PARTS, "compile_warm")}
+    results = {
+        name: json.loads((tmp_path / f"gpu_{name}.json").read_text()) for name in (*window.PARTS, "compile_warm")
+    }
     assert results["profile"]["skipped"] == results["streams"]["skipped"] == "no CUDA"
     forms = results["forms"]
     assert set(forms["eager"]) == set(forms["compiled"]) == set(window.micro_cases(2, 4))
@@ -32,8 +33,9 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     steps = forms["steps"]
     assert len(steps) == len(window.STEP_FORMS) and steps["conv_1x1=conv depthwise=conv"]["ms_per_step"] > 0
     available = window.forms_available() is None
-    assert all(("ms_per_step" in row) == available or key.endswith("=conv depthwise=conv")
-               for key, row in steps.items())
+    assert all(
+        ("ms_per_step" in row) == available or key.endswith("=conv depthwise=conv") for key, row in steps.items()
+    )
     if available:
         used = steps["conv_1x1=bmm depthwise=stencil"]["forms"]  # every stacked 1x1 has its depthwise
         assert set(used) == {"bmm", "stencil"} and used["bmm"] == used["stencil"] > 0
@@ -50,14 +52,22 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
 
 
 def test_the_fastest_forms_come_from_the_forms_part(tmp_path):
-    result = {"steps": {"conv_1x1=conv depthwise=conv": {"ms_per_step": 3.0},
-                        "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 2.0},
-                        "conv_1x1=mulsum depthwise=conv": {"error": "x"}},
-              "compiled": {"1x1 conv NCHW": {"ms_fwd_bwd": 2.0}, "1x1 bmm": {"ms_fwd_bwd": 3.0},
-                           "1x1 mulsum": {"ms_fwd_bwd": 1.0}, "depthwise dil 1 conv NCHW": {"ms_fwd_bwd": 1.0},
-                           "depthwise dil 2 conv NCHW": {"ms_fwd_bwd": 1.0},
-                           "depthwise dil 1 stencil": {"ms_fwd_bwd": 0.5},
-                           "depthwise dil 2 stencil": {"ms_fwd_bwd": 2.0}}}
+    result = {
+        "steps": {
+            "conv_1x1=conv depthwise=conv": {"ms_per_step": 3.0},
+            "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 2.0},
+            "conv_1x1=mulsum depthwise=conv": {"error": "x"},
+        },
+        "compiled": {
+            "1x1 conv NCHW": {"ms_fwd_bwd": 2.0},
+            "1x1 bmm": {"ms_fwd_bwd": 3.0},
+            "1x1 mulsum": {"ms_fwd_bwd": 1.0},
+            "depthwise dil 1 conv NCHW": {"ms_fwd_bwd": 1.0},
+            "depthwise dil 2 conv NCHW": {"ms_fwd_bwd": 1.0},
+            "depthwise dil 1 stencil": {"ms_fwd_bwd": 0.5},
+            "depthwise dil 2 stencil": {"ms_fwd_bwd": 2.0},
+        },
+    }
     assert window.fastest_forms(tmp_path, compiled=False) is None
     (tmp_path / "gpu_forms.json").write_text(json.dumps(result))
     assert window.fastest_forms(tmp_path, compiled=False) == ("bmm", "stencil")
@@ -70,8 +80,13 @@ def test_the_window_script_runs_every_part_on_a_cpu(tmp_path):
     results under $OUT (two parts, one that runs and one that needs CUDA: each is a process of its
     own, whose start dominates here; the parts themselves are the test above)."""
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "PARTS": "forms streams"}
-    done = subprocess.run(["bash", str(ROOT / "tools" / "gpu_window.sh"), "--device", "cpu", "--tiny",
-                           "--compile-backend", "eager"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_window.sh"), "--device", "cpu", "--tiny", "--compile-backend", "eager"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "rc.txt").read_text().split() == ["forms=0", "streams=0"]
     for name in ("forms", "streams"):
@@ -102,24 +117,56 @@ def test_kernels_count_under_the_range_that_encloses_their_operation():
 def test_the_summary_of_a_gpu_window_has_its_headline_and_says_where_a_part_stopped(tmp_path):
     """The summary of results shaped as a GPU writes them (what a CPU cannot produce): the headline's
     fastest rows, each table, a row's error, and a compile stopped by its limit inside a step."""
+
     def write(name, result):
         (tmp_path / f"gpu_{name}.json").write_text(json.dumps({"date": "2026-12-04", "torch": "t", **result}))
-    graphed = {"ms_per_step": 197.0, "kernels": 15109, "kernel_ms": 180.0, "by_category": {"cuDNN conv": {"count": 8000,
-                                                                                                          "ms": 90.0}}}
-    attributed = {"kernels": 15000, "kernel_ms": 170.0, "by_category": {"casts": {"count": 1291, "ms": 10.0}},
-                  "ops_by_category": {"casts": 1291}}
-    write("profile", {"steps": {"bf16 fused + CUDA graph": graphed,
-                                "eager, kernels by what launched them": attributed}})
-    write("forms", {"steps": {"conv_1x1=conv depthwise=conv": {"ms_per_step": 197.0, "kernels": 15109},
-                              "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 150.0, "kernels": 9000}}})
-    write("compile", {"conv_1x1": "bmm", "depthwise": "stencil", "warmup_steps_s": [],
-                      "step 0 running": {"seconds_so_far": 165.0, "graphs_so_far": 3}})
-    write("streams", {"copies": {"run 0": {"generator": "own"}}, "conv_1x1": "conv", "depthwise": "conv",
-                      "runs": {"1": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 196.0,
-                                     "speedup": 1.0},
-                               "2": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 120.0,
-                                     "speedup": 1.64},
-                               "3": {"error": "OutOfMemoryError: out"}}})
+
+    graphed = {
+        "ms_per_step": 197.0,
+        "kernels": 15109,
+        "kernel_ms": 180.0,
+        "by_category": {"cuDNN conv": {"count": 8000, "ms": 90.0}},
+    }
+    attributed = {
+        "kernels": 15000,
+        "kernel_ms": 170.0,
+        "by_category": {"casts": {"count": 1291, "ms": 10.0}},
+        "ops_by_category": {"casts": 1291},
+    }
+    write(
+        "profile", {"steps": {"bf16 fused + CUDA graph": graphed, "eager, kernels by what launched them": attributed}}
+    )
+    write(
+        "forms",
+        {
+            "steps": {
+                "conv_1x1=conv depthwise=conv": {"ms_per_step": 197.0, "kernels": 15109},
+                "conv_1x1=bmm depthwise=stencil": {"ms_per_step": 150.0, "kernels": 9000},
+            }
+        },
+    )
+    write(
+        "compile",
+        {
+            "conv_1x1": "bmm",
+            "depthwise": "stencil",
+            "warmup_steps_s": [],
+            "step 0 running": {"seconds_so_far": 165.0, "graphs_so_far": 3},
+        },
+    )
+    write(
+        "streams",
+        {
+            "copies": {"run 0": {"generator": "own"}},
+            "conv_1x1": "conv",
+            "depthwise": "conv",
+            "runs": {
+                "1": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 196.0, "speedup": 1.0},
+                "2": {"serial_ms_per_step_per_run": 197.0, "streams_ms_per_step_per_run": 120.0, "speedup": 1.64},
+                "3": {"error": "OutOfMemoryError: out"},
+            },
+        },
+    )
     (tmp_path / "nvidia_smi.txt").write_text("name, driver_version\nNVIDIA H200, 580\n")
     text = window.summary(tmp_path)
     assert text.startswith("# GPU window: 2026-12-04 on NVIDIA H200")

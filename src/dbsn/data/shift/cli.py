@@ -33,4 +33,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.out, images, labels, args.corruptions, seed=args.seed,
         source=f"{module.name} test set from {module.root}", log=lambda line: print(line, flush=True),
     )  # fmt: skip
-

@@ -187,7 +187,7 @@ def _disk(radius: float, alias_blur: float) -> np.ndarray:
     xx, yy = np.meshgrid(grid, grid)
     disk = (xx**2 + yy**2 <= radius**2).astype(np.float32)
     disk /= disk.sum()
-    g = np.exp(-np.arange(-1, 2) ** 2 / (2 * alias_blur**2))
+    g = np.exp(-(np.arange(-1, 2) ** 2) / (2 * alias_blur**2))
     g /= g.sum()
     disk = ndimage.correlate(disk, np.outer(g, g).astype(np.float32), mode="mirror")
     reach = int(np.abs(np.argwhere(disk > 0) - 8).max())

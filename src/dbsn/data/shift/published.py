@@ -86,8 +86,9 @@ def corrupted_split(folder: str | Path, corruption: str, severity: int) -> tuple
     )
 
 
-def check_corrupted_files(folder: str | Path, corruptions: Sequence[str] = CORRUPTIONS
-                          ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def check_corrupted_files(
+    folder: str | Path, corruptions: Sequence[str] = CORRUPTIONS
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Fail before any evaluation if `folder` cannot serve these corruptions; else the
     memory-mapped labels and images by corruption, checked.
 
@@ -145,16 +146,26 @@ def _image_file(path: Path, n_rows: int | None = None) -> np.ndarray:
     """The memory-mapped uint8 (5n, 32, 32, 3) array of a corruption file, checked."""
     images = _load(path)
     wrong = images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3)
-    return _checked(path, images, f"should be uint8 (5n, 32, 32, 3) HWC, got {images.dtype} {images.shape}" if wrong
-                    else None, n_rows, f"{len(images)} rows but labels.npy has {n_rows}")
+    return _checked(
+        path,
+        images,
+        f"should be uint8 (5n, 32, 32, 3) HWC, got {images.dtype} {images.shape}" if wrong else None,
+        n_rows,
+        f"{len(images)} rows but labels.npy has {n_rows}",
+    )
 
 
 def _label_file(path: Path, n_rows: int | None = None) -> np.ndarray:
     """The memory-mapped integer labels (5n,) of ``labels.npy``, checked."""
     labels = _load(path)
     wrong = labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer)
-    return _checked(path, labels, f"should be integer labels (5n,), got {labels.dtype} {labels.shape}" if wrong
-                    else None, n_rows, f"{len(labels)} labels for {n_rows} images")
+    return _checked(
+        path,
+        labels,
+        f"should be integer labels (5n,), got {labels.dtype} {labels.shape}" if wrong else None,
+        n_rows,
+        f"{len(labels)} labels for {n_rows} images",
+    )
 
 
 def _checked(path: Path, rows: np.ndarray, problem: str | None, n_rows: int | None, mismatch: str) -> np.ndarray:

@@ -37,11 +37,10 @@ from datetime import datetime
 from pathlib import Path
 
 from dbsn.evaluation.report.collect import Report, Run, find_folders, load_run, missing_runs
-from dbsn.evaluation.report.folder import ReportError, ReportFolder
-from dbsn.evaluation.report.pooling import REPEAT, pool_runs
-from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.evaluation.report.comparisons import equivalent_section, paired_section
+from dbsn.evaluation.report.folder import ReportError, ReportFolder
 from dbsn.evaluation.report.format import UNCONVERGED_MARK, show
+from dbsn.evaluation.report.pooling import REPEAT, pool_runs
 from dbsn.evaluation.report.population import PopulationCells
 from dbsn.evaluation.report.published import published_section
 from dbsn.evaluation.report.sections.ablation import ablation_section
@@ -58,6 +57,7 @@ from dbsn.evaluation.report.sections.selective import selective_section
 from dbsn.evaluation.report.sections.shift import shift_section
 from dbsn.evaluation.report.sections.tuning import tuning_section
 from dbsn.evaluation.report.writer import write_csv, write_markdown
+from dbsn.evaluation.runs import CONFIG_FILE
 from dbsn.evaluation.statistics import Statistics
 
 __all__ = ["Report", "ReportError", "Run", "build_report", "build_sweep_report", "check_sweep_report_folder"]
@@ -68,20 +68,29 @@ def _runs_below(dirs: list[Path]) -> tuple[list[Path], list[Path]]:
     and no sweep, is refused (`ReportError`)."""
     for folder in dirs:
         if not Path(folder).exists():
-            raise ReportError(f"{folder} does not exist: give the folders that hold your runs (e.g. outputs/train, or a "
-                              "sweep's folder outputs/train/multiruns/<time>).")
+            raise ReportError(
+                f"{folder} does not exist: give the folders that hold your runs (e.g. outputs/train, or a "
+                "sweep's folder outputs/train/multiruns/<time>)."
+            )
     folders, roots = find_folders(dirs)
     for folder in dirs:
         top = Path(folder).resolve()
         if not any(p == top or top in p.parents for p in [*folders, *roots]):
-            raise ReportError(f"{folder} holds no run: a run folder holds {CONFIG_FILE} (and metrics.json once its run "
-                              "finished), as train.py writes under outputs/train/runs/<time>/; give such folders, a "
-                              "folder above them, or a sweep's folder (with multirun.yaml).")
+            raise ReportError(
+                f"{folder} holds no run: a run folder holds {CONFIG_FILE} (and metrics.json once its run "
+                "finished), as train.py writes under outputs/train/runs/<time>/; give such folders, a "
+                "folder above them, or a sweep's folder (with multirun.yaml)."
+            )
     return folders, roots
 
 
-def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistics: Statistics | None = None,
-                 choose: str = "move them away, or choose a new or empty folder") -> Report:
+def build_report(
+    dirs: list[Path],
+    out: Path,
+    reference: str = "dbsn",
+    statistics: Statistics | None = None,
+    choose: str = "move them away, or choose a new or empty folder",
+) -> Report:
     """Read every run below `dirs` and write the tables, figures and report.md into `out`; paired
     differences against the method `reference`, with `statistics`' bootstrap. `out` must be new,
     empty, or a folder this report wrote before (`ReportFolder`); `choose` ends the refusal of any
@@ -99,11 +108,41 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
             report.warnings.append(f"could not expand the sweep in {show(root)}: {err!r}")
     report.warnings += pool_runs(runs)
     folder.begin()
-    write_csv(report, "runs.csv", ["path", "method", "row", "dataset", "seed", "status", "test/error", "test/ece",
-                                   "train_seconds", "overrides", "note", "slurm_log"],
-              [[show(r.path), r.base_method, r.method, r.dataset, r.seed, r.status, r.metrics.get("test/error"),
-                r.metrics.get("test/ece"), r.train_seconds, " ".join(map(str, r.overrides)), r.note, r.log or ""]
-               for r in runs])
+    write_csv(
+        report,
+        "runs.csv",
+        [
+            "path",
+            "method",
+            "row",
+            "dataset",
+            "seed",
+            "status",
+            "test/error",
+            "test/ece",
+            "train_seconds",
+            "overrides",
+            "note",
+            "slurm_log",
+        ],
+        [
+            [
+                show(r.path),
+                r.base_method,
+                r.method,
+                r.dataset,
+                r.seed,
+                r.status,
+                r.metrics.get("test/error"),
+                r.metrics.get("test/ece"),
+                r.train_seconds,
+                " ".join(map(str, r.overrides)),
+                r.note,
+                r.log or "",
+            ]
+            for r in runs
+        ],
+    )
     ok = report.with_status("ok")
     report.warnings += _reference_notes(ok, reference)
     for run in ok:
@@ -113,18 +152,22 @@ def build_report(dirs: list[Path], out: Path, reference: str = "dbsn", statistic
         found = run.convergence
         if found.get("converged") is False:
             report.unconverged.add(run.method)
-            report.warnings.append(f"{UNCONVERGED_MARK} {run.method} on {run.dataset} (seed {run.seed}) had not converged: its "
-                                   f"training loss's linear fit over its last {found.get('window_epochs')} epochs fell by "
-                                   f"{100 * found['last_tenth_drop']:.0f} % of the final loss across the run's last tenth "
-                                   "(more than 10 %)")
+            report.warnings.append(
+                f"{UNCONVERGED_MARK} {run.method} on {run.dataset} (seed {run.seed}) had not converged: its "
+                f"training loss's linear fit over its last {found.get('window_epochs')} epochs fell by "
+                f"{100 * found['last_tenth_drop']:.0f} % of the final loss across the run's last tenth "
+                "(more than 10 %)"
+            )
     counts = Counter(r.status for r in runs)
     others = "".join(f", {counts[s]} {s}" for s in ("inconsistent", REPEAT) if counts[s])
-    text = (f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(show(Path(d).resolve()) for d in dirs)}: "
-            f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing{others}. "
-            "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables. A row pools only runs that "
-            "differ in their seed alone; a run of another setting is a row of its own, named by what differs "
-            "(see \"Rows and the runs they pool\"). Every row of every table is a row of \"Training budgets\" "
-            "(`budget.md`): the epochs, optimiser steps, images seen and training time its runs cost.\n\n")
+    text = (
+        f"# Results\n\nGenerated {datetime.now():%Y-%m-%d %H:%M} from {', '.join(show(Path(d).resolve()) for d in dirs)}: "
+        f"{len(runs)} runs — {counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing{others}. "
+        "Every run is listed in `runs.csv`; only finished (ok) runs enter the tables. A row pools only runs that "
+        "differ in their seed alone; a run of another setting is a row of its own, named by what differs "
+        "(see \"Rows and the runs they pool\"). Every row of every table is a row of \"Training budgets\" "
+        "(`budget.md`): the epochs, optimiser steps, images seen and training time its runs cost.\n\n"
+    )
     if ok:
         cells = PopulationCells(statistics)  # each run scored once, for every table of test-pass metrics
         text += main_tables(report, ok, cells) + budget_section(report, ok) + tuning_section(report, ok)
@@ -154,9 +197,11 @@ def _reference_notes(ok: list[Run], reference: str) -> list[str]:
     for dataset in sorted({r.dataset for r in ok}):
         rows = {r.method for r in ok if r.dataset == dataset and r.base_method == reference}
         if rows and reference not in rows:
-            notes.append(f"on {dataset}, no row is {reference}: its runs are in rows of different settings "
-                         f"({'; '.join(sorted(rows))}), so no paired differences against it are shown; choose one "
-                         "of them as the reference (dbsn-report --reference '<row>')")
+            notes.append(
+                f"on {dataset}, no row is {reference}: its runs are in rows of different settings "
+                f"({'; '.join(sorted(rows))}), so no paired differences against it are shown; choose one "
+                "of them as the reference (dbsn-report --reference '<row>')"
+            )
     return notes
 
 

@@ -52,5 +52,7 @@ def ce2_differences(method: dict, reference: dict, seeds: list, level: float) ->
         out[row] = CE2Difference(
             seeds={s: tuple(t[:3]) for s, t in tests.items()},
             values=torch.tensor([tests[s].value for s in seeds], dtype=torch.float64),
-            test_cov=test_cov, single=tests[seeds[0]] if len(seeds) == 1 else None)
+            test_cov=test_cov,
+            single=tests[seeds[0]] if len(seeds) == 1 else None,
+        )
     return out

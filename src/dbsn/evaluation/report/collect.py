@@ -14,7 +14,8 @@ import yaml
 from dbsn.evaluation.convergence import convergence
 from dbsn.evaluation.identity import examine
 from dbsn.evaluation.report.folder import ReportFolder
-from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, hydra_choices as _choices, method_and_dataset
+from dbsn.evaluation.runs import CONFIG_FILE, SLURM_FILE, method_and_dataset
+from dbsn.evaluation.runs import hydra_choices as _choices
 
 # <run>/posthoc/<name> is a run of its own; `dbsn-compare --tune`'s tuning runs (never tested) are read from
 # the tuned run's tuning.json, not as runs
@@ -45,7 +46,9 @@ class Run:
     evaluation_settings: dict = field(default_factory=dict)  # an evaluation's metrics.json `settings` (post-hoc runs)
     base_method: str = ""  # the method alone (`method` without the differences of its setting)
     differences: list = field(default_factory=list)  # `key=value` of its setting that differ from its method's main one
-    evaluation_differences: list = field(default_factory=list)  # those of them that are its evaluation's (post-hoc runs)
+    evaluation_differences: list = field(
+        default_factory=list
+    )  # those of them that are its evaluation's (post-hoc runs)
     stale: str | None = None  # why its evaluation/ is of an earlier checkpoint of the run (`identity.examine`)
     budget: dict = field(default_factory=dict)  # what its training consumed (`training_budget`; post hoc: its run's)
 
@@ -59,7 +62,9 @@ class Report:
     runs: list[Run]
     files: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    summary: list[str] = field(default_factory=list)  # one line per finding the console repeats (indistinguishable differences)
+    summary: list[str] = field(
+        default_factory=list
+    )  # one line per finding the console repeats (indistinguishable differences)
     unconverged: set[str] = field(default_factory=set)  # methods with a run whose training had not converged: marked ‡
     folder: ReportFolder | None = None  # the manifest of the files written (None: not kept, e.g. a section's test)
 
@@ -75,8 +80,15 @@ def _yaml(path: Path):
 def load_run(folder: Path) -> Run:
     config = _yaml(folder / CONFIG_FILE) or _yaml(folder / ".hydra" / "config.yaml") or {}
     method, dataset = method_and_dataset(folder, config)
-    run = Run(folder, method, dataset, config.get("seed"), "failed",
-              overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [], config=config)
+    run = Run(
+        folder,
+        method,
+        dataset,
+        config.get("seed"),
+        "failed",
+        overrides=_yaml(folder / ".hydra" / "overrides.yaml") or [],
+        config=config,
+    )
     metrics = folder / "metrics.json"
     slurm = _json(folder / SLURM_FILE)
     if not (folder / CONFIG_FILE).is_file():
@@ -96,7 +108,9 @@ def load_run(folder: Path) -> Run:
                 run.convergence = convergence(run.convergence["epoch_losses"])
             run.tuning = _json(folder / "tuning.json") or {}
             # a posthoc=temperature run of an earlier version names no calibrator
-            run.calibrator = record.get("calibrator") or ("temperature" if record.get("posthoc") == "temperature" else None)
+            run.calibrator = record.get("calibrator") or (
+                "temperature" if record.get("posthoc") == "temperature" else None
+            )
             run.evaluation_settings = dict(record.get("settings") or {})
             trained = _json(folder.parent.parent / "metrics.json") if folder.parent.name == "posthoc" else record
             run.budget = training_budget(trained or {})
@@ -167,8 +181,11 @@ def expected_jobs(root: Path) -> list[dict[str, str]]:
     args += list((hydra_cfg.get("overrides") or {}).get("task") or [])
     axes = {}
     for override in _parse_overrides(args):
-        axes[override.get_key_element()] = (list(override.sweep_string_iterator()) if override.is_sweep_override()
-                                            else [override.get_value_element_as_str()])
+        axes[override.get_key_element()] = (
+            list(override.sweep_string_iterator())
+            if override.is_sweep_override()
+            else [override.get_value_element_as_str()]
+        )
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
@@ -196,7 +213,15 @@ def missing_runs(root: Path, runs: list[Run]) -> list[Run]:
     missing = []
     for combo in expected_jobs(root):
         if not any(all(job.get(k) == v for k, v in combo.items()) for job in jobs):
-            missing.append(Run(root, _expected_method(combo, choices), combo.get("data", choices.get("data", "?")),
-                               combo.get("seed", multirun.get("seed")), "missing",
-                               overrides=[f"{k}={v}" for k, v in combo.items()], note="no job folder"))
+            missing.append(
+                Run(
+                    root,
+                    _expected_method(combo, choices),
+                    combo.get("data", choices.get("data", "?")),
+                    combo.get("seed", multirun.get("seed")),
+                    "missing",
+                    overrides=[f"{k}={v}" for k, v in combo.items()],
+                    note="no job folder",
+                )
+            )
     return missing

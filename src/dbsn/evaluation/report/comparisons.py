@@ -53,17 +53,34 @@ from dbsn.evaluation.interval_rule import OUTSIDE_NOTE, shown_interval
 from dbsn.evaluation.report.ce2_pairs import CE2_ROWS, ce2_differences
 from dbsn.evaluation.report.collect import Report, Run
 from dbsn.evaluation.report.format import DATASET_ORDER, fmt, md_table, mean_std, order
-from dbsn.evaluation.report.seeds import (SeedLevel, combine_seeds, holm_note, holm_reachable, holm_threshold,
-                                         resampled_covariance)
+from dbsn.evaluation.report.seeds import (
+    SeedLevel,
+    combine_seeds,
+    holm_note,
+    holm_reachable,
+    holm_threshold,
+    resampled_covariance,
+)
 from dbsn.evaluation.report.writer import write_section
 from dbsn.evaluation.statistics import PREDICTIONS_FILE, Statistics, calibrate, intervals_of
-from dbsn.metrics.ensemble_equivalent import (METHOD_RUNS, deep_ensemble_equivalent,
-                                             deep_ensemble_equivalent_interval, equivalent_interval)
 from dbsn.methods.registry import METHOD_ORDER
+from dbsn.metrics.ensemble_equivalent import (
+    METHOD_RUNS,
+    deep_ensemble_equivalent,
+    deep_ensemble_equivalent_interval,
+    equivalent_interval,
+)
 from dbsn.metrics.intervals import weighted_brier, weighted_error, weighted_nll, weighted_squared_calibration_error
 
-__all__ = ["PAIRED_METRICS", "SeedLevel", "combine_seeds", "equivalent_section", "holm", "paired_differences",
-           "paired_section"]
+__all__ = [
+    "PAIRED_METRICS",
+    "SeedLevel",
+    "combine_seeds",
+    "equivalent_section",
+    "holm",
+    "paired_differences",
+    "paired_section",
+]
 
 #: (label, statistic of (log-probabilities, calibrated log-probabilities or None, targets, weights))
 PAIRED_METRICS = {
@@ -72,7 +89,9 @@ PAIRED_METRICS = {
     "Brier": lambda lp, cal, y, w: weighted_brier(lp.exp(), y, w),
     "CE²": lambda lp, cal, y, w: weighted_squared_calibration_error(lp.exp(), y, w),
     "calibrated NLL": lambda lp, cal, y, w: None if cal is None else weighted_nll(cal, y, w),
-    "calibrated CE²": lambda lp, cal, y, w: None if cal is None else weighted_squared_calibration_error(cal.exp(), y, w),
+    "calibrated CE²": lambda lp, cal, y, w: (
+        None if cal is None else weighted_squared_calibration_error(cal.exp(), y, w)
+    ),
 }
 
 
@@ -93,8 +112,9 @@ def load_predictions(run: Run) -> dict[str, torch.Tensor] | None:
 def _metric_rows(predictions: dict[str, torch.Tensor], weights: torch.Tensor) -> dict[str, torch.Tensor]:
     log_probs, targets = predictions["log_probs"], predictions["targets"]
     calibrated = predictions.get("calibrated_log_probs")
-    rows = {name: f(log_probs, calibrated, targets, weights) for name, f in PAIRED_METRICS.items()
-            if name not in CE2_ROWS}  # CE² is paired by its own test (`ce2_differences`), not resampled
+    rows = {
+        name: f(log_probs, calibrated, targets, weights) for name, f in PAIRED_METRICS.items() if name not in CE2_ROWS
+    }  # CE² is paired by its own test (`ce2_differences`), not resampled
     return {k: v for k, v in rows.items() if v is not None}
 
 
@@ -174,8 +194,11 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         found = {}
         for method in order({m for m, d in by_cell if d == dataset} - {reference}, METHOD_ORDER):
             runs = _predictions_by_seed(by_cell[method, dataset])
-            usable = {s: _same_calibration(p, reference_runs[s]) for s, p in runs.items() if s in reference_runs
-                      and torch.equal(p["targets"], reference_runs[s]["targets"])}
+            usable = {
+                s: _same_calibration(p, reference_runs[s])
+                for s, p in runs.items()
+                if s in reference_runs and torch.equal(p["targets"], reference_runs[s]["targets"])
+            }
             if usable:
                 found[method] = paired_differences(usable, reference_runs, statistics)
         family = [(m, name) for m, metrics in found.items() for name in metrics]
@@ -195,23 +218,45 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
                 needs = holm_threshold(len(family), d["df"])
                 p_text = f"{d['p']:.3f}" + (f" (Holm needs \\|t\\| ≥ {needs:.1f})" if unreachable[method, name] else "")
                 rows.append([method, name, f"{_interval_text(value, low, high)} {mark}".strip(), *per_seed, p_text])
-                csv_rows.append([dataset, method, name, value, low, high, d["p"], excludes, rejected[method, name],
-                                 json.dumps({str(s): v for s, v in d["seeds"].items()}), d["df"], 0.05 / len(family),
-                                 needs, not unreachable[method, name]])
+                csv_rows.append(
+                    [
+                        dataset,
+                        method,
+                        name,
+                        value,
+                        low,
+                        high,
+                        d["p"],
+                        excludes,
+                        rejected[method, name],
+                        json.dumps({str(s): v for s, v in d["seeds"].items()}),
+                        d["df"],
+                        0.05 / len(family),
+                        needs,
+                        not unreachable[method, name],
+                    ]
+                )
                 if not excludes:
                     same.append(f"{method} {name}")
-        text += (f"### {dataset}: method − {reference}\n\n"
-                 + md_table(["method", "metric", "difference [95 %] (all seeds)", *(f"seed {s}" for s in seeds), "p"], rows)
-                 + "\n")
-        line = (f"{dataset}: indistinguishable from {reference} (95 % interval holds 0): "
-                + (", ".join(same) if same else "none") + ".")
+        text += (
+            f"### {dataset}: method − {reference}\n\n"
+            + md_table(["method", "metric", "difference [95 %] (all seeds)", *(f"seed {s}" for s in seeds), "p"], rows)
+            + "\n"
+        )
+        line = (
+            f"{dataset}: indistinguishable from {reference} (95 % interval holds 0): "
+            + (", ".join(same) if same else "none")
+            + "."
+        )
         summary.append(line)
         note = holm_note(len(family), [dfs[key] for key in family if unreachable[key]])
         text += line + "\n\n" + (note + "\n\n" if note else "")
     if not text:
         return ""
     text = write_section(
-        report, "paired", f"Paired differences against {reference}",
+        report,
+        "paired",
+        f"Paired differences against {reference}",
         f"Every method against {reference} on the same test examples (a paired bootstrap: both scored on the same "
         "resamples), method − reference, so a negative difference in error, NLL, Brier or CE² favours the method. CE² "
         "is the unbiased squared calibration error, paired by its own test rather than the bootstrap (its variance as a "
@@ -223,8 +268,25 @@ def paired_section(report: Report, ok: list[Run], reference: str = "dbsn", stati
         "0.05); where Holm's first step needs a |t| out of reach at the comparison's few seeds (more than twice the "
         "|t| it needs with the noise known), the p column gives that |t| and a note below the table says so. Choose "
         "the reference with `--reference` (`report.reference=<method>` in a sweep).",
-        text, ["dataset", "method", "metric", "difference", "low", "high", "p", "excludes_zero", "holm_rejected",
-               "per_seed", "df", "holm_needs_p", "holm_needs_t", "holm_reachable"], csv_rows)
+        text,
+        [
+            "dataset",
+            "method",
+            "metric",
+            "difference",
+            "low",
+            "high",
+            "p",
+            "excludes_zero",
+            "holm_rejected",
+            "per_seed",
+            "df",
+            "holm_needs_p",
+            "holm_needs_t",
+            "holm_reachable",
+        ],
+        csv_rows,
+    )
     report.summary.extend(summary)
     return text
 
@@ -272,16 +334,20 @@ def _calibrated_nll(run: Run, statistics: Statistics) -> tuple[torch.Tensor, tor
     return targets, -calibrated.gather(1, targets[:, None])[:, 0]
 
 
-def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ensemble",
-                       statistics: Statistics | None = None) -> str:
+def equivalent_section(
+    report: Report, ok: list[Run], ensemble: str = "deep_ensemble", statistics: Statistics | None = None
+) -> str:
     """The deep-ensemble equivalent of every method on each dataset with a deep ensemble whose
     ablation has calibrated NLLs (module docstring)."""
     statistics = statistics or Statistics()
     rows, csv_rows = [], []
     backbone = lambda name: name.partition("@")[2].partition("+")[0]  # noqa: E731 - "" on DBSN's cell network
     shown = lambda v: "> " + str(sizes[-1]) if v == float("inf") else f"{v:.2f}"  # noqa: E731
-    for dataset, on in ((d, b) for d in order({r.dataset for r in ok}, DATASET_ORDER)
-                        for b in sorted({backbone(r.method) for r in ok if r.dataset == d})):
+    for dataset, on in (
+        (d, b)
+        for d in order({r.dataset for r in ok}, DATASET_ORDER)
+        for b in sorted({backbone(r.method) for r in ok if r.dataset == d})
+    ):
         # each backbone's methods against the deep ensemble of the same backbone
         name = f"{ensemble}@{on}" if on else ensemble
         found = [(r, c) for r in ok if r.method == name and r.dataset == dataset if (c := _ensemble_curve(r))]
@@ -312,27 +378,34 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
                 dee = low = high = float(sizes[-1])
                 leaves_out = ()
             elif saved and all(torch.equal(t, targets) for t in ensemble_targets for targets, _ in per_example):
-                dee, low, high, leaves_out = equivalent_interval(torch.stack([nll for _, nll in per_example]),
-                                                                 torch.stack(examples), sizes, statistics.level)
+                dee, low, high, leaves_out = equivalent_interval(
+                    torch.stack([nll for _, nll in per_example]), torch.stack(examples), sizes, statistics.level
+                )
             else:  # the method's NLL interval through the curve, taken as exact
                 best = min(curve)  # the ensemble's own NLL, recomputed from its float32 predictions, is the curve's end
                 snap = lambda v: best if abs(v - best) <= 1e-6 * max(1.0, abs(best)) else v  # noqa: E731
                 dee = deep_ensemble_equivalent(snap(cell.mean), sizes, curve)
-                low, high = ((None, None) if cell.low is None else
-                             deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve))
-                leaves_out = (OTHER_EXAMPLES if saved else UNSAVED_CURVE,
-                              *((METHOD_RUNS,) if len(values) == 1 else ()))
+                low, high = (
+                    (None, None)
+                    if cell.low is None
+                    else deep_ensemble_equivalent_interval(snap(cell.low), snap(cell.high), sizes, curve)
+                )
+                leaves_out = (OTHER_EXAMPLES if saved else UNSAVED_CURVE, *((METHOD_RUNS,) if len(values) == 1 else ()))
             text = shown(dee)
             if low is not None:
                 low, high, misses = shown_interval("deep_ensemble_equivalent", dee, low, high)
                 text += f" [{shown(low)}, {shown(high)}]" + (f" {OUTSIDE_NOTE}" if misses else "")
-            left_out = "; ".join(leaves_out) or ("nothing (its own size, by definition)" if method == name else "nothing")
+            left_out = "; ".join(leaves_out) or (
+                "nothing (its own size, by definition)" if method == name else "nothing"
+            )
             rows.append([method, dataset, fmt(cell, 4, "calibrated_nll"), text, left_out])
             csv_rows.append([method, dataset, cell.mean, cell.low, cell.high, dee, low, high, "; ".join(leaves_out)])
     if not rows:
         return ""
     return write_section(
-        report, "equivalent", "Deep-ensemble equivalent",
+        report,
+        "equivalent",
+        "Deep-ensemble equivalent",
         "The number of networks a deep ensemble needs to reach each method's calibrated NLL (Ashukha et al. 2020), "
         "interpolated between ensemble sizes; 1 means no better than one network, `> M` better than the largest "
         "ensemble measured. Both NLLs are calibrated by test-time 2-fold cross-validation. The 95 % interval holds "
@@ -341,7 +414,10 @@ def equivalent_section(report: Report, ok: list[Run], ensemble: str = "deep_ense
         "(`dbsn.metrics.ensemble_equivalent`). A side with one run has no spread across runs to measure: the last "
         "column names what an interval leaves out, and an interval that leaves anything out is a lower bound on the "
         "uncertainty.",
-        md_table(["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent", "the interval leaves out"],
-                 rows) + "\n",
+        md_table(
+            ["method", "dataset", "calibrated NLL (CV)", "deep-ensemble equivalent", "the interval leaves out"], rows
+        )
+        + "\n",
         ["method", "dataset", "calibrated_nll", "nll_low", "nll_high", "dee", "dee_low", "dee_high", "leaves_out"],
-        csv_rows)
+        csv_rows,
+    )

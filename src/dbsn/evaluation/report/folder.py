@@ -46,9 +46,9 @@ class ReportFolder:
     path: Path
     choose: str = "choose a new or empty folder"
     previous: dict[str, str | None] = field(default_factory=dict)  # the last report's files, by name
-    written: dict[str, str | None] = field(default_factory=dict)   # this report's, by name (None: being written)
+    written: dict[str, str | None] = field(default_factory=dict)  # this report's, by name (None: being written)
 
-    def check(self) -> "ReportFolder":
+    def check(self) -> ReportFolder:
         """Refuse, naming the files, a folder that holds anything this report did not write."""
         out = Path(self.path)
         if out.exists() and not out.is_dir():
@@ -58,19 +58,30 @@ class ReportFolder:
             return self
         manifest = self._manifest()
         if manifest is None:
-            raise ReportError(f"{out} holds files the report did not write ({_listing(entries)}): the report never "
-                              f"writes over them; {self.choose}.")
+            raise ReportError(
+                f"{out} holds files the report did not write ({_listing(entries)}): the report never "
+                f"writes over them; {self.choose}."
+            )
         files = manifest["files"]
         foreign = [name for name in entries if name != MANIFEST and name not in files]
         if foreign:
-            raise ReportError(f"{out} holds files the report did not write ({_listing(foreign)}) beside an earlier "
-                              f"report: the report never writes over them; move them away, or {self.choose}.")
-        changed = [name for name in entries if name != MANIFEST and files.get(name) is not None
-                   and ((out / name).is_dir() or _sha256(out / name) != files[name])]
+            raise ReportError(
+                f"{out} holds files the report did not write ({_listing(foreign)}) beside an earlier "
+                f"report: the report never writes over them; move them away, or {self.choose}."
+            )
+        changed = [
+            name
+            for name in entries
+            if name != MANIFEST
+            and files.get(name) is not None
+            and ((out / name).is_dir() or _sha256(out / name) != files[name])
+        ]
         if changed:
-            raise ReportError(f"{out} holds an earlier report whose files were changed since it wrote them "
-                              f"({_listing(changed)}): the report never writes over them; move them away, or "
-                              f"{self.choose}.")
+            raise ReportError(
+                f"{out} holds an earlier report whose files were changed since it wrote them "
+                f"({_listing(changed)}): the report never writes over them; move them away, or "
+                f"{self.choose}."
+            )
         self.previous = {name: files[name] for name in entries if name in files}
         return self
 
@@ -79,7 +90,11 @@ class ReportFolder:
             found = json.loads((Path(self.path) / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(found, dict) or found.get("written_by") != _WRITER or not isinstance(found.get("files"), dict):
+        if (
+            not isinstance(found, dict)
+            or found.get("written_by") != _WRITER
+            or not isinstance(found.get("files"), dict)
+        ):
             return None
         return found
 

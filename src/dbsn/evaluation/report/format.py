@@ -35,6 +35,7 @@ def order(names, canonical) -> list[str]:
         base = base + (f"+{posthoc}" if posthoc else "")
         group = backbones.index(backbone) if backbone in backbones else len(backbones)
         return (group, backbone, canonical.index(base) if base in canonical else len(canonical), base, differences)
+
     return sorted(set(names), key=key)
 
 
@@ -42,12 +43,18 @@ def order(names, canonical) -> list[str]:
 #: common resamples of the runs' test examples (`predictions.npz`); the same with that noise at its upper bound,
 #: from each run's interval alone; one run's test set alone; the seeds alone (no test-set noise known)
 SEEDS_AND_TEST, SEEDS_AND_TEST_BOUND, TEST_ONLY, SEEDS_ONLY = (
-    "seeds and test set", "seeds and test set (bound)", "test set only", "seeds only")
+    "seeds and test set",
+    "seeds and test set (bound)",
+    "test set only",
+    "seeds only",
+)
 #: the mark `fmt` puts after an interval that is not measured over the seeds and the test set, and what it means
 INTERVAL_MARKS = {SEEDS_AND_TEST_BOUND: "§", SEEDS_ONLY: "¶"}
-INTERVAL_MARKS_NOTE = ("§: the test set's noise the seeds share is at its upper bound (each run's interval, "
-                       "the seeds' noises taken as fully correlated: no per-example data), a conservative interval; "
-                       "¶: over the seeds alone, leaving out any noise of a test set they share.")
+INTERVAL_MARKS_NOTE = (
+    "§: the test set's noise the seeds share is at its upper bound (each run's interval, "
+    "the seeds' noises taken as fully correlated: no per-example data), a conservative interval; "
+    "¶: over the seeds alone, leaving out any noise of a test set they share."
+)
 
 
 class Cell(NamedTuple):
@@ -74,7 +81,7 @@ def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     from scipy.stats import t
 
     mean, std, n = statistics.fmean(values), statistics.stdev(values), len(values)
-    half = float(t.ppf((1 + level) / 2, n - 1)) * std / n ** 0.5
+    half = float(t.ppf((1 + level) / 2, n - 1)) * std / n**0.5
     return mean - half, mean + half
 
 
@@ -96,8 +103,13 @@ def mean_std(values, intervals=None, level: float = 0.95) -> Cell:
     if len(values) > 1:
         if intervals is not None and len(intervals) == len(values) and all(b is not None for b in intervals):
             return seed_cell(values, bounded_covariance(intervals, level), level, SEEDS_AND_TEST_BOUND)
-        return Cell(statistics.fmean(values), statistics.stdev(values), len(values), *t_interval(values, level),
-                    "" if intervals is None else SEEDS_ONLY)
+        return Cell(
+            statistics.fmean(values),
+            statistics.stdev(values),
+            len(values),
+            *t_interval(values, level),
+            "" if intervals is None else SEEDS_ONLY,
+        )
     bounds = (intervals or [None])[0]
     if bounds is None:
         return Cell(values[0], None, 1)

@@ -35,14 +35,22 @@ REPEAT = "repeat"
 
 #: config keys (and everything below them) that do not change what a run trained or tested
 NOT_THE_RUN = (
-    "seed", *OUTSIDE_THE_RUN,
-    "callbacks.model_checkpoint", "callbacks.lr_monitor", "callbacks.progress_bar", "callbacks.structure_posterior",
-    "callbacks.timer.verbose", "callbacks.timer.interval",
-    "trainer.barebones", "trainer.num_sanity_val_steps",
-    "model.prediction.samples_per_forward", "model.prediction.rows_per_forward",
-    "model.train_samples_per_forward", "model.bn_recalibration.batch_size",
+    "seed",
+    *OUTSIDE_THE_RUN,
+    "callbacks.model_checkpoint",
+    "callbacks.lr_monitor",
+    "callbacks.progress_bar",
+    "callbacks.structure_posterior",
+    "callbacks.timer.verbose",
+    "callbacks.timer.interval",
+    "trainer.barebones",
+    "trainer.num_sanity_val_steps",
+    "model.prediction.samples_per_forward",
+    "model.prediction.rows_per_forward",
+    "model.train_samples_per_forward",
+    "model.bn_recalibration.batch_size",
     "model.prediction.n_samples",  # S as tested is metrics.json's (`S`)
-    "posthoc",                     # a post-hoc posterior's name is in its method's name; its settings are its evaluation's
+    "posthoc",  # a post-hoc posterior's name is in its method's name; its settings are its evaluation's
 )
 #: what metrics.json says was tested, after the config's keys; a fact is named only where the key that sets it is not
 FACTS = {"S": (), "epochs": ("trainer.max_epochs",)}
@@ -79,7 +87,9 @@ def setting_of(run: Run) -> dict[str, str]:
 
 def _evaluation_setting(run: Run) -> dict[str, str]:
     """A post-hoc posterior's run's evaluation: S and the evaluation's own settings."""
-    setting = {k: _text(v) for k, v in flatten_config(run.evaluation_settings).items() if not _ignored(k, _SAME_AS_FACT)}
+    setting = {
+        k: _text(v) for k, v in flatten_config(run.evaluation_settings).items() if not _ignored(k, _SAME_AS_FACT)
+    }
     if run.n_samples is not None:
         setting["S"] = _text(run.n_samples)
     return setting
@@ -132,7 +142,9 @@ def row_name(method: str, differences: list[str]) -> str:
     """`method (a=1, b=2, c=3, +2 more)`: a row named by what differs (at most `NAME_KEYS` keys); `method` for none."""
     if not differences:
         return method
-    shown = differences[:NAME_KEYS] + ([f"+{len(differences) - NAME_KEYS} more"] if len(differences) > NAME_KEYS else [])
+    shown = differences[:NAME_KEYS] + (
+        [f"+{len(differences) - NAME_KEYS} more"] if len(differences) > NAME_KEYS else []
+    )
     return f"{method} ({', '.join(shown)})"
 
 
@@ -158,8 +170,10 @@ def pool_runs(runs: list[Run]) -> list[str]:
         for run in group:
             run.differences = labels[id(run)]
         if not most:
-            notes.append(f"{method} on {dataset}: no setting has more of its runs than every other, so its rows are "
-                         "named by what differs from the value of each key that most of its runs share")
+            notes.append(
+                f"{method} on {dataset}: no setting has more of its runs than every other, so its rows are "
+                "named by what differs from the value of each key that most of its runs share"
+            )
     evaluated = defaultdict(list)
     for run in ok:
         if Path(run.path).parent.name == "posthoc":
@@ -167,8 +181,10 @@ def pool_runs(runs: list[Run]) -> list[str]:
             inherited = tuple(parent.differences) if parent is not None and parent.status == "ok" else None
             evaluated[run.method, run.dataset, inherited].append(run)
     for (method, dataset, inherited), group in evaluated.items():
+
         def setting(run: Run, known=inherited is not None) -> dict[str, str]:
             return _evaluation_setting(run) if known else {**setting_of(run), **_evaluation_setting(run)}
+
         labels, _ = _labels(group, setting)
         for run in group:
             run.evaluation_differences = labels[id(run)]
@@ -206,8 +222,12 @@ def _mark_repeats(runs: list[Run]) -> list[str]:
         kept, *others = sorted(group, key=_newest, reverse=True)
         for run in others:
             run.status = REPEAT
-            run.note = (f"a repeat of {kept.path} (the same setting and seed {seed}): a repeat is not another seed, "
-                        "so the tables use the newest run alone")
-        notes.append(f"{method} on {dataset}, seed {seed}: {len(group)} runs with the same setting and seed are "
-                     f"repeats, not seeds; the tables use the newest ({kept.path}), the others are listed as repeats")
+            run.note = (
+                f"a repeat of {kept.path} (the same setting and seed {seed}): a repeat is not another seed, "
+                "so the tables use the newest run alone"
+            )
+        notes.append(
+            f"{method} on {dataset}, seed {seed}: {len(group)} runs with the same setting and seed are "
+            f"repeats, not seeds; the tables use the newest ({kept.path}), the others are listed as repeats"
+        )
     return notes

@@ -55,9 +55,14 @@ class PopulationCells:
         targets = predictions["targets"]
         if len(targets) not in self._weights:
             self._weights[len(targets)] = self._bootstrap.weights(len(targets))  # the same resamples for every run
-        scores = {k[len(_SCORE_PREFIX):]: v for k, v in predictions.items() if k.startswith(_SCORE_PREFIX)}
-        return classification_statistics(predictions["log_probs"], targets, scores,
-                                         self._weights[len(targets)], predictions.get("calibrated_log_probs"))
+        scores = {k[len(_SCORE_PREFIX) :]: v for k, v in predictions.items() if k.startswith(_SCORE_PREFIX)}
+        return classification_statistics(
+            predictions["log_probs"],
+            targets,
+            scores,
+            self._weights[len(targets)],
+            predictions.get("calibrated_log_probs"),
+        )
 
     def cell(self, runs: list[Run], key: str, scale: float = 1.0) -> Cell:
         """The cell of metric `key` (scaled) over `runs` (one per seed, each with `key` in its metrics):
@@ -66,8 +71,7 @@ class PopulationCells:
         level = float(self.statistics.level)
         if len(runs) > 1:
             found = [self.resampled(r) for r in runs]
-            if all(f is not None and key in f[1] for f in found) and all(
-                    torch.equal(f[0], found[0][0]) for f in found):
+            if all(f is not None and key in f[1] for f in found) and all(torch.equal(f[0], found[0][0]) for f in found):
                 rows = torch.stack([f[1][key][1:] for f in found])
-                return seed_cell(values, scale ** 2 * resampled_covariance(rows), level)
+                return seed_cell(values, scale**2 * resampled_covariance(rows), level)
         return mean_std(values, [run_bounds(r, key, scale) for r in runs], level)

@@ -28,8 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import (DATASET_ORDER, INTERVAL_MARKS_NOTE, fmt, md_table, mean_std, order,
-                                          run_bounds)
+from dbsn.evaluation.report.format import DATASET_ORDER, INTERVAL_MARKS_NOTE, fmt, md_table, mean_std, order, run_bounds
 from dbsn.evaluation.report.writer import write_csv
 
 
@@ -62,8 +61,14 @@ PUBLISHED: dict[tuple[str, str], dict[str, Published]] = {
         "deep_ensemble": Published("deep ensemble (4)", 96.6, 0.114, 0.010, 77.9, 0.81, 0.087),
         "bbb": Published("mean-field VI (1 sample)", 94.7, 0.211, 0.029, 71.3, 1.46, 0.181),
         "map_fixed+swag": Published("SWAG", 96.41, 0.1122, source="Izmailov et al. 2019, 300 epochs"),
-        "ddu": Published("DDU (GMM density)", 95.97, ece=0.0085, svhn_auroc=98.09, svhn_score="gda",
-                         source="Mukhoti et al., omegafragger/DDU README (SN + architecture changes, 350 epochs, 5 runs)"),
+        "ddu": Published(
+            "DDU (GMM density)",
+            95.97,
+            ece=0.0085,
+            svhn_auroc=98.09,
+            svhn_score="gda",
+            source="Mukhoti et al., omegafragger/DDU README (SN + architecture changes, 350 epochs, 5 runs)",
+        ),
     },
     ("cifar100", "wrn28_10"): {
         "map_fixed": Published(_DETERMINISTIC, 79.8, 0.875, 0.0857),
@@ -105,8 +110,11 @@ def _shift_means(run: Run) -> dict[str, float] | None:
     rows = json.loads(path.read_text()).get("rows") or []
     if not rows:
         return None
-    return {"c_accuracy": 100.0 * (1.0 - float(np.mean([r["error"] for r in rows]))),
-            "c_nll": float(np.mean([r["nll"] for r in rows])), "c_ece": float(np.mean([r["ece"] for r in rows]))}
+    return {
+        "c_accuracy": 100.0 * (1.0 - float(np.mean([r["error"] for r in rows]))),
+        "c_nll": float(np.mean([r["nll"] for r in rows])),
+        "c_ece": float(np.mean([r["ece"] for r in rows])),
+    }
 
 
 def _svhn_auroc(run: Run, score: str | None) -> tuple[float, list[float] | None] | None:
@@ -141,41 +149,104 @@ def published_section(report: Report, ok: list[Run]) -> str:
             runs[r.method, r.dataset].append(r)
     if not runs:
         return ""
-    header = ["method", "dataset", "published as", "accuracy (%)", "published", "NLL", "published", "ECE", "published",
-              "cA (%)", "published", "cNLL", "published", "cECE", "published", "SVHN AUROC (%)", "published", "source"]
+    header = [
+        "method",
+        "dataset",
+        "published as",
+        "accuracy (%)",
+        "published",
+        "NLL",
+        "published",
+        "ECE",
+        "published",
+        "cA (%)",
+        "published",
+        "cNLL",
+        "published",
+        "cECE",
+        "published",
+        "SVHN AUROC (%)",
+        "published",
+        "source",
+    ]
     rows, csv_rows = [], []
     for dataset in order({d for _, d in runs}, DATASET_ORDER):
         for method in sorted({m for m, d in runs if d == dataset}):
             group, pub = runs[method, dataset], published_row(method, dataset)
             error = [r for r in group if "test/error" in r.metrics]
-            accuracy = mean_std([100.0 * (1.0 - r.metrics["test/error"]) for r in error],
-                                [None if (b := run_bounds(r, "test/error", 100.0)) is None else [100.0 - b[1], 100.0 - b[0]]
-                                 for r in error]) if error else None
+            accuracy = (
+                mean_std(
+                    [100.0 * (1.0 - r.metrics["test/error"]) for r in error],
+                    [
+                        None if (b := run_bounds(r, "test/error", 100.0)) is None else [100.0 - b[1], 100.0 - b[0]]
+                        for r in error
+                    ],
+                )
+                if error
+                else None
+            )
             nll, ece = (_cell(group, key) for key in ("test/nll", "test/ece"))
             shifts = [s for s in (_shift_means(r) for r in group) if s]
             shifted = {k: mean_std([s[k] for s in shifts]) for k in ("c_accuracy", "c_nll", "c_ece")} if shifts else {}
             aurocs = [a for a in (_svhn_auroc(r, pub.svhn_score) for r in group) if a]
             auroc = mean_std([a[0] for a in aurocs], [a[1] for a in aurocs]) if aurocs else None
-            rows.append([method, dataset, pub.name, fmt(accuracy, 2, "accuracy", 100.0), _published(pub.accuracy, 2),
-                         fmt(nll, 3, "nll"),
-                         _published(pub.nll, 3), fmt(ece, 4, "ece"), _published(pub.ece, 4),
-                         fmt(shifted.get("c_accuracy"), 1, "accuracy", 100.0), _published(pub.c_accuracy, 1),
-                         fmt(shifted.get("c_nll"), 3, "nll"), _published(pub.c_nll, 3),
-                         fmt(shifted.get("c_ece"), 3, "ece"), _published(pub.c_ece, 3),
-                         fmt(auroc, 2, "auroc", 100.0) + (f" ({pub.svhn_score})" if auroc else ""),
-                         _published(pub.svhn_auroc, 2), pub.source])
-            csv_rows.append([method, dataset, pub.name, accuracy and accuracy.mean, pub.accuracy, nll and nll.mean, pub.nll,
-                             ece and ece.mean, pub.ece, shifted.get("c_accuracy") and shifted["c_accuracy"].mean,
-                             pub.c_accuracy, shifted.get("c_nll") and shifted["c_nll"].mean, pub.c_nll,
-                             shifted.get("c_ece") and shifted["c_ece"].mean, pub.c_ece, auroc and auroc.mean,
-                             pub.svhn_auroc, pub.source])
-    write_csv(report, "published.csv", [h if h != "published" else f"published_{header[i - 1]}" for i, h in enumerate(header)],
-              csv_rows)
-    return ("## Beside the published figures\n\n"
-            "Runs on the field's backbones next to the figures their authors published for the same method and "
-            "backbone (uncertainty-baselines' WideResNet-28-10 table, ensembles of 4; ResNet-18: the deterministic "
-            "200-epoch figures; the methods' own papers for cSG-MCMC and DDU; each row's source). Ours: mean ± std "
-            "[95 % interval] (seeds). " + INTERVAL_MARKS_NOTE + " Corrupted-data columns: means over every corruption "
-            "and severity of the run's shift evaluation. SVHN AUROC: the AUROC of the score in brackets (DDU's "
-            "feature density `gda`) in the run's OOD evaluation with ood=svhn. Set-ups differ between sources; a gap "
-            "is a question to ask, not a verdict.\n\n" + md_table(header, rows) + "\n")
+            rows.append(
+                [
+                    method,
+                    dataset,
+                    pub.name,
+                    fmt(accuracy, 2, "accuracy", 100.0),
+                    _published(pub.accuracy, 2),
+                    fmt(nll, 3, "nll"),
+                    _published(pub.nll, 3),
+                    fmt(ece, 4, "ece"),
+                    _published(pub.ece, 4),
+                    fmt(shifted.get("c_accuracy"), 1, "accuracy", 100.0),
+                    _published(pub.c_accuracy, 1),
+                    fmt(shifted.get("c_nll"), 3, "nll"),
+                    _published(pub.c_nll, 3),
+                    fmt(shifted.get("c_ece"), 3, "ece"),
+                    _published(pub.c_ece, 3),
+                    fmt(auroc, 2, "auroc", 100.0) + (f" ({pub.svhn_score})" if auroc else ""),
+                    _published(pub.svhn_auroc, 2),
+                    pub.source,
+                ]
+            )
+            csv_rows.append(
+                [
+                    method,
+                    dataset,
+                    pub.name,
+                    accuracy and accuracy.mean,
+                    pub.accuracy,
+                    nll and nll.mean,
+                    pub.nll,
+                    ece and ece.mean,
+                    pub.ece,
+                    shifted.get("c_accuracy") and shifted["c_accuracy"].mean,
+                    pub.c_accuracy,
+                    shifted.get("c_nll") and shifted["c_nll"].mean,
+                    pub.c_nll,
+                    shifted.get("c_ece") and shifted["c_ece"].mean,
+                    pub.c_ece,
+                    auroc and auroc.mean,
+                    pub.svhn_auroc,
+                    pub.source,
+                ]
+            )
+    write_csv(
+        report,
+        "published.csv",
+        [h if h != "published" else f"published_{header[i - 1]}" for i, h in enumerate(header)],
+        csv_rows,
+    )
+    return (
+        "## Beside the published figures\n\n"
+        "Runs on the field's backbones next to the figures their authors published for the same method and "
+        "backbone (uncertainty-baselines' WideResNet-28-10 table, ensembles of 4; ResNet-18: the deterministic "
+        "200-epoch figures; the methods' own papers for cSG-MCMC and DDU; each row's source). Ours: mean ± std "
+        "[95 % interval] (seeds). " + INTERVAL_MARKS_NOTE + " Corrupted-data columns: means over every corruption "
+        "and severity of the run's shift evaluation. SVHN AUROC: the AUROC of the score in brackets (DDU's "
+        "feature density `gda`) in the run's OOD evaluation with ood=svhn. Set-ups differ between sources; a gap "
+        "is a question to ask, not a verdict.\n\n" + md_table(header, rows) + "\n"
+    )

@@ -38,8 +38,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["HOLM_REACH", "SeedLevel", "bounded_covariance", "combine_seeds", "holm_note", "holm_reachable",
-           "holm_threshold", "resampled_covariance"]
+__all__ = [
+    "HOLM_REACH",
+    "SeedLevel",
+    "bounded_covariance",
+    "combine_seeds",
+    "holm_note",
+    "holm_reachable",
+    "holm_threshold",
+    "resampled_covariance",
+]
 
 #: the confidence of the upper bound on s² that the degrees of freedom use (module docstring)
 DF_UPPER_QUANTILE = 0.25
@@ -81,7 +89,7 @@ def combine_seeds(values: Tensor, test_cov: Tensor, level: float) -> SeedLevel:
     values, test_cov = values.double().flatten(), test_cov.double().reshape(len(values), len(values))
     k = len(values)
     value = float(values.mean())
-    shared_mean = max(float(test_cov.sum()) / k ** 2, 0.0)
+    shared_mean = max(float(test_cov.sum()) / k**2, 0.0)
     if k == 1:
         variance, df = shared_mean, math.inf
     else:
@@ -91,12 +99,12 @@ def combine_seeds(values: Tensor, test_cov: Tensor, level: float) -> SeedLevel:
         c = max((float(test_cov.sum()) - float(test_cov.diagonal().sum())) / (k * (k - 1)), 0.0)
         variance = seeds + c
         upper = seeds * (k - 1) / float(chi2.ppf(DF_UPPER_QUANTILE, k - 1))
-        df = math.inf if upper == 0 else (upper + c) ** 2 / (upper ** 2 / (k - 1))
+        df = math.inf if upper == 0 else (upper + c) ** 2 / (upper**2 / (k - 1))
         if variance == 0:
             variance, df = shared_mean, math.inf
     if variance == 0:
         return SeedLevel(value, value, value, 1.0 if value == 0 else 0.0, df)
-    se = variance ** 0.5
+    se = variance**0.5
     half = _quantile((1 + level) / 2, df) * se
     return SeedLevel(value, value - half, value + half, _two_sided_p(value / se, df), df)
 
@@ -141,7 +149,9 @@ def holm_note(m: int, dfs: list[float], alpha: float = 0.05) -> str:
     at = f"{low:.1f}" if high - low < 0.05 else f"{low:.1f}–{high:.1f}"
     needs = sorted({round(holm_threshold(m, df, alpha), 1) for df in (low, high)})
     span = "–".join(f"{x:.1f}" for x in needs)
-    return (f"Holm's correction cannot reach significance for {len(dfs)} of these {m} comparisons at their few seeds "
-            f"unless |t| ≥ {span}: its first step needs p ≤ {alpha / m:.2g} ({alpha:g} / {m}), which is that |t| at "
-            f"their {at} degrees of freedom, against {holm_threshold(m, math.inf, alpha):.1f} with the noise known "
-            f"(many seeds). Read their `*` one comparison at a time, knowing that {m} were made, or add seeds.")
+    return (
+        f"Holm's correction cannot reach significance for {len(dfs)} of these {m} comparisons at their few seeds "
+        f"unless |t| ≥ {span}: its first step needs p ≤ {alpha / m:.2g} ({alpha:g} / {m}), which is that |t| at "
+        f"their {at} degrees of freedom, against {holm_threshold(m, math.inf, alpha):.1f} with the noise known "
+        f"(many seeds). Read their `*` one comparison at a time, knowing that {m} were made, or add seeds."
+    )

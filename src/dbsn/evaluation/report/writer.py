@@ -57,8 +57,17 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def write_section(report: Report, stem: str, title: str, intro: str, body: str, header: list[str], rows: list[list],
-                  page: str | None = None, markdown: bool = True) -> str:
+def write_section(
+    report: Report,
+    stem: str,
+    title: str,
+    intro: str,
+    body: str,
+    header: list[str],
+    rows: list[list],
+    page: str | None = None,
+    markdown: bool = True,
+) -> str:
     """One section of report.md: `## title`, `intro` followed by the files it writes, then `body`.
     Writes `<stem>.csv` (`header`, `rows`) and, with `markdown`, the page `<stem>.md`: the section
     under a `# title` heading, or only `page` (e.g. the bare table) below it. Returns the section's text."""

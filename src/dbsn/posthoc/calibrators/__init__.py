@@ -26,5 +26,15 @@ from dbsn.posthoc.calibrators.isotonic import IsotonicCalibration
 from dbsn.posthoc.calibrators.posthoc import PosthocCalibration, validation_predictive
 from dbsn.posthoc.calibrators.temperature import TemperatureScaling
 
-__all__ = ["FLOOR", "Calibrator", "DirichletCalibration", "HistogramBinning", "IsotonicCalibration",
-           "OneVsRestCalibrator", "PosthocCalibration", "TemperatureScaling", "floored_log", "validation_predictive"]
+__all__ = [
+    "FLOOR",
+    "Calibrator",
+    "DirichletCalibration",
+    "HistogramBinning",
+    "IsotonicCalibration",
+    "OneVsRestCalibrator",
+    "PosthocCalibration",
+    "TemperatureScaling",
+    "floored_log",
+    "validation_predictive",
+]

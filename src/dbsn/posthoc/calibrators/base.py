@@ -98,9 +98,13 @@ class Calibrator(nn.Module):
         self.fit_map(z, y)
         with torch.no_grad():
             after = self.transform(z)
-        self.facts = {"calibrator": self.name, **self.settings(), "calibrator_examples": int(len(y)),
-                      "calibrator_nll_before": F.nll_loss(z, y).item(),
-                      "calibrator_nll_after": F.nll_loss(after, y).item()}
+        self.facts = {
+            "calibrator": self.name,
+            **self.settings(),
+            "calibrator_examples": int(len(y)),
+            "calibrator_nll_before": F.nll_loss(z, y).item(),
+            "calibrator_nll_after": F.nll_loss(after, y).item(),
+        }
         if not self.preserves_argmax:
             self.facts["calibrator_argmax_changed"] = (after.argmax(-1) != z.argmax(-1)).double().mean().item()
         return self
@@ -108,8 +112,10 @@ class Calibrator(nn.Module):
     def summary(self) -> str:
         """One line on the last fit."""
         facts = self.facts
-        line = (f"{self.label()} fitted on {facts['calibrator_examples']} validation examples: NLL "
-                f"{facts['calibrator_nll_before']:.4f} -> {facts['calibrator_nll_after']:.4f}")
+        line = (
+            f"{self.label()} fitted on {facts['calibrator_examples']} validation examples: NLL "
+            f"{facts['calibrator_nll_before']:.4f} -> {facts['calibrator_nll_after']:.4f}"
+        )
         if "calibrator_argmax_changed" in facts:
             line += f"; predicted class changed for {100 * facts['calibrator_argmax_changed']:.2f} % of them"
         return line
@@ -119,8 +125,9 @@ class Calibrator(nn.Module):
         if log_probs.ndim != 2 or log_probs.shape[0] == 0 or log_probs.shape[1] < 2:
             raise ValueError(f"log_probs must be (N, C) with N > 0 and C >= 2, got {tuple(log_probs.shape)}")
         if targets.shape != log_probs.shape[:1] or targets.dtype.is_floating_point:
-            raise ValueError(f"targets must be ({log_probs.shape[0]},) integer labels, got {tuple(targets.shape)} "
-                             f"{targets.dtype}")
+            raise ValueError(
+                f"targets must be ({log_probs.shape[0]},) integer labels, got {tuple(targets.shape)} {targets.dtype}"
+            )
         z = log_probs.detach().to("cpu", torch.float64)
         y = targets.detach().to("cpu", torch.long)
         if torch.isnan(z).any() or (z == math.inf).any():
@@ -144,8 +151,9 @@ class OneVsRestCalibrator(Calibrator):
 
     def check(self, num_classes: int) -> None:
         if not self.floor < 1 / num_classes:
-            raise ValueError(f"floor must lie in (0, 1/C) = (0, {1 / num_classes:g}) for {num_classes} classes, "
-                             f"got {self.floor}")
+            raise ValueError(
+                f"floor must lie in (0, 1/C) = (0, {1 / num_classes:g}) for {num_classes} classes, got {self.floor}"
+            )
 
     def class_probabilities(self, log_probs: Tensor) -> Tensor:
         """g_c(p_c) for every class, (..., C), before the floor and the renormalisation."""

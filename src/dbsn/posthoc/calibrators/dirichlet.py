@@ -45,7 +45,7 @@ __all__ = ["DIRICHLET_MAPS", "LOG_EPS", "ODIR_GRID", "DirichletCalibration", "di
 LOG_EPS = math.log(torch.finfo(torch.float64).eps)
 DIRICHLET_MAPS = ("full", "diagonal", "fixed_diagonal")
 #: The ODIR grid of the cross-validation (λ = μ), the authors' decades.
-ODIR_GRID = tuple(10.0 ** k for k in range(-5, 7))
+ODIR_GRID = tuple(10.0**k for k in range(-5, 7))
 
 
 class DirichletCalibration(Calibrator):
@@ -63,8 +63,15 @@ class DirichletCalibration(Calibrator):
 
     name = "dirichlet"
 
-    def __init__(self, map: str = "full", reg_lambda: float | None = None, reg_mu: float | None = None,
-                 folds: int = 5, max_iter: int = 1000, seed: int = 0) -> None:
+    def __init__(
+        self,
+        map: str = "full",
+        reg_lambda: float | None = None,
+        reg_mu: float | None = None,
+        folds: int = 5,
+        max_iter: int = 1000,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if map not in DIRICHLET_MAPS:
             raise ValueError(f"map must be one of {DIRICHLET_MAPS}, got {map!r}")
@@ -129,10 +136,19 @@ class DirichletCalibration(Calibrator):
         c = self.num_classes
         z = log_probs.clamp_min(LOG_EPS).numpy()
         onehot = np.eye(c)[targets.numpy()]
-        start = {"full": np.concatenate([np.eye(c).ravel(), np.zeros(c)]),
-                 "diagonal": np.concatenate([np.ones(c), np.zeros(c)]), "fixed_diagonal": np.zeros(1)}[self.map]
-        result = minimize(dirichlet_objective, start, args=(z, onehot, self.map, lam, mu), jac=True, method="L-BFGS-B",
-                          options={"maxiter": self.max_iter, "maxls": 128})
+        start = {
+            "full": np.concatenate([np.eye(c).ravel(), np.zeros(c)]),
+            "diagonal": np.concatenate([np.ones(c), np.zeros(c)]),
+            "fixed_diagonal": np.zeros(1),
+        }[self.map]
+        result = minimize(
+            dirichlet_objective,
+            start,
+            args=(z, onehot, self.map, lam, mu),
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": self.max_iter, "maxls": 128},
+        )
         if not np.isfinite(result.x).all():
             raise RuntimeError(f"the Dirichlet calibration fit ({self.map}, λ = {lam}, μ = {mu}) diverged")
         weight, bias = dirichlet_weights(result.x, c, self.map)
@@ -148,9 +164,13 @@ class DirichletCalibration(Calibrator):
     def settings(self) -> dict:
         facts = {"dirichlet_map": self.map}
         if self.map != "fixed_diagonal":
-            facts.update(odir_lambda=self.chosen[0], odir_mu=self.chosen[1],
-                         odir_chosen_by=f"{self.folds}-fold cross-validation" if self.reg_lambda is None
-                         and self.map == "full" else "given")
+            facts.update(
+                odir_lambda=self.chosen[0],
+                odir_mu=self.chosen[1],
+                odir_chosen_by=f"{self.folds}-fold cross-validation"
+                if self.reg_lambda is None and self.map == "full"
+                else "given",
+            )
         else:
             facts["dirichlet_temperature"] = 1 / self.weight[0, 0].item()
         return facts
@@ -160,14 +180,15 @@ def dirichlet_weights(params: np.ndarray, c: int, map: str) -> tuple[np.ndarray,
     """(W (C, C), b (C,)) of a Dirichlet map's free parameters: full: W then b; diagonal: W's
     diagonal then b; fixed_diagonal: s, with W = exp(s) I and b = 0."""
     if map == "full":
-        return params[:c * c].reshape(c, c), params[c * c:]
+        return params[: c * c].reshape(c, c), params[c * c :]
     if map == "diagonal":
         return np.diag(params[:c]), params[c:]
     return np.exp(params[0]) * np.eye(c), np.zeros(c)
 
 
-def dirichlet_objective(params: np.ndarray, z: np.ndarray, onehot: np.ndarray, map: str, lam: float, mu: float
-                        ) -> tuple[float, np.ndarray]:
+def dirichlet_objective(
+    params: np.ndarray, z: np.ndarray, onehot: np.ndarray, map: str, lam: float, mu: float
+) -> tuple[float, np.ndarray]:
     """Kull et al.'s ODIR objective and its gradient in `params` (`dirichlet_weights`):
     mean NLL of softmax(W z + b) + λ/(C(C−1)) Σ_{i≠j} W_ij² + μ/C Σ_j b_j², with z the clipped
     log-probabilities (N, C) and the labels one-hot (N, C)."""
@@ -177,7 +198,7 @@ def dirichlet_objective(params: np.ndarray, z: np.ndarray, onehot: np.ndarray, m
     logits -= logits.max(axis=1, keepdims=True)
     log_q = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     off = weight - np.diag(np.diag(weight))
-    loss = -(onehot * log_q).sum() / n + lam / (c * (c - 1)) * (off ** 2).sum() + mu / c * (bias ** 2).sum()
+    loss = -(onehot * log_q).sum() / n + lam / (c * (c - 1)) * (off**2).sum() + mu / c * (bias**2).sum()
     residual = (np.exp(log_q) - onehot) / n  # d mean NLL / d logits
     grad_weight, grad_bias = residual.T @ z, residual.sum(axis=0) + 2 * mu / c * bias
     if map == "full":

@@ -51,7 +51,9 @@ class HistogramBinning(OneVsRestCalibrator):
     def fit_map(self, log_probs: Tensor, targets: Tensor) -> None:
         index = self.bin_index(log_probs.exp()).T  # (C, N)
         positive = F.one_hot(targets, self.num_classes).T.to(torch.float64)
-        counts = torch.zeros(self.num_classes, self.bins, dtype=torch.float64).scatter_add_(1, index, torch.ones_like(positive))
+        counts = torch.zeros(self.num_classes, self.bins, dtype=torch.float64).scatter_add_(
+            1, index, torch.ones_like(positive)
+        )
         positives = torch.zeros_like(counts).scatter_add_(1, index, positive)
         self.values = torch.where(counts > 0, positives / counts.clamp_min(1), self.centres.expand_as(counts))
 

@@ -48,8 +48,10 @@ def validation_predictive(method: Method, datamodule) -> tuple[Tensor, Tensor]:
     device = next(itertools.chain(method.parameters(), method.buffers())).device
     calibrator, method.calibrator = method.calibrator, None
     try:
-        batches = [(method.predict_log_probs(datamodule.preprocess(x.to(device))).cpu(), y.cpu())
-                   for x, y in datamodule.val_dataloader()]
+        batches = [
+            (method.predict_log_probs(datamodule.preprocess(x.to(device))).cpu(), y.cpu())
+            for x, y in datamodule.val_dataloader()
+        ]
     finally:
         method.calibrator = calibrator
     if not batches:
@@ -70,17 +72,28 @@ class PosthocCalibration(PosthocPosterior):
         base: a post-hoc posterior fitted first, whose predictive the calibrator calibrates.
     """
 
-    def __init__(self, calibrator: Calibrator, name: str | None = None, n_samples: int | None = None,
-                 base: PosthocPosterior | None = None) -> None:
+    def __init__(
+        self,
+        calibrator: Calibrator,
+        name: str | None = None,
+        n_samples: int | None = None,
+        base: PosthocPosterior | None = None,
+    ) -> None:
         if not isinstance(calibrator, Calibrator):
-            raise PosthocError(f"posthoc.calibrator must be a dbsn.posthoc.calibrators.Calibrator (its _target_), got "
-                               f"{type(calibrator).__name__}")
+            raise PosthocError(
+                f"posthoc.calibrator must be a dbsn.posthoc.calibrators.Calibrator (its _target_), got "
+                f"{type(calibrator).__name__}"
+            )
         if not calibrator.name:
-            raise PosthocError(f"posthoc.calibrator: {type(calibrator).__name__} needs a name (a class attribute "
-                               "name = '...': the metrics.json of its runs name it, and the report's table reads it)")
+            raise PosthocError(
+                f"posthoc.calibrator: {type(calibrator).__name__} needs a name (a class attribute "
+                "name = '...': the metrics.json of its runs name it, and the report's table reads it)"
+            )
         if base is not None and not isinstance(base, PosthocPosterior):
-            raise PosthocError(f"posthoc.base must be a post-hoc posterior (e.g. +posthoc@posthoc.base=laplace), got "
-                               f"{type(base).__name__}")
+            raise PosthocError(
+                f"posthoc.base must be a post-hoc posterior (e.g. +posthoc@posthoc.base=laplace), got "
+                f"{type(base).__name__}"
+            )
         if n_samples is None and base is not None:
             n_samples = base.n_samples
         super().__init__(name or (f"{base.name}+{calibrator.name}" if base is not None else calibrator.name), n_samples)
@@ -95,9 +108,11 @@ class PosthocCalibration(PosthocPosterior):
         if self.base is not None:
             self.base.check(method, datamodule, checkpoint, n_samples)
         if not datamodule.has_val:
-            raise PosthocError(f"posthoc={self.name} is fitted on the validation split, and this run has none "
-                               "(data.val_size=0): train with a validation split (e.g. data.val_size=5000 or 0.1); it "
-                               "is never fitted on the test set.")
+            raise PosthocError(
+                f"posthoc={self.name} is fitted on the validation split, and this run has none "
+                "(data.val_size=0): train with a validation split (e.g. data.val_size=5000 or 0.1); it "
+                "is never fitted on the test set."
+            )
         try:
             self.calibrator.check(method.num_classes)
         except ValueError as err:

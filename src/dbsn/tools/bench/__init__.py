@@ -41,28 +41,49 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--samples-per-forward", type=int, default=None,
-                        help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
-                             "favour small batches; 20 on a GPU)")
+    parser.add_argument(
+        "--samples-per-forward",
+        type=int,
+        default=None,
+        help="structures per batched forward in ens_100 (default: 4 on CPU, whose caches "
+        "favour small batches; 20 on a GPU)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
-    parser.add_argument("--memory-batch", type=int, default=4,
-                        help="images of the paper-network training-memory step (T = 4)")
+    parser.add_argument(
+        "--memory-batch", type=int, default=4, help="images of the paper-network training-memory step (T = 4)"
+    )
     parser.add_argument("--json", help="also write the result to this file")
-    parser.add_argument("--segmentation", choices=("auto", "yes", "no"), default="auto",
-                        help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
-                             "on a CPU one S = 100 image takes minutes)")
+    parser.add_argument(
+        "--segmentation",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="also time full-size CamVid prediction, S = 1 and S = 100 (auto: on a GPU only; "
+        "on a CPU one S = 100 image takes minutes)",
+    )
     parser.add_argument("--seg-size", default="360x480", help="segmentation input size HxW")
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled cases")
     parser.add_argument("--steps", type=int, default=10, help="gpu suite: timed steps per configuration")
-    parser.add_argument("--budget-minutes", type=float, default=4.0, help="gpu suite: configurations not started "
-                        "within this many minutes are reported as not run (the compiled cells come last)")
-    parser.add_argument("--chunked", action="store_true", help="gpu suite: also each configuration with the T "
-                        "structures one after another")
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=4.0,
+        help="gpu suite: configurations not started "
+        "within this many minutes are reported as not run (the compiled cells come last)",
+    )
+    parser.add_argument(
+        "--chunked",
+        action="store_true",
+        help="gpu suite: also each configuration with the T structures one after another",
+    )
     parser.add_argument("--configs", default=None, help="gpu suite: comma-separated configurations (default: all)")
     parser.add_argument("--compile-backend", default="inductor", help="gpu suite: torch.compile backend")
-    parser.add_argument("--part", choices=("table", "profile", "forms", "compile", "streams", "summary"),
-                        default="table", help="gpu suite: table (the configurations above) or one part of the GPU "
-                        "window (dbsn.tools.bench.window), each writing OUT/gpu_<part>.json as it goes")
+    parser.add_argument(
+        "--part",
+        choices=("table", "profile", "forms", "compile", "streams", "summary"),
+        default="table",
+        help="gpu suite: table (the configurations above) or one part of the GPU "
+        "window (dbsn.tools.bench.window), each writing OUT/gpu_<part>.json as it goes",
+    )
     parser.add_argument("--out", default=None, help="gpu suite parts: the results folder (default: $OUT or bench_out)")
     parser.add_argument("--tiny", action="store_true", help="gpu suite parts: the tiny network, batch 4 (a smoke test)")
     parser.add_argument("--cache", default=None, help="gpu suite, compile part: load this compile cache first "
@@ -111,8 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
         return result
-    result = cpu.run(args.net or "quick", args.batch, args.repeats, args.device, args.samples_per_forward,
-                     not args.no_memory, args.memory_batch, compiled=not args.no_compile)
+    result = cpu.run(
+        args.net or "quick",
+        args.batch,
+        args.repeats,
+        args.device,
+        args.samples_per_forward,
+        not args.no_memory,
+        args.memory_batch,
+        compiled=not args.no_compile,
+    )
     cpu._print(result)
     if args.segmentation == "yes" or (args.segmentation == "auto" and torch.cuda.is_available()):
         size = tuple(int(v) for v in args.seg_size.split("x"))

@@ -39,11 +39,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dbsn.tools.bench.common import VIEWS
 
 CONV, DEPTHWISE, CASTS, BATCHNORM, EDGE_AFFINE, ALPHA_SUMS, OTHER = (
-    "1x1 and dense conv", "depthwise", "casts", "BatchNorm", "EdgeAffine", "α sums", "other")
+    "1x1 and dense conv",
+    "depthwise",
+    "casts",
+    "BatchNorm",
+    "EdgeAffine",
+    "α sums",
+    "other",
+)
 CATEGORIES = (CONV, DEPTHWISE, CASTS, BATCHNORM, EDGE_AFFINE, ALPHA_SUMS, OTHER)
-_CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward", "aten._convolution", "aten.cudnn_convolution",
-                       "aten.mkldnn_convolution", "aten._conv_depthwise2d", "aten.conv_depthwise3d",
-                       "aten._slow_conv2d_forward", "aten._slow_conv2d_backward"})
+_CONV_OPS = frozenset(
+    {
+        "aten.convolution",
+        "aten.convolution_backward",
+        "aten._convolution",
+        "aten.cudnn_convolution",
+        "aten.mkldnn_convolution",
+        "aten._conv_depthwise2d",
+        "aten.conv_depthwise3d",
+        "aten._slow_conv2d_forward",
+        "aten._slow_conv2d_backward",
+    }
+)
 _KEY = "dbsn_bench_category"
 #: the profiler ranges' prefix (`annotate`)
 PREFIX = "bench::"
@@ -89,7 +106,7 @@ def _is_cast(name: str, args, kwargs) -> bool:
 class _Tagging(TorchFunctionMode):
     """Writes the current module category into the metadata of every autograd node a call creates."""
 
-    def __init__(self, owner: "Categories") -> None:
+    def __init__(self, owner: Categories) -> None:
         super().__init__()
         self.owner = owner
 
@@ -144,6 +161,7 @@ class Categories(TorchDispatchMode):
         def pop(module, inputs, output):
             if self._scopes:
                 self._scopes.pop()
+
         hooks = nn.modules.module
         self._stack.callback(hooks.register_module_forward_pre_hook(push).remove)
         self._stack.callback(hooks.register_module_forward_hook(pop, always_call=True).remove)
@@ -193,7 +211,7 @@ def kernels_by_category(events) -> dict[str, dict[str, float]]:
         parent, category = event, "unattributed"
         while parent is not None:
             if parent.name.startswith(PREFIX):
-                category = parent.name[len(PREFIX):]
+                category = parent.name[len(PREFIX) :]
                 break
             parent = parent.cpu_parent
         row = table.setdefault(category, {"count": 0, "ms": 0.0})

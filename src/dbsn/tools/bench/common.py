@@ -14,13 +14,36 @@ NETS = {
 }
 
 #: aten operations that do not launch a kernel on a GPU (views, metadata, profiler marks)
-VIEWS = frozenset({
-    "aten.view", "aten._unsafe_view", "aten.detach", "aten.alias", "aten.select", "aten.slice", "aten.unsqueeze",
-    "aten.squeeze", "aten.permute", "aten.expand", "aten.t", "aten.transpose", "aten.unbind", "aten.split",
-    "aten.split_with_sizes", "aten.as_strided", "aten._reshape_alias", "aten.narrow", "aten.lift_fresh",
-    "aten.promote_types", "aten.chunk", "aten.unflatten", "aten.movedim", "aten.result_type",
-    "profiler._record_function_enter_new", "profiler._record_function_exit",
-})
+VIEWS = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.detach",
+        "aten.alias",
+        "aten.select",
+        "aten.slice",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "aten.permute",
+        "aten.expand",
+        "aten.t",
+        "aten.transpose",
+        "aten.unbind",
+        "aten.split",
+        "aten.split_with_sizes",
+        "aten.as_strided",
+        "aten._reshape_alias",
+        "aten.narrow",
+        "aten.lift_fresh",
+        "aten.promote_types",
+        "aten.chunk",
+        "aten.unflatten",
+        "aten.movedim",
+        "aten.result_type",
+        "profiler._record_function_enter_new",
+        "profiler._record_function_exit",
+    }
+)
 
 
 def _sync(device: torch.device) -> None:

@@ -64,16 +64,41 @@ from datetime import date
 import torch
 
 from dbsn.evaluation.progress import progress
+from dbsn.methods import (
+    DBSN,
+    MAP,
+    Compilation,
+    Execution,
+    GaussianWeights,
+    MCDropoutWeights,
+    NEKFACMethod,
+    Prediction,
+    VOGNMethod,
+)
 from dbsn.methods.predictive import BayesEnsemble
-from dbsn.methods import (DBSN, MAP, Compilation, Execution, GaussianWeights, MCDropoutWeights, NEKFACMethod, Prediction,
-                          VOGNMethod)
 from dbsn.natgrad import VOGN
 from dbsn.nets import VGG16BN, StructureNet
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 
-CASES = ("map_fixed", "dbsn_t1", "dbsn_t4", "dbsn_t4_chunked", "map", "mc_dropout", "bbb", "fbn", "vogn", "vogn_fbn",
-         "vgg_sgd", "nekfac", "ens_100", "single_100", "recal_100", "dbsn_t1_channels_last")
+CASES = (
+    "map_fixed",
+    "dbsn_t1",
+    "dbsn_t4",
+    "dbsn_t4_chunked",
+    "map",
+    "mc_dropout",
+    "bbb",
+    "fbn",
+    "vogn",
+    "vogn_fbn",
+    "vgg_sgd",
+    "nekfac",
+    "ens_100",
+    "single_100",
+    "recal_100",
+    "dbsn_t1_channels_last",
+)
 COMPILED_CASES = ("dbsn_t1_compiled", "dbsn_t1_channels_last_compiled")
 #: Images of the test set and of the recalibration, for the derived cost of recalibrated prediction.
 RECALIBRATION_IMAGES, TEST_SET_SIZES = 256, {"CIFAR": 10_000, "digits": 450}
@@ -95,8 +120,9 @@ METHODS = {
     "vgg_sgd": lambda net: MAP(net, learn_structure=False),  # VGG16-BN with SGD, NEK-FAC's reference
     "dbsn_t1_channels_last": lambda net: DBSN(net, train_samples=1, execution=Execution(channels_last=True)),
     "dbsn_t1_compiled": lambda net: DBSN(net, train_samples=1, execution=Execution(compile=Compilation(enabled=True))),
-    "dbsn_t1_channels_last_compiled": lambda net: DBSN(net, train_samples=1, execution=Execution(
-        channels_last=True, compile=Compilation(enabled=True))),
+    "dbsn_t1_channels_last_compiled": lambda net: DBSN(
+        net, train_samples=1, execution=Execution(channels_last=True, compile=Compilation(enabled=True))
+    ),
 }
 
 
@@ -114,7 +140,9 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
         method = NATGRAD[name](net).to(device)
         method.dataset_size = 50_000
         natgrad = method._make_optimizer(50_000)
-        others = [method.structure_optimizer().build(method.structure_parameters())] if method.structure_parameters() else []
+        others = (
+            [method.structure_optimizer().build(method.structure_parameters())] if method.structure_parameters() else []
+        )
 
         def closure():  # as the method's, with a plain backward (no Trainer here)
             out = method.training_loss(x, y)
@@ -130,6 +158,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
             for opt in others:
                 opt.step()
             method.on_after_optimizer_step(x.shape[0])
+
         return natgrad_step
 
     if name in METHODS:
@@ -149,15 +178,18 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
             for opt in opts:
                 opt.step()
             method.on_after_optimizer_step(x.shape[0])
+
         return step
 
     method = DBSN(net, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward)).to(device)
     method.eval()
     if name == "recal_100":
+
         def recalibrate():
             with torch.inference_mode():
                 method.use_calibration_images([x])
                 method.prediction_structures(100)  # fixes 100 members and computes their statistics
+
         recalibrate.method = method  # for inspection
         return recalibrate
     chunk = samples_per_forward if name == "ens_100" else 1
@@ -166,6 +198,7 @@ def build_case(name: str, net_name: str, batch: int, device: torch.device, sampl
     def predict():
         with torch.inference_mode():
             ensemble(method.stochastic_forward, x)
+
     return predict
 
 
@@ -178,8 +211,9 @@ SEG_CASES = {  # name: (method, S)
 }
 
 
-def build_seg_case(name: str, size: tuple[int, int], device: torch.device, samples_per_forward: int,
-                   net_kwargs: dict | None = None):
+def build_seg_case(
+    name: str, size: tuple[int, int], device: torch.device, samples_per_forward: int, net_kwargs: dict | None = None
+):
     """One full-size test image through a segmentation method's Bayes ensemble (S members in
     groups of `samples_per_forward`, as evaluate.py does)."""
     from dbsn.methods.tasks import Segmentation
@@ -188,12 +222,20 @@ def build_seg_case(name: str, size: tuple[int, int], device: torch.device, sampl
     method_name, samples = SEG_CASES[name]
     torch.manual_seed(0)
     if method_name == "dbsn_seg":
-        method = DBSN(DBSNSegNet(**(net_kwargs or {})), task=Segmentation(),
-                      prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward))
+        method = DBSN(
+            DBSNSegNet(**(net_kwargs or {})),
+            task=Segmentation(),
+            prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward),
+        )
     else:
         weights = MCDropoutWeights(placement="existing") if method_name.endswith("mc_dropout") else None
-        method = MAP(FCDenseNet(**(net_kwargs or {})), learn_structure=False, weights=weights, task=Segmentation(),
-                     prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward))
+        method = MAP(
+            FCDenseNet(**(net_kwargs or {})),
+            learn_structure=False,
+            weights=weights,
+            task=Segmentation(),
+            prediction=Prediction(n_samples=samples, samples_per_forward=samples_per_forward),
+        )
     method = method.to(device).eval()
     method.enable_test_noise()
     x = torch.randn(1, 3, *size, device=device)
@@ -201,17 +243,33 @@ def build_seg_case(name: str, size: tuple[int, int], device: torch.device, sampl
     def predict():
         with torch.inference_mode():
             method.predict_log_probs(x)
+
     return predict
 
 
-def run_segmentation(size: tuple[int, int] = (360, 480), repeats: int = 3, device: str = "auto",
-                     samples_per_forward: int | None = None, memory: bool = True, net_kwargs: dict | None = None) -> dict:
+def run_segmentation(
+    size: tuple[int, int] = (360, 480),
+    repeats: int = 3,
+    device: str = "auto",
+    samples_per_forward: int | None = None,
+    memory: bool = True,
+    net_kwargs: dict | None = None,
+) -> dict:
     """Images per second and peak memory of full-size CamVid prediction, S = 1 and S = 100
     (`net_kwargs` shrinks the networks, for tests)."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     spf = samples_per_forward or (10 if dev.type == "cuda" else 2)
-    result = {"date": date.today().isoformat(), "device": _device_name(dev), "torch": torch.__version__,
-              "size": list(size), "samples_per_forward": spf, "repeats": repeats, "images_per_second": {}}
+    result = {
+        "date": date.today().isoformat(),
+        "device": _device_name(dev),
+        "torch": torch.__version__,
+        "size": list(size),
+        "samples_per_forward": spf,
+        "repeats": repeats,
+        "images_per_second": {},
+    }
     for name in SEG_CASES:
         predict = build_seg_case(name, size, dev, spf, net_kwargs)
         predict()  # warm-up
@@ -268,11 +326,22 @@ def peak_memory_mib(name, net_name, batch, device, samples_per_forward) -> float
     return _peak_memory((name, net_name, batch, str(device), samples_per_forward))
 
 
-def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
-        samples_per_forward: int | None = None, memory: bool = True, memory_batch: int = 4,
-        compiled: bool = True, pipeline_images: int = 10_000, statistics_examples: int = 10_000) -> dict:
+def run(
+    net_name: str = "quick",
+    batch: int = 64,
+    repeats: int = 5,
+    device: str = "auto",
+    samples_per_forward: int | None = None,
+    memory: bool = True,
+    memory_batch: int = 4,
+    compiled: bool = True,
+    pipeline_images: int = 10_000,
+    statistics_examples: int = 10_000,
+) -> dict:
     keep_freed_memory()  # as train.py and evaluate.py do (dbsn.runtime.memory)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     if samples_per_forward is None:  # CPU caches favour small batched forwards, GPUs large ones
         samples_per_forward = 20 if dev.type == "cuda" else 4
     cases = CASES + (COMPILED_CASES if compiled else ())
@@ -291,7 +360,10 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
         "date": date.today().isoformat(),
         "device": _device_name(dev),
         "torch": torch.__version__,
-        "net": net_name, "batch": batch, "repeats": repeats, "samples_per_forward": samples_per_forward,
+        "net": net_name,
+        "batch": batch,
+        "repeats": repeats,
+        "samples_per_forward": samples_per_forward,
         "seconds": median,
         "ratios": {
             "dbsn_t1 / map_fixed (target <= 1.10)": median["dbsn_t1"] / median["map_fixed"],
@@ -304,24 +376,30 @@ def run(net_name: str = "quick", batch: int = 64, repeats: int = 5, device: str 
             "nekfac / vgg_sgd": median["nekfac"] / median["vgg_sgd"],
             "dbsn_t4_chunked / dbsn_t4": median["dbsn_t4_chunked"] / median["dbsn_t4"],
             "recal_100 / ens_100 (per image)": median["recal_100"] / median["ens_100"],
-            **{f"prediction with / without recalibration, {data} test set"
-               + (" (target <= 1.3)" if data == "CIFAR" else ""):
-               1 + median["recal_100"] / median["ens_100"] * RECALIBRATION_IMAGES / size
-               for data, size in TEST_SET_SIZES.items()},
+            **{
+                f"prediction with / without recalibration, {data} test set"
+                + (" (target <= 1.3)" if data == "CIFAR" else ""): 1
+                + median["recal_100"] / median["ens_100"] * RECALIBRATION_IMAGES / size
+                for data, size in TEST_SET_SIZES.items()
+            },
             "dbsn_t1_channels_last / dbsn_t1": median["dbsn_t1_channels_last"] / median["dbsn_t1"],
         },
     }
     if compiled:
-        result["ratios"].update({
-            "dbsn_t1_compiled / dbsn_t1 (target <= 0.8)": median["dbsn_t1_compiled"] / median["dbsn_t1"],
-            "dbsn_t1_channels_last_compiled / dbsn_t1": median["dbsn_t1_channels_last_compiled"] / median["dbsn_t1"],
-        })
+        result["ratios"].update(
+            {
+                "dbsn_t1_compiled / dbsn_t1 (target <= 0.8)": median["dbsn_t1_compiled"] / median["dbsn_t1"],
+                "dbsn_t1_channels_last_compiled / dbsn_t1": median["dbsn_t1_channels_last_compiled"]
+                / median["dbsn_t1"],
+            }
+        )
     result["flops"] = machine_fraction(steps["dbsn_t4"], median["dbsn_t4"], dev)
     result["ratios"]["dbsn_t4 FLOP/s / dense matmul FLOP/s"] = result["flops"]["fraction"]
     if pipeline_images:
         result["pipeline"] = pipeline_rates(dev, pipeline_images, batch)
         result["ratios"]["on-device pipeline / DataLoader (images/s)"] = (
-            result["pipeline"]["on_device"] / result["pipeline"]["dataloader"])
+            result["pipeline"]["on_device"] / result["pipeline"]["dataloader"]
+        )
     if statistics_examples:
         result["statistics"] = statistics_cost(statistics_examples)
     if memory:
@@ -346,8 +424,11 @@ def statistics_cost(n: int = 10_000, classes: int = 10, resamples: int = 1000, n
     log_probs = torch.log_softmax(3 * torch.randn(n, classes, generator=g, dtype=torch.float64), 1)
     targets = torch.randint(classes, (n,), generator=g)
     probs = log_probs.exp()
-    scores = {"max_probability": probs.max(1).values, "predictive_entropy": -(probs * log_probs).sum(1),
-              "mutual_information": torch.rand(n, generator=g, dtype=torch.float64)}
+    scores = {
+        "max_probability": probs.max(1).values,
+        "predictive_entropy": -(probs * log_probs).sum(1),
+        "mutual_information": torch.rand(n, generator=g, dtype=torch.float64),
+    }
     statistics = Statistics(resamples=resamples)
     start = time.perf_counter()
     calibrated, _ = calibrate(log_probs, targets)
@@ -358,8 +439,14 @@ def statistics_cost(n: int = 10_000, classes: int = 10, resamples: int = 1000, n
     for score in scores.values():
         detection_statistics(score, out_scores, statistics.weights(n), statistics.weights(n_out, stream=1))
     ood = time.perf_counter() - start
-    return {"examples": n, "classes": classes, "resamples": resamples, "ood_examples": n_out,
-            "test_pass_seconds": test_pass, "ood_set_seconds": ood}
+    return {
+        "examples": n,
+        "classes": classes,
+        "resamples": resamples,
+        "ood_examples": n_out,
+        "test_pass_seconds": test_pass,
+        "ood_set_seconds": ood,
+    }
 
 
 def machine_fraction(step, seconds: float, device: torch.device, matmul_size: int = 2048) -> dict:
@@ -374,8 +461,12 @@ def machine_fraction(step, seconds: float, device: torch.device, matmul_size: in
     a @ b
     times = [timed_call(lambda: a @ b, device) for _ in range(5)]
     peak = 2 * matmul_size**3 / statistics.median(times)
-    return {"flops_per_step": flops, "flops_per_second": flops / seconds, "matmul_flops_per_second": peak,
-            "fraction": flops / seconds / peak}
+    return {
+        "flops_per_step": flops,
+        "flops_per_second": flops / seconds,
+        "matmul_flops_per_second": peak,
+        "fraction": flops / seconds / peak,
+    }
 
 
 def pipeline_rates(device: torch.device, n_images: int = 10_000, batch: int = 64) -> dict:
@@ -395,8 +486,9 @@ def pipeline_rates(device: torch.device, n_images: int = 10_000, batch: int = 64
     for name, on_device in (("dataloader", False), ("on_device", True)):
         dm = CIFAR10DataModule(root="unused", batch_size=batch, num_workers=2, on_device=on_device)
         dm.train_set = TensorImageDataset(images, labels)
-        dm.trainer = types.SimpleNamespace(training=True, world_size=1,
-                                           strategy=types.SimpleNamespace(root_device=device))
+        dm.trainer = types.SimpleNamespace(
+            training=True, world_size=1, strategy=types.SimpleNamespace(root_device=device)
+        )
         loader = dm.train_dataloader()
         for epoch in range(2):
             loader.sampler.set_epoch(epoch)
@@ -415,11 +507,17 @@ def pipeline_rates(device: torch.device, n_images: int = 10_000, batch: int = 64
 
 def training_memory(batch: int, device: torch.device, samples_per_forward: int) -> dict:
     """Peak memory of one DBSN step (T = 4) of the paper's network, grouped and chunked."""
-    peaks = {name: peak_memory_mib(name, "paper", batch, device, samples_per_forward)
-             for name in ("dbsn_t4", "dbsn_t4_chunked")}
-    return {"batch": batch, "train_samples": 4, "peak_mib": peaks,
-            "mib_per_image_structure": {name: peak / (batch * 4) for name, peak in peaks.items()},
-            "chunked / grouped (target <= 0.35)": peaks["dbsn_t4_chunked"] / peaks["dbsn_t4"]}
+    peaks = {
+        name: peak_memory_mib(name, "paper", batch, device, samples_per_forward)
+        for name in ("dbsn_t4", "dbsn_t4_chunked")
+    }
+    return {
+        "batch": batch,
+        "train_samples": 4,
+        "peak_mib": peaks,
+        "mib_per_image_structure": {name: peak / (batch * 4) for name, peak in peaks.items()},
+        "chunked / grouped (target <= 0.35)": peaks["dbsn_t4_chunked"] / peaks["dbsn_t4"],
+    }
 
 
 def _print(result: dict) -> None:
@@ -427,8 +525,10 @@ def _print(result: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]dbsn bench[/] {result['date']} on {result['device']}, torch {result['torch']}, "
-                  f"net={result['net']}, batch={result['batch']}, median of {result['repeats']}")
+    console.print(
+        f"[bold]dbsn bench[/] {result['date']} on {result['device']}, torch {result['torch']}, "
+        f"net={result['net']}, batch={result['batch']}, median of {result['repeats']}"
+    )
     table = Table("case", "seconds", "peak MiB")
     for name, seconds in result["seconds"].items():
         mem = result.get("peak_memory_mib", {}).get(name)
@@ -444,21 +544,31 @@ def _print(result: dict) -> None:
     console.print(ratios)
     if "flops" in result:
         f = result["flops"]
-        console.print(f"dbsn_t4 step: {f['flops_per_step'] / 1e9:.1f} GFLOP (convolutions and matmuls), "
-                      f"{f['flops_per_second'] / 1e9:.1f} GFLOP/s against {f['matmul_flops_per_second'] / 1e9:.1f} "
-                      f"GFLOP/s of dense float32 matmul: {100 * f['fraction']:.1f} % of the machine's limit")
+        console.print(
+            f"dbsn_t4 step: {f['flops_per_step'] / 1e9:.1f} GFLOP (convolutions and matmuls), "
+            f"{f['flops_per_second'] / 1e9:.1f} GFLOP/s against {f['matmul_flops_per_second'] / 1e9:.1f} "
+            f"GFLOP/s of dense float32 matmul: {100 * f['fraction']:.1f} % of the machine's limit"
+        )
     if "statistics" in result:
         st = result["statistics"]
-        console.print(f"statistics: {st['resamples']} bootstrap resamples of {st['examples']:,} test examples "
-                      f"({st['classes']} classes): calibration and every test-pass interval {st['test_pass_seconds']:.1f} s; "
-                      f"one OOD set of {st['ood_examples']:,} examples, three scores {st['ood_set_seconds']:.1f} s")
+        console.print(
+            f"statistics: {st['resamples']} bootstrap resamples of {st['examples']:,} test examples "
+            f"({st['classes']} classes): calibration and every test-pass interval {st['test_pass_seconds']:.1f} s; "
+            f"one OOD set of {st['ood_examples']:,} examples, three scores {st['ood_set_seconds']:.1f} s"
+        )
     if "pipeline" in result:
         p = result["pipeline"]
-        console.print(f"input pipeline: DataLoader {p['dataloader']:.0f} images/s, on-device {p['on_device']:.0f} images/s")
+        console.print(
+            f"input pipeline: DataLoader {p['dataloader']:.0f} images/s, on-device {p['on_device']:.0f} images/s"
+        )
     if "training_memory" in result:
         mem = result["training_memory"]
-        table = Table("paper network, DBSN step, T = 4", "peak MiB", "MiB per image x structure",
-                      title=f"Training memory at batch {mem['batch']}")
+        table = Table(
+            "paper network, DBSN step, T = 4",
+            "peak MiB",
+            "MiB per image x structure",
+            title=f"Training memory at batch {mem['batch']}",
+        )
         for name, peak in mem["peak_mib"].items():
             table.add_row(name, f"{peak:.0f}", f"{mem['mib_per_image_structure'][name]:.1f}")
         console.print(table)
@@ -471,8 +581,12 @@ def _print_segmentation(result: dict) -> None:
     from rich.table import Table
 
     h, w = result["size"]
-    table = Table("case", "images / s", "peak MiB",
-                  title=f"Segmentation prediction at {h}x{w}, {result['samples_per_forward']} members per forward")
+    table = Table(
+        "case",
+        "images / s",
+        "peak MiB",
+        title=f"Segmentation prediction at {h}x{w}, {result['samples_per_forward']} members per forward",
+    )
     for name, rate in result["images_per_second"].items():
         mem = result.get("peak_memory_mib", {}).get(name)
         table.add_row(name, f"{rate:.3f}", "-" if mem is None else f"{mem:.0f}")

@@ -39,8 +39,20 @@ from dbsn.tools.bench.common import _device_name, timed_call
 from dbsn.tools.compare import DROPOUT_PLACEMENT
 
 #: The methods timed on every backbone (config names, and `SNAPSHOT`'s), one network first.
-FIELD_METHODS = ("map_fixed", "mc_dropout", "deep_ensemble", "batch_ensemble", "rank1_bnn", "packed_ensemble",
-                 "masksembles", "mimo", "sngp", "ddu", "snapshot_ensemble", "csghmc")
+FIELD_METHODS = (
+    "map_fixed",
+    "mc_dropout",
+    "deep_ensemble",
+    "batch_ensemble",
+    "rank1_bnn",
+    "packed_ensemble",
+    "masksembles",
+    "mimo",
+    "sngp",
+    "ddu",
+    "snapshot_ensemble",
+    "csghmc",
+)
 #: A snapshot ensemble: (its name, the method of the run it collects): that run under
 #: `callbacks=snapshot_ensemble`, predicting with its M snapshots (`posthoc=snapshot_ensemble`).
 SNAPSHOT = ("snapshot_ensemble", "map_fixed")
@@ -52,8 +64,11 @@ SAMPLER_RUN_STEPS = 100 * 782
 SIZES = {
     "resnet18": {"quick": ["width=16"], "paper": [], "tiny": ["width=10"]},
     "wrn28_10": {"quick": ["depth=16", "widen_factor=2"], "paper": [], "tiny": ["depth=10", "widen_factor=1"]},
-    "structure_net": {"quick": ["num_nodes=4", "cells_per_stage=1"], "paper": [],
-                      "tiny": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=10", "stem_channels=16"]},
+    "structure_net": {
+        "quick": ["num_nodes=4", "cells_per_stage=1"],
+        "paper": [],
+        "tiny": ["num_nodes=3", "cells_per_stage=1", "num_stages=2", "growth=10", "stem_channels=16"],
+    },
 }  # tiny: the suite's tests (Masksembles' masks need 10 channels in a layer)
 
 
@@ -97,7 +112,11 @@ def snapshot_ensemble(backbone: str, size: str = "quick", num_classes: int = 10)
     method = build_method(SNAPSHOT[1], backbone, size, num_classes)
     collector = instantiate(OmegaConf.load(CONF_DIR / "callbacks" / "snapshot_ensemble.yaml").snapshot_ensemble)
     cycles = collector.schedule.cycles
-    return method, collector, SnapshotEnsembleMethod([copy.deepcopy(method) for _ in range(cycles)], list(range(cycles)))
+    return (
+        method,
+        collector,
+        SnapshotEnsembleMethod([copy.deepcopy(method) for _ in range(cycles)], list(range(cycles))),
+    )
 
 
 def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
@@ -114,8 +133,9 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
         if method.structure_parameters():
             opts.append(method.structure_optimizer().build(method.structure_parameters()))
     method.attach_guard(opts)  # the NaN guard on the device, as in training (no host read per step)
-    trainer = SimpleNamespace(optimizers=opts, lr_scheduler_configs=groups, current_epoch=0, num_training_batches=1,
-                              max_epochs=100)  # what the collector reads of a trainer
+    trainer = SimpleNamespace(
+        optimizers=opts, lr_scheduler_configs=groups, current_epoch=0, num_training_batches=1, max_epochs=100
+    )  # what the collector reads of a trainer
 
     def step():
         method.train()  # every step: the prediction's call (the same method, interleaved) leaves it in eval mode
@@ -130,6 +150,7 @@ def training_step(method, x: torch.Tensor, y: torch.Tensor, collector=None):
         for opt in opts:
             opt.step()
         method.on_after_optimizer_step(x.shape[0])
+
     return step
 
 
@@ -142,20 +163,30 @@ def keep_samples(method) -> None:
 
 def prediction(method, x: torch.Tensor):
     """A callable predicting `x` with every member of `method`'s ensemble, in eval mode."""
+
     def predict():
         method.eval()
         method.enable_test_noise()
         with torch.inference_mode():
             method.predict_log_probs(x)
+
     return predict
 
 
-def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeats: int = 5, device: str = "auto",
-        methods: tuple[str, ...] | None = None) -> dict:
+def run(
+    backbone: str = "resnet18",
+    size: str = "quick",
+    batch: int = 64,
+    repeats: int = 5,
+    device: str = "auto",
+    methods: tuple[str, ...] | None = None,
+) -> dict:
     """Seconds (median over `repeats`) and ratios to one network of every method on `backbone`."""
     from dbsn.evaluation.progress import progress
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     names = methods or (FIELD_METHODS + (CELL_METHODS if backbone == "structure_net" else ()))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g).to(dev)
@@ -183,13 +214,26 @@ def run(backbone: str = "resnet18", size: str = "quick", batch: int = 64, repeat
     seconds = {f"{name} {what}": statistics.median(times[name, what]) for name, what in calls}
     one = {what: seconds[f"map_fixed {what}"] for what in ("train", "predict")}
     return {
-        "date": date.today().isoformat(), "device": _device_name(dev), "torch": torch.__version__,
-        "backbone": backbone, "size": size, "batch": batch, "repeats": repeats,
-        "parameters": parameters, "members": members, "seconds": seconds,
-        "ratios": {f"{name} {what} / map_fixed {what}": seconds[f"{name} {what}"] / one[what]
-                   for name in names if name != "map_fixed" for what in ("train", "predict")},
+        "date": date.today().isoformat(),
+        "device": _device_name(dev),
+        "torch": torch.__version__,
+        "backbone": backbone,
+        "size": size,
+        "batch": batch,
+        "repeats": repeats,
+        "parameters": parameters,
+        "members": members,
+        "seconds": seconds,
+        "ratios": {
+            f"{name} {what} / map_fixed {what}": seconds[f"{name} {what}"] / one[what]
+            for name in names
+            if name != "map_fixed"
+            for what in ("train", "predict")
+        },
         # the S-member prediction against S single networks: below 1, the members share work
-        "prediction_per_member": {name: seconds[f"{name} predict"] / (members[name] * one["predict"]) for name in names},
+        "prediction_per_member": {
+            name: seconds[f"{name} predict"] / (members[name] * one["predict"]) for name in names
+        },
     }
 
 
@@ -198,13 +242,32 @@ def _print(result: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]dbsn bench field[/] {result['date']} on {result['device']}, torch {result['torch']}, "
-                  f"{result['backbone']} ({result['size']}), batch {result['batch']}, median of {result['repeats']}")
-    table = Table("method", "parameters", "members", "train s", "train / one network", "predict s",
-                  "predict / one network", "predict / members × one network")
+    console.print(
+        f"[bold]dbsn bench field[/] {result['date']} on {result['device']}, torch {result['torch']}, "
+        f"{result['backbone']} ({result['size']}), batch {result['batch']}, median of {result['repeats']}"
+    )
+    table = Table(
+        "method",
+        "parameters",
+        "members",
+        "train s",
+        "train / one network",
+        "predict s",
+        "predict / one network",
+        "predict / members × one network",
+    )
     for name, count in result["parameters"].items():
-        ratio = lambda what: "1" if name == "map_fixed" else f"{result['ratios'][f'{name} {what} / map_fixed {what}']:.2f}"  # noqa: E731
-        table.add_row(name, f"{count:,}", str(result["members"][name]), f"{result['seconds'][f'{name} train']:.4f}",
-                      ratio("train"), f"{result['seconds'][f'{name} predict']:.4f}", ratio("predict"),
-                      f"{result['prediction_per_member'][name]:.2f}")
+        ratio = lambda what: (
+            "1" if name == "map_fixed" else f"{result['ratios'][f'{name} {what} / map_fixed {what}']:.2f}"
+        )  # noqa: E731
+        table.add_row(
+            name,
+            f"{count:,}",
+            str(result["members"][name]),
+            f"{result['seconds'][f'{name} train']:.4f}",
+            ratio("train"),
+            f"{result['seconds'][f'{name} predict']:.4f}",
+            ratio("predict"),
+            f"{result['prediction_per_member'][name]:.2f}",
+        )
     console.print(table)

@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 
-from dbsn.evaluation.cost import flop_counter_mode
-from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 from dbsn.data.augment import crop_offsets, flip_draws, normalize, random_crop, random_hflip, to_unit_range
+from dbsn.evaluation.cost import flop_counter_mode
 from dbsn.methods import DBSN, Compilation, Execution, Prediction
 from dbsn.methods.step import GraphedStep
 from dbsn.nets import StructureNet
+from dbsn.tools.bench.common import NETS, _device_name, _sync, timed_call
 
 #: configuration: (precision, cell, how the step runs: eager | graph | compile)
 CONFIGS = {
@@ -72,15 +72,28 @@ def _autocast(device: torch.device, precision: str, cache: bool = True):
     return nullcontext()
 
 
-def build_method(net_name: str, device: torch.device, cell: str, mode: str, chunk: int | None,
-                 train_samples: int = 4, samples_per_forward: int = 25, backend: str = "inductor",
-                 graph_prediction: bool = False) -> DBSN:
+def build_method(
+    net_name: str,
+    device: torch.device,
+    cell: str,
+    mode: str,
+    chunk: int | None,
+    train_samples: int = 4,
+    samples_per_forward: int = 25,
+    backend: str = "inductor",
+    graph_prediction: bool = False,
+) -> DBSN:
     torch.manual_seed(0)
     compile = Compilation(enabled=True, scope="cells", backend=backend) if mode == "compile" else Compilation()
-    method = DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net_name]), train_samples=train_samples,
-                  train_samples_per_forward=chunk, prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward),
-                  execution=Execution(channels_last=False, compile=compile, cuda_graph=mode == "graph",
-                                      cuda_graph_prediction=graph_prediction)).to(device)
+    method = DBSN(
+        StructureNet(num_classes=10, cell=cell, **NETS[net_name]),
+        train_samples=train_samples,
+        train_samples_per_forward=chunk,
+        prediction=Prediction(n_samples=100, samples_per_forward=samples_per_forward),
+        execution=Execution(
+            channels_last=False, compile=compile, cuda_graph=mode == "graph", cuda_graph_prediction=graph_prediction
+        ),
+    ).to(device)
     method.dataset_size = TRAIN_IMAGES
     return method
 
@@ -106,6 +119,7 @@ def training_step(method: DBSN, batch: int, device: torch.device, precision: str
     def zero():
         for opt in opts:
             opt.zero_grad(set_to_none=True)
+
     run = GraphedStep(body, zero) if graph else None
 
     def step():
@@ -119,6 +133,7 @@ def training_step(method: DBSN, batch: int, device: torch.device, precision: str
                 zero()
                 body(x, labels)
         method.on_after_optimizer_step(batch)
+
     return step
 
 
@@ -135,9 +150,20 @@ def kernel_counts(run, device: torch.device) -> dict[str, int] | None:
         torch.cuda.synchronize(device)
     events = prof.events()
     kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
-    launches = sum(1 for e in events if e.device_type == DeviceType.CPU and
-                   e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                              "cudaGraphLaunch", "cudaLaunchCooperativeKernel"))
+    launches = sum(
+        1
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and e.name
+        in (
+            "cudaLaunchKernel",
+            "cudaLaunchKernelExC",
+            "cuLaunchKernel",
+            "cuLaunchKernelEx",
+            "cudaGraphLaunch",
+            "cudaLaunchCooperativeKernel",
+        )
+    )
     return {"kernels": kernels, "launches": launches}
 
 
@@ -187,21 +213,34 @@ def prediction_rate(method: DBSN, device: torch.device, precision: str, batch: i
     def predict():
         with torch.inference_mode(), _autocast(device, precision):
             method.predict_log_probs(x, TEST_SAMPLES)
+
     predict()
     seconds, _ = _timed(predict, device, steps)
     method.train()
     return batch / seconds
 
 
-def camvid_step(device: torch.device, precision: str, cell: str, steps: int, size: int = 224, batch: int = 3,
-                net_kwargs: dict | None = None) -> dict:
+def camvid_step(
+    device: torch.device,
+    precision: str,
+    cell: str,
+    steps: int,
+    size: int = 224,
+    batch: int = 3,
+    net_kwargs: dict | None = None,
+) -> dict:
     """One DBSN-seg training step (T = 1) on `batch` crops, eager: seconds and peak MiB."""
     from dbsn.methods.tasks import Segmentation
     from dbsn.nets import DBSNSegNet
 
     torch.manual_seed(0)
-    method = DBSN(DBSNSegNet(cell=cell, **(net_kwargs or {})), train_samples=1, task=Segmentation(), parallel="data",
-                  execution=Execution(channels_last=False)).to(device)
+    method = DBSN(
+        DBSNSegNet(cell=cell, **(net_kwargs or {})),
+        train_samples=1,
+        task=Segmentation(),
+        parallel="data",
+        execution=Execution(channels_last=False),
+    ).to(device)
     method.dataset_size = 367  # CamVid's training images
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 11, (batch, size, size), device=device)
@@ -215,23 +254,50 @@ def camvid_step(device: torch.device, precision: str, cell: str, steps: int, siz
             method.accumulate_gradients(x, y, lambda loss, last: loss.backward())
         for opt in opts:
             opt.step()
+
     step(), step()  # warm-up (and compilation)
     seconds, peak = _timed(step, device, steps)
     return {"seconds": seconds, "peak_mib": peak}
 
 
-def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int = 5, device: str = "auto",
-              configs: list[str] | None = None, backend: str = "inductor", samples_per_forward: int = 25,
-              prediction_batch: int = 64, camvid: bool = False, camvid_size: int = 224, camvid_batch: int = 3,
-              camvid_kwargs: dict | None = None, budget_minutes: float = 4.0, previous: dict | None = None,
-              on_result=None, chunks: tuple[str, ...] = ("grouped",)) -> dict:
+def run_suite(
+    net: str = "paper",
+    batch: int = 64,
+    steps: int = 10,
+    warmup: int = 5,
+    device: str = "auto",
+    configs: list[str] | None = None,
+    backend: str = "inductor",
+    samples_per_forward: int = 25,
+    prediction_batch: int = 64,
+    camvid: bool = False,
+    camvid_size: int = 224,
+    camvid_batch: int = 3,
+    camvid_kwargs: dict | None = None,
+    budget_minutes: float = 4.0,
+    previous: dict | None = None,
+    on_result=None,
+    chunks: tuple[str, ...] = ("grouped",),
+) -> dict:
     """Measure each configuration (see the module docstring); `previous` results are kept and not
     re-measured, `on_result(result)` is called after each measurement (to save partial results)."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     started = time.perf_counter()
     result = previous or {}
-    result.update({"date": date.today().isoformat(), "device": _device_name(dev), "torch": torch.__version__,
-                   "net": net, "batch": batch, "train_samples": 4, "steps": steps, "backend": backend})
+    result.update(
+        {
+            "date": date.today().isoformat(),
+            "device": _device_name(dev),
+            "torch": torch.__version__,
+            "net": net,
+            "batch": batch,
+            "train_samples": 4,
+            "steps": steps,
+            "backend": backend,
+        }
+    )
     rows = result.setdefault("training", {})
     peaks = result.setdefault("matmul_flops_per_second", {})
     matmul_n = 8192 if dev.type == "cuda" else 512
@@ -253,6 +319,7 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
         save.last = time.perf_counter()
         if on_result is not None:
             on_result(result)
+
     save.last = started
 
     prediction = result.setdefault("prediction_images_per_second", {})
@@ -271,8 +338,9 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
                 continue
             method = step = None
             try:
-                method = build_method(net, dev, cell, mode, chunk, backend=backend,
-                                      samples_per_forward=samples_per_forward)
+                method = build_method(
+                    net, dev, cell, mode, chunk, backend=backend, samples_per_forward=samples_per_forward
+                )
                 step = training_step(method, batch, dev, precision, graph=mode == "graph")
                 warm_start = time.perf_counter()
                 for _ in range(warmup):
@@ -280,22 +348,36 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
                 _sync(dev)
                 warm = time.perf_counter() - warm_start
                 seconds, peak = _timed(step, dev, steps)
-                rows[key] = {"steps_per_second": 1 / seconds, "seconds_per_step": seconds, "peak_mib": peak,
-                             "warmup_seconds": warm,
-                             "flops_per_second": flops[chunk_name] / seconds,
-                             "fraction_of_matmul_peak": flops[chunk_name] / seconds / peaks[precision]}
+                rows[key] = {
+                    "steps_per_second": 1 / seconds,
+                    "seconds_per_step": seconds,
+                    "peak_mib": peak,
+                    "warmup_seconds": warm,
+                    "flops_per_second": flops[chunk_name] / seconds,
+                    "fraction_of_matmul_peak": flops[chunk_name] / seconds / peaks[precision],
+                }
                 counts = kernel_counts(step, dev)
                 if counts is not None:
                     rows[key].update(counts)
-                if chunk_name == "grouped" and name not in prediction and mode != "compile":  # the ensemble does not chunk T
+                if (
+                    chunk_name == "grouped" and name not in prediction and mode != "compile"
+                ):  # the ensemble does not chunk T
                     prediction_steps = max(2, steps // 5)
                     prediction[name] = prediction_rate(method, dev, precision, prediction_batch, prediction_steps)
                     if mode == "graph":  # the same members' forwards replayed from CUDA graphs
-                        twin = build_method(net, dev, cell, "eager", chunk, samples_per_forward=samples_per_forward,
-                                            graph_prediction=True)
+                        twin = build_method(
+                            net,
+                            dev,
+                            cell,
+                            "eager",
+                            chunk,
+                            samples_per_forward=samples_per_forward,
+                            graph_prediction=True,
+                        )
                         twin.load_state_dict(method.state_dict())
                         prediction[f"{name}, graphed prediction"] = prediction_rate(
-                            twin, dev, precision, prediction_batch, prediction_steps)
+                            twin, dev, precision, prediction_batch, prediction_steps
+                        )
                         del twin
             except Exception as error:  # one configuration's failure must not lose the others
                 rows[key] = {"error": _error_text(error)}
@@ -313,8 +395,9 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
         for name in ("bf16 eager per-edge", "bf16 eager fused"):
             precision, cell, _ = CONFIGS[name]
             try:
-                result["camvid"][name] = camvid_step(dev, precision, cell, max(2, steps // 4),
-                                                     camvid_size, camvid_batch, camvid_kwargs)
+                result["camvid"][name] = camvid_step(
+                    dev, precision, cell, max(2, steps // 4), camvid_size, camvid_batch, camvid_kwargs
+                )
             except Exception as error:
                 result["camvid"][name] = {"error": _error_text(error)}
         save()
@@ -323,25 +406,35 @@ def run_suite(net: str = "paper", batch: int = 64, steps: int = 10, warmup: int 
 
 def markdown(result: dict) -> str:
     """The suite's result as the markdown table of docs/performance.md."""
-    lines = [f"Measured {result['date']} on {result['device']}, torch {result['torch']}: the {result['net']} "
-             f"network, T = {result['train_samples']}, batch {result['batch']}, median of {result['steps']} steps "
-             f"(`python -m dbsn.tools.bench --suite gpu`).", "",
-             "| configuration | T structures | ms per step | kernels / launches per step | warm-up s | peak GiB | "
-             "100 epochs (h) | TFLOP/s | of matmul peak |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Measured {result['date']} on {result['device']}, torch {result['torch']}: the {result['net']} "
+        f"network, T = {result['train_samples']}, batch {result['batch']}, median of {result['steps']} steps "
+        f"(`python -m dbsn.tools.bench --suite gpu`).",
+        "",
+        "| configuration | T structures | ms per step | kernels / launches per step | warm-up s | peak GiB | "
+        "100 epochs (h) | TFLOP/s | of matmul peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, row in result["training"].items():
         name, chunk = key.split(" | ")
         if "error" in row:
             lines.append(f"| {name} | {chunk} | {row['error']} | | | | | | |")
             continue
         kernels = f"{row['kernels']:,} / {row['launches']:,}" if "kernels" in row else "-"
-        lines.append(f"| {name} | {chunk} | {1000 * row['seconds_per_step']:.1f} | {kernels} | {row['warmup_seconds']:.0f} | "
-                     f"{row['peak_mib'] / 1024:.1f} | {row.get('projected_hours_100_epochs', float('nan')):.2f} | "
-                     f"{row['flops_per_second'] / 1e12:.2f} | {100 * row['fraction_of_matmul_peak']:.1f} % |")
+        lines.append(
+            f"| {name} | {chunk} | {1000 * row['seconds_per_step']:.1f} | {kernels} | {row['warmup_seconds']:.0f} | "
+            f"{row['peak_mib'] / 1024:.1f} | {row.get('projected_hours_100_epochs', float('nan')):.2f} | "
+            f"{row['flops_per_second'] / 1e12:.2f} | {100 * row['fraction_of_matmul_peak']:.1f} % |"
+        )
     peaks = result["matmul_flops_per_second"]
-    lines += ["", f"Dense matmul peak measured in the same run: fp32 {peaks['fp32'] / 1e12:.1f} TFLOP/s, "
-                  f"bf16 {peaks['bf16'] / 1e12:.1f} TFLOP/s. FLOPs per step (convolutions and matmuls): "
-                  + ", ".join(f"{k} {v / 1e9:.0f} GFLOP" for k, v in result["flops_per_step"].items()) + ".", ""]
+    lines += [
+        "",
+        f"Dense matmul peak measured in the same run: fp32 {peaks['fp32'] / 1e12:.1f} TFLOP/s, "
+        f"bf16 {peaks['bf16'] / 1e12:.1f} TFLOP/s. FLOPs per step (convolutions and matmuls): "
+        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP" for k, v in result["flops_per_step"].items())
+        + ".",
+        "",
+    ]
     if result.get("prediction_images_per_second"):
         lines += ["| prediction, S = 100 | images/s |", "|---|---|"]
         lines += [f"| {name} | {rate:.1f} |" for name, rate in result["prediction_images_per_second"].items()]
@@ -349,8 +442,11 @@ def markdown(result: dict) -> str:
     if result.get("camvid"):
         lines += ["| CamVid DBSN step (3 x 224², T = 1) | seconds | peak GiB |", "|---|---|---|"]
         for name, row in result["camvid"].items():
-            lines.append(f"| {name} | {row['error']} | |" if "error" in row else
-                         f"| {name} | {row['seconds']:.3f} | {row['peak_mib'] / 1024:.2f} |")
+            lines.append(
+                f"| {name} | {row['error']} | |"
+                if "error" in row
+                else f"| {name} | {row['seconds']:.3f} | {row['peak_mib'] / 1024:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -367,10 +463,20 @@ def main(args) -> dict:
     unknown = [c for c in configs or [] if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
-    result = run_suite(args.net or "paper", args.batch, args.steps, device=args.device, configs=configs,
-                       backend=args.compile_backend, prediction_batch=args.prediction_batch, previous=previous,
-                       on_result=save, camvid=args.segmentation == "yes",
-                       chunks=("grouped", "chunked") if args.chunked else ("grouped",), budget_minutes=args.budget_minutes)
+    result = run_suite(
+        args.net or "paper",
+        args.batch,
+        args.steps,
+        device=args.device,
+        configs=configs,
+        backend=args.compile_backend,
+        prediction_batch=args.prediction_batch,
+        previous=previous,
+        on_result=save,
+        camvid=args.segmentation == "yes",
+        chunks=("grouped", "chunked") if args.chunked else ("grouped",),
+        budget_minutes=args.budget_minutes,
+    )
     save(result)
     print(markdown(result))
     return result

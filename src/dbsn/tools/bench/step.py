@@ -35,8 +35,19 @@ from dbsn.tools.bench.categories import CATEGORIES
 from dbsn.tools.bench.common import NETS, VIEWS
 
 #: operations that read a device value on the host, or copy host data to the device
-HOST_READS = frozenset({"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
-                        "aten.equal", "aten.allclose", "aten.unique", "aten._unique2", "aten.lift_fresh"})
+HOST_READS = frozenset(
+    {
+        "aten._local_scalar_dense",
+        "aten.is_nonzero",
+        "aten.nonzero",
+        "aten.masked_select",
+        "aten.equal",
+        "aten.allclose",
+        "aten.unique",
+        "aten._unique2",
+        "aten.lift_fresh",
+    }
+)
 CELLS = ("per_edge", "fused")
 
 
@@ -68,8 +79,13 @@ class OpCounter(TorchDispatchMode):
 def build(cell: str, net: str = "paper", train_samples: int = 4, compile: Compilation | None = None) -> DBSN:
     torch.manual_seed(0)
     execution = Execution(channels_last=False, compile=compile or Compilation())
-    return DBSN(StructureNet(num_classes=10, cell=cell, **NETS[net]), train_samples=train_samples, dataset_size=50_000,
-                prediction=Prediction(n_samples=100, samples_per_forward=25), execution=execution)
+    return DBSN(
+        StructureNet(num_classes=10, cell=cell, **NETS[net]),
+        train_samples=train_samples,
+        dataset_size=50_000,
+        prediction=Prediction(n_samples=100, samples_per_forward=25),
+        execution=execution,
+    )
 
 
 def training_step(method: DBSN, batch: int):
@@ -85,6 +101,7 @@ def training_step(method: DBSN, batch: int):
             opt.zero_grad(set_to_none=True)
         method.step_body(x, y, opts, weights, lambda loss, last: loss.backward())
         method.on_after_optimizer_step(batch)
+
     return step
 
 
@@ -128,8 +145,12 @@ def nodes_compile(batch: int = 2, net: str = "paper", backend: str = "eager") ->
         seconds = time.perf_counter() - start
         graphs = counters["stats"]["unique_graphs"]
         step()
-        return {"graphs": graphs, "recompiles": counters["stats"]["unique_graphs"] - graphs,
-                "first_step_seconds": seconds, "backend": backend}
+        return {
+            "graphs": graphs,
+            "recompiles": counters["stats"]["unique_graphs"] - graphs,
+            "first_step_seconds": seconds,
+            "backend": backend,
+        }
     finally:
         torch._dynamo.reset()
 
@@ -146,6 +167,7 @@ def traced_cell(cell: str, groups: int = 4, batch: int = 2, net: str = "paper") 
         def compiler(graph_module, inputs):
             counts[kind] = counts.get(kind, 0) + sum(1 for n in graph_module.graph.nodes if n.op == "call_function")
             return make_boxed_func(graph_module.forward)
+
         return compiler
 
     method = build(cell, net)
@@ -154,12 +176,18 @@ def traced_cell(cell: str, groups: int = 4, batch: int = 2, net: str = "paper") 
     x = torch.randn(batch * groups, channels, 16, 16)
     alpha = torch.softmax(torch.randn(groups, method.net.num_edges, method.net.num_ops), -1).requires_grad_()
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward")))
+    compiled = torch.compile(
+        module, backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"))
+    )
     start = time.perf_counter()
     compiled(x, alpha).sum().backward()
     seconds = time.perf_counter() - start
     torch._dynamo.reset()
-    return {"forward_nodes": counts.get("forward", 0), "backward_nodes": counts.get("backward", 0), "trace_seconds": seconds}
+    return {
+        "forward_nodes": counts.get("forward", 0),
+        "backward_nodes": counts.get("backward", 0),
+        "trace_seconds": seconds,
+    }
 
 
 def timings(batch: int, repeats: int, net: str = "quick") -> dict[str, dict[str, float]]:
@@ -190,8 +218,10 @@ def timings(batch: int, repeats: int, net: str = "quick") -> dict[str, dict[str,
 
 def run(batch: int = 64, repeats: int = 3, trace: bool = True, net: str = "paper", timed_net: str = "quick") -> dict:
     """The rows of the module docstring: counts and the traced cell on `net`, seconds on `timed_net`."""
-    result = {"counts": {cell: count_step(cell, net=net) for cell in CELLS},
-              "categories": {cell: count_categories(cell, net=net) for cell in CELLS}}
+    result = {
+        "counts": {cell: count_step(cell, net=net) for cell in CELLS},
+        "categories": {cell: count_categories(cell, net=net) for cell in CELLS},
+    }
     if trace:
         result["traced_cell"] = {cell: traced_cell(cell, net=net) for cell in CELLS}
         result["nodes_compile"] = nodes_compile(net=net)
@@ -201,10 +231,18 @@ def run(batch: int = 64, repeats: int = 3, trace: bool = True, net: str = "paper
 
 def markdown(result: dict, batch: int) -> str:
     counts = result["counts"]
-    lines = ["The paper network's T = 4 step (batch 2, float32, contiguous, fused optimisers), per cell:", "",
-             "| per step | per-edge | fused | fused / per-edge | target |", "|---|---|---|---|---|"]
+    lines = [
+        "The paper network's T = 4 step (batch 2, float32, contiguous, fused optimisers), per cell:",
+        "",
+        "| per step | per-edge | fused | fused / per-edge | target |",
+        "|---|---|---|---|---|",
+    ]
     targets = {"aten_ops": "≤ 10,000", "launching_ops": "≤ 5,500", "host_syncs": "0"}
-    names = {"aten_ops": "aten operations", "launching_ops": "kernel-launching operations", "host_syncs": "host synchronisations"}
+    names = {
+        "aten_ops": "aten operations",
+        "launching_ops": "kernel-launching operations",
+        "host_syncs": "host synchronisations",
+    }
     for key, name in names.items():
         a, b = counts["per_edge"][key], counts["fused"][key]
         ratio = f"{b / a:.3f}" if a else "-"
@@ -212,9 +250,11 @@ def markdown(result: dict, batch: int) -> str:
         lines.append(f"| {name} | {a:,} | {b:,} | {ratio} | {targets[key]} {ok} |")
     if "traced_cell" in result:
         traced = result["traced_cell"]
-        for key, name in (("forward_nodes", "one cell's traced forward (call nodes)"),
-                          ("backward_nodes", "one cell's traced backward (call nodes)"),
-                          ("trace_seconds", "seconds to trace one cell")):
+        for key, name in (
+            ("forward_nodes", "one cell's traced forward (call nodes)"),
+            ("backward_nodes", "one cell's traced backward (call nodes)"),
+            ("trace_seconds", "seconds to trace one cell"),
+        ):
             a, b = traced["per_edge"][key], traced["fused"][key]
             fmt = "{:.1f}" if key == "trace_seconds" else "{:,}"
             lines.append(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {b / a:.3f} | |")
@@ -225,13 +265,20 @@ def markdown(result: dict, batch: int) -> str:
             lines.append(f"| kernel-launching operations: {key} | {a:,} | {b:,} | {ratio} | |")
     compiled = result.get("nodes_compile")
     if compiled is not None:
-        text = compiled["error"] if "error" in compiled else (
-            f"{compiled['graphs']} graphs, {compiled['recompiles']} recompiled in a second step, "
-            f"first step {compiled['first_step_seconds']:.1f} s ({compiled['backend']} backend)")
+        text = (
+            compiled["error"]
+            if "error" in compiled
+            else (
+                f"{compiled['graphs']} graphs, {compiled['recompiles']} recompiled in a second step, "
+                f"first step {compiled['first_step_seconds']:.1f} s ({compiled['backend']} backend)"
+            )
+        )
         lines.append(f"| nodes-only compile (compile.scope=nodes) | | {text} | | 4 graphs, 0 recompiled |")
     seconds = result["seconds"]
-    for kind, name in (("step", f"CPU seconds, T = 4 step of the small network, batch {batch}"),
-                       ("prediction", f"CPU seconds, S = 100 prediction of {batch} images")):
+    for kind, name in (
+        ("step", f"CPU seconds, T = 4 step of the small network, batch {batch}"),
+        ("prediction", f"CPU seconds, S = 100 prediction of {batch} images"),
+    ):
         a, b = seconds["per_edge"][kind], seconds["fused"][kind]
         lines.append(f"| {name} | {a:.3f} | {b:.3f} | {b / a:.2f} | |")
     return "\n".join(lines)

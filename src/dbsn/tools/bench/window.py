@@ -55,8 +55,14 @@ PARTS = ("profile", "forms", "compile", "streams")
 CONV_1X1 = ("conv", "bmm", "mulsum")
 DEPTHWISE = ("conv", "stencil")
 #: the whole graphed step's form combinations, the most promising first
-STEP_FORMS = (("conv", "conv"), ("bmm", "stencil"), ("bmm", "conv"), ("conv", "stencil"), ("mulsum", "stencil"),
-              ("mulsum", "conv"))
+STEP_FORMS = (
+    ("conv", "conv"),
+    ("bmm", "stencil"),
+    ("bmm", "conv"),
+    ("conv", "stencil"),
+    ("mulsum", "stencil"),
+    ("mulsum", "conv"),
+)
 #: kernel names to categories, first match wins (a graph replay's kernels have only their names)
 KERNEL_NAMES = [
     ("triton (inductor)", r"^triton_"),
@@ -64,8 +70,11 @@ KERNEL_NAMES = [
     ("cuDNN layout transform", r"nchwToNhwc|nhwcToNchw|nchwToNchw|transpose_readWrite|convertTensor|Transpose|permute"),
     ("gemm (linear, bmm)", r"xmma_gemm|cublas|gemv|gemmSN|gemm_kernel|tensorop_\w*gemm|s161616gemm|nvjet"),
     ("cuDNN split-k / reduce", r"splitK|split_k|reduce_wgrad|scalePackedTensor|computeOffsets|kern_precompute"),
-    ("cuDNN conv", r"xmma|cutlass|implicit_convolve|implicit_gemm|fprop|dgrad|wgrad|sm90|sm80|conv2d|convolve|cudnn|"
-                   r"fft|winograd"),
+    (
+        "cuDNN conv",
+        r"xmma|cutlass|implicit_convolve|implicit_gemm|fprop|dgrad|wgrad|sm90|sm80|conv2d|convolve|cudnn|"
+        r"fft|winograd",
+    ),
     ("BatchNorm", r"batch_norm|welford"),
     ("optimiser (foreach, fused)", r"multi_tensor_apply|fused_sgd|fused_adam|FusedSgd|FusedAdam"),
     ("cat / stack", r"CatArrayBatchedCopy|cat_"),
@@ -85,8 +94,14 @@ class Part:
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / f"gpu_{name}.json"
         self._lock = threading.Lock()
-        self.result: dict = {"part": name, "date": date.today().isoformat(), "device": _device_name(device),
-                             "torch": torch.__version__, "tiny": tiny, "started": time.strftime("%H:%M:%S")}
+        self.result: dict = {
+            "part": name,
+            "date": date.today().isoformat(),
+            "device": _device_name(device),
+            "torch": torch.__version__,
+            "tiny": tiny,
+            "started": time.strftime("%H:%M:%S"),
+        }
         self.save()
 
     @property
@@ -109,11 +124,14 @@ class Part:
         def watch():
             while not stop.wait(every):
                 try:
-                    self.result[key] = {"seconds_so_far": round(time.perf_counter() - start, 1),
-                                        **{name: count() for name, count in counts.items()}}
+                    self.result[key] = {
+                        "seconds_so_far": round(time.perf_counter() - start, 1),
+                        **{name: count() for name, count in counts.items()},
+                    }
                     self.save()
                 except Exception:  # noqa: BLE001 - the main thread changed the result meanwhile: next time
                     pass
+
         thread = threading.Thread(target=watch, daemon=True)
         thread.start()
         try:
@@ -151,8 +169,11 @@ class Part:
 def _short(value) -> str:
     if not isinstance(value, dict):
         return str(value)
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items()
-                     if not isinstance(v, (dict, list)))[:300]
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in value.items()
+        if not isinstance(v, (dict, list))
+    )[:300]
 
 
 def median_ms(run, device: torch.device, reps: int, warm: int = 2) -> float:
@@ -197,8 +218,9 @@ def setting(tiny: bool) -> dict:
     return {"net": "tiny", "batch": 4} if tiny else {"net": "paper", "batch": 64}
 
 
-def build(part: Part, conv_1x1: str = "conv", depthwise: str = "conv", compile=None, graph: bool | None = None,
-          seed: int = 0):
+def build(
+    part: Part, conv_1x1: str = "conv", depthwise: str = "conv", compile=None, graph: bool | None = None, seed: int = 0
+):
     """(method, step): DBSN on the part's network with these execution options, and a zero-argument
     training step (`dbsn.tools.bench.gpu.training_step`, bf16; in a CUDA graph on a GPU)."""
     from dbsn.methods import DBSN, Compilation, Execution, Prediction
@@ -214,10 +236,12 @@ def build(part: Part, conv_1x1: str = "conv", depthwise: str = "conv", compile=N
         options = {"conv_1x1": conv_1x1, "depthwise": depthwise}
     torch.manual_seed(seed)
     size = setting(part.tiny)
-    method = DBSN(StructureNet(num_classes=10, cell="fused", **NETS[size["net"]]), train_samples=4,
-                  prediction=Prediction(n_samples=100, samples_per_forward=25),
-                  execution=Execution(channels_last=False, cuda_graph=graph, compile=compile or Compilation(),
-                                      **options)).to(part.device)
+    method = DBSN(
+        StructureNet(num_classes=10, cell="fused", **NETS[size["net"]]),
+        train_samples=4,
+        prediction=Prediction(n_samples=100, samples_per_forward=25),
+        execution=Execution(channels_last=False, cuda_graph=graph, compile=compile or Compilation(), **options),
+    ).to(part.device)
     method.dataset_size = TRAIN_IMAGES
     return method, training_step(method, size["batch"], part.device, "bf16", graph=graph)
 
@@ -253,11 +277,16 @@ def kernel_table(run, device: torch.device, top: int = 40) -> dict:
         row[0] += n
         row[1] += us
     names = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return {"kernels": sum(n for n, _ in by_name.values()), "kernel_ms": sum(us for _, us in by_name.values()) / 1000,
-            "by_category": {k: {"count": n, "ms": us / 1000}
-                            for k, (n, us) in sorted(by_category.items(), key=lambda item: -item[1][1])},
-            "top_names": [{"name": k[:160], "count": n, "ms": us / 1000, "category": kernel_name_category(k)}
-                          for k, (n, us) in names]}
+    return {
+        "kernels": sum(n for n, _ in by_name.values()),
+        "kernel_ms": sum(us for _, us in by_name.values()) / 1000,
+        "by_category": {
+            k: {"count": n, "ms": us / 1000} for k, (n, us) in sorted(by_category.items(), key=lambda item: -item[1][1])
+        },
+        "top_names": [
+            {"name": k[:160], "count": n, "ms": us / 1000, "category": kernel_name_category(k)} for k, (n, us) in names
+        ],
+    }
 
 
 # ------------------------------------------------------------------------------------------ profile
@@ -277,7 +306,9 @@ def part_profile(part: Part, args) -> None:
                 return row
             finally:
                 torch.backends.cudnn.benchmark = False
+
         return measure
+
     part.row("steps", "bf16 fused + CUDA graph", graphed(False))
     part.row("steps", "eager, kernels by what launched them", lambda: attributed_kernels(part))
     part.row("steps", "bf16 fused + CUDA graph, cudnn.benchmark", graphed(True))
@@ -297,13 +328,19 @@ def attributed_kernels(part: Part) -> dict:
         step()
         _sync(part.device)
     kernels = kernels_by_category(prof.events())
-    return {"kernels": sum(r["count"] for r in kernels.values()), "kernel_ms": sum(r["ms"] for r in kernels.values()),
-            "by_category": kernels, "launching_ops": ops.launching, "ops_by_category": ops.counts}
+    return {
+        "kernels": sum(r["count"] for r in kernels.values()),
+        "kernel_ms": sum(r["ms"] for r in kernels.values()),
+        "by_category": kernels,
+        "launching_ops": ops.launching,
+        "ops_by_category": ops.counts,
+    }
 
 
 # ------------------------------------------------------------------------------------------ forms
 def _fallback_forms():
     """The forms as `dbsn.nets.conv_forms` computes them, where it is not there."""
+
     def grouped_1x1(x, weight, groups, form="bmm"):
         b, width, h, w = x.shape
         n, c = groups, width // groups
@@ -316,9 +353,10 @@ def _fallback_forms():
         padded, out = F.pad(x, (d, d, d, d)), None
         for k, tap in enumerate(weight.reshape(c, 9).unbind(1)):
             i, j = divmod(k, 3)
-            term = padded[:, :, i * d:i * d + h, j * d:j * d + w] * tap.view(1, c, 1, 1)
+            term = padded[:, :, i * d : i * d + h, j * d : j * d + w] * tap.view(1, c, 1, 1)
             out = term if out is None else out + term
         return out
+
     return grouped_1x1, depthwise_stencil
 
 
@@ -326,6 +364,7 @@ def form_functions() -> dict:
     """name -> (function of (x, weight), weight shape, layout) for each form at the part's shapes."""
     try:
         from dbsn.nets.conv_forms import depthwise_stencil, grouped_1x1
+
         source = "dbsn.nets.conv_forms"
     except ImportError:
         grouped_1x1, depthwise_stencil = _fallback_forms()
@@ -343,11 +382,14 @@ def micro_cases(n: int, c: int) -> dict:
         "1x1 mulsum": (lambda x, w: forms["grouped_1x1"](x, w, n, "mulsum"), (width, c, 1, 1), nchw),
     }
     for d in (1, 2):
-        conv = (lambda x, w, d=d: F.conv2d(x, w, padding=d, dilation=d, groups=width))
+        conv = lambda x, w, d=d: F.conv2d(x, w, padding=d, dilation=d, groups=width)
         cases[f"depthwise dil {d} conv NCHW"] = (conv, (width, 1, 3, 3), nchw)
         cases[f"depthwise dil {d} conv channels-last"] = (conv, (width, 1, 3, 3), nhwc)
-        cases[f"depthwise dil {d} stencil"] = (lambda x, w, d=d: forms["depthwise_stencil"](x, w, d), (width, 1, 3, 3),
-                                               nchw)
+        cases[f"depthwise dil {d} stencil"] = (
+            lambda x, w, d=d: forms["depthwise_stencil"](x, w, d),
+            (width, 1, 3, 3),
+            nchw,
+        )
     return cases
 
 
@@ -364,23 +406,35 @@ def micro(part: Part, fn, weight_shape, layout, rows: int, width: int, hw: int, 
     def run():
         x.grad = weight.grad = None
         fn(x, weight).backward(grad)
+
     start = time.perf_counter()
     run()
     _sync(part.device)
-    row = {"first_call_s": time.perf_counter() - start,
-           "ms_fwd_bwd": median_ms(run, part.device, reps=5 if part.tiny else 20, warm=2)}
+    row = {
+        "first_call_s": time.perf_counter() - start,
+        "ms_fwd_bwd": median_ms(run, part.device, reps=5 if part.tiny else 20, warm=2),
+    }
     if part.cuda:
         table = kernel_table(run, part.device, top=4)
-        row.update(kernels=table["kernels"], kernel_ms=table["kernel_ms"],
-                   top=[(t["name"][:90], t["count"], round(t["ms"], 4)) for t in table["top_names"]])
+        row.update(
+            kernels=table["kernels"],
+            kernel_ms=table["kernel_ms"],
+            top=[(t["name"][:90], t["count"], round(t["ms"], 4)) for t in table["top_names"]],
+        )
     return row
 
 
 def part_forms(part: Part, args) -> None:
     rows, n, c, hw = (8, 2, 4, 8) if part.tiny else (256, 6, 16, 32)
     cases = micro_cases(n, c)
-    part.result["shapes"] = {"rows": rows, "edges": n, "channels": c, "hw": hw,
-                             "dtype": "bf16" if part.cuda else "float32", "forms_from": form_functions()["source"]}
+    part.result["shapes"] = {
+        "rows": rows,
+        "edges": n,
+        "channels": c,
+        "hw": hw,
+        "dtype": "bf16" if part.cuda else "float32",
+        "forms_from": form_functions()["source"],
+    }
     for name, (fn, shape, layout) in cases.items():
         part.row("eager", name, lambda: micro(part, fn, shape, layout, rows, n * c, hw, False, args.compile_backend))
     available = forms_available()
@@ -406,8 +460,11 @@ def forms_in(method) -> dict[str, int]:
 
 def form_step(part: Part, conv_1x1: str, depthwise: str) -> dict:
     method, step = build(part, conv_1x1, depthwise)
-    row = {"ms_per_step": median_ms(step, part.device, reps=3 if part.tiny else 10, warm=2 if part.tiny else 5),
-           "graphed": part.cuda, "forms": forms_in(method)}
+    row = {
+        "ms_per_step": median_ms(step, part.device, reps=3 if part.tiny else 10, warm=2 if part.tiny else 5),
+        "graphed": part.cuda,
+        "forms": forms_in(method),
+    }
     if part.cuda:
         table = kernel_table(step, part.device, top=0)
         row.update(kernels=table["kernels"], kernel_ms=table["kernel_ms"])
@@ -430,8 +487,12 @@ def fastest_forms(out: Path, compiled: bool) -> tuple[str, str] | None:
         return pairs["conv_1x1"], pairs["depthwise"]
     rows = {k: v["ms_fwd_bwd"] for k, v in result.get("compiled", {}).items() if "ms_fwd_bwd" in v}
     one = {form: rows.get(f"1x1 {'conv NCHW' if form == 'conv' else form}") for form in CONV_1X1}
-    dw = {form: sum(rows.get(f"depthwise dil {d} {'conv NCHW' if form == 'conv' else form}") or float("inf")
-                    for d in (1, 2)) for form in DEPTHWISE}
+    dw = {
+        form: sum(
+            rows.get(f"depthwise dil {d} {'conv NCHW' if form == 'conv' else form}") or float("inf") for d in (1, 2)
+        )
+        for form in DEPTHWISE
+    }
     one = {k: v for k, v in one.items() if v is not None}
     if not one:
         return None
@@ -464,8 +525,13 @@ def part_compile(part: Part, args) -> None:
         part.result["error"] = f"compile.scope=nodes {reason}"
         return
     conv_1x1, depthwise, how = chosen_forms(part, args, compiled=True)
-    part.result.update(conv_1x1=conv_1x1, depthwise=depthwise, forms_chosen=how, backend=args.compile_backend,
-                       warm_start=bool(args.cache))
+    part.result.update(
+        conv_1x1=conv_1x1,
+        depthwise=depthwise,
+        forms_chosen=how,
+        backend=args.compile_backend,
+        warm_start=bool(args.cache),
+    )
     if args.cache:
         path = Path(args.cache)
         if not path.is_file():
@@ -473,13 +539,18 @@ def part_compile(part: Part, args) -> None:
             return
         start = time.perf_counter()
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
-        part.result["loaded_cache"] = {"bytes": path.stat().st_size, "seconds": time.perf_counter() - start,
-                                       "info": str(info)[:300]}
+        part.result["loaded_cache"] = {
+            "bytes": path.stat().st_size,
+            "seconds": time.perf_counter() - start,
+            "info": str(info)[:300],
+        }
         part.save()
     counters.clear()
-    compile = Compilation(enabled=True, scope="nodes", backend=args.compile_backend, cache=False) \
-        if "cache" in getattr(Compilation, "__dataclass_fields__", {}) else \
-        Compilation(enabled=True, scope="nodes", backend=args.compile_backend)
+    compile = (
+        Compilation(enabled=True, scope="nodes", backend=args.compile_backend, cache=False)
+        if "cache" in getattr(Compilation, "__dataclass_fields__", {})
+        else Compilation(enabled=True, scope="nodes", backend=args.compile_backend)
+    )
     method, step = build(part, conv_1x1, depthwise, compile=compile)
     part.result["forms"] = forms_in(method)
     warmups = part.result.setdefault("warmup_steps_s", [])
@@ -490,7 +561,8 @@ def part_compile(part: Part, args) -> None:
             _sync(part.device)
         warmups.append(round(time.perf_counter() - start, 3))
         part.result["graphs_after_step"] = part.result.get("graphs_after_step", []) + [
-            counters["stats"]["unique_graphs"]]
+            counters["stats"]["unique_graphs"]
+        ]
         part.save()
         part.log(f"warm-up step {i}: {warmups[-1]:.1f} s, graphs {counters['stats']['unique_graphs']}")
     part.result["compile_s"] = warmups[0]
@@ -498,8 +570,10 @@ def part_compile(part: Part, args) -> None:
     part.result["ms_per_step"] = median_ms(step, part.device, reps=3 if part.tiny else 10, warm=1)
     part.result["recompiles"] = counters["stats"]["unique_graphs"] - part.result["graphs"]
     part.save()
-    part.log(f"{part.result['ms_per_step']:.1f} ms/step, {part.result['graphs']} graphs, "
-             f"{part.result['recompiles']} recompiled")
+    part.log(
+        f"{part.result['ms_per_step']:.1f} ms/step, {part.result['graphs']} graphs, "
+        f"{part.result['recompiles']} recompiled"
+    )
     if part.cuda:
         table = kernel_table(step, part.device, top=20)
         part.result.update(kernels=table["kernels"], kernel_ms=table["kernel_ms"], kernel_table=table)
@@ -546,6 +620,7 @@ def part_streams(part: Part, args) -> None:
     part.result.update(conv_1x1=conv_1x1, depthwise=depthwise, forms_chosen=how)
     steps, generators = [], []
     for r in range(args.runs):
+
         def capture(r=r):
             generator = torch.Generator(device=part.device)
             generator.manual_seed(1000 + r)
@@ -564,6 +639,7 @@ def part_streams(part: Part, args) -> None:
             steps.append(step)
             generators.append(how)
             return {"generator": how}
+
         if "error" in part.row("copies", f"run {r}", capture):
             break
     reps = 10
@@ -587,9 +663,14 @@ def part_streams(part: Part, args) -> None:
         def measure():
             one_stream = median_ms(serial, part.device, reps)
             own_streams = median_ms(parallel, part.device, reps)
-            return {"serial_ms_per_step_per_run": one_stream / runs, "streams_ms_per_step_per_run": own_streams / runs,
-                    "serial_ms_per_round": one_stream, "streams_ms_per_round": own_streams,
-                    "speedup": one_stream / own_streams}
+            return {
+                "serial_ms_per_step_per_run": one_stream / runs,
+                "streams_ms_per_step_per_run": own_streams / runs,
+                "serial_ms_per_round": one_stream,
+                "streams_ms_per_round": own_streams,
+                "speedup": one_stream / own_streams,
+            }
+
         part.row("runs", str(runs), measure)
 
 
@@ -627,18 +708,30 @@ def headline(parts: dict) -> list[str]:
     steps = {k: v for k, v in parts["forms"].get("steps", {}).items() if "ms_per_step" in v}
     if steps:
         best = min(steps, key=lambda k: steps[k]["ms_per_step"])
-        rows.append((f"+ the fastest forms, eager in the graph ({best})", steps[best]["ms_per_step"],
-                     steps[best].get("kernels")))
+        rows.append(
+            (
+                f"+ the fastest forms, eager in the graph ({best})",
+                steps[best]["ms_per_step"],
+                steps[best].get("kernels"),
+            )
+        )
     for name, label in (("compile", "nodes-only compile in the graph"), ("compile_warm", "the same, warm start")):
         row = parts[name]
         if "ms_per_step" in row:
-            rows.append((f"{label} (conv_1x1={row.get('conv_1x1')} depthwise={row.get('depthwise')}; first step "
-                         f"{row.get('compile_s', 0):.0f} s)", row["ms_per_step"], row.get("kernels")))
+            rows.append(
+                (
+                    f"{label} (conv_1x1={row.get('conv_1x1')} depthwise={row.get('depthwise')}; first step "
+                    f"{row.get('compile_s', 0):.0f} s)",
+                    row["ms_per_step"],
+                    row.get("kernels"),
+                )
+            )
     runs = {k: v for k, v in parts["streams"].get("runs", {}).items() if "streams_ms_per_step_per_run" in v}
     if runs:
         best = min(runs, key=lambda k: runs[k]["streams_ms_per_step_per_run"])
-        rows.append((f"{best} runs, each graph on its own stream (per run)", runs[best]["streams_ms_per_step_per_run"],
-                     None))
+        rows.append(
+            (f"{best} runs, each graph on its own stream (per run)", runs[best]["streams_ms_per_step_per_run"], None)
+        )
     if not rows:
         return []
     lines = ["| the paper step (T = 4, batch 64, bf16) | ms per step | kernels per step |", "|---|---|---|"]
@@ -652,9 +745,13 @@ def summary(out: Path) -> str:
     smi = (out / "nvidia_smi.txt").read_text().strip() if (out / "nvidia_smi.txt").is_file() else ""
     first = next((p for p in parts.values() if p), {})
     gpu = smi.splitlines()[1].split(",")[0].strip() if len(smi.splitlines()) > 1 else first.get("device", "?")
-    lines = [f"# GPU window: {first.get('date', date.today().isoformat())} on {gpu}, torch {first.get('torch', '?')}",
-             "", "`tools/gpu_window.sh` (`python -m dbsn.tools.bench --suite gpu --part ...`): the paper network, "
-             "T = 4, batch 64, bf16" + (" (tiny smoke test)" if first.get("tiny") else "") + ".", ""]
+    lines = [
+        f"# GPU window: {first.get('date', date.today().isoformat())} on {gpu}, torch {first.get('torch', '?')}",
+        "",
+        "`tools/gpu_window.sh` (`python -m dbsn.tools.bench --suite gpu --part ...`): the paper network, "
+        "T = 4, batch 64, bf16" + (" (tiny smoke test)" if first.get("tiny") else "") + ".",
+        "",
+    ]
     if smi:
         lines += ["```", smi, "```", ""]
     lines += headline(parts)
@@ -669,8 +766,17 @@ def summary(out: Path) -> str:
     if steps:
         lines += ["| step | ms per step | kernels | kernel ms |", "|---|---|---|---|"]
         for name, row in steps.items():
-            lines.append(_row(name, row, [_cell(row, "ms_per_step", "{:.1f}"), _cell(row, "kernels", "{:,}"),
-                                          _cell(row, "kernel_ms", "{:.1f}")]))
+            lines.append(
+                _row(
+                    name,
+                    row,
+                    [
+                        _cell(row, "ms_per_step", "{:.1f}"),
+                        _cell(row, "kernels", "{:,}"),
+                        _cell(row, "kernel_ms", "{:.1f}"),
+                    ],
+                )
+            )
         lines.append("")
         graphed = steps.get("bf16 fused + CUDA graph", {})
         if graphed.get("by_category"):
@@ -679,8 +785,10 @@ def summary(out: Path) -> str:
             lines.append("")
         attributed = steps.get("eager, kernels by what launched them", {})
         if attributed.get("by_category"):
-            lines += ["| kernels of one eager step, by what launched them | kernels | ms | launching ops |",
-                      "|---|---|---|---|"]
+            lines += [
+                "| kernels of one eager step, by what launched them | kernels | ms | launching ops |",
+                "|---|---|---|---|",
+            ]
             ops = attributed.get("ops_by_category", {})
             for k, v in sorted(attributed["by_category"].items(), key=lambda item: -item[1]["count"]):
                 lines.append(f"| {k} | {v['count']:,} | {v['ms']:.2f} | {ops.get(k, '-')} |")
@@ -689,13 +797,27 @@ def summary(out: Path) -> str:
     lines += ["## Convolution forms", ""]
     if forms.get("shapes"):
         s = forms["shapes"]
-        lines += [f"Forward + backward at {s['rows']} rows, {s['edges']} edges × {s['channels']} channels, "
-                  f"{s['hw']}², {s['dtype']} (forms from {s['forms_from']}).", "",
-                  "| form | eager ms | kernels | compiled ms | kernels |", "|---|---|---|---|---|"]
+        lines += [
+            f"Forward + backward at {s['rows']} rows, {s['edges']} edges × {s['channels']} channels, "
+            f"{s['hw']}², {s['dtype']} (forms from {s['forms_from']}).",
+            "",
+            "| form | eager ms | kernels | compiled ms | kernels |",
+            "|---|---|---|---|---|",
+        ]
         for name, row in forms.get("eager", {}).items():
             comp = forms.get("compiled", {}).get(name, {"error": "not run"})
-            lines.append(_row(name, {}, [_cell(row, "ms_fwd_bwd", "{:.3f}"), _cell(row, "kernels", "{:,}"),
-                                         _cell(comp, "ms_fwd_bwd", "{:.3f}"), _cell(comp, "kernels", "{:,}")]))
+            lines.append(
+                _row(
+                    name,
+                    {},
+                    [
+                        _cell(row, "ms_fwd_bwd", "{:.3f}"),
+                        _cell(row, "kernels", "{:,}"),
+                        _cell(comp, "ms_fwd_bwd", "{:.3f}"),
+                        _cell(comp, "kernels", "{:,}"),
+                    ],
+                )
+            )
         lines.append("")
     if forms.get("steps"):
         lines += ["| whole step (forms eager in the graph) | ms per step | kernels |", "|---|---|---|"]
@@ -704,8 +826,10 @@ def summary(out: Path) -> str:
         lines.append("")
     lines += ["## Nodes-only compile inside the graph", ""]
     rows = [("cold", parts["compile"]), ("warm (cache loaded)", parts["compile_warm"])]
-    lines += ["| start | forms | first step s (compile) | graphs | recompiled | ms per step | kernels |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "| start | forms | first step s (compile) | graphs | recompiled | ms per step | kernels |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, row in rows:
         if not row:
             lines.append(f"| {name} | not run | | | | | |")
@@ -716,14 +840,32 @@ def summary(out: Path) -> str:
         running = next((key for key in row if key.endswith(" running")), None)
         if running and "ms_per_step" not in row:
             where = row[running]
-            lines.append(_row(name, {"error": f"stopped while {running}: {where.get('seconds_so_far')} s, "
-                                              f"{where.get('graphs_so_far')} graphs so far; warm-up steps "
-                                              f"{row.get('warmup_steps_s', [])} s"}, [""] * 6))
+            lines.append(
+                _row(
+                    name,
+                    {
+                        "error": f"stopped while {running}: {where.get('seconds_so_far')} s, "
+                        f"{where.get('graphs_so_far')} graphs so far; warm-up steps "
+                        f"{row.get('warmup_steps_s', [])} s"
+                    },
+                    [""] * 6,
+                )
+            )
             continue
-        lines.append(_row(name, {}, [f"{row.get('conv_1x1', '?')}, {row.get('depthwise', '?')}",
-                                     f"{row.get('compile_s', '-')}", f"{row.get('graphs', '-')}",
-                                     f"{row.get('recompiles', '-')}", _cell(row, "ms_per_step", "{:.1f}"),
-                                     _cell(row, "kernels", "{:,}")]))
+        lines.append(
+            _row(
+                name,
+                {},
+                [
+                    f"{row.get('conv_1x1', '?')}, {row.get('depthwise', '?')}",
+                    f"{row.get('compile_s', '-')}",
+                    f"{row.get('graphs', '-')}",
+                    f"{row.get('recompiles', '-')}",
+                    _cell(row, "ms_per_step", "{:.1f}"),
+                    _cell(row, "kernels", "{:,}"),
+                ],
+            )
+        )
     if parts["compile"].get("saved_cache", {}).get("bytes"):
         lines.append(f"\nCompile cache saved: {parts['compile']['saved_cache']['bytes'] / 2**20:.1f} MiB.")
     lines.append("")
@@ -732,14 +874,25 @@ def summary(out: Path) -> str:
     if streams.get("skipped"):
         lines += [f"skipped: {streams['skipped']}", ""]
     if streams.get("runs"):
-        lines += [f"Forms {streams.get('conv_1x1')}, {streams.get('depthwise')}; generators: "
-                  + ", ".join(str(v.get("generator", v.get("error"))) for v in streams.get("copies", {}).values()), "",
-                  "| R | one stream: ms per step per run | own streams: ms per step per run | speed-up |",
-                  "|---|---|---|---|"]
+        lines += [
+            f"Forms {streams.get('conv_1x1')}, {streams.get('depthwise')}; generators: "
+            + ", ".join(str(v.get("generator", v.get("error"))) for v in streams.get("copies", {}).values()),
+            "",
+            "| R | one stream: ms per step per run | own streams: ms per step per run | speed-up |",
+            "|---|---|---|---|",
+        ]
         for runs, row in streams["runs"].items():
-            lines.append(_row(runs, row, [_cell(row, "serial_ms_per_step_per_run", "{:.1f}"),
-                                          _cell(row, "streams_ms_per_step_per_run", "{:.1f}"),
-                                          _cell(row, "speedup", "{:.2f}")]))
+            lines.append(
+                _row(
+                    runs,
+                    row,
+                    [
+                        _cell(row, "serial_ms_per_step_per_run", "{:.1f}"),
+                        _cell(row, "streams_ms_per_step_per_run", "{:.1f}"),
+                        _cell(row, "speedup", "{:.2f}"),
+                    ],
+                )
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -754,25 +907,38 @@ def short_summary(out: Path) -> str:
     if parts["profile"].get("skipped"):
         lines.append(f"profile: skipped: {parts['profile']['skipped']}")
     for name, row in parts["forms"].get("steps", {}).items():
-        lines.append(f"forms | step {name}: " + (row["error"][:100] if "error" in row else
-                                                  f"{_cell(row, 'ms_per_step', '{:.1f}')} ms, "
-                                                  f"{_cell(row, 'kernels', '{}')} kernels"))
+        lines.append(
+            f"forms | step {name}: "
+            + (
+                row["error"][:100]
+                if "error" in row
+                else f"{_cell(row, 'ms_per_step', '{:.1f}')} ms, {_cell(row, 'kernels', '{}')} kernels"
+            )
+        )
     for name in ("compile", "compile_warm"):
         row = parts[name]
         running = next((key for key in row if key.endswith(" running")), None)
         if running and "ms_per_step" not in row:
             lines.append(f"{name}: stopped while {running}: {row[running]}")
         elif row:
-            lines.append(f"{name}: " + ("error: " + row["error"] if "error" in row else
-                                         f"first step {row.get('compile_s', '?')} s, graphs {row.get('graphs', '?')}, "
-                                         f"recompiled {row.get('recompiles', '?')}, "
-                                         f"{_cell(row, 'ms_per_step', '{:.1f}')} ms/step"))
+            lines.append(
+                f"{name}: "
+                + (
+                    "error: " + row["error"]
+                    if "error" in row
+                    else f"first step {row.get('compile_s', '?')} s, graphs {row.get('graphs', '?')}, "
+                    f"recompiled {row.get('recompiles', '?')}, "
+                    f"{_cell(row, 'ms_per_step', '{:.1f}')} ms/step"
+                )
+            )
     for runs, row in parts["streams"].get("runs", {}).items():
         if "error" in row:
             lines.append(f"streams R={runs}: {row['error'][:100]}")
             continue
-        lines.append(f"streams R={runs}: {_cell(row, 'serial_ms_per_step_per_run', '{:.1f}')} serial / "
-                     f"{_cell(row, 'streams_ms_per_step_per_run', '{:.1f}')} on streams ms per step per run")
+        lines.append(
+            f"streams R={runs}: {_cell(row, 'serial_ms_per_step_per_run', '{:.1f}')} serial / "
+            f"{_cell(row, 'streams_ms_per_step_per_run', '{:.1f}')} on streams ms per step per run"
+        )
     if parts["streams"].get("skipped"):
         lines.append(f"streams: skipped: {parts['streams']['skipped']}")
     return "\n".join(lines)
@@ -787,8 +953,11 @@ def main(args) -> dict:
         (out / "summary.md").write_text(text + "\n")
         print(short_summary(out))
         return {"summary": text}
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     name = "compile_warm" if args.part == "compile" and args.cache else args.part
     part = Part(name, out, device, args.tiny)
     part.log(f"on {part.result['device']}, torch {torch.__version__}")

@@ -27,8 +27,11 @@ def ablation_section(report: Report, ok: list[Run]) -> str:
         return ""
     found = sorted({k[2] for k in values})
     shown = [s for s in ABLATION_S if s in found] or found
-    pairs = [(m, d) for d in order({k[1] for k in values}, DATASET_ORDER)
-             for m in order({k[0] for k in values if k[1] == d}, METHOD_ORDER)]
+    pairs = [
+        (m, d)
+        for d in order({k[1] for k in values}, DATASET_ORDER)
+        for m in order({k[0] for k in values if k[1] == d}, METHOD_ORDER)
+    ]
     columns = (("error", "error %", 2), ("nll", "NLL", 4), ("ece", "ECE", 4))
     header = ["method", "dataset", *(f"{label} S={s}" for _, label, _ in columns for s in shown), "seeds"]
     table, rows = [], []
@@ -39,10 +42,22 @@ def ablation_section(report: Report, ok: list[Run]) -> str:
         for s in found:
             cell = values.get((m, d, s))
             if cell:
-                rows.append([m, d, s, *(statistics.fmean(cell[c]) if cell.get(c) else None
-                                        for c in ("error", "nll", "brier", "ece")), len(cell["error"])])
+                rows.append(
+                    [
+                        m,
+                        d,
+                        s,
+                        *(statistics.fmean(cell[c]) if cell.get(c) else None for c in ("error", "nll", "brier", "ece")),
+                        len(cell["error"]),
+                    ]
+                )
     return write_section(
-        report, "ablation", "Number of Monte Carlo samples S",
+        report,
+        "ablation",
+        "Number of Monte Carlo samples S",
         "Test error (%), NLL and ECE of the Bayes ensemble of S samples (lower is better for all three), mean over "
         f"seeds; S ∈ {{{', '.join(map(str, found))}}} measured (all of them in `ablation.csv`).",
-        md_table(header, table) + "\n", ["method", "dataset", "n_samples", "error_pct", "nll", "brier", "ece", "n"], rows)
+        md_table(header, table) + "\n",
+        ["method", "dataset", "n_samples", "error_pct", "nll", "brier", "ece", "n"],
+        rows,
+    )

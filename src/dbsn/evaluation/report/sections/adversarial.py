@@ -34,21 +34,60 @@ def adversarial_section(report: Report, ok: list[Run]) -> str:
                 for e in epsilons:
                     if (dataset, m, a, e) in values:
                         cell = {c: statistics.fmean(v) for c, v in values[dataset, m, a, e].items()}
-                        rows.append([m, dataset, a, e, cell["accuracy"], cell["mean_entropy"],
-                                     len(values[dataset, m, a, e]["accuracy"])])
-                        curves[m].append({"attack": a, "epsilon": e, "accuracy": cell["accuracy"],
-                                          "mean_entropy": cell["mean_entropy"], "n_examples": round(cell["n_examples"])})
-        for column, label, digits in (("accuracy", "accuracy ↑", 4), ("mean_entropy", "mean predictive entropy (nats)", 4)):
-            table = [[m, a, *(fmt(mean_std(values[dataset, m, a, e][column]), digits, column)
-                              if (dataset, m, a, e) in values else "–" for e in epsilons)]
-                     for m in methods for a in attacks[m]]
-            text += f"### {dataset}: {label}\n\n" + md_table(["method", "attack", *(f"ε={e:g}" for e in epsilons)], table) + "\n"
+                        rows.append(
+                            [
+                                m,
+                                dataset,
+                                a,
+                                e,
+                                cell["accuracy"],
+                                cell["mean_entropy"],
+                                len(values[dataset, m, a, e]["accuracy"]),
+                            ]
+                        )
+                        curves[m].append(
+                            {
+                                "attack": a,
+                                "epsilon": e,
+                                "accuracy": cell["accuracy"],
+                                "mean_entropy": cell["mean_entropy"],
+                                "n_examples": round(cell["n_examples"]),
+                            }
+                        )
+        for column, label, digits in (
+            ("accuracy", "accuracy ↑", 4),
+            ("mean_entropy", "mean predictive entropy (nats)", 4),
+        ):
+            table = [
+                [
+                    m,
+                    a,
+                    *(
+                        fmt(mean_std(values[dataset, m, a, e][column]), digits, column)
+                        if (dataset, m, a, e) in values
+                        else "–"
+                        for e in epsilons
+                    ),
+                ]
+                for m in methods
+                for a in attacks[m]
+            ]
+            text += (
+                f"### {dataset}: {label}\n\n"
+                + md_table(["method", "attack", *(f"ε={e:g}" for e in epsilons)], table)
+                + "\n"
+            )
         name = slug(f"adversarial_{dataset}") + ".png"
         if write_figure(report, adversarial_figure(curves, title=f"Adversarial attacks on {dataset}"), name):
             text += f"![adversarial]({name})\n\n"
     return write_section(
-        report, "adversarial", "Adversarial robustness",
+        report,
+        "adversarial",
+        "Adversarial robustness",
         "FGSM and BIM attacks on the posterior predictive at perturbation size ε (pixel scale [0, 1]): test accuracy "
         "(higher is better) and mean predictive entropy (a model that knows it is being fooled grows more uncertain as "
         "ε grows), mean ± std (n seeds).",
-        text, ["method", "dataset", "attack", "epsilon", "accuracy", "mean_entropy", "n"], rows)
+        text,
+        ["method", "dataset", "attack", "epsilon", "accuracy", "mean_entropy", "n"],
+        rows,
+    )

@@ -57,18 +57,21 @@ def _notes(runs: list[Run]) -> str:
     validation split (DDU's authors' 5,000 of 50,000), a sampler's temperature and its noise, a
     post-hoc posterior fitted after its run."""
     notes = []
-    held = {(r.config.get("data") or {}).get("val_size") for r in runs} - {None, 0, 0.0}
+    held = {(r.config.get("data") or {}).get("val_size") for r in runs} - {None, 0}
     if held:
         trained = sorted({r.budget.get("train_images") for r in runs} - {None})
         shown = ", ".join(f"{v:,}" if isinstance(v, int) else f"{v:g}" for v in sorted(held, key=float))
-        notes.append(f"validation split of {shown} held out" + (f" (trains on {', '.join(f'{n:,}' for n in trained)})"
-                                                                    if trained else ""))
+        notes.append(
+            f"validation split of {shown} held out"
+            + (f" (trains on {', '.join(f'{n:,}' for n in trained)})" if trained else "")
+        )
     temperatures = sorted({r.budget["sampler_temperature"] for r in runs if "sampler_temperature" in r.budget})
     if temperatures:
         sizes = {r.budget.get("train_images") for r in runs}
         inverse = len(sizes) == 1 and None not in sizes and all(abs(t * min(sizes) - 1) < 1e-6 for t in temperatures)
         text = f"temperature T = {', '.join(f'{t:.2g}' for t in temperatures)}" + (
-            f" = 1/N (N = {min(sizes):,})" if inverse else "")
+            f" = 1/N (N = {min(sizes):,})" if inverse else ""
+        )
         noise = [r.budget["sampler_noise_std_max"] for r in runs if "sampler_noise_std_max" in r.budget]
         if noise:
             text += f", noise sd at most {max(noise):.1e} a step"
@@ -85,15 +88,23 @@ def row_budgets(ok: list[Run]) -> dict[tuple[str, str], dict]:
         cells[run.method, run.dataset].append(run)
     out = {}
     for (method, dataset), runs in cells.items():
-        entry = {key: [r.budget.get(key) for r in runs]
-                 for key in ("epochs", "steps", "images", "train_images", "seconds")}
+        entry = {
+            key: [r.budget.get(key) for r in runs] for key in ("epochs", "steps", "images", "train_images", "seconds")
+        }
         n = len(runs)
         out[method, dataset] = {
-            "runs": n, "numbers": entry,
-            "text": {"recipe": _recipe(runs), "epochs": _span(entry["epochs"], n), "steps": _span(entry["steps"], n),
-                     "images seen": _span(entry["images"], n, _images),
-                     "training images": _span(entry["train_images"], n), "time": _time(entry["seconds"], n),
-                     "notes": _notes(runs)}}
+            "runs": n,
+            "numbers": entry,
+            "text": {
+                "recipe": _recipe(runs),
+                "epochs": _span(entry["epochs"], n),
+                "steps": _span(entry["steps"], n),
+                "images seen": _span(entry["images"], n, _images),
+                "training images": _span(entry["train_images"], n),
+                "time": _time(entry["seconds"], n),
+                "notes": _notes(runs),
+            },
+        }
     return out
 
 
@@ -115,36 +126,75 @@ def budget_section(report: Report, ok: list[Run]) -> str:
             rows.append([method, dataset, *(found["text"][c] for c in BUDGET_COLUMNS)])
             numbers = found["numbers"]
             seconds = [s for s in numbers["seconds"] if s is not None]
-            csv_rows.append([method, dataset, found["text"]["recipe"], found["runs"],
-                             *(b for key in ("epochs", "steps", "images", "train_images")
-                               for b in _bounds(numbers[key])),
-                             statistics.fmean(seconds) if seconds else None, *_bounds(numbers["seconds"]),
-                             found["text"]["notes"]])
+            csv_rows.append(
+                [
+                    method,
+                    dataset,
+                    found["text"]["recipe"],
+                    found["runs"],
+                    *(b for key in ("epochs", "steps", "images", "train_images") for b in _bounds(numbers[key])),
+                    statistics.fmean(seconds) if seconds else None,
+                    *_bounds(numbers["seconds"]),
+                    found["text"]["notes"],
+                ]
+            )
     recipes = defaultdict(int)
     for found in budgets.values():
         for recipe in found["text"]["recipe"].split(", "):
             recipes[recipe] += 1
-    shared = sorted({f"{backbone} {epochs}" for r in ok if (r.config.get("budget") or {}).get("recipe") == "shared"
-                     for backbone, epochs in ((r.config["budget"].get("epochs") or {}).items())})
+    shared = sorted(
+        {
+            f"{backbone} {epochs}"
+            for r in ok
+            if (r.config.get("budget") or {}).get("recipe") == "shared"
+            for backbone, epochs in ((r.config["budget"].get("epochs") or {}).items())
+        }
+    )
     ran = []
     if recipes.get("authors"):
-        ran.append(f"{recipes['authors']} row(s) ran the authors' recipes of the field's sweeps (`budget=authors`: "
-                   "each method its own epochs)")
+        ran.append(
+            f"{recipes['authors']} row(s) ran the authors' recipes of the field's sweeps (`budget=authors`: "
+            "each method its own epochs)"
+        )
     if recipes.get("shared"):
-        ran.append(f"{recipes['shared']} row(s) the shared budget (`budget=shared`: every method on a backbone "
-                   f"the same epochs{': ' + ', '.join(shared) if shared else ''})")
+        ran.append(
+            f"{recipes['shared']} row(s) the shared budget (`budget=shared`: every method on a backbone "
+            f"the same epochs{': ' + ', '.join(shared) if shared else ''})"
+        )
     if recipes.get("–"):
         ran.append(f"{recipes['–']} row(s) are of no field sweep (their own `trainer.max_epochs`)")
-    intro = ("What each row's runs trained, the budget its numbers in every other table were bought with (the same "
-             "row and dataset): epochs; optimiser steps (one per training batch, every optimiser of the method "
-             "stepping once); images seen (the training examples drawn over all devices, an example repeated inside "
-             "a step or shared by an ensemble's members counted once); the training split's size; the training's "
-             "wall time (only comparable on the same hardware). A row pooling runs that differ shows their range, "
-             "and '–' where a run (of an older version) did not record it. Budgets differ between recipes: compare "
-             "rows with their budgets. " + ("; ".join(ran) + "." if ran else ""))
+    intro = (
+        "What each row's runs trained, the budget its numbers in every other table were bought with (the same "
+        "row and dataset): epochs; optimiser steps (one per training batch, every optimiser of the method "
+        "stepping once); images seen (the training examples drawn over all devices, an example repeated inside "
+        "a step or shared by an ensemble's members counted once); the training split's size; the training's "
+        "wall time (only comparable on the same hardware). A row pooling runs that differ shows their range, "
+        "and '–' where a run (of an older version) did not record it. Budgets differ between recipes: compare "
+        "rows with their budgets. " + ("; ".join(ran) + "." if ran else "")
+    )
     return write_section(
-        report, "budget", "Training budgets", intro,
+        report,
+        "budget",
+        "Training budgets",
+        intro,
         md_table(["row", "dataset", *BUDGET_COLUMNS], rows) + "\n",
-        ["row", "dataset", "recipe", "runs", "epochs_min", "epochs_max", "steps_min", "steps_max", "images_min",
-         "images_max", "train_images_min", "train_images_max", "mean_seconds", "seconds_min", "seconds_max", "notes"],
-        csv_rows)
+        [
+            "row",
+            "dataset",
+            "recipe",
+            "runs",
+            "epochs_min",
+            "epochs_max",
+            "steps_min",
+            "steps_max",
+            "images_min",
+            "images_max",
+            "train_images_min",
+            "train_images_max",
+            "mean_seconds",
+            "seconds_min",
+            "seconds_max",
+            "notes",
+        ],
+        csv_rows,
+    )

@@ -16,7 +16,10 @@ from dbsn.methods.registry import METHOD_ORDER
 
 def calibration_section(report: Report, ok: list[Run], cells: PopulationCells | None = None) -> str:
     return per_method_table(
-        report, ok, "calibration", "Calibration beyond equal-width ECE",
+        report,
+        ok,
+        "calibration",
+        "Calibration beyond equal-width ECE",
         "The unbiased squared calibration error (CE², the one to compare: its interval covers the truth), then "
         "three plug-in ECEs of the test pass's Bayes ensemble, 15 bins each, biased upward: equal-width (Table 2's), "
         "equal-mass (bins of equal counts, which equal-width ECE's empty high-confidence bins hide) and classwise "
@@ -24,10 +27,18 @@ def calibration_section(report: Report, ok: list[Run], cells: PopulationCells | 
         "calibrated (Ashukha et al. 2020): after one temperature fitted on the validation split, or without one by "
         "test-time 2-fold cross-validation (metrics.json's `calibration` says which), so that methods are compared "
         "at their best temperature. Lower is better.",
-        [("CE² (unbiased)", "test/ce2", 1.0, 5), ("ECE", "test/ece", 1.0, 4), ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
-         ("classwise ECE", "test/classwise_ece", 1.0, 4), ("calibrated NLL", "test/calibrated/nll", 1.0, 4),
-         ("calibrated Brier", "test/calibrated/brier", 1.0, 4), ("calibrated CE²", "test/calibrated/ce2", 1.0, 5),
-         ("calibrated ECE", "test/calibrated/ece", 1.0, 4)], cells)
+        [
+            ("CE² (unbiased)", "test/ce2", 1.0, 5),
+            ("ECE", "test/ece", 1.0, 4),
+            ("equal-mass ECE", "test/adaptive_ece", 1.0, 4),
+            ("classwise ECE", "test/classwise_ece", 1.0, 4),
+            ("calibrated NLL", "test/calibrated/nll", 1.0, 4),
+            ("calibrated Brier", "test/calibrated/brier", 1.0, 4),
+            ("calibrated CE²", "test/calibrated/ce2", 1.0, 5),
+            ("calibrated ECE", "test/calibrated/ece", 1.0, 4),
+        ],
+        cells,
+    )
 
 
 def calibrators_section(report: Report, ok: list[Run]) -> str:
@@ -42,7 +53,7 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
         base, posthoc = r.method, ""
         if r.calibrator:
             base, _, posthoc = r.base_method.rpartition("+")
-            trained = r.differences[:len(r.differences) - len(r.evaluation_differences)]
+            trained = r.differences[: len(r.differences) - len(r.evaluation_differences)]
             base, posthoc = row_name(base, trained), row_name(posthoc, r.evaluation_differences)
         found |= bool(posthoc)
         for key in ("test/nll", "test/ece", "test/error"):
@@ -53,10 +64,19 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
     text, rows = "", []
     columns = ["", *sorted({k[2] for k in values} - {""})]
     for dataset in sorted({k[0] for k in values}):
-        methods = order({k[1] for k in values if k[0] == dataset and any(
-            (dataset, k[1], c, "test/nll") in values for c in columns[1:])}, METHOD_ORDER)
-        for key, label, scale, digits in (("test/nll", "test NLL ↓", 1.0, 4), ("test/ece", "ECE ↓", 1.0, 4),
-                                          ("test/error", "test error (%) (argmax moves under some calibrators)", 100.0, 2)):
+        methods = order(
+            {
+                k[1]
+                for k in values
+                if k[0] == dataset and any((dataset, k[1], c, "test/nll") in values for c in columns[1:])
+            },
+            METHOD_ORDER,
+        )
+        for key, label, scale, digits in (
+            ("test/nll", "test NLL ↓", 1.0, 4),
+            ("test/ece", "ECE ↓", 1.0, 4),
+            ("test/error", "test error (%) (argmax moves under some calibrators)", 100.0, 2),
+        ):
             table = []
             for method in methods:
                 cells = []
@@ -69,8 +89,14 @@ def calibrators_section(report: Report, ok: list[Run]) -> str:
                 table.append([method, *cells])
             text += f"### {dataset}: {label}\n\n" + md_table(["method", *(c or "none" for c in columns)], table) + "\n"
     return write_section(
-        report, "calibrators", "Post-hoc calibrators",
+        report,
+        "calibrators",
+        "Post-hoc calibrators",
         "Every method as trained (none) and after each calibrator fitted on the validation split (`evaluate.py "
         "ckpt_path=<run> posthoc=<calibrator>`; `docs/evaluation.md` describes them). Mean ± std over seeds (n). A "
         "calibrator that may move a prediction's class (its runs record `calibrator_argmax_changed`) changes the error "
-        "too, so the error is shown.", text, ["method", "dataset", "calibrator", "metric", *STATS], rows)
+        "too, so the error is shown.",
+        text,
+        ["method", "dataset", "calibrator", "metric", *STATS],
+        rows,
+    )

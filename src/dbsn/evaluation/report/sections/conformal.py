@@ -12,14 +12,22 @@ from dbsn.evaluation.report.writer import write_section
 from dbsn.methods.registry import METHOD_ORDER
 
 #: the conformal table's columns: (metric under conformal/<level>/<score>/, label, digits)
-CONFORMAL_COLUMNS = (("coverage", "coverage", 3), ("size", "mean size ↓", 2), ("ssc", "size-stratified coverage ↑", 3),
-                     ("class_coverage_min", "lowest class coverage ↑", 3), ("empty", "empty sets", 3),
-                     ("shift/coverage", "coverage under shift", 3), ("shift/size", "size under shift", 2))
+CONFORMAL_COLUMNS = (
+    ("coverage", "coverage", 3),
+    ("size", "mean size ↓", 2),
+    ("ssc", "size-stratified coverage ↑", 3),
+    ("class_coverage_min", "lowest class coverage ↑", 3),
+    ("empty", "empty sets", 3),
+    ("shift/coverage", "coverage under shift", 3),
+    ("shift/size", "size under shift", 2),
+)
 CONFORMAL_SCORES = ("thr", "aps", "aps_randomized", "raps", "raps_randomized")
 #: how the conformal table names each empty-set convention (`evaluations.conformal.allow_empty_sets`)
-CONFORMAL_SET_RULES = {False: "never empty: the top label alone where {y : s ≤ q̂} is empty (allow_empty_sets=false, "
-                              "the authors' allow_zero_sets=False)",
-                       True: "{y : s ≤ q̂}, empty sets kept (allow_empty_sets=true)"}
+CONFORMAL_SET_RULES = {
+    False: "never empty: the top label alone where {y : s ≤ q̂} is empty (allow_empty_sets=false, "
+    "the authors' allow_zero_sets=False)",
+    True: "{y : s ≤ q̂}, empty sets kept (allow_empty_sets=true)",
+}
 
 
 def conformal_section(report: Report, ok: list[Run]) -> str:
@@ -61,15 +69,26 @@ def conformal_section(report: Report, ok: list[Run]) -> str:
                             rows.append([method, dataset, level, score, str(allow).lower(), metric, *cell])
                     table.append([method, score, *(["yes" if allow else "no"] if len(rules) > 1 else []), *cells])
         if len(rules) > 1:
-            line = ("Sets: both conventions ran; `empty sets allowed` no: " + CONFORMAL_SET_RULES[False] + "; yes: "
-                    + CONFORMAL_SET_RULES[True] + ".")
+            line = (
+                "Sets: both conventions ran; `empty sets allowed` no: "
+                + CONFORMAL_SET_RULES[False]
+                + "; yes: "
+                + CONFORMAL_SET_RULES[True]
+                + "."
+            )
         else:
             line = "Sets: " + CONFORMAL_SET_RULES[rules[0]] + "."
-        header = ["method", "score", *(["empty sets allowed"] if len(rules) > 1 else []),
-                  *(label for _, label, _ in columns)]
+        header = [
+            "method",
+            "score",
+            *(["empty sets allowed"] if len(rules) > 1 else []),
+            *(label for _, label, _ in columns),
+        ]
         text += f"### {dataset}, nominal coverage {level} %\n\n{line}\n\n" + md_table(header, table) + "\n"
     return write_section(
-        report, "conformal", "Conformal prediction sets",
+        report,
+        "conformal",
+        "Conformal prediction sets",
         "Sets of labels from each method's predictive that hold the true label with the nominal probability "
         "(`evaluate.py evaluations=[conformal]`), calibrated on a split that never overlaps the evaluated images: THR "
         "(Sadinle et al. 2019), APS (Romano et al. 2020) and RAPS (Angelopoulos et al. 2021), each also randomised. By "
@@ -79,4 +98,7 @@ def conformal_section(report: Report, ok: list[Run]) -> str:
         "smaller sets are better; size-stratified and lowest class coverage show whether sets adapt to difficulty (no "
         "conformal method guarantees them); under shift the calibration split stays clean, so coverage falls. Mean ± "
         "std over seeds.",
-        text, ["method", "dataset", "level", "score", "allow_empty_sets", "metric", *STATS], rows)
+        text,
+        ["method", "dataset", "level", "score", "allow_empty_sets", "metric", *STATS],
+        rows,
+    )

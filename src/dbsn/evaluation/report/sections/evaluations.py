@@ -34,13 +34,22 @@ def other_evaluations_section(report: Report, ok: list[Run]) -> str:
     text = ""
     for name in sorted(found):
         cells = found[name]
-        cell_order = sorted(cells, key=lambda k: (k[1], METHOD_ORDER.index(k[0]) if k[0] in METHOD_ORDER else len(METHOD_ORDER),
-                                                  k[0], k[2]))
+        cell_order = sorted(
+            cells,
+            key=lambda k: (k[1], METHOD_ORDER.index(k[0]) if k[0] in METHOD_ORDER else len(METHOD_ORDER), k[0], k[2]),
+        )
         stats = {cell: mean_std(cells[cell]) for cell in cell_order}
-        table = md_table(["method", "dataset", "metric", "value"],
-                         [[*cell, fmt(stats[cell], 4, cell[2])] for cell in cell_order])
+        table = md_table(
+            ["method", "dataset", "metric", "value"], [[*cell, fmt(stats[cell], 4, cell[2])] for cell in cell_order]
+        )
         text += write_section(
-            report, f"evaluation_{slug(name)}", f"Evaluation: {name}",
-            f"Every number of `evaluations=[{name}]` (its `summary.json`), mean ± std over seeds (n).", f"{table}\n",
-            ["method", "dataset", "metric", *STATS], [[*cell, *stats[cell]] for cell in cell_order], page=table)
+            report,
+            f"evaluation_{slug(name)}",
+            f"Evaluation: {name}",
+            f"Every number of `evaluations=[{name}]` (its `summary.json`), mean ± std over seeds (n).",
+            f"{table}\n",
+            ["method", "dataset", "metric", *STATS],
+            [[*cell, *stats[cell]] for cell in cell_order],
+            page=table,
+        )
     return text

@@ -11,8 +11,18 @@ import numpy as np
 
 from dbsn.evaluation.ood import entropy_cdf_figure
 from dbsn.evaluation.report.collect import Report, Run
-from dbsn.evaluation.report.format import (INTERVAL_MARKS_NOTE, NUM_CLASSES, OOD_METRICS, STATS, fmt, md_table,
-                                          mean_std, order, short, slug)
+from dbsn.evaluation.report.format import (
+    INTERVAL_MARKS_NOTE,
+    NUM_CLASSES,
+    OOD_METRICS,
+    STATS,
+    fmt,
+    md_table,
+    mean_std,
+    order,
+    short,
+    slug,
+)
 from dbsn.evaluation.report.writer import write_figure, write_section
 from dbsn.methods.registry import METHOD_ORDER
 
@@ -50,7 +60,8 @@ def ood_section(report: Report, ok: list[Run]) -> str:
                     if isinstance(value, (int, float)):
                         values[r.dataset, ood, r.method, score, metric].append(value)
                         bounds[r.dataset, ood, r.method, score, metric].append(
-                            (record.get("intervals") or {}).get(score, {}).get(metric))
+                            (record.get("intervals") or {}).get(score, {}).get(metric)
+                        )
             if (path.parent / "scores.npz").is_file():
                 with np.load(path.parent / "scores.npz") as scores:
                     curves[r.dataset, ood][r.method].append(np.asarray(scores["out_entropy"], dtype=float).ravel())
@@ -62,8 +73,12 @@ def ood_section(report: Report, ok: list[Run]) -> str:
         table = []
         for method in order({k[2] for k in values if k[:2] == (dataset, ood)}, METHOD_ORDER):
             for score in order({k[3] for k in values if k[:3] == (dataset, ood, method)}, scores_in_order):
-                cell = {metric: mean_std(values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric])
-                        for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})}
+                cell = {
+                    metric: mean_std(
+                        values[dataset, ood, method, score, metric], bounds[dataset, ood, method, score, metric]
+                    )
+                    for metric in sorted({k[4] for k in values if k[:4] == (dataset, ood, method, score)})
+                }
                 table.append([method, score, *(fmt(cell.get(m), 4, m) for m, _ in OOD_METRICS)])
                 rows += [[method, dataset, ood, score, m, *s] for m, s in cell.items()]
         text += f"### {dataset} (in-distribution) vs {ood} (OOD)\n\n"
@@ -71,20 +86,30 @@ def ood_section(report: Report, ok: list[Run]) -> str:
         if curves[dataset, ood]:
             pooled = {m: np.concatenate(curves[dataset, ood][m]) for m in order(curves[dataset, ood], METHOD_ORDER)}
             name = slug(f"ood_entropy_cdf_{dataset}_{ood}") + ".png"
-            figure = entropy_cdf_figure(pooled, title=f"Predictive entropy on {ood} (trained on {dataset})",
-                                        num_classes=NUM_CLASSES.get(dataset))
+            figure = entropy_cdf_figure(
+                pooled,
+                title=f"Predictive entropy on {ood} (trained on {dataset})",
+                num_classes=NUM_CLASSES.get(dataset),
+            )
             if write_figure(report, figure, name):
-                text += (f"![entropy CDF]({name})\n\nEmpirical CDF of the predictive entropy on the {ood} test set, "
-                         "pooled over each method's seeds: a curve further right (more high-entropy "
-                         "predictions on data it was not trained on) is better.\n\n")
+                text += (
+                    f"![entropy CDF]({name})\n\nEmpirical CDF of the predictive entropy on the {ood} test set, "
+                    "pooled over each method's seeds: a curve further right (more high-entropy "
+                    "predictions on data it was not trained on) is better.\n\n"
+                )
     return write_section(
-        report, "ood", "Out-of-distribution detection",
+        report,
+        "ood",
+        "Out-of-distribution detection",
         "Each score (the predictive's entropy, mutual information and max probability; OpenOOD's max-logit, energy, "
         "Mahalanobis, KNN, ViM and ODIN where evaluated) separates in-distribution test data from the OOD set; AUROC "
         "and AUPR (OOD as positive) higher is better, FPR95 (false-positive rate at 95% true-positive rate) lower is "
         "better; fractions, mean ± std [95 % interval] (n seeds): one seed's interval resamples both test sets; over "
         "seeds, the interval adds the test sets' noise the seeds share at its upper bound. " + INTERVAL_MARKS_NOTE,
-        text, ["method", "dataset", "ood", "score", "metric", *STATS], rows)
+        text,
+        ["method", "dataset", "ood", "score", "metric", *STATS],
+        rows,
+    )
 
 
 def ood_groups_section(report: Report, ok: list[Run]) -> str:
@@ -103,19 +128,29 @@ def ood_groups_section(report: Report, ok: list[Run]) -> str:
     if not values:
         return ""
     table, csv_rows = [], []
-    for dataset, method, group, score in sorted({k[:4] for k in values}, key=lambda k: (k[0], METHOD_ORDER.index(k[1])
-                                                if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3])):
-        cell = {m: mean_std(values[dataset, method, group, score, m], bounds[dataset, method, group, score, m]) for m, _ in OOD_METRICS
-                if values[dataset, method, group, score, m]}
+    for dataset, method, group, score in sorted(
+        {k[:4] for k in values},
+        key=lambda k: (k[0], METHOD_ORDER.index(k[1]) if k[1] in METHOD_ORDER else 99, k[1], k[2], k[3]),
+    ):
+        cell = {
+            m: mean_std(values[dataset, method, group, score, m], bounds[dataset, method, group, score, m])
+            for m, _ in OOD_METRICS
+            if values[dataset, method, group, score, m]
+        }
         table.append([method, dataset, group, score, *(fmt(cell.get(m), 4, m) for m, _ in OOD_METRICS)])
         csv_rows += [[method, dataset, group, score, m, *st] for m, st in cell.items()]
     described = "; ".join(f"{g}: {', '.join(sets)}" for g, sets in groups_seen.items())
     return write_section(
-        report, "ood_groups", "Near and far OOD",
+        report,
+        "ood_groups",
+        "Near and far OOD",
         f"Means over the OOD sets of each group ({described}), as OpenOOD v1.5 reports them; OOD is the positive class "
         "of AUROC, AUPR and FPR95. " + INTERVAL_MARKS_NOTE,
         md_table(["method", "dataset", "group", "score", *(label for _, label in OOD_METRICS)], table) + "\n",
-        ["method", "dataset", "group", "score", "metric", *STATS], csv_rows, markdown=False)
+        ["method", "dataset", "group", "score", "metric", *STATS],
+        csv_rows,
+        markdown=False,
+    )
 
 
 def ood_scores_section(report: Report, ok: list[Run]) -> str:
@@ -161,9 +196,15 @@ def ood_scores_section(report: Report, ok: list[Run]) -> str:
                 table.append([method, *cells])
             text += f"### {dataset} vs {target}: {label}\n\n" + md_table(["method", *scores], table) + "\n"
     return write_section(
-        report, "ood_scores", "OOD detection by score and method",
+        report,
+        "ood_scores",
+        "OOD detection by score and method",
         "One column per detection score (higher is more OOD for every score; `_members`: averaged over the members "
         "rather than computed on their mean logits or predictive; what each is computed on: each run's "
         "`ood/<set>/metrics.json`, `computed_on`), one row per method; mean ± std over seeds, in %. A dash: the score "
         "was not evaluated or does not apply (ViM needs a linear last layer; a `_members` score needs more than one "
-        "member).", text, ["method", "dataset", "ood", "score", "metric", *STATS], rows)
+        "member).",
+        text,
+        ["method", "dataset", "ood", "score", "metric", *STATS],
+        rows,
+    )

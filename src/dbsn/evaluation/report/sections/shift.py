@@ -16,7 +16,9 @@ from dbsn.methods.registry import METHOD_ORDER
 
 
 def shift_section(report: Report, ok: list[Run]) -> str:
-    per_method: dict[tuple[str, str], dict[tuple[str, int], dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    per_method: dict[tuple[str, str], dict[tuple[str, int], dict[str, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     sources = set()
     for r in ok:
         path = r.path / "evaluation" / "shift" / "metrics.json"
@@ -34,8 +36,13 @@ def shift_section(report: Report, ok: list[Run]) -> str:
     for dataset in order({d for d, _ in per_method}, DATASET_ORDER):
         methods = order({m for d, m in per_method if d == dataset}, METHOD_ORDER)
         # each corruption x severity averaged over the method's seeds, then boxes over corruptions
-        rows_of = {m: [{"corruption": c, "severity": sv, **{k: float(np.mean(v)) for k, v in metrics.items()}}
-                       for (c, sv), metrics in per_method[dataset, m].items()] for m in methods}
+        rows_of = {
+            m: [
+                {"corruption": c, "severity": sv, **{k: float(np.mean(v)) for k, v in metrics.items()}}
+                for (c, sv), metrics in per_method[dataset, m].items()
+            ]
+            for m in methods
+        }
         severities = sorted({row["severity"] for rows in rows_of.values() for row in rows})
         table = []
         for m in methods:
@@ -47,13 +54,25 @@ def shift_section(report: Report, ok: list[Run]) -> str:
         name = slug(f"shift_boxplots_{dataset}") + ".png"
         label = "generated corruptions, not the published files" if generated else "published files"
         write_figure(report, shift_boxplots(rows_of, title=f"{dataset}: dataset shift ({label})"), name)
-        text += (f"### {dataset}\n\n" + md_table(["method", "metric", *(f"severity {sv}" for sv in severities), "mean"], table)
-                 + f"\n![dataset shift]({name})\n\n")
+        text += (
+            f"### {dataset}\n\n"
+            + md_table(["method", "metric", *(f"severity {sv}" for sv in severities), "mean"], table)
+            + f"\n![dataset shift]({name})\n\n"
+        )
     return write_section(
-        report, "shift", "Dataset shift",
+        report,
+        "shift",
+        "Dataset shift",
         "Every corruption of the test set at every severity ("
-        + ("generated corruptions, made by `dbsn.data.shift`'s generator with CIFAR-10-C's parameters: NOT the "
-           "published CIFAR-10-C / -100-C files" if generated else "the published CIFAR-10-C / -100-C files")
+        + (
+            "generated corruptions, made by `dbsn.data.shift`'s generator with CIFAR-10-C's parameters: NOT the "
+            "published CIFAR-10-C / -100-C files"
+            if generated
+            else "the published CIFAR-10-C / -100-C files"
+        )
         + "), as in Ovadia et al. (2019): each severity's mean over corruptions (each corruption averaged over seeds "
         "first), and box plots over corruptions of ECE and error, one box per method.",
-        text, ["method", "dataset", "metric", "severity", "mean over corruptions"], csv_rows)
+        text,
+        ["method", "dataset", "metric", "severity", "mean over corruptions"],
+        csv_rows,
+    )

@@ -29,9 +29,24 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
             runs = [r for r in tuned if r.method == method and r.dataset == dataset]
             per_run = [{float(lr): float(v) for lr, v in r.tuning["validation_nll"].items()} for r in runs]
             for run, curve in zip(runs, per_run):
-                rows.append([method, dataset, str(run.seed), *(("diverged" if curve.get(lr) == float("inf") else
-                                                                 "–" if lr not in curve else f"{curve[lr]:.4f}") for lr in grid),
-                             f"{run.tuning['chosen']:g}"])
+                rows.append(
+                    [
+                        method,
+                        dataset,
+                        str(run.seed),
+                        *(
+                            (
+                                "diverged"
+                                if curve.get(lr) == float("inf")
+                                else "–"
+                                if lr not in curve
+                                else f"{curve[lr]:.4f}"
+                            )
+                            for lr in grid
+                        ),
+                        f"{run.tuning['chosen']:g}",
+                    ]
+                )
                 csv_rows.append([method, dataset, run.seed, *(curve.get(lr) for lr in grid), run.tuning["chosen"]])
             mean = {lr: statistics.fmean(c[lr] for c in per_run) for lr in grid if all(lr in c for c in per_run)}
             curves[method] = mean
@@ -40,15 +55,28 @@ def tuning_section(report: Report, ok: list[Run]) -> str:
         if write_figure(report, tuning_figure(curves, chosen, title=f"Learning-rate search on {dataset}"), name):
             figures += f"![Learning-rate search]({name})\n\n"
     header = ["method", "dataset", "seed", *(f"lr {lr:g}" for lr in grid), "chosen"]
-    body = (md_table(header, rows) + "\n"
-            + (f"{len(reused)} further run(s) trained with a search above (another seed's, `--tuned-from`, or a deep "
-               "ensemble's members', map_fixed's), not repeated here: "
-               + ", ".join(sorted({f"{r.method} seed {r.seed}" for r in reused})) + ".\n\n" if reused else "")
-            + figures)
+    body = (
+        md_table(header, rows)
+        + "\n"
+        + (
+            f"{len(reused)} further run(s) trained with a search above (another seed's, `--tuned-from`, or a deep "
+            "ensemble's members', map_fixed's), not repeated here: "
+            + ", ".join(sorted({f"{r.method} seed {r.seed}" for r in reused}))
+            + ".\n\n"
+            if reused
+            else ""
+        )
+        + figures
+    )
     return write_section(
-        report, "tuning", "Learning-rate search",
+        report,
+        "tuning",
+        "Learning-rate search",
         "Each method's base learning rate, chosen from one grid for every method by the validation NLL after the last "
         "epoch (a validation split held out of the training set; the test set unseen), in runs of the comparison's "
         "epochs, batch and schedule shape; the method then trained and tested with it. The figure plots the mean over "
         "seeds, each method's choice starred.",
-        body, ["method", "dataset", "seed", *(f"val_nll_lr_{lr:g}" for lr in grid), "chosen"], csv_rows)
+        body,
+        ["method", "dataset", "seed", *(f"val_nll_lr_{lr:g}" for lr in grid), "chosen"],
+        csv_rows,
+    )
