@@ -334,8 +334,12 @@ def test_auto_is_the_measured_fastest_form_where_a_layer_runs_and_no_refusal_els
     x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
     one.double(), depthwise.double()
     for layer in (one, depthwise):  # on this CPU: F.conv2d itself, bit for bit
-        assert torch.equal(layer(x), torch.nn.functional.conv2d(x, layer.weight, None, layer.stride, layer.padding,
-                                                                  layer.dilation, layer.groups))
+        assert torch.equal(
+            layer(x),
+            torch.nn.functional.conv2d(
+                x, layer.weight, None, layer.stride, layer.padding, layer.dilation, layer.groups
+            ),
+        )
     assert set_conv_forms(ResNet18(num_classes=10, width=8), conv_1x1="auto", depthwise="auto") == 0
     with pytest.raises(ValueError, match="no stacked convolutions"):
         set_conv_forms(ResNet18(num_classes=10, width=8), conv_1x1="bmm")

@@ -40,8 +40,17 @@ from torch import Tensor, nn
 
 from dbsn.nets.ops import memory_format
 
-__all__ = ["AUTO_FORMS", "CONV_1X1_FORMS", "DEPTHWISE_FORMS", "StackedConv2d", "convolve", "depthwise_stencil",
-           "grouped_1x1", "resolved_form", "set_conv_forms"]
+__all__ = [
+    "AUTO_FORMS",
+    "CONV_1X1_FORMS",
+    "DEPTHWISE_FORMS",
+    "StackedConv2d",
+    "convolve",
+    "depthwise_stencil",
+    "grouped_1x1",
+    "resolved_form",
+    "set_conv_forms",
+]
 
 #: the forms of a grouped 1×1 convolution and of a depthwise 3×3 ("conv": `F.conv2d`)
 CONV_1X1_FORMS = ("conv", "bmm", "mulsum", "auto")
@@ -171,8 +180,9 @@ def set_conv_forms(net: nn.Module, conv_1x1: str = "conv", depthwise: str = "con
         raise ValueError(f"model.execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {depthwise!r}")
     stacked = [m for m in net.modules() if hasattr(m, "stacked_edges") and _kind(m) is not None]
     settings = {"conv_1x1": conv_1x1, "depthwise": depthwise}
-    asked = ", ".join(f"model.execution.{key}={value}" for key, value in settings.items()
-                      if value not in ("conv", "auto"))
+    asked = ", ".join(
+        f"model.execution.{key}={value}" for key, value in settings.items() if value not in ("conv", "auto")
+    )
     if not asked:  # conv, or auto: the fastest form wherever there is a layer that takes one, nothing elsewhere
         for m in stacked:
             if hasattr(m, "form"):

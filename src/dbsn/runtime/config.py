@@ -333,8 +333,12 @@ def check_cuda_graph(cfg: DictConfig, on_this_machine: bool = True) -> None:
     trainer = cfg.get("trainer") or {}
     model = cfg.get("model") or {}
     execution = model.get("execution")
-    if "member" in model and execution is not None and set(execution) <= {"cuda_graph", "conv_1x1"} \
-            and all(value == "auto" for value in execution.values()):
+    if (
+        "member" in model
+        and execution is not None
+        and set(execution) <= {"cuda_graph", "conv_1x1"}
+        and all(value == "auto" for value in execution.values())
+    ):
         with open_dict(model):  # speed=fast on an ensemble: "where it can" is nowhere (its members step together)
             del model["execution"]
     for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):

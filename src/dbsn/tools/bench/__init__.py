@@ -1,17 +1,17 @@
 """`python -m dbsn.tools.bench`: the speed and memory benchmarks (`make bench`).
 
-    --suite cpu (default)  ratios of DBSN's hot paths on any device (`dbsn.tools.bench.cpu`)
-    --suite gpu            the paper network's training configurations on one GPU
-                           (`dbsn.tools.bench.gpu`); with --part profile | forms | compile |
-                           streams | summary, one part of the GPU window (`dbsn.tools.bench.window`,
-                           tools/gpu_window.sh runs them all)
-    --suite field          each field method's training step and prediction over one network's
-                           on the same backbone (`dbsn.tools.bench.field`)
-    --suite step           the paper step's operations per cell (aten, kernel-launching, host
-                           synchronisations), one cell's traced graph, fused over per-edge
-                           (`dbsn.tools.bench.step`)
-    --suite layout         DBSN's eager step contiguous and channels-last, fp32 and bf16: the
-                           measurement behind `channels_last=auto` (`dbsn.tools.bench.layout`)
+--suite cpu (default)  ratios of DBSN's hot paths on any device (`dbsn.tools.bench.cpu`)
+--suite gpu            the paper network's training configurations on one GPU
+                       (`dbsn.tools.bench.gpu`); with --part profile | forms | compile |
+                       streams | summary, one part of the GPU window (`dbsn.tools.bench.window`,
+                       tools/gpu_window.sh runs them all)
+--suite field          each field method's training step and prediction over one network's
+                       on the same backbone (`dbsn.tools.bench.field`)
+--suite step           the paper step's operations per cell (aten, kernel-launching, host
+                       synchronisations), one cell's traced graph, fused over per-edge
+                       (`dbsn.tools.bench.step`)
+--suite layout         DBSN's eager step contiguous and channels-last, fp32 and bf16: the
+                       measurement behind `channels_last=auto` (`dbsn.tools.bench.layout`)
 """
 
 from __future__ import annotations
@@ -28,16 +28,30 @@ def main(argv: list[str] | None = None) -> dict:
     from dbsn.tools.bench import cpu
 
     parser = argparse.ArgumentParser(description=cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("cpu", "gpu", "field", "step", "layout"), default="cpu",
-                        help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
-                             "on one GPU (dbsn.tools.bench.gpu); field: the field's methods over one network on a "
-                             "backbone (dbsn.tools.bench.field)")
-    parser.add_argument("--backbone", choices=("resnet18", "wrn28_10", "structure_net"), default="resnet18",
-                        help="field suite: the backbone every method runs on")
-    parser.add_argument("--size", choices=("quick", "paper", "tiny"), default=None,
-                        help="field suite: quick = narrow backbones for a CPU (default there), paper = published size "
-                             "(default on a GPU)")
-    parser.add_argument("--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)")
+    parser.add_argument(
+        "--suite",
+        choices=("cpu", "gpu", "field", "step", "layout"),
+        default="cpu",
+        help="cpu: the ratios above (any device); gpu: the paper network's training configurations "
+        "on one GPU (dbsn.tools.bench.gpu); field: the field's methods over one network on a "
+        "backbone (dbsn.tools.bench.field)",
+    )
+    parser.add_argument(
+        "--backbone",
+        choices=("resnet18", "wrn28_10", "structure_net"),
+        default="resnet18",
+        help="field suite: the backbone every method runs on",
+    )
+    parser.add_argument(
+        "--size",
+        choices=("quick", "paper", "tiny"),
+        default=None,
+        help="field suite: quick = narrow backbones for a CPU (default there), paper = published size "
+        "(default on a GPU)",
+    )
+    parser.add_argument(
+        "--net", choices=sorted(NETS), default=None, help="default: quick (cpu suite), paper (gpu suite)"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
@@ -86,12 +100,19 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", default=None, help="gpu suite parts: the results folder (default: $OUT or bench_out)")
     parser.add_argument("--tiny", action="store_true", help="gpu suite parts: the tiny network, batch 4 (a smoke test)")
-    parser.add_argument("--cache", default=None, help="gpu suite, compile part: load this compile cache first "
-                        "(a warm start)")
-    parser.add_argument("--conv-1x1", default="auto", help="gpu suite, compile and streams parts: "
-                        "model.execution.conv_1x1 (auto: the forms part's fastest)")
-    parser.add_argument("--depthwise", default="auto", help="gpu suite, compile and streams parts: "
-                        "model.execution.depthwise (auto: the forms part's fastest)")
+    parser.add_argument(
+        "--cache", default=None, help="gpu suite, compile part: load this compile cache first (a warm start)"
+    )
+    parser.add_argument(
+        "--conv-1x1",
+        default="auto",
+        help="gpu suite, compile and streams parts: model.execution.conv_1x1 (auto: the forms part's fastest)",
+    )
+    parser.add_argument(
+        "--depthwise",
+        default="auto",
+        help="gpu suite, compile and streams parts: model.execution.depthwise (auto: the forms part's fastest)",
+    )
     parser.add_argument("--train-samples", type=int, default=1, help="layout suite: DBSN's T")
     parser.add_argument("--runs", type=int, default=4, help="gpu suite, streams part: up to this many runs at once")
     parser.add_argument("--prediction-batch", type=int, default=64, help="gpu suite: images per S = 100 prediction")

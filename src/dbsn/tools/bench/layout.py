@@ -27,8 +27,11 @@ CASES = tuple((layout, precision) for layout in ("contiguous", "channels_last") 
 def step_of(net_name: str, train_samples: int, batch: int, channels_last: bool, bf16: bool):
     """One DBSN training step (forward, backward, both optimisers) as a zero-argument callable."""
     torch.manual_seed(0)
-    method = DBSN(StructureNet(num_classes=10, **NETS[net_name]), train_samples=train_samples,
-                  execution=Execution(channels_last=channels_last))
+    method = DBSN(
+        StructureNet(num_classes=10, **NETS[net_name]),
+        train_samples=train_samples,
+        execution=Execution(channels_last=channels_last),
+    )
     method.dataset_size = 50_000
     groups = method.weight_parameter_groups()
     optimisers = [method.optim.build(group, 100, method.no_decay_parameters())[0] for group in groups]
@@ -43,13 +46,15 @@ def step_of(net_name: str, train_samples: int, batch: int, channels_last: bool, 
         for optimiser in optimisers:
             optimiser.step()
         method.on_after_optimizer_step(batch)
+
     return step
 
 
 def run(net_name: str = "quick", train_samples: int = 1, batch: int = 64, repeats: int = 5) -> dict:
     """Median seconds of each case and channels-last over contiguous, per precision."""
-    steps = {case: step_of(net_name, train_samples, batch, case[0] == "channels_last", case[1] == "bf16")
-             for case in CASES}
+    steps = {
+        case: step_of(net_name, train_samples, batch, case[0] == "channels_last", case[1] == "bf16") for case in CASES
+    }
     for step in steps.values():
         step(), step()
     times: dict = {case: [] for case in CASES}
@@ -59,20 +64,35 @@ def run(net_name: str = "quick", train_samples: int = 1, batch: int = 64, repeat
             step()
             times[case].append(time.perf_counter() - start)
     median = {f"{layout} {precision}": statistics.median(times[(layout, precision)]) for layout, precision in CASES}
-    return {"net": net_name, "train_samples": train_samples, "batch": batch, "repeats": repeats,
-            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "seconds": median,
-            "channels_last / contiguous": {p: median[f"channels_last {p}"] / median[f"contiguous {p}"]
-                                           for p in ("fp32", "bf16")}}
+    return {
+        "net": net_name,
+        "train_samples": train_samples,
+        "batch": batch,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "seconds": median,
+        "channels_last / contiguous": {
+            p: median[f"channels_last {p}"] / median[f"contiguous {p}"] for p in ("fp32", "bf16")
+        },
+    }
 
 
 def markdown(result: dict) -> str:
     ratio = result["channels_last / contiguous"]
     seconds = result["seconds"]
-    return "\n".join([
-        f"DBSN eager step, T = {result['train_samples']}, {result['net']} network, batch {result['batch']}, "
-        f"{result['threads']} thread(s), {result['cpu_capability']} (native bf16: {result['native_bf16']}), "
-        f"median of {result['repeats']}:", "",
-        "| precision | contiguous s | channels-last s | channels-last / contiguous |", "|---|---|---|---|",
-        *[f"| {p} | {seconds[f'contiguous {p}']:.3f} | {seconds[f'channels_last {p}']:.3f} | {ratio[p]:.2f} |"
-          for p in ("fp32", "bf16")]])
+    return "\n".join(
+        [
+            f"DBSN eager step, T = {result['train_samples']}, {result['net']} network, batch {result['batch']}, "
+            f"{result['threads']} thread(s), {result['cpu_capability']} (native bf16: {result['native_bf16']}), "
+            f"median of {result['repeats']}:",
+            "",
+            "| precision | contiguous s | channels-last s | channels-last / contiguous |",
+            "|---|---|---|---|",
+            *[
+                f"| {p} | {seconds[f'contiguous {p}']:.3f} | {seconds[f'channels_last {p}']:.3f} | {ratio[p]:.2f} |"
+                for p in ("fp32", "bf16")
+            ],
+        ]
+    )
