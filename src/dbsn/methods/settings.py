@@ -134,8 +134,9 @@ class WeightOptimizer:
 class Compilation:
     """`torch.compile` of the network's forward, for training steps and prediction alike.
 
-    One training step of the paper's network dispatches about 48,700 operations, each launched
-    from Python; on a GPU that overhead, not the arithmetic, sets the pace. Compiled, the
+    One training step of the paper's network dispatches thousands of small operations, each
+    launched from Python (docs/performance.md counts them); on a GPU their number, not the
+    arithmetic, sets the pace. Compiled, the
     forward and its backward become a few fused kernels. The structures α reach the graph as a
     tensor input, so a new draw (and new τ, β, which only shape α) reuses the graph: after the
     first steps nothing recompiles (tested). New shapes compile once more each: the number of

@@ -30,9 +30,9 @@ keeps the grid, the validation NLLs and the choice (the report's learning-rate s
 ensemble after map_fixed takes map_fixed's choice (its members are map_fixed networks, each trained
 alone), and `--tuned-from DIR` reuses an earlier `--tune` comparison's choices (one search for
 every seed, e.g. with `seed=1`). "shared":
-every method with the paper's one SGD recipe and MIMO with the mean over members, as the
-comparisons before 2026-11-27 ran (it held Packed-Ensembles at lr / M per member and MIMO at
-1 / M of its gradient). Every run records whether it had converged (its training loss over the
+every method with the paper's one SGD recipe and MIMO with the mean over members, as dbsn's
+earlier comparisons ran (it holds Packed-Ensembles at lr / M per member and MIMO at 1 / M of its
+gradient; kept to reproduce them). Every run records whether it had converged (its training loss over the
 last tenth of the run), and the report marks the methods of runs that had not.
 
 Schedules written for 100 CIFAR epochs are compressed into the run from the run's real steps per
@@ -110,7 +110,7 @@ BACKBONES = {
 #: is its own config's or, with `--tune`, the value of `LR_GRID` with the lowest validation NLL.
 #: "shared": every method trained by SGD trains with the paper's one recipe (`SHARED_OPTIMIZER`), the
 #: recipes of their authors' that some configs carry (conf/field's sweeps use them) set aside, and MIMO
-#: with the mean over members: the protocol of the comparisons before 2026-11-27, which held Packed-Ensembles at
+#: with the mean over members: the protocol of dbsn's earlier comparisons, which holds Packed-Ensembles at
 #: lr / M per member and MIMO at 1 / M of its gradient (kept to reproduce them).
 PROTOCOLS = ("fair", "shared")
 SHARED_SCHEDULE = {"schedule": "multistep", "milestones": "[0.5,0.75]", "gamma": 0.1}

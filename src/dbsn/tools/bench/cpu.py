@@ -46,9 +46,9 @@ float32 measured in the same run. And the input pipeline: images/s of the paper'
 augmentation fed by the DataLoader (the data config's 2 workers) and by `data.on_device`, on an
 in-memory CIFAR-sized training set.
 
-Timing noise. The same step's seconds differ between processes on the 2-core development machine
-(dbsn_t1: 0.38 s in one, 0.50 s in another, 2026-11-25), while the ratios within one process
-stay put (dbsn_t1 / map_fixed 1.00-1.05 in seven processes): compare ratios, not seconds. Host
+Timing noise. The same step's seconds differ between processes on a small shared machine by
+tens of percent, while the ratios within one process stay put (docs/performance.md has the
+figures): compare ratios, not seconds. Host
 memory settings move ratios too: without `keep_freed_memory()` (DBSN_KEEP_FREED_MEMORY=0) the
 grouped T = 4 step page-faults its activations back in every step and dbsn_t4 / (4 x dbsn_t1)
 was 1.15 instead of 0.83 in the same session.
