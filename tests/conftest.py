@@ -42,6 +42,8 @@ LONGEST_FIRST = (
     "tests/faults/test_signals.py",
     "tests/methods/test_csgmcmc.py",
     "tests/docs/test_extending.py",
+    "tests/tools/test_extension_package.py",
+    "tests/test_wheel.py",
     "tests/tools/bench/test_gpu.py",
     "tests/methods/test_regional_compile.py",
     "tests/tools/test_refine.py",
