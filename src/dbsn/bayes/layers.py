@@ -256,16 +256,14 @@ class BayesConv2d(BayesLayer):
             flipout,
         )
         twin._copy_means_from(layer)
-        for key in ("stacked_edges", "form"):  # a fused cell's stacked convolution keeps its form
+        for key in ("stacked_edges", "form", "form_convolve"):  # a fused cell's stacked convolution keeps its form
             if hasattr(layer, key):
                 setattr(twin, key, getattr(layer, key))
         return twin
 
     def _conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if getattr(self, "form", "conv") != "conv":  # `dbsn.nets.conv_forms`: the same sums in another form
-            from dbsn.nets.conv_forms import convolve
-
-            return convolve(self, x, weight, bias)
+            return self.form_convolve(self, x, weight, bias)
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -150,7 +150,12 @@ def convolve(conv: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = N
 
 class StackedConv2d(nn.Conv2d):
     """The convolutions of n edges as one `nn.Conv2d` (``stacked_edges`` = n, which the
-    initialisation reads), computed in ``form`` (see the module docstring; "conv" by default)."""
+    initialisation reads), computed in ``form`` (see the module docstring; "conv" by default).
+    ``form_convolve`` is the function that computes a form: a layer that replaces this one (a
+    Bayesian twin, `dbsn.bayes.layers.BayesConv2d`) takes it over with ``form``, so that the layers
+    below the networks need not import them."""
+
+    form_convolve = staticmethod(convolve)
 
     def __init__(self, *args, stacked_edges: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
