@@ -18,7 +18,10 @@ from dbsn.methods import Execution
 from dbsn.nets import FusedCell, StructureNet, conv_forms
 from dbsn.nets.batchnorm import accumulated_running_statistics
 from dbsn.nets.conv_forms import StackedConv2d, set_conv_forms
-from dbsn.nets.fused_cell import unfuse
+from dbsn.nets.fused_cell import (
+    _stacked_conv,  # the fused cell's own stacked convolution
+    unfuse,
+)
 from dbsn.runtime.build import build_model
 from tests.support.configs import compose_config, small_model
 from tests.support.netutil import soft_alpha
@@ -47,16 +50,7 @@ def test_each_form_equals_f_conv2d_with_its_gradients(form, kernel, dilation, la
     `F.conv2d` with the same weight: output, input gradient, weight gradient, and the output's layout."""
     edges, channels = 3, 5
     width = edges * channels
-    conv = StackedConv2d(
-        width,
-        width,
-        kernel,
-        padding=dilation * (kernel // 2),
-        dilation=dilation,
-        groups=width if kernel > 1 else edges,
-        bias=False,
-        stacked_edges=edges,
-    ).double()
+    conv = _stacked_conv(edges, channels, kernel, dilation).double()
     conv.to(memory_format=LAYOUTS[layout])
     set_conv_forms(conv, **{"conv_1x1" if kernel == 1 else "depthwise": form})
     assert conv.form == form
@@ -82,16 +76,7 @@ def test_each_form_computes_in_autocast_s_dtype_as_f_conv2d(form, kernel, dilati
     `F.conv2d` does, and both are near the float32 result (bfloat16's rounding of the operands)."""
     edges, channels = 2, 8
     width = edges * channels
-    conv = StackedConv2d(
-        width,
-        width,
-        kernel,
-        padding=dilation * (kernel // 2),
-        dilation=dilation,
-        groups=width if kernel > 1 else edges,
-        bias=False,
-        stacked_edges=edges,
-    )
+    conv = _stacked_conv(edges, channels, kernel, dilation)
     formed = copy.deepcopy(conv)
     set_conv_forms(formed, **{"conv_1x1" if kernel == 1 else "depthwise": form})
     x = torch.randn(2, width, 6, 6, generator=torch.Generator().manual_seed(0))
