@@ -1,4 +1,4 @@
-"""BatchEnsemble's fast-weight initialisation, measured (docs/field.md).
+"""BatchEnsemble's fast-weight initialisations compared by training (docs/field.md).
 
     python -m dbsn.tools.batch_ensemble_init [--backbone structure_net|resnet18] [--seeds 0,1] [--steps 150]
                                              [--inits 0.5,-0.5,-0.25,-0.1,1] [--out FILE.jsonl]
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-#: The initialisations measured, by name: their `random_sign_init` values.
+#: The initialisations compared, by name: their `random_sign_init` values.
 INITS = {
     "random signs (p = 0.5)": 0.5,
     "N(1, 0.5²) (the authors')": -0.5,

@@ -5,74 +5,16 @@
                            [--evaluations ood,shift,conformal] [--ood SETS] [--posthoc temperature,...]
                            [--evaluate-overrides "KEY=VALUE ..."] [--resume] [overrides ...]
 
-`--data` is any classification dataset of conf/data/ (default: the embedded digits, minutes on
-CPU, no files needed); `--subset N` trains on a seeded, class-stratified N images (or a fraction
-N < 1) of its training split (`data.train_subset`; the test set stays whole); the overrides are
-train.py's, for every method (`data.root=...`, `trainer=gpu`; the default is `trainer=cpu`).
-E.g. CIFAR-10 on a 5,000-image subset on CPU:
-
-    python -m dbsn.tools.compare --data cifar10 --subset 5000 --epochs 10 data.root=/path
-
-Every method trains the paper's small network (B = 4, one cell per stage, ~41K parameters), or
-with `--backbone resnet18|wrn28_10` a narrow ResNet-18 (width 16) / WideResNet-16-2 (DBSN, FBN and
-VOGN-FBN stay on the cell network), and is tested with S = 100 members where it samples (MC
-dropout, BBB, DBSN; the single-pass ensembles with their M members, SNGP in one pass).
-
-The protocol (`--protocol`). "fair", the default: every method shares the data, the epochs, the
-batch and the learning-rate schedule's shape (× 0.1 at 50 % and 75 %), and keeps its authors'
-relative settings (how its loss adds up its members, fast-weight learning rates, initialisation,
-momentum, weight decay, warm-up: its config's); its base learning rate is its config's, or with
-`--tune` the value of one grid for every method (`--lr-grid`, default 0.025 to 0.4) with the lowest
-validation NLL after the last epoch, each rate trained on the training split without a held-out
-validation part (`data.val_size=0.15`), never tested, into `DIR/tune/<method>/lr_<rate>/`; the
-method then trains and tests with the chosen rate, on the same split, and `<method>/tuning.json`
-keeps the grid, the validation NLLs and the choice (the report's learning-rate section); a deep
-ensemble after map_fixed takes map_fixed's choice (its members are map_fixed networks, each trained
-alone), and `--tuned-from DIR` reuses an earlier `--tune` comparison's choices (one search for
-every seed, e.g. with `seed=1`). "shared":
-every method with the paper's one SGD recipe and MIMO with the mean over members, as dbsn's
-earlier comparisons ran (it holds Packed-Ensembles at lr / M per member and MIMO at 1 / M of its
-gradient; kept to reproduce them). Every run records whether it had converged (its training loss over the
-last tenth of the run), and the report marks the methods of runs that had not.
-
-Schedules written for 100 CIFAR epochs are compressed into the run from the run's real steps per
-epoch (its training images over the batch size, counted once before any method trains, so that a
-missing dataset fails first):
-DBSN, FBN and VOGN-FBN get the quick preset's structure schedules (τ reaches 1 and β reaches
-0.5 within the run, θ's Adam at 10x the paper's lr); VOGN and VOGN-FBN warm their KL weight up
-over the first 10 % of the steps (the paper: 1000 steps). NEK-FAC is left out: it is defined on
-VGG16-BN, not on this network. Prints and writes (comparison.md, comparison.json) a table of
-error / NLL / Brier / CE² (the unbiased squared calibration error) / calibrated NLL, each with its
-95 % bootstrap interval over the test examples, the plug-in ECE (biased: no interval), and training time, titled with the dataset; then the paired differences of every method
-against DBSN (or the first method) on the same test examples, with the line naming the differences
-indistinguishable from noise, from the report that it writes into DIR/report (every table, the
-cost table and the Pareto figure; training time as a ratio to DBSN: the paper's Table 5
-comparison is `--methods dbsn,vogn,vogn_fbn --batch-size 32`).
-
-The same command can evaluate every method after its training, with the evaluations and post-hoc
-calibrators of evaluate.py (`dbsn.runtime.run.evaluate` on `<method>/checkpoints/last.ckpt`, in
-this process), so that the report also has the conformal, OOD-score-by-method and calibrator tables:
-
-    python -m dbsn.tools.compare --epochs 10 --evaluations ood,shift,conformal \
-        --posthoc temperature,histogram_binning,isotonic,dirichlet
-
-`--evaluations a,b` (any of conf/evaluations/) evaluates each method into `<method>/evaluation`:
-`ood` on the `--ood` sets (any of conf/ood/; on digits `photos,noise` by default, elsewhere
-required), `shift` on the published CIFAR-10-C / -100-C under the data root, or, on a dataset
-without published corruptions (digits, SVHN), on corruptions generated once into `DIR/<data>-C`
-and shared by every method. `--posthoc a,b` (any of conf/posthoc/) then evaluates each method's
-post-hoc posterior or calibrator (the test pass only) into `<method>/posthoc/<name>/`, the report's
-method `<method>+<name>`; one that does not apply to a method (e.g. laplace on dbsn) is skipped with
-a line on the console. Calibrators are fitted on a validation split, never on the test set: with
-`--posthoc` every method trains with `data.val_size=0.15` unless the overrides set it (the
-conformal sets then calibrate on it too). Every evaluation predicts with the run's own S and reuses
-the training's `trainer` and `statistics` overrides (e.g. `trainer=gpu`); the trailing overrides
-are train.py's only. evaluate.py's own go in `--evaluate-overrides "KEY=VALUE ..."` (split like a
-shell line; repeatable): those under `evaluations.` and `ood.` reach the evaluations pass only,
-those under `posthoc` the post-hoc passes only, the others (`n_samples=`, `ablation.sizes=[]`)
-every pass; e.g. a cheaper OOD evaluation:
-`--evaluate-overrides "ood.photos.size=200 evaluations.ood.scores=[energy,knn]"`. These options
-and overrides are composed and checked before anything trains.
+Every method trains the paper's small network (or a narrow `--backbone`) under one protocol
+(`--protocol fair`, the default: shared data, epochs, batch and schedule shape, each method's own
+relative settings; `--tune`: one learning-rate grid for all, chosen by validation NLL), is tested
+with S = `--samples` members, and optionally evaluated (`--evaluations`, `--posthoc`) as by
+evaluate.py. It prints and writes comparison.md / comparison.json (error, NLL, Brier, CE²,
+calibrated NLL with 95 % intervals; paired differences against DBSN) and the full report into
+DIR/report. Trailing overrides are train.py's, for every method (`data.root=...`, `trainer=gpu`;
+default `trainer=cpu`); evaluate.py's go in `--evaluate-overrides`. Options and overrides are
+composed and checked before anything trains. The protocol, the schedules and the outputs:
+docs/evaluation.md ("Comparing methods fairly"); the evaluations after training: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -3,25 +3,9 @@
 A GPU step of the fused cell is bound by executing many small kernels, so the question for each
 change is which part of the cell launches them. `Categories` is a `TorchDispatchMode` that sorts
 every aten operation that launches a kernel on a GPU (`dbsn.tools.bench.common.VIEWS` do not)
-into one of `CATEGORIES`:
-
-- ``1x1 and dense conv``: convolutions that are not depthwise (cuDNN or another library on a
-  GPU), and whatever a 1×1's other form (`dbsn.nets.conv_forms`) runs in its module;
-- ``depthwise``: depthwise convolutions (one input channel per group, a 3×3 kernel), and what
-  their stencil form runs;
-- ``casts``: dtype conversions (``_to_copy``, a ``copy_`` between dtypes): autocast's and the
-  code's own;
-- ``BatchNorm``: the batch-norm operations and what BatchNorm modules run around them (the
-  per-group repeat of γ and β, the running-statistics update's glue);
-- ``EdgeAffine``: the fused cell's first affine transform and ReLU of every chain;
-- ``α sums``: the rest of a cell's own work (`SourceOps`, the cell's forward, fused or per-edge):
-  the α-weighted sums of the ops, each node's sum of its incoming edges, the gather of α, the
-  output's concatenation;
-- ``other``: the stem, head, loss, optimisers, the structure draw, the chains' ReLUs.
-
-A backward operation belongs where its forward ran: a `TorchFunctionMode` writes the module
-category of every autograd node created in the forward into the node's ``metadata``, and
-backward operations read it from the node the engine is running
+into one of `CATEGORIES` (defined beside it). A backward operation belongs where its forward ran:
+a `TorchFunctionMode` writes the module category of every autograd node created in the forward
+into the node's ``metadata``, and backward operations read it from the node the engine is running
 (``torch._C._current_autograd_node``). With ``annotate`` every operation also runs inside a
 profiler range ``bench::<category>``, so that a `torch.profiler` trace of an eager step on a GPU
 attributes each kernel to a category (`kernels_by_category`).
@@ -39,12 +23,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dbsn.tools.bench.common import VIEWS
 
 CONV, DEPTHWISE, CASTS, BATCHNORM, EDGE_AFFINE, ALPHA_SUMS, OTHER = (
+    # convolutions that are not depthwise, and whatever a 1×1's other form (`dbsn.nets.conv_forms`) runs
     "1x1 and dense conv",
+    # depthwise convolutions (one input channel per group, a 3×3 kernel), and what their stencil form runs
     "depthwise",
+    # dtype conversions (``_to_copy``, a ``copy_`` between dtypes): autocast's and the code's own
     "casts",
+    # the batch-norm operations and what BatchNorm modules run around them (the per-group repeat of γ and β,
+    # the running-statistics update's glue)
     "BatchNorm",
+    # the fused cell's first affine transform and ReLU of every chain
     "EdgeAffine",
+    # the rest of a cell's own work (`SourceOps`, the cell's forward, fused or per-edge): the α-weighted sums
+    # of the ops, each node's sum of its incoming edges, the gather of α, the output's concatenation
     "α sums",
+    # the stem, head, loss, optimisers, the structure draw, the chains' ReLUs
     "other",
 )
 CATEGORIES = (CONV, DEPTHWISE, CASTS, BATCHNORM, EDGE_AFFINE, ALPHA_SUMS, OTHER)

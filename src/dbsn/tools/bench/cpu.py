@@ -1,57 +1,21 @@
-"""`make bench` (the cpu suite): speed and memory of DBSN's hot paths, as ratios measured in one run.
+"""`make bench` (the cpu suite): speed and memory of DBSN's hot paths, as ratios within one run.
 
     python -m dbsn.tools.bench [--net quick|paper] [--batch 64] [--repeats 5] [--device auto]
                          [--memory-batch 4] [--no-compile]
     python -m dbsn.tools.bench --suite gpu [--configs ...] [--json results.json]   (see `dbsn.tools.bench.gpu`)
 
-Cases (same network, same batch, same machine, interleaved repetitions, median time):
-  map_fixed  one training step of the network under fixed uniform α (SGD on w)
-  dbsn_t1    one DBSN step with T = 1 (sample α, NLL + KL/N, SGD on w + Adam on θ)
-  dbsn_t4    one DBSN step with T = 4 structures in one grouped forward
-  dbsn_t4_chunked
-             the same step with the structures one after another (train_samples_per_forward = 1)
-  map, mc_dropout, bbb, fbn
-             one training step of each baseline (fbn with T = 1)
-  vogn, vogn_fbn
-             one VOGN step (one weight sample) with MAP / DBSN structure: over map / dbsn_t1
-  vgg_sgd, nekfac
-             one SGD / NEK-FAC step on VGG16-BN (width 0.25 with --net quick, 1.0 with paper)
-  ens_100    Bayes ensemble with S = 100, `samples_per_forward` structures per forward
-  single_100 the same 100 structures as 100 single forwards
-  recal_100  per-structure BatchNorm statistics of 100 structures on the batch's images
-             (model.bn_recalibration: what prediction with recalibration adds)
-  dbsn_t1_channels_last, dbsn_t1_compiled, dbsn_t1_channels_last_compiled
-             dbsn_t1 with model.execution.channels_last, model.execution.compile (inductor), and both
-             (--no-compile leaves the compiled ones out: each compiles for a minute or two)
-
-What the evaluation's statistics cost (`statistics_cost`): the calibration and the 1,000-resample
-bootstrap intervals of every test-pass metric on a CIFAR-sized test set (10,000 examples, 10
-classes), and of one OOD set's detection metrics (three scores, SVHN's 26,032 examples).
-
-Ratios and targets: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x dbsn_t1) <= 1.0;
-ens_100 / single_100 <= 1.0; every method's step over map_fixed's (no target: BBB and FBN
-pay for sampling weights and the KL of every layer). recal_100 / ens_100 is the cost of
-recalibrating on an image over predicting one; prediction with recalibration on 256 images over
-prediction without, for a test set of M images, is 1 + (recal_100 / ens_100) * 256 / M: the
-table gives it for CIFAR's M = 10,000 (target <= 1.3) and digits' M = 450. Peak memory per
-case: CUDA max allocated on a GPU, or the peak resident-set growth of a fresh process on CPU.
-
-Training memory of the paper's network (B = 7, 12 cells), one DBSN step with T = 4 on
-`--memory-batch` images: grouped, and with the structures one after another; reported per
-image x structure, and the ratio chunked / grouped (target <= 0.35).
-
-How far from the machine's limit: the convolution and matmul FLOPs of one dbsn_t4 step (torch's
-FlopCounterMode) over its median time, as a fraction of this machine's dense-matmul FLOP/s in
-float32 measured in the same run. And the input pipeline: images/s of the paper's training
-augmentation fed by the DataLoader (the data config's 2 workers) and by `data.on_device`, on an
-in-memory CIFAR-sized training set.
-
-Timing noise. The same step's seconds differ between processes on a small shared machine by
-tens of percent, while the ratios within one process stay put (docs/performance.md has the
-figures): compare ratios, not seconds. Host
-memory settings move ratios too: without `keep_freed_memory()` (DBSN_KEEP_FREED_MEMORY=0) the
-grouped T = 4 step page-faults its activations back in every step and dbsn_t4 / (4 x dbsn_t1)
-was 1.15 instead of 0.83 in the same session.
+Each case (`CASES`: one training step of map_fixed, DBSN at T = 1 and T = 4 grouped or chunked,
+every baseline, VOGN, NEK-FAC on VGG16-BN; the S = 100 Bayes ensemble against 100 single forwards;
+per-structure BatchNorm statistics; channels-last and compiled variants, which `--no-compile`
+skips) runs on the same network, batch and machine in interleaved repetitions (median time), with
+its peak memory (CUDA max allocated, or a fresh process's resident-set growth on a CPU). Also: the
+cost of the evaluation's statistics (`statistics_cost`), the paper network's training memory
+grouped against chunked, the T = 4 step's FLOP/s against this machine's dense matmul, and the
+input pipeline's images/s. Targets are ratios: dbsn_t1 / map_fixed <= 1.10; dbsn_t4 / (4 x
+dbsn_t1) <= 1.0; ens_100 / single_100 <= 1.0; prediction with recalibration over without on
+CIFAR's 10,000 test images <= 1.3; chunked / grouped training memory <= 0.35. Seconds move between
+processes on a shared machine while ratios within one process stay put, so compare ratios. The
+cases in full and the results: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
-"""The field's "ensemble at the cost of one network" claims, as ratios measured in one run.
+"""The field's "ensemble at the cost of one network" claims, as ratios within one run.
 
     python -m dbsn.tools.bench --suite field [--backbone resnet18|wrn28_10|structure_net]
                                              [--size quick|paper] [--batch 64] [--repeats 5]
 
 On one backbone, every method of the field is built as the field sweep's job builds it
-(`conf/field/<backbone>/<method>.yaml`: its M, dropout rate, S; else the method's own config), so the
-settings are the ones a run uses, and timed on the same batch, in interleaved repetitions (median):
-
-  train      one training step (forward, backward, SGD; each method's own loss: BatchEnsemble, the
-             rank-1 BNN, Masksembles and Packed-Ensembles on the batch once per member, MIMO on its
-             repeated batch; a snapshot ensemble's run: one network's step under the callback's lr;
-             cSGHMC's step of its sampler, as built at a run's first step, in the exploration stage
-             (the sampling stage's last tenth adds one Gaussian draw per weight); its structure
-             sampler's DBSN step over its T chains' structures)
-  predict    the test-time prediction of one batch: all members of the method's ensemble (S for
-             MC dropout, M for the ensembles, K draws of each of M components for the rank-1 BNN,
-             the M snapshots of a snapshot ensemble and the samples cSGHMC keeps (12, its structure
-             sampler 48), one network each),
-             in eval mode (DDU's one softmax pass: its GDA density is the OOD evaluation's, not its prediction)
-
-Each method's seconds are divided by one network's (`map_fixed`, the deterministic row) on the same
-backbone: a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
-prediction. The prediction is also divided by S single networks (S = the method's members): what
-predicting the members together saves over running them one by one, or costs beyond it. Parameters are counted too. `--size quick` narrows the backbone so the suite runs on a
-CPU in minutes (ResNet-18 width 16, WideResNet-16-2, DBSN's small cell network); `paper` is the
-published size (a GPU's job).
+(`conf/field/<backbone>/<method>.yaml`: its M, dropout rate, S; else the method's own config) and
+timed on the same batch in interleaved repetitions (median): ``train``, one training step with the
+method's own loss; ``predict``, the test-time prediction of one batch by all the method's members,
+in eval mode. Each method's seconds are divided by one network's (`map_fixed`) on the same
+backbone (a deep ensemble of M costs about M in both; the single-pass ensembles claim about 1 at
+prediction), and the prediction also by S single networks (S = the method's members). Parameters
+are counted too. `--size quick` narrows the backbone to run on a CPU in minutes (ResNet-18 width
+16, WideResNet-16-2, DBSN's small cell network); `paper` is the published size. What each
+method's step and prediction hold, and the results: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """`python -m dbsn.tools.bench --suite gpu`: the paper's CIFAR training step on one GPU, configuration by
 configuration, and what 100 epochs of it would take.
 
-The paper network (B = 7, 12 cells, 1.04 M parameters) at T = 4, batch 64, in each configuration
-
-    fp32 eager per-edge | bf16 eager per-edge | bf16 eager fused | bf16 fused + CUDA graph |
-    fp32 fused + CUDA graph | bf16 fused + compiled cells
-
-("per-edge": the reference cell, every edge's ops one by one; "fused": `dbsn.nets.fused_cell`;
-"CUDA graph": the whole step captured and replayed, `dbsn.methods.step.GraphedStep`; "compiled
-cells": inductor on each cell, `Compilation(scope="cells")`), the T structures in one grouped
-forward (``--chunked`` adds each with the structures one after another). A step is what
-`Method.training_step` does on a batch: the on-device augmentation of a uint8 batch, the structure
-draw, forward and backward under the configuration's precision, gradient clipping and both
-(fused) optimisers, the BatchNorm update and the NaN guard. For each:
-
-- seconds per step (median of timed steps after warm-up, capture or compilation), peak GPU memory,
-  and the warm-up's seconds (capture and compilation included);
-- the kernels one step runs and the launches the host makes for them (`torch.profiler`: a graph
-  replays its kernels with one launch);
-- the projected time of the paper's 100 epochs: 100 x 781 steps of 64 images, plus the final
-  test pass (10,000 images, S = 100) at the measured prediction rate;
-- the FLOP/s achieved (convolution and matmul FLOPs of one step, torch's `FlopCounterMode`)
-  against the dense-matmul FLOP/s of the same GPU measured in the same run.
-
-Then the S = 100 Bayes ensemble's images/s in each configuration's cell and precision (for the
-CUDA-graph rows also with the members' forwards replayed from graphs, `cuda_graph_prediction`), and (with
-``--segmentation yes``) one CamVid DBSN training step. The default suite fits in about 4 minutes
-on an H100/H200, so that a 15-minute lease runs it twice; `--configs` runs a subset, and `--json`
-accumulates results over several calls. On a CPU it runs the same code on a small setting (the
-tests: `--net tiny --batch 4 --steps 2`; the CUDA-graph rows say they need a GPU).
+The paper network (B = 7, 12 cells) at T = 4, batch 64, in each configuration of `CONFIGS` (fp32 or
+bf16; the per-edge reference cell or the fused cell, `dbsn.nets.fused_cell`; eager, the whole step
+in a CUDA graph, `dbsn.methods.step.GraphedStep`, or compiled cells), the T structures in one
+grouped forward (``--chunked`` adds them one after another). A step is what
+`Method.training_step` does on a batch: on-device augmentation, the structure draw, forward and
+backward, clipping, both optimisers, the BatchNorm update and the NaN guard. For each: seconds per
+step (median after warm-up), peak memory, the warm-up's seconds, kernels and host launches per
+step (`torch.profiler`), the projected 100 epochs (100 x 781 steps plus the S = 100 test pass), and
+the FLOP/s achieved against the same GPU's dense matmul in the same run; then the S = 100
+ensemble's images/s per configuration and (``--segmentation yes``) a CamVid step. `--configs` runs
+a subset, `--json` accumulates results over calls. On a CPU the same code runs a small setting
+(`--net tiny --batch 4 --steps 2`; the CUDA-graph rows say they need a GPU). Results and how long
+the suite takes: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
-"""What predicts the paper step's time on a GPU, measured on any machine: operations per step.
+"""What predicts the paper step's time on a GPU, counted on any machine: operations per step.
 
-On a GPU the paper network's eager step is bound by its dispatched operations (about 20 µs each),
-not by their arithmetic, and a CUDA graph needs a step that never reads a device value on the
-host. These rows count, for the per-edge and the fused cell, in one training step of the paper
-network (B = 7, 12 cells, T = 4 grouped, batch 2, float32, contiguous layout as on a GPU, the
-fused optimisers, the NaN guard attached; forward, backward and optimisers):
+On a GPU the paper network's eager step is bound by its dispatched operations, not by their
+arithmetic (docs/performance.md), and a CUDA graph needs a step that never reads a device value
+on the host. These rows count, for the per-edge and the fused cell, in one training step of the
+paper network (B = 7, 12 cells, T = 4 grouped, batch 2, float32, contiguous as on a GPU, the fused
+optimisers, the NaN guard attached; forward, backward and optimisers):
 
 - aten operations (`TorchDispatchMode`), and those that launch a kernel on a GPU (all but views);
-- host synchronisations: operations that read a device value on the host (``.item()``,
-  ``if tensor``, boolean indexing, ...) or copy host data to the device (target: 0);
-- the kernel-launching operations of the fused step by what they compute (convolutions, depthwise,
-  casts, BatchNorm, EdgeAffine, α sums, other; `dbsn.tools.bench.categories`): they add up to
-  the total;
-- the traced graph of one cell (dynamo + AOTAutograd: call nodes of its forward and backward
-  graphs), what a compiler of the cell has to handle, and how long tracing it took;
-- the nodes-only regional compile (``compile.scope=nodes``, dynamo with the eager backend: the
-  graphs any backend gets): graphs in the first step (4 for the paper network), graphs compiled
-  again in a second step (0), and the seconds of the first step;
-- CPU seconds of a training step and of the S = 100 Bayes ensemble's prediction (the small
-  network at the bench's batch), fused over per-edge.
+- host synchronisations: operations that read a device value on the host or copy host data to the
+  device (target: 0);
+- the fused step's kernel-launching operations by category (`dbsn.tools.bench.categories`);
+- one cell's traced graph (dynamo + AOTAutograd call nodes, forward and backward) and its tracing time;
+- the nodes-only regional compile (``compile.scope=nodes``, eager backend): graphs in the first
+  step, graphs compiled again in a second step (0), the first step's seconds;
+- CPU seconds of a training step and of the S = 100 prediction (the small network), fused over per-edge.
 """
 
 from __future__ import annotations

@@ -1,36 +1,22 @@
 """`python -m dbsn.tools.bench --suite gpu --part NAME --out DIR`: what only a GPU shows about the
 paper's training step (the network of `speed=fast`: fused cells, T = 4 grouped, batch 64, bf16,
-the whole step in a CUDA graph), in parts that each write ``DIR/gpu_<part>.json`` as they go,
-so that a part stopped by its time limit keeps what it measured (``tools/gpu_window.sh`` runs
-them all, each under its own ``timeout``, in at most 8 minutes):
+the whole step in a CUDA graph).
 
-profile   the graphed step's ms per step and its kernels from one profiled replay, by name and
-          by name category (a replay has no host-side operations to attribute them to); the
-          same step run eagerly under `dbsn.tools.bench.categories` and the profiler, its
-          kernels by what launched them (1×1 and dense conv, depthwise, casts, BatchNorm,
-          EdgeAffine, α sums, other); the graphed step again with ``cudnn.benchmark``.
-forms     each convolution form at the paper's first-stage shapes (256 rows, 6 edges × 16
-          channels, 32 × 32), forward and backward: the grouped 1×1 as `F.conv2d` (contiguous,
-          channels-last), batched matmul and multiply-sum; the depthwise 3×3 (dilation 1, 2) as
-          `F.conv2d` (contiguous, channels-last) and stencil (`dbsn.nets.conv_forms`); eagerly, then
-          the whole graphed step for every ``model.execution.conv_1x1`` × ``depthwise`` (eager
-          in the graph), then each form under ``torch.compile``.
-compile   the nodes-only regional compile (``compile.scope=nodes``) inside the CUDA graph, with
-          the fastest forms under a compiler (``--conv-1x1``/``--depthwise``; ``auto`` reads the
-          forms part's result): seconds of each warm-up step (the first compiles), graphs,
-          graphs compiled again after the first step, ms per step, kernels per step; the
-          compiler's cache is saved to ``DIR/compile_cache.bin``. With ``--cache FILE`` it loads
-          that cache first (a warm start, in a fresh process: ``gpu_compile_warm.json``).
-streams   whether CUDA graphs replayed on separate streams overlap: R = 1..``--runs``
-          independent copies of the graphed step (own model, own CUDA generator, own graph),
-          replayed one after another on one stream and each on its own `torch.cuda.Stream`:
-          ms per step per run (throughput).
-summary   ``DIR/summary.md``: the tables of docs/performance.md from the parts' JSON, with the
-          GPU and the date of the run.
+Each part writes ``DIR/gpu_<part>.json`` as it goes, so that a part stopped by its time limit
+keeps what it had (``tools/gpu_window.sh`` runs them all, each under its own ``timeout``):
 
-On a CPU (``--device cpu --tiny``: the tiny network, batch 4) the parts run the same code where
-it does not need CUDA (forms, compile; the CUDA graph off) and say ``skipped: no CUDA`` where it
-does (profile, streams): a smoke test of the whole window in seconds.
+profile   the graphed step's ms per step and kernels of one replay; the eager step's kernels by
+          what launched them (`dbsn.tools.bench.categories`); the graphed step with ``cudnn.benchmark``.
+forms     each convolution form (`dbsn.nets.conv_forms`) at the first stage's shapes, eager, in
+          the graphed step for every ``conv_1x1`` × ``depthwise``, and under ``torch.compile``.
+compile   the nodes-only regional compile (``compile.scope=nodes``) inside the CUDA graph with the
+          fastest compiled forms: warm-up seconds, graphs, recompiles, ms and kernels per step; its
+          cache saved to ``DIR/compile_cache.bin`` (``--cache FILE``: a warm start from it).
+streams   R = 1..``--runs`` independent graphed steps replayed on one stream and on one stream each.
+summary   ``DIR/summary.md``: the tables of docs/performance.md from the parts' JSON.
+
+On a CPU (``--device cpu --tiny``) the parts run the code that needs no CUDA and say
+``skipped: no CUDA`` elsewhere: a smoke test of the whole window. Details: docs/performance.md.
 """
 
 from __future__ import annotations
