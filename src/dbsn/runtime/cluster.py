@@ -1,27 +1,19 @@
 """SLURM: what `hydra/launcher=slurm` submits, and what a job does on the cluster.
 
 Submission (the login node, `python train.py -m hydra/launcher=slurm ...`): `submit_sweep`
-composes every job's config, checks it (the config schema and types, `ckpt_path`, and the SLURM
-request against the trainer: `nodes` = `trainer.num_nodes`, `tasks_per_node` = `trainer.devices`,
-GPUs per node >= `trainer.devices` on GPU runs) and refuses the sweep before anything is
-submitted when one is wrong. It submits the jobs as one submitit job array, waits for all of
-them (a failed job does not stop the others), writes each job's `slurm.json` (job id, state, log
-paths), prints the failures with their logs, and builds the sweep's report in `<sweep>/report`.
+composes and checks every job's config (schema and types, `ckpt_path`, and the SLURM request
+against the trainer: `nodes` = `trainer.num_nodes`, `tasks_per_node` = `trainer.devices`, enough
+GPUs per node) and refuses the sweep before anything is submitted when one is wrong. It submits
+one submitit job array, waits for all jobs (a failed job does not stop the others), writes each
+job's `slurm.json`, prints the failures with their logs and builds the sweep's report.
 
-On the cluster every SLURM task runs the same Hydra job into the same `<sweep>/<job>` folder;
-Lightning's `SLURMEnvironment` takes the ranks from SLURM. The job runs with `resume=true`, so a
-job that SLURM requeues (preemption, `scontrol requeue`, the time limit through submitit's
-`max_num_timeout`) continues from its own `checkpoints/last.ckpt`.
-
-Preemption: submitit signals USR2 `signal_delay_s` before the end and requeues from its handler,
-which exits at once. `install_preemption_handler` puts `PreemptionRequeue` in front of it: the
-signal only marks the job; training goes on to the end of the current epoch, whose checkpoint
-is written as usual, and then requeues (exact resume from an epoch end). If the grace period
-runs out first (`signal_delay_s` minus a margin), it requeues from the previous epoch's
-checkpoint: at most the current epoch is lost. The SIGTERM that SLURM sends a job it requeues
-is then expected; any other SIGTERM (`scancel`, `scontrol requeue`, the time limit) stops the run
-as an interruption (`dbsn.runtime.signals`: non-zero exit status, resumed from the last epoch-end
-checkpoint by the requeued job).
+On the cluster every SLURM task runs the same Hydra job into the same `<sweep>/<job>` folder
+(Lightning's `SLURMEnvironment` gives the ranks), with `resume=true`, so a requeued job continues
+from its own `checkpoints/last.ckpt`. Preemption: submitit signals USR2 `signal_delay_s` before the
+end and requeues from its handler; `install_preemption_handler` puts `PreemptionRequeue` in front:
+training goes on to the end of the epoch, whose checkpoint is written, then requeues; if the grace
+period runs out first, it requeues from the previous epoch's checkpoint. Any other SIGTERM stops
+the run as an interruption (`dbsn.runtime.signals`). User guide: docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -3,27 +3,21 @@
 glibc's malloc serves large requests (above a threshold that grows to at most 32 MiB) with a
 fresh `mmap` and gives them back with `munmap` when freed; it also trims the top of the heap
 once enough is free there. A CPU training step of this network allocates and frees the same
-large activations every step (the grouped T = 4 step of the small network: blocks of up to
-100 MB), so every step maps them again and the kernel zero-fills every page on first touch.
-Measured on the 2-core development machine: 345,000-406,000 minor page faults and 1-2.5 s of
-system time per grouped T = 4 step, which made it 1.9x the cost of four T = 1 steps, and a
-Bayes ensemble of 100 structures 8.8 s instead of 5.1 s (4.3 million faults). How many faults
-a case takes depends on what ran before it, so the same step cost 1.1 s in one process and
-2.8 s in another: the bench's ratios moved from run to run.
+large activations every step (the grouped T = 4 step: blocks of up to 100 MB), so every step maps
+them again and the kernel zero-fills every page on first touch: hundreds of thousands of page
+faults and seconds of system time per step, varying with what ran before (docs/performance.md).
 
 `keep_freed_memory()` tells malloc to serve every request from its heap and never to trim it:
 after a few steps the heap holds every block a step needs and freed activations are reused
-without a page fault (the grouped T = 4 step: 0.90 s, steady, instead of 1.2-2.1 s). The cost
-is memory: the process keeps what it freed, and the heap settles a little above the peak that
-mmap'd blocks would reach (an aligned request does not always fit the block it freed): +13 %
-peak resident memory for the T = 4 step alone, +5 % for a mix of cases. It acts on glibc only
-(Linux); elsewhere it does nothing. `DBSN_KEEP_FREED_MEMORY=0` turns it off.
+without a page fault. The cost is memory: the process keeps what it freed, and the heap settles a
+little above the peak that mmap'd blocks would reach (an aligned request does not always fit the
+block it freed). It acts on glibc only (Linux); elsewhere it does nothing.
+`DBSN_KEEP_FREED_MEMORY=0` turns it off.
 
 `release_freed_memory()` hands what the heap holds free back to the kernel at once (glibc's
 `malloc_trim`: the free pages of every arena, not only the top). An evaluation calls it between
-its phases (the test pass, each OOD set, the attack): each phase reuses its own freed blocks at
-full speed, and the next does not start on top of the heap the earlier ones kept (measured on
-`make evaluate`: 1.38 GB resident after the test pass, 0.88 GB once released).
+its phases (the test pass, each OOD set, the attack), so that the next does not start on top of
+the heap the earlier ones kept.
 """
 
 from __future__ import annotations

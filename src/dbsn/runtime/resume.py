@@ -1,29 +1,23 @@
 """A resumed run continues the run its checkpoint holds, or applies the changes the user lists.
 
-Lightning restores a checkpoint's optimisers (their param groups: lr, momentum, weight decay...)
-and lr schedules (milestones computed from that run's `max_epochs` included) over the ones this
-run configured. A setting given on resume that differs from the checkpoint's run would then be
-written into `resolved_config.yaml` and the new checkpoints but not applied: `model.optim.lr=0.5
-ckpt_path=<ckpt>` would train at the checkpoint's 0.1. So `check_resume` compares this run's
-config with the checkpoint's (`dbsn_config`, key by key) and refuses, in one line naming each
-key and both values, every difference in a setting that changes the run, unless the user lists
-it in `resume_changes=[...]`:
+Lightning restores a checkpoint's optimisers (their param groups) and lr schedules over the ones
+this run configured, so a setting given on resume that differs from the checkpoint's run would be
+recorded but not applied (`model.optim.lr=0.5 ckpt_path=<ckpt>` would train at the checkpoint's
+0.1). `check_resume` therefore compares this run's config with the checkpoint's (`dbsn_config`,
+key by key) and refuses, in one line naming each key and both values, every difference in a
+setting that changes the run, unless the user lists it in `resume_changes=[...]`:
 
-- free keys (`FREE`: where outputs go and how they are shown, how data is read, the prediction's
-  settings, `test`, `statistics`, ...) may differ and are used as given;
-- a listed key is applied: what is built from the config at every start (the data, the trainer,
-  the method's live settings: clipping, warm-up, τ and β) takes the new value as it is; what the
-  checkpoint restores (the optimisers' param groups and the lr schedules) is set again by
-  `ApplyResumeChanges` from the optimisers and schedules this run configured, the lr at the
-  schedule's current epoch; the changes are returned, `[{"key", "old", "new"}]`, for the run's
-  record, and the run's config and new checkpoints hold the new values;
-- keys that a restored state cannot take (`FIXED`: the network and the method, the weights'
-  posterior, what only initialises, the seed whose random streams the checkpoint continues),
-  and any change after which the checkpoint's tensors no longer fit the model, are refused even
-  when listed, pointing to `init_from=<ckpt>`, which starts a new run from those weights.
+- free keys (`FREE`: outputs and their display, how data is read, the prediction's settings,
+  `test`, `statistics`, ...) may differ and are used as given;
+- a listed key is applied: what is built from the config at every start takes the new value;
+  what the checkpoint restores (param groups, lr schedules) is set again by `ApplyResumeChanges`,
+  the lr at the schedule's current epoch; the changes are returned (`[{"key", "old", "new"}]`);
+- keys a restored state cannot take (`FIXED`: the network, the method, the weights' posterior,
+  what only initialises, the seed), and any change after which the checkpoint's tensors no longer
+  fit, are refused even when listed, pointing to `init_from=<ckpt>`.
 
-A requeued job (the same config) and a resume with no change pass untouched: nothing is applied,
-and the resumed run stays bit for bit the uninterrupted one.
+A requeued job and a resume with no change pass untouched and stay bit for bit the uninterrupted
+run. User guide: docs/training.md ("Evaluation and resume").
 """
 
 from __future__ import annotations

@@ -2,26 +2,21 @@
 
 What each signal does while `train` (or `evaluate`) runs under `interruptible`:
 
-- SIGTERM (a scheduler before it kills, `kill`, `scancel`, SLURM's time limit), SIGINT (Ctrl-C)
-  and SIGHUP (the terminal closed; left alone when ignored at start, as under `nohup`) stop the
-  run: in a Lightning loop at the end of the batch in progress (under DDP, on every rank
-  together: Lightning's own SIGTERM flag is set, which rank 0 broadcasts each step), anywhere
-  else at once. A second signal stops at once. `RunInterrupted` then leaves `train`; the entry
-  points print its one line and exit with 128 + the signal's number (143, 130, 129), so shell
-  `&&` chains, job arrays and schedulers see a run that did not finish.
-- SIGUSR1 is left to Lightning (its SLURM auto-requeue, when SLURM sends it) or to its default.
+- SIGTERM (a scheduler, `kill`, `scancel`, SLURM's time limit), SIGINT (Ctrl-C) and SIGHUP (the
+  terminal closed; left alone when ignored at start, as under `nohup`) stop the run: in a
+  Lightning loop at the end of the batch in progress (under DDP on every rank together, through
+  Lightning's SIGTERM flag that rank 0 broadcasts each step), anywhere else at once. A second
+  signal stops at once. `RunInterrupted` then leaves `train`; the entry points print its one line
+  and exit with 128 + the signal's number (143, 130, 129).
+- SIGUSR1 is left to Lightning (its SLURM auto-requeue) or to its default.
 - SIGUSR2 is submitit's preemption signal: `dbsn.runtime.cluster.PreemptionRequeue` finishes the
-  epoch and requeues; the SIGTERM that SLURM then sends is expected (`requeueing`), not an
-  interruption.
+  epoch and requeues; the SIGTERM that SLURM then sends is expected, not an interruption.
 
-No checkpoint is written at the signal: the run rolls back to its last epoch-end checkpoint
-(`checkpoints/last.ckpt`, written atomically at every epoch end), and `resume=true` in the same
-folder continues from there, bit for bit like an uninterrupted run. A checkpoint written mid-epoch
-could not resume exactly: the training loader's position in its epoch, the epoch's metric
-accumulators and the random state mid-epoch are not restored by Lightning, so the resumed run would
-redo part of the epoch with other draws. The work lost is at most the epoch in progress. Rolling
-back is exact because no file of the run depends on when the process stops after its last
-checkpoint was written: the same bytes are on disk as after a `kill -9` at that moment.
+No checkpoint is written at the signal: the run rolls back to its last epoch-end checkpoint, which
+`resume=true` continues bit for bit (a mid-epoch checkpoint could not: Lightning does not restore
+the loader's position, the epoch's accumulators or the random state mid-epoch). At most the epoch
+in progress is lost; no file of the run depends on when the process stops after its last
+checkpoint, so the disk holds the same bytes as after a `kill -9` at that moment.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Every job of a sweep is composed and checked before the first one starts.
 
-`python train.py -m model.optim.lr=0.1,-1` used to train job 0 to its end before job 1's learning
-rate was refused. Both launchers (conf/hydra/launcher/: `local`, the default, and `slurm`) call
-`compose_jobs` and `check_jobs` first: each job's config is composed as it will run, checked as
-`train.py` checks a single run (`dbsn.runtime.preflight.check_job`), and its run folder as `train.py` checks its own
-(`dbsn.runtime.folder.check_run_folder`); one bad job refuses the whole sweep in one line, before
-anything is trained or submitted.
+Otherwise `python train.py -m model.optim.lr=0.1,-1` would train job 0 to its end before job 1's
+learning rate was refused. Both launchers (conf/hydra/launcher/: `local`, the default, and `slurm`)
+call `compose_jobs` and `check_jobs` first: each job's config is composed as it will run, checked
+as `train.py` checks a single run (`dbsn.runtime.preflight.check_job`), and its run folder as
+`train.py` checks its own (`dbsn.runtime.folder.check_run_folder`); one bad job refuses the whole
+sweep in one line, before anything is trained or submitted.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - **id**: made on the first start and kept in the run folder (`wandb_id`), so a resumed or
   requeued run continues the same W&B run (`resume: allow`) instead of opening a new one.
-- **group**: the sweep (`<task_name> <sweep folder>`, e.g. `cifar10_sweep 2026-11-24_10-00-00`),
+- **group**: the sweep (`<task_name> <sweep folder>`, e.g. `cifar10_sweep <date>_<time>`),
   or for a run of its own `<task_name> <run folder>`. An evaluation joins its training run's group.
 - **job type**: `train` or `evaluate`. `evaluate.py` logs into a linked run of its own (job type
   `evaluate`, same group and name, `train_run_id` in its config): a second process resuming the
