@@ -125,8 +125,8 @@ class ExampleChunkedNLL:
     :func:`predictive_nll`), whose input gradient is taken ``chunk`` examples at a time: each
     example's gradient is its own (the members are the same functions for every example of a
     call), so the autograd graph holds the members' forwards of ``chunk`` images instead of the
-    whole batch's (on the digits cell network about 6 MB a member and image: 10 members of 100
-    images held 6 GB). ``predict_log_probs`` is called once a chunk; ``hold()``, a context around
+    whole batch's (the whole batch's graph is gigabytes on the digits cell network:
+    docs/performance.md). ``predict_log_probs`` is called once a chunk; ``hold()``, a context around
     the chunks of one gradient, keeps a posterior whose members are drawn at every call (DBSN's
     structures) to one draw for the whole batch, as one call over the batch would.
     """

@@ -1,46 +1,20 @@
 """Conformal prediction sets of a classifier's Bayes-ensemble predictive (`evaluations=[conformal]`).
 
-The test pass's log-probabilities (`subject.test_pass.log_probs`) become prediction sets that hold the
-label with probability at least 1 − α (split conformal prediction; the scores, q̂ and the set
-metrics are in `dbsn.metrics.conformal`). The sets are calibrated on examples the evaluation never
-measures:
+The test pass's log-probabilities become prediction sets that hold the label with probability at
+least 1 − α (split conformal prediction; the scores, q̂ and the set metrics are in
+`dbsn.metrics.conformal`). The sets are calibrated on examples the evaluation never measures:
+`calibration=validation` (the run's validation split, predicted here by the same ensemble),
+`test` (a seeded `calibration_fraction` of the test examples calibrates, the rest is evaluated),
+or `auto` (validation where the run has one, else test; metrics.json says which).
 
-- `calibration=validation`: the validation split (`data.val_size` of the run), predicted here by
-  the same ensemble; every test example is evaluated;
-- `calibration=test`: a seeded split of the test predictions (`statistics.seed`): a
-  `calibration_fraction` of the test examples calibrates, the rest is evaluated (never both);
-- `calibration=auto` (default): validation where the run has a validation split, else test;
-  metrics.json and the console say which.
-
-For every level 1 − α of `levels` and every score of `scores` (thr, aps, aps_randomized, raps,
+For every level of `levels` and score of `scores` (thr, aps, aps_randomized, raps,
 raps_randomized; RAPS's k_reg and λ tuned on 30 % of the calibration examples, as the authors'
-code) the evaluation examples give, under stable names,
-
-    conformal/<level>/<score>/{coverage,size,empty,ssc,class_coverage_min}
-
-with `<level>` = 100·(1 − α) (`90`, `95`, `97.5`): coverage, mean set size, the share of empty
-sets, size-stratified coverage (the smallest coverage over the set-size strata that occur) and the
-smallest classwise coverage, each with its bootstrap interval over the evaluation examples (q̂
-held fixed). The sets are never empty by default (`allow_empty_sets=false`): a set that the rule
-s ≤ q̂ leaves empty gets the top label alone, the convention of the authors' code
-(`allow_zero_sets=False`) and of lightning-uq-box, which only adds labels, so coverage can only
-rise; `allow_empty_sets=true` keeps the bare rule, empty sets included (`dbsn.metrics.conformal`).
-`conformal/metrics.json` keeps everything (the convention as `allow_empty_sets` and `set_rule`, q̂,
-k_reg, λ, the split sizes, each stratum's and each class's coverage); `conformal/conformal.csv`
-one row per level and score (with its `allow_empty_sets`);
-`conformal/conformal.png` coverage and mean size per score at each level, the nominal level drawn.
-
-Under dataset shift (given a `DatasetShift`: `evaluations=[shift,conformal]`, either order, hands
-it the shift settings; `evaluations.conformal.shift=null` turns it off) the sets calibrated on the
-clean calibration examples are measured on every corruption × severity: the exchangeability the
-guarantee rests on is gone, and coverage shows how far it falls,
-
-    conformal/<level>/<score>/shift/<severity>/{coverage,size}   the mean over corruptions
-    conformal/<level>/<score>/shift/{coverage,size}              the mean over corruptions and severities
-
-With test calibration the corrupted sets (the test images, in the same order) are measured at the
-evaluation examples only. The corrupted sets are predicted once for `shift` and `conformal`
-together (`dbsn.evaluation.shift.corrupted_log_probs`, kept in the subject's `cache`).
+code) it logs `conformal/<level>/<score>/{coverage,size,empty,ssc,class_coverage_min}` with
+bootstrap intervals (q̂ held fixed). Sets are never empty by default (`allow_empty_sets=false`: an
+empty set gets the top label, the authors' and lightning-uq-box's convention, so coverage can only
+rise). Given a `DatasetShift` (`evaluations=[shift,conformal]`), the clean-calibrated sets are
+also measured on every corruption × severity (`.../shift/...`), where exchangeability no longer
+holds. Files, names and conventions in full: docs/evaluation.md ("Conformal prediction sets").
 """
 
 from __future__ import annotations

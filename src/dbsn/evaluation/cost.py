@@ -1,28 +1,23 @@
 """What a method costs, beside how good it is: the cost columns of the comparison tables.
 
-- `parameter_count`: the parameters the method learns;
-- `training_flops_per_image`: FLOPs of one training step's forward and backward (all T
-  structures, every chunk, every ensemble member), per image of the batch;
-- `prediction_flops_per_image`: FLOPs of the Bayes-ensemble prediction at the method's S, per image;
-- `EpochTimer`: a Lightning callback that times every training epoch (validation excluded);
-- `peak_memory_mib`: the process's peak memory (CUDA allocator on a GPU, resident set on a CPU);
-- `measure_cost` -> `Cost`: all of the above for one method.
+`parameter_count` (the parameters the method learns), `training_flops_per_image` (one training
+step's forward and backward: all T structures, every chunk, every member),
+`prediction_flops_per_image` (the Bayes-ensemble prediction at the method's S), `EpochTimer` (a
+callback timing every training epoch, validation excluded), `peak_memory_mib` (the CUDA
+allocator's peak on a GPU, the resident set's on a CPU); `measure_cost` -> `Cost` gives them all.
 
-FLOPs are torch's `FlopCounterMode` totals: matmuls and convolutions only, 2 FLOPs per
-multiply-add (a conv: 2·C_out·H_out·W_out·C_in·k·k / groups per image). Its backward counts are
-the products autograd actually computes: the weight gradient of every layer, and the input
-gradient only where the input needs one, so the first layer's backward costs one forward (the
-images need no gradient) and every later layer's two; a grouped convolution's weight gradient
-counted with its groups (torch's formula counts it as a dense convolution's, which made a DBSN
-step's count 2-3 times too large: `flop_counter_mode`). Elementwise work (activations, BatchNorm,
-softmax, the optimiser step) is not counted. Counts grow with T and S as the network runs them:
-StructureNet evaluates its structure-independent stem once per grouped forward, so a step costs
-stem + T · the rest (and S members, in forwards of `samples_per_forward`, likewise), not T times
-one structure. Counting a compiled network (`execution.compile`) has not been tried.
+FLOPs are torch's `FlopCounterMode` totals: matmuls and convolutions only, 2 FLOPs per multiply-add.
+Backward counts are the products autograd computes: every layer's weight gradient, the input
+gradient only where one is needed (the first layer's backward costs one forward, every later
+layer's two), and a grouped convolution's weight gradient with its groups (torch counts it as a
+dense convolution's, which inflates a DBSN step's count: `flop_counter_mode`). Elementwise work
+(activations, BatchNorm, softmax, the optimiser step) is not counted. Counts grow with T and S as
+the network runs them: the structure-independent stem runs once per grouped forward, so a step
+costs stem + T · the rest. Counting a compiled network has not been tried.
 
-Every function leaves the method as it found it: the counts run on a copy (`copy.deepcopy`,
-without the trainer), under a forked random stream, so parameters, gradients, BatchNorm
-running statistics, schedule buffers, train/eval modes and the global random state are untouched.
+Every function leaves the method as it found it: the counts run on a copy (without the trainer),
+under a forked random stream, so parameters, gradients, running statistics, buffers, modes and the
+global random state are untouched.
 """
 
 from __future__ import annotations

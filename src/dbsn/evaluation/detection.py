@@ -5,41 +5,17 @@ A score is an `OODScore`: one class that says how a posterior's members enter it
 its `treatments`), learns what it needs from the training split (`fit`; nothing by default) and
 gives a score per image, higher = more OOD (`score`). The maths of each is in
 :mod:`dbsn.metrics.ood_scores`; the classes here know about members and methods. A score is chosen
-by config: `conf/ood_score/<name>.yaml` names its class (`_target_`) and settings, `ood_score=[...]`
-chooses which are built (default: the six below) and `evaluations.ood.scores` which of those are
-computed (null: all). Its name, in every metric and table, is its key in that config (the file's
-name). A score of your own is a class and a YAML file in your package: docs/extending.md.
+by config: `conf/ood_score/<name>.yaml` names its class and settings, `ood_score=[...]` chooses
+which are built and `evaluations.ood.scores` which are computed (null: all); its name everywhere is
+its config's file name. A score of your own: docs/extending.md.
 
-The scores are computed on the first `members` members of the prediction (a method's members are
-networks: `Method.member_outputs` gives each one's logits and the features its last layer sees):
-
-=====================  =========================================================================
-``max_logit``          −max_c z̄_c of the members' mean logits z̄ (Hendrycks et al. 2022)
-``max_logit_members``  the mean over members of each member's −max_c z_c
-``energy``             −T·logsumexp(z̄ / T) of the mean logits (Liu et al. 2020)
-``energy_members``     the mean over members of each member's energy
-``mahalanobis``        each member's min_c Mahalanobis distance to its training class means under a
-                       tied covariance (Lee et al. 2018, OpenOOD's MDS), averaged over members
-``knn``                each member's distance to the k-th nearest normalised training feature
-                       (Sun et al. 2022), averaged over members
-``vim``                each member's virtual-logit score (Wang et al. 2022) on its own linear head,
-                       averaged over members
-``odin``               ODIN (Liang et al. 2018) on the averaged predictive: the input perturbed
-                       to raise max_c p̄_T, the score −max_c p̄_T of the perturbed input
-``odin_members``       each member perturbs for its own softmax; the mean of the members' scores
-=====================  =========================================================================
-
-A score with a `variant` treatment (max-logit, energy, ODIN: `per_member`) is also computed that
-way as ``<name>_members`` when the method has more than one member (for one network both are the
-same number). The feature scores take `members: pooled` instead of `per_member`: one fit on the
-members' mean feature (ViM: with the members' mean linear head), see `FeatureScore`.
-
-The feature scores fit on the training split, unaugmented, in eval mode (`Method.fixed_members`
-holds DBSN's sampled structures fixed for the whole evaluation, so member s is one network on
-training, test and OOD images; MC dropout and BBB draw their noise at every forward: their members
-are exchangeable draws, fitted and scored alike). A score that a method cannot give (ViM without a
-linear last layer, e.g. SNGP's Gaussian-process head; feature scores where no `classifier` layer
-sees the features) is left out, and the evaluation's record says why.
+The built-in scores (max_logit, energy, mahalanobis, knn, vim, odin; with `_members` variants
+computed per member and averaged where the method has more than one member) are listed with their
+sources in docs/evaluation.md ("OpenOOD's post-hoc OOD scores"). The feature scores fit on the
+training split, unaugmented, in eval mode, with `Method.fixed_members` holding DBSN's sampled
+structures fixed for the whole evaluation; a score a method cannot give (ViM without a linear last
+layer; feature scores where no `classifier` layer sees the features) is left out, and the
+evaluation's record says why.
 """
 
 from __future__ import annotations
@@ -311,8 +287,7 @@ class ODINScore(OODScore):
     and an input step `epsilon` (in [0, 1] pixel units) towards confidence; on the averaged
     tempered predictive, or each member with its own step, averaged (``odin_members``).
     `batch_size` images per input gradient: its graph holds every member's activations of them (a
-    single-pass ensemble's tiled batch too), about 6 MB a member and image on the digits cell network;
-    the scores do not depend on it (each image's gradient is its own)."""
+    single-pass ensemble's tiled batch too; its size: docs/performance.md); the scores do not depend on it (each image's gradient is its own)."""
 
     reads: ClassVar[str] = "images"
     treatments: ClassVar[Mapping[str, str]] = {"predictive": "averaged predictive", "per_member": "mean over members"}

@@ -3,26 +3,19 @@
 An interval [low, high] of a metric's estimate is shown
 
 - **with a flag where it misses its own estimate** (`OUTSIDE_NOTE`). A percentile interval lies
-  where the statistic's resampled values lie; for a statistic biased under resampling they sit
-  beside the estimate rather than around it (the plug-in ECE: each resample's bins are noisier, so
-  its resampled ECEs sit above the estimate, and for a calibrated model its interval often misses
-  the estimate). Such an interval is shown as it is, never stretched to
-  its estimate, and flagged.
-- **with each bound on the right side of the metric's limits** (`METRIC_LIMITS`): an error rate, an
-  AUROC or a coverage lies in [0, 1]; an NLL, a CE², a cost, a set size is at least 0. A bound
-  beyond a limit (a t interval over two seeds reaches below 0; so can a CE² interval) is moved to
-  the limit. This never loses coverage, since the true value lies within the limits. An estimate
-  may lie beyond a limit (the unbiased CE² is negative in about half the test sets of a calibrated
-  model, though the true CE² cannot be); it is compared with the interval after being brought
-  within the limits, so a negative CE² under an interval that starts at 0 is not flagged.
+  where the statistic's resampled values lie, which for a statistic biased under resampling is
+  beside the estimate (the plug-in ECE's resampled values sit above it). Such an interval is shown
+  as it is, never stretched to its estimate, and flagged.
+- **with each bound on the right side of the metric's limits** (`METRIC_LIMITS`: an error rate,
+  AUROC or coverage in [0, 1]; an NLL, CE², cost or set size >= 0). A bound beyond a limit is moved
+  to it, which never loses coverage. An estimate beyond a limit (the unbiased CE² is negative in
+  about half the test sets of a calibrated model) is brought within the limits before the
+  comparison, so a negative CE² under an interval from 0 is not flagged.
 
-A difference of two metrics (method − reference) is not a metric: it has no limit at 0. Its limits
-are those of a difference of two values within the metric's limits ([low − high, high − low]), and
-where the metric is not known, none.
-
-Limits are keyed by the last part of the stable metric names (`test/error`, `ood/<set>/<score>/auroc`,
-`conformal/<level>/<score>/size`: `error`, `auroc`, `size`; a per-class IoU, `test/iou/<class>`,
-by its `iou`); a name not in the table has no limits, and only the flag applies.
+A difference of two metrics has the limits [low − high, high − low] of the metric's, or none
+where the metric is not known. Limits are keyed by the last part of the stable metric name
+(`test/error` → `error`, `ood/<set>/<score>/auroc` → `auroc`, `test/iou/<class>` → `iou`); a name
+not in the table has no limits, and only the flag applies.
 """
 
 from __future__ import annotations

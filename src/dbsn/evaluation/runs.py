@@ -137,7 +137,7 @@ def backbone_of(model: dict, choices: dict | None = None) -> str | None:
     `Backbone`, that class decides (None) before any choice is read."""
     net = model.get("net") or (model.get("member") or {}).get("net") or {}
     if net.get("_target_") and builds_backbone(net["_target_"]) is False:
-        return None  # a network with structure: no method's config is composed (1.4 s a process on a CPU)
+        return None  # a network with structure: no method's config is composed (that costs seconds a process on a CPU: docs/performance.md)
     choices, backbones = choices or {}, field_backbones()
     for key in ("model/net", "model/net@model.member.net"):  # the second: a deep ensemble's members'
         if choices.get(key) in backbones:

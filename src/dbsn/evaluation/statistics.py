@@ -6,20 +6,15 @@ resamples of the test examples (with replacement, `seed`), one (resamples, n) co
 every metric is computed on at once (`dbsn.metrics.intervals`); the interval of a metric is the
 percentile interval at `level`. Row 0 of every statistic is the metric itself (unit counts).
 
-Calibrated metrics (Ashukha et al., ICLR 2020, "Pitfalls of in-domain uncertainty estimation and
-ensembling in deep learning"): NLL, Brier and ECE after one temperature is fitted on held-out
-predictions, so that methods are compared at their best temperature. The temperature is fitted
-on the validation split where the data has one; without one, by the paper's test-time
-cross-validation: the test set is split in two halves at random (seeded), the temperature fitted
-on each half calibrates the other. Either way the test examples' calibrated log-probabilities
-are fixed before resampling: the intervals hold the temperature fixed.
+Calibrated metrics (Ashukha et al., ICLR 2020): NLL, Brier and ECE after one temperature is fitted
+on held-out predictions, so that methods are compared at their best temperature: on the validation
+split where the data has one, else by the paper's test-time cross-validation (two seeded random
+halves of the test set, each calibrated by the other's temperature). The calibrated
+log-probabilities are fixed before resampling: the intervals hold the temperature fixed.
 
 The unbiased squared calibration error (`test/ce2`, `test/calibrated/ce2`) is the exception: a
-percentile bootstrap of this U-statistic is too wide where the truth is near 0, so its interval is
-`metrics.ce2_inference.score_interval` (the values θ0 >= 0 that |CE² − θ0| <= z √Var(θ0) does not
-reject, Var(θ0) its variance if the truth were θ0; lower end at 0, below a negative estimate).
-`"statistics"` in metrics.json says so (`CE2_INTERVAL`).
-
+percentile bootstrap of this U-statistic is too wide near 0, so its interval is the score interval
+`metrics.ce2_inference.score_interval`, and metrics.json's `"statistics"` says so (`CE2_INTERVAL`).
 `prediction_arrays` is what `predictions.npz` keeps for the report's paired bootstrap.
 """
 

@@ -4,20 +4,15 @@ Names are stable and shared with `metrics.json` and the dashboard (`dbsn.tools.d
 
 - per-epoch metrics (`val/*`, `structure/*`, `posterior/*`, `*_epoch`) use the epoch as their
   x axis (`define_metric(step_metric="epoch")`);
-- summaries mean what they say: the summary of an error, NLL, Brier score, ECE (equal-width,
-  equal-mass or classwise), FPR95, AURC, excess AURC, AUGRC or risk at 80 % coverage is its
-  minimum (`<name>.min` on W&B), that of an AUROC, AUPR, mIoU, global or per-class IoU its
-  maximum (`<name>.max`), under `val/`, `test/`, `ood/`, `selective/` and `shift/`; everything
-  else keeps W&B's default, the last value;
-- a metric's interval is `<name>/ci_low` and `<name>/ci_high`, within the metric's limits, and
-  `<name>/ci_misses_estimate`, 1 where the interval does not contain the metric's value (the rule of
-  every shown interval, `dbsn.evaluation.interval_rule`; `results.interval_numbers`): the summary
-  shows the last of each;
-- curves over another variable get that variable as their own step metric, so W&B draws them
-  against it: attacks against `adversarial/epsilon`, the MC-sample ablation against
-  `ablation/n_samples` (`log_curve`);
-- figures that people compare across runs also go in as W&B tables (`log_to_wandb(tables=...)`),
-  so that one panel can overlay methods; the PNGs stay.
+- summaries mean what they say: an error, NLL, Brier score, ECE, FPR95, AURC, E-AURC, AUGRC or
+  risk at 80 % coverage summarises to its minimum (`<name>.min`), an AUROC, AUPR, mIoU or IoU to
+  its maximum (`<name>.max`), under `val/`, `test/`, `ood/`, `selective/` and `shift/`; everything
+  else to W&B's default, the last value;
+- a metric's interval is `<name>/ci_low`, `<name>/ci_high` (within the metric's limits) and
+  `<name>/ci_misses_estimate` (`dbsn.evaluation.interval_rule`, `results.interval_numbers`);
+- curves over another variable get it as their step metric (`log_curve`: attacks against
+  `adversarial/epsilon`, the MC-sample ablation against `ablation/n_samples`);
+- figures compared across runs also go in as W&B tables (`log_to_wandb(tables=...)`), the PNGs stay.
 
 Every metric is defined by its exact name just before it is first logged (W&B's globs match
 suffixes only, and Lightning's logger defines `*` against the global step).

@@ -1,33 +1,21 @@
 """Gather training runs into the paper's tables: `dbsn-report DIR [DIR ...] [--out OUT]`.
 
-A run folder is any folder below the DIRs with `resolved_config.yaml` (post-hoc posteriors of a
-run, `<run>/posthoc/<name>/`, are runs of method `<run's method>+<name>`, e.g. map_fixed+laplace; or a Hydra train job
-folder that stopped before writing it, or a SLURM job's folder with `slurm.json`; a run that
-did not finish is listed with its SLURM log). Its status is `ok` when `metrics.json` exists, else
-`failed`; for every Hydra sweep root (a folder with `multirun.yaml`) the expected jobs (the
-cartesian product of the sweeper's params and command-line sweeps) without a folder are listed
-as `missing`. A run whose files disagree about which run they belong to (run.json's run id and
-config digest against metrics.json, the checkpoints and its evaluation; `dbsn.evaluation.identity`)
-is `inconsistent`. A row of a table pools only runs that differ in their seed alone: a run of
-another setting is a row of its own, named by what differs (`dbsn (trainer.max_epochs=3)`), and a
-second run of one setting and seed is a `repeat` (`pooling`). Every run is in runs.csv; only `ok`
-runs enter the tables, the others are named in report.md's "Runs not included".
+A run folder is any folder below the DIRs with `resolved_config.yaml` (a post-hoc posterior of a
+run, `<run>/posthoc/<name>/`, is a run of method `<run's method>+<name>`), a Hydra job folder that
+stopped before writing it, or a SLURM job's folder with `slurm.json`. A run is `ok` with
+`metrics.json`, else `failed`; the jobs of a Hydra sweep (`multirun.yaml`) without a folder are
+`missing`; a run whose files disagree about which run they belong to is `inconsistent`
+(`dbsn.evaluation.identity`). A row pools only runs that differ in their seed alone (`pooling`):
+another setting is a row of its own, named by what differs, and a second run of one setting and
+seed is a `repeat`. Every run is in runs.csv; only `ok` runs enter the tables, the others are
+named in report.md's "Runs not included".
 
-A DIR that does not exist, or that holds no run, is an error. OUT must be new, empty, or a report
-folder an earlier report wrote: the report writes only files it made (`report_files.json` lists
-them; `folder.ReportFolder`).
-
-Writes into OUT (default outputs/report): report.md, runs.csv, rows.{md,csv} (the runs each row pools), table1_error.{md,csv},
-table2_ece.{md,csv}, table_nll.{md,csv}, budget.{md,csv} (every row's epochs, optimiser steps, images seen,
-training split and time, the field's recipe it ran, a held-out split or a sampler's temperature),
-calibration.{md,csv} (equal-width, equal-mass and classwise ECE), selective.{md,csv} (AURC, E-AURC, AUGRC, risk at 80 % coverage) and, where runs
-have evaluation outputs, ood.{md,csv} with one entropy-CDF figure per (dataset, OOD set),
-ood_groups.csv (near / far OOD means), ood_scores.{md,csv} (every detection score by method), shift.{md,csv} with Ovadia et al.'s box plots per
-dataset, conformal.{md,csv} (coverage and set sizes), calibrators.{md,csv} (each method after every post-hoc
-calibrator), adversarial.{md,csv} with one figure per dataset, evaluation_<name>.{md,csv} for any other
-evaluation (a user's own: every number of its summary.json), ablation.{md,csv}, published.csv (runs on the field's backbones beside the published figures) and time.{md,csv} (training wall time and its ratio to DBSN's, from
-metrics.json's train_seconds). Cells are mean ± sample std (ddof = 1) over seeds, with the number
-of runs in parentheses.
+A DIR that does not exist, or that holds no run, is an error. OUT (default outputs/report) must be
+new, empty, or a folder an earlier report wrote (`report_files.json`, `folder.ReportFolder`). It
+receives report.md and one .md/.csv pair per table (error, ECE, NLL, budget, calibration,
+selective prediction, OOD, shift, conformal, calibrators, adversarial, ablation, time, any other
+evaluation's summary) with their figures. Cells are mean ± sample std (ddof = 1) over seeds, with
+the number of runs in parentheses. Every table: docs/evaluation.md ("The paper's tables").
 """
 
 from __future__ import annotations

@@ -1,41 +1,23 @@
 """The report's comparisons between methods: paired differences against a reference method and
 the deep-ensemble equivalent (each method's cost with the Pareto view: `sections.cost`).
 
-**Paired differences.** Two methods tested on the same test set are compared example by example:
-both are scored on the same bootstrap resamples of the test examples (`predictions.npz` of each
-run, `dbsn.evaluation.statistics`), so the noise of the test set they share cancels in the
-difference. For each seed present for both methods, the difference (method − reference) of every
-metric with its 95 % percentile interval. Combined over k seeds (`seeds.combine_seeds`): the mean
-of the per-seed differences, with a Student's t interval whose variance is the seeds' sample
-variance / k plus the test noise the k differences share (the mean covariance between two seeds'
-differences over the common resamples), on Welch–Satterthwaite's degrees of freedom; with one
-seed, the bootstrap interval. A difference whose interval excludes zero is marked `*`. Multiple
-comparisons: the family is every (method, metric) of one dataset; its p-values (the same t test;
-with one seed, normal theory on the bootstrap's standard error: no floor of 2 / (B + 1), which
-with 1,000 resamples would stop Holm from rejecting anything in a family of 30) are adjusted by
-Holm's step-down procedure at 0.05, marked `†`. At few seeds Holm's first step needs a t out of
-reach (`seeds.holm_reachable`): the table says so, with the p and the |t| it would need, instead
-of a `†` that cannot appear. An interval without `*` is indistinguishable from noise at this size
-of test set and number of seeds.
-
-Calibration is compared with the unbiased squared calibration error (`CE²`,
-`metrics.calibration.squared_calibration_error`), not the plug-in ECE, which is biased upward by an
-amount that depends on each method's spread of confidences (two calibrated methods "differ" in
-almost every test set). CE²'s rows are not bootstrapped: the percentile bootstrap of this
-U-statistic is far too wide near 0, so each seed's difference, interval and p come from
-`metrics.ce2_inference.paired_test`, and over seeds the covariance of the differences' shared test
-noise from `ce2_difference_covariance` (`report.ce2_pairs`). Calibrated metrics are paired only
-where both runs fitted their temperature the same way (on a validation split, or by test-time cross-validation).
+**Paired differences.** Two methods tested on the same test set are scored on the same bootstrap
+resamples of the test examples (`predictions.npz`, `dbsn.evaluation.statistics`), so the test
+set's shared noise cancels in the difference (method − reference). Per seed: the difference with
+its 95 % percentile interval; over k seeds: `seeds.combine_seeds` (Student's t with the seeds'
+variance plus the test noise they share). `*`: the interval excludes zero. Multiple comparisons:
+the family is every (method, metric) of one dataset, its p-values (with one seed, normal theory on
+the bootstrap's standard error, so that no 2 / (B + 1) floor stops Holm) adjusted by Holm's
+step-down procedure at 0.05, `†`; where Holm's first step is out of reach at few seeds
+(`seeds.holm_reachable`) the table says so. Calibration is compared with the unbiased CE²
+(`metrics.calibration.squared_calibration_error`), not the biased plug-in ECE, by its own paired
+test (`metrics.ce2_inference`, `report.ce2_pairs`) rather than the bootstrap, which is far too
+wide near 0. Calibrated metrics are paired only where both runs fitted their temperature the same way.
 
 **The deep-ensemble equivalent** (Ashukha et al., ICLR 2020): the number of members of a deep
-ensemble whose calibrated NLL equals a method's (`dbsn.metrics.ensemble_equivalent`). Both sides
-are calibrated by test-time cross-validation (the paper's protocol; `statistics.calibrate`
-without a validation split): the ensemble's curve from its run's MC-sample ablation
-(`calibrated_nll` of every ensemble size, and of every test example where the evaluation saved them),
-the method's from its `predictions.npz`. Its interval carries the noise of both sides, the test
-examples jointly (`ensemble_equivalent.equivalent_interval`); the table names what an interval
-leaves out (a single run of either side; an ensemble evaluated before its per-example NLLs were
-saved), which makes it a lower bound on the uncertainty.
+ensemble whose calibrated NLL (test-time cross-validation on both sides) equals a method's
+(`dbsn.metrics.ensemble_equivalent`), with an interval carrying both sides' test noise; the table
+names what an interval leaves out. In full: docs/evaluation.md ("How sure the numbers are").
 """
 
 from __future__ import annotations

@@ -2,32 +2,23 @@
 (a paired difference, or a method's metric) that counts each source of noise once, and what Holm's
 correction can reject at that number of seeds.
 
-**The model.** Seed s's estimate is X_s = μ + a_s + t_s: a_s its seed effect (initialisation, data
-order, structure draws; variance σ², independent across seeds) and t_s its test-set noise. The
-seeds share one test set, so their test noises are correlated: Cov(t) = Σ, diagonal τ_s², off the
-diagonal the covariance of two seeds' noises. With c the mean off-diagonal entry of Σ,
+**The model.** Seed s's estimate is X_s = μ + a_s + t_s: a_s its seed effect (variance σ²,
+independent across seeds) and t_s its test-set noise, correlated across seeds that share one test
+set: Cov(t) = Σ, c its mean off-diagonal entry. With s² the seeds' sample variance,
 
-    Var(X̄) = σ²/k + 1ᵀΣ1/k²,    E[s²] = σ² + (tr Σ − 1ᵀΣ1/k)/(k − 1),
+    Var(X̄) = σ²/k + 1ᵀΣ1/k²,    E[s²] = σ² + (tr Σ − 1ᵀΣ1/k)/(k − 1),    so  Var(X̄) = E[s²]/k + c:
 
-(s² the seeds' sample variance), and the two differ by exactly c: Var(X̄) = E[s²]/k + c. The
-seeds' spread already holds the part of the test noise that differs between seeds; only the part
-they share, c, must be added. (Adding the whole test-noise variance of the mean to s²/k, as a
-bootstrap of the mean would, counts each seed's own test noise twice.) `combine_seeds` takes Σ:
-for a metric computed on common resamples of the test examples, the covariance of the k seeds'
-resampled values; without per-example data, a bound (`bounded_covariance`).
+the seeds' spread already holds the test noise in which they differ; only the shared part c is
+added (adding the whole test-noise variance, as a bootstrap of the mean would, counts each seed's
+own noise twice). `combine_seeds` takes Σ: the covariance of the seeds' metrics over common
+resamples of the test examples, or without per-example data a bound (`bounded_covariance`).
 
-**Degrees of freedom.** s²/k is a scaled χ² on k − 1 degrees of freedom, c is known (the test
-set's bootstrap measures it well), so the t statistic's degrees of freedom are
-Welch–Satterthwaite's: k − 1 where the seeds dominate, many where the shared test noise does. The
-plug-in version, with s² in the formula, is liberal at few seeds: a small s² by chance gives many
-degrees of freedom and a short interval at once. The degrees of freedom here take s² at its
-one-sided 75 % upper confidence bound, s²(k − 1)/χ²_{k−1}(0.25), which holds the level at k = 3
-over every ratio of c to s²/k, also where c is overstated (a bound on it); docs/evaluation.md
-gives the measured coverage.
-
-**Holm at few seeds.** Holm's first step in a family of m needs p <= alpha/m; at the few degrees
-of freedom of three seeds that is a t beyond reach (24.5 at 2 degrees of freedom, m = 30, against
-3.1 with the noise known): `holm_threshold`, `holm_reachable`, `holm_note`.
+**Degrees of freedom** are Welch–Satterthwaite's, with s² at its one-sided 75 % upper confidence
+bound s²(k − 1)/χ²_{k−1}(0.25): the plug-in version is liberal at few seeds (a small s² by chance
+gives many degrees of freedom and a short interval at once); this holds the level at k = 3 over
+every ratio of c to s²/k (coverage: docs/evaluation.md). **Holm at few seeds**: its first step
+needs p <= alpha/m, at three seeds' 2 degrees of freedom a t beyond reach (`holm_threshold`,
+`holm_reachable`, `holm_note`).
 """
 
 from __future__ import annotations
