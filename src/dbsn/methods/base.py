@@ -5,28 +5,21 @@ with whatever distribution the method puts on structure or weights, and owns the
 optimisers. `Method` provides the common parts:
 
 - its settings (`Prediction`, `Execution`, `WeightOptimizer`, the task) and their names;
-- the loss, mean NLL + (structure KL + weight KL) / N, over T structures evaluated in one
-  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}), or in chunks of
-  `train_samples_per_forward` structures whose gradients are accumulated (a memory knob:
-  BatchNorm is per structure, so the chunks give the grouped step's gradients and running
-  statistics at a fraction of its activation memory);
-- two ways to use several devices (`parallel`): "data" (each rank its own batch and its own T
-  structures) or "structure" (every rank the same batch, rank r its share of the T structures,
-  gradients and BatchNorm running statistics averaged: the research code's one structure per
-  GPU, and exactly one device's T-structure step);
+- the loss (Eq. 3 per example), mean NLL + (structure KL + weight KL) / N, over T structures (Eq. 6-7) in one
+  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}) or in chunks of
+  `train_samples_per_forward` structures with accumulated gradients (a memory knob: BatchNorm is
+  per structure, so the chunks give the grouped step's gradients and statistics);
+- two ways to use several devices (`parallel`): "data" (each rank its own batch and T structures)
+  or "structure" (every rank the same batch and its share of the T structures, gradients and
+  running statistics averaged: exactly one device's T-structure step);
 - the weight side through a `WeightPosterior` (point, MC dropout, Gaussian/BBB);
-- Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`, with the
-  test metrics under stable names `test/{error,nll,brier,ece}`; `test_step` returns what it
-  predicted (`PredictedBatch`) and keeps nothing for an evaluation (whose recorder,
-  `dbsn.evaluation.recorder`, keeps what it reads); the post-hoc temperature and calibrator.
+- Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`,
+  the test metrics `test/{error,nll,brier,ece}`, and the post-hoc temperature and calibrator.
 
-It inherits how its training step runs (optimisers and their schedules, the eager, chunked or
-CUDA-graphed step, the NaN/inf guard, warm-up, running BatchNorm statistics, the random stream of
-each rank) from `dbsn.methods.training.TrainingLoop`, and what detection scores read (each
-member's logits and last-layer features) from `dbsn.methods.features.MemberFeatures`.
-
-Subclasses say how structures are drawn: `training_structures(T) -> (α (T, E, K), KL of each
-structure (T,), or 0)` and `prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
+How its step runs comes from `dbsn.methods.training.TrainingLoop`, what detection scores read from
+`dbsn.methods.features.MemberFeatures`. Subclasses say how structures are drawn:
+`training_structures(T) -> (α (T, E, K), each structure's KL (T,), or 0)` and
+`prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
 """
 
 from __future__ import annotations

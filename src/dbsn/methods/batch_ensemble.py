@@ -2,24 +2,20 @@
 
 The network transform (`dbsn.nets.batch_ensemble`) gives every convolution and linear layer M
 members' fast weights r_m, s_m (and member biases) around its shared weight; this method trains
-and predicts with them. It follows the authors' CIFAR code (uncertainty-baselines,
-`baselines/cifar/batchensemble.py`, `uncertainty_baselines/models/wide_resnet_batchensemble.py`;
-edward2's `Conv2DBatchEnsemble` / `DenseBatchEnsemble`):
+and predicts with them, following the authors' CIFAR code (uncertainty-baselines
+`baselines/cifar/batchensemble.py`; edward2's `Conv2DBatchEnsemble` / `DenseBatchEnsemble`):
 
-- batch repetition: every training batch is repeated M times (`tf.tile`), so each member sees
-  every example; the loss is the mean NLL over the M·b rows (= the members' mean NLL);
-- BatchNorm is shared, and in training normalises with the statistics of the whole repeated
-  batch (a plain Keras `BatchNormalization` over the tiled batch), not per member. In training
-  the members are therefore coupled through those statistics; at test time (running
-  statistics) member m's output depends only on the shared weights and its own fast weights;
+- every training batch is repeated M times (`tf.tile`), so each member sees every example; the
+  loss is the mean NLL over the M·b rows (= the members' mean NLL);
+- BatchNorm is shared and in training normalises over the whole repeated batch, which couples the
+  members; at test (running statistics) member m depends only on the shared and its own weights;
 - fast weights start at N(1, 0.5²) (`random_sign_init=-0.5`; p > 0: random signs, P(+1) = p);
-- the fast weights and member biases take `fast_weight_lr_multiplier` (0.5) times the lr (the
-  authors scale the gradients of every variable that is neither a kernel nor a BatchNorm
-  parameter); the fast weights get no weight decay (no regularizer on edward2's alpha and
-  gamma), the member biases the slow weights' (their `bias_regularizer`);
+- the fast weights and member biases take `fast_weight_lr_multiplier` (0.5) times the lr; the
+  fast weights get no weight decay, the member biases the slow weights';
 - prediction averages the M members' probabilities, all M from one forward pass.
 
-On DBSN's cell network every member uses MAP's point structure (`SinglePassEnsemble`).
+On DBSN's cell network every member uses MAP's point structure (`SinglePassEnsemble`). Sources
+of each setting: docs/field.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cyclical SG-MCMC (Zhang, Li, Zhang, Chen & Wilson, ICLR 2020) as methods: a chain that keeps
-samples near the end of each cycle of a cosine step size, and predicts with the Bayes ensemble of
-the samples it kept.
+samples near the end of each cycle of a cosine step size (their Eq. 1), and predicts with the
+Bayes ensemble of the samples it kept.
 
 | config           | class              | structure                                  | weights                            |
 |------------------|--------------------|--------------------------------------------|------------------------------------|
@@ -8,33 +8,15 @@ the samples it kept.
 | csgld            | CSGMCMC            | fixed α (the cell network) / none          | cSGLD (friction 1), T = 1/N        |
 | csghmc_structure | StructureCSGMCMC   | T chains of cSGHMC on α's Gumbel logits    | point, SGD as DBSN trains them     |
 
-The sampler is an optimiser (`dbsn.sampling.CyclicalSGMCMC`: the step size, its stages, the
-noise); what the methods add is which parameters it moves, which samples are kept and how they
-predict:
-
-- `CSGMCMC` samples every weight of the network (the authors' CIFAR recipe on ResNet-18 by
-  default; any backbone, or DBSN's cell network with its structure fixed). A sample is a copy of
-  the network's parameters *and its BatchNorm statistics* (the authors save each sample's
-  `state_dict`), kept after the schedule's steps (3 per cycle, 12 in all); member s of the
-  prediction is the network with sample s's tensors swapped in (`torch.func.functional_call`), in
-  eval mode, so each member normalises with its own statistics.
-- `StructureCSGMCMC` is the sampling counterpart of DBSN's structure posterior. DBSN draws
-  α = softmax((θ + β g) / τ), g ~ Gumbel, from q(α | θ) and fits θ; its prior p(α) is the same with
-  θ = 0, β = 1: α = softmax(u / τ), u_ek ~ Gumbel(0, 1). Here the Gumbel logits u are the chain's
-  state: cSGHMC samples p(u | D, w) ∝ p(D | softmax(u / τ), w) Π Gumbel(u_ek), whose image under
-  softmax(· / τ) is exactly the posterior p(α | D, w) under DBSN's prior (the likelihood sees u only
-  through α). T chains run side by side (DBSN's T structures per step are their T states), the
-  weights are point estimates trained by SGD on the T structures' mean NLL as DBSN trains them (a
-  Monte Carlo EM: samples of α for the E-step, SGD on w for the M-step), and each kept u gives one
-  member α_s = softmax(u_s / τ): the prediction is the ensemble over the kept structures with the
-  final weights, as DBSN's is over structures from q with its final weights (BatchNorm's running
-  statistics, as DBSN's default).
-
-Both predict with S = the number of samples kept (the members are fixed: `n_samples` cannot ask for
-another S), the chain's current state before it kept any (validation early in training). The
-samples live in a `SampleSet`, written into the checkpoint; a resumed run keeps them and its place
-in the cycle (the optimiser's step count, velocities and noise generator), so it continues as the
-uninterrupted run does.
+The sampler is an optimiser (`dbsn.sampling.CyclicalSGMCMC`); the methods say which parameters it
+moves, which samples are kept and how they predict. `CSGMCMC` samples every weight; a sample is the
+network's parameters *and BatchNorm statistics* (as the authors' saved `state_dict`), 3 per cycle,
+12 in all, and member s predicts with sample s's tensors swapped in (`torch.func.functional_call`).
+`StructureCSGMCMC` samples DBSN's prior's Gumbel logits u under the likelihood, so that
+softmax(u / τ) is a draw of the posterior p(α | D, w) under DBSN's prior; its weights are point
+estimates trained by SGD on the T chains' structures (a Monte Carlo EM). Both predict with S = the
+number of kept samples (`n_samples` cannot ask for another S). The samples live in a `SampleSet`
+in the checkpoint, so a resumed run continues as the uninterrupted one. In full: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -7,20 +7,17 @@ leaky ReLUs in place of the ReLUs. Training is MAP's (the softmax cross-entropy,
 weights); prediction is the softmax of one deterministic pass (S = 1), whose entropy is DDU's
 aleatoric uncertainty (the test pass's `predictive_entropy`, the OOD evaluation's `entropy`).
 
-DDU's epistemic uncertainty, the density of the feature under a Gaussian discriminant analysis
-fitted on the training features after training, is the OOD evaluation's score `gda`
-(`dbsn.evaluation.gda.GDAScore`, `conf/ood_score/gda.yaml`), which the evaluation fits on the
-training split (unaugmented, in eval mode: the authors' `get_embeddings` on their training loader
-without augmentation) and computes for every method; so the method here is the network and its
-training, and the density is measured on it, and on every other method beside it, by the same code.
+DDU's epistemic uncertainty, the feature density under a Gaussian discriminant analysis fitted on
+the training features, is the OOD evaluation's score `gda` (`dbsn.evaluation.gda.GDAScore`), fitted
+on the unaugmented training split in eval mode (the authors' `get_embeddings`) and computed for
+every method; so the method here is the network and its training, and the density is measured on
+it, and on every other method beside it, by the same code.
 
-The settings are the authors' (github.com/omegafragger/DDU); `conf/model/ddu.yaml` says which
-source each follows. Where this differs from their code: spectral normalisation is SNGP's
-parametrisation (theirs: `spectral_norm_conv`, a forward pre-hook with the same W / max(1, σ̂ / c),
-1e-5 added to the divisor, and the gradient through σ̂ likewise; 1x1 convolutions by the matrix
-norm, which for a 1x1 convolution is its operator norm, as here), with 50 warm-up power iterations at the first training
-step (theirs: none); the shortcuts stay the backbone's (spectrally normalised) strided 1x1
-convolutions, the authors' shortcut without `-mod`, where `-mod` pools and pads with zeros.
+The settings are the authors' (github.com/omegafragger/DDU; `conf/model/ddu.yaml` names each
+source). Where this differs from their code: spectral normalisation is SNGP's parametrisation
+(the same W / max(1, σ̂ / c), gradient through σ̂) with 50 warm-up power iterations at the first
+step (theirs: none), and the shortcuts stay the backbone's spectrally normalised strided 1x1
+convolutions (their `-mod` pools and pads with zeros). In full: docs/methods.md ("DDU").
 """
 
 from __future__ import annotations

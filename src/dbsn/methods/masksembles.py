@@ -7,10 +7,8 @@ this method trains and predicts with them. It follows torch-uncertainty's masked
 WideResNet (`torch_uncertainty/models/classification/{resnet,wideresnet}/masked.py`, their routine
 with `RepeatTarget`), whose mask generation is the authors' (nikitadurasov/masksembles):
 
-- batch repetition: every batch, in training and at test, is repeated M times (their
-  `x.repeat(num_estimators, ...)` at the network's input), so each member sees every example; the
-  loss is the mean NLL over the M·b rows (their cross-entropy over the repeated targets) = the
-  members' mean NLL;
+- every batch, in training and at test, is repeated M times (their `x.repeat(num_estimators, ...)`),
+  so each member sees every example; the loss is the mean NLL over the M·b rows = the members' mean;
 - BatchNorm is shared and normalises in training over the whole repeated batch (their plain
   `BatchNorm2d` over the M·b rows); at test (running statistics) member m's output depends only on
   the shared weights and its masks;

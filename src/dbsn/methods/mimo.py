@@ -3,29 +3,19 @@ M subnetworks in one network, trained on M independent inputs at once, an ensemb
 forward pass.
 
 The network is `dbsn.nets.mimo.mimo(net, M)`: M images concatenated on the stem's input
-channels, M heads on the shared features. What makes the subnetworks independent is the
-training batch (the authors' code, google/uncertainty-baselines `baselines/cifar/mimo.py`):
+channels, M heads on the shared features. The subnetworks become independent through the
+training batch, as in the authors' code (google/uncertainty-baselines `baselines/cifar/mimo.py`):
+the b examples are tiled r times and shuffled (n = r · b rows); member m gets its own permutation
+of the first ⌊n · (1 − ρ)⌋ rows (ρ, the input repetition probability, shows every member the same
+example on the rest); row j of the input concatenates the members' examples j, and head m is
+scored against member m's label. The loss sums the members' NLLs, as the authors' code does, so
+their learning rate and L2 apply unchanged; `member_loss="mean"` averages them instead
+(torch-uncertainty's routine). The logged ``nll`` is the mean over members.
 
-- batch repetition: the b examples of the batch are tiled r times and put in a random order,
-  n = r · b rows (the "main shuffle"; every example is seen r times by every member);
-- member m gets its own random permutation of the first ⌊n · (1 − ρ)⌋ rows of the main shuffle
-  and the remaining rows as they are: a fraction ρ of the rows (the input repetition
-  probability) shows every member the same example, the rest shows each member its own;
-- row j of the network's input is the concatenation over m of member m's example j, and head m
-  is scored against member m's label of row j;
-- the loss sums the members' NLLs (the mean over the n rows of the sum over the M heads), as
-  the authors' code does: with SGD this is their step, so their learning rate and L2 apply
-  unchanged; `member_loss="mean"` averages them instead (torch-uncertainty's routine, and any
-  recipe written for one network's mean NLL). The logged ``nll`` is the mean over members,
-  comparable with every other method.
-
-At test time each image is tiled M times on the channels (every member sees it) and the M
-heads' softmaxes are averaged, like a deep ensemble's: `network(x, α)` returns the heads as
-rows i · M + m, the layout of `SinglePassEnsemble`.
-
-Random draws come from torch's global generator (on the CPU, so a seeded run makes the same
-batches on any device). On DBSN's cell network the point structure of `MAP` (learned
-softmax(θ) or fixed α) is shared by the members, which differ by input and head only.
+At test time each image is tiled M times on the channels and the M heads' softmaxes are averaged;
+`network(x, α)` returns the heads as rows i · M + m (`SinglePassEnsemble`'s layout). Random draws
+come from torch's global generator on the CPU (the same batches on any device). On DBSN's cell
+network the members share `MAP`'s point structure. Sources and settings: docs/field.md.
 """
 
 from __future__ import annotations

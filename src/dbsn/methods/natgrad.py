@@ -8,35 +8,14 @@
 
 The structure side (θ, its Adam, the τ/β schedules, the structure KL, the prediction structures)
 is inherited unchanged from `MAP` / `DBSN`; `NaturalGradientMethod`, a mixin placed before them,
-changes only the weight side:
-
-- `configure_optimizers`: the natural-gradient optimiser over the network's weights (first in
-  the list, so Lightning checkpoints its state as ``optimizer_states[0]`` and restores it on
-  resume), then Adam on θ when there is one; a multistep lr schedule (``lr_milestones``,
-  fractions of ``max_epochs``, ``lr_gamma``) on the natural-gradient optimiser.
-- `training_step`: ``opt.step(closure)``. The closure is the inherited ``training_loss(x, y)``:
-  one forward under freshly drawn structures (T = 1; VOGN calls the closure once per MC weight
-  sample, so each weight sample gets its own α), loss = mean NLL + structure KL / N.
-  VOGN's closure backpropagates that loss (``loss_reduction="mean"``: the optimiser rescales the
-  captured output gradients to per-example gradients for ĥ; the same backward gives θ its
-  gradient, averaged over the K samples before θ's Adam step). NEK-FAC's closure returns
-  (loss, summed NLL at labels sampled from the model) and the optimiser backpropagates.
-  The weight prior enters through the optimiser's update, so ``train/loss`` (logged under the
-  same names as every method: ``train/loss``, ``train/nll``, ``train/kl``, ``train/error``)
-  is NLL + structure KL / N, without a weight KL.
-- Prediction: a Bayes ensemble over S weight draws (and S structures for VOGN-FBN), one forward
-  per member, as for `shared_noise` weights. Evaluation rebuilds a method from its checkpoint's
-  ``state_dict`` only (no optimiser state), so what prediction needs is kept in buffers of the
-  ``posterior`` submodule: VOGN the posterior std σ of every network parameter (one flat vector
-  in ``net.named_parameters()`` order; 0 for point estimates); NEK-FAC per Linear/Conv2d layer
-  the eigenbases U_A, U_S and the eigenbasis std Σ. They are copied from the optimiser
-  (`sync_posterior`) before validation, when a checkpoint is written (the checkpoint's
-  ``state_dict`` is patched, since Lightning collects it before the hook) and at the end of
-  fit. Until the first sync they are zero: predictions at the posterior mean.
+changes only the weight side: the optimiser, the closure-driven training step, and the posterior
+buffers that prediction reads (its docstring says how). The weight prior enters through the
+optimiser's update, so ``train/loss`` is NLL + structure KL / N, without a weight KL.
 
 Restrictions: one process (VOGN's and NEK-FAC's curvature statistics are per batch; under DDP
 each rank would precondition with its own and the replicas would drift apart) and 32-bit or
-bf16 precision (16-bit mixed precision steps the optimiser without a closure).
+bf16 precision (16-bit mixed precision steps the optimiser without a closure). The paper's
+setting and results: docs/methods.md ("Natural-gradient baselines").
 """
 
 from __future__ import annotations
@@ -79,6 +58,28 @@ class NaturalGradientMethod:
     """Mixin for a `Method` subclass (put it first): the weight side by VOGN or
     NEK-FAC (see the module docstring). Subclasses define `_make_optimizer`, `_closure_result`,
     `_posterior_shapes`, `_posterior_values` and `sample_parameters`.
+
+    - `configure_optimizers`: the natural-gradient optimiser over the network's weights (first in
+      the list, so Lightning checkpoints its state as ``optimizer_states[0]`` and restores it on
+      resume), then Adam on θ when there is one; a multistep lr schedule (``lr_milestones``,
+      fractions of ``max_epochs``, ``lr_gamma``) on the natural-gradient optimiser.
+    - `training_step`: ``opt.step(closure)``. The closure is the inherited ``training_loss(x, y)``:
+      one forward under freshly drawn structures (T = 1; VOGN calls the closure once per MC weight
+      sample, so each weight sample gets its own α), loss = mean NLL + structure KL / N.
+      VOGN's closure backpropagates that loss (``loss_reduction="mean"``: the optimiser rescales the
+      captured output gradients to per-example gradients for ĥ; the same backward gives θ its
+      gradient, averaged over the K samples before θ's Adam step). NEK-FAC's closure returns
+      (loss, summed NLL at labels sampled from the model) and the optimiser backpropagates. The
+      logged names are every method's (``train/loss``, ``train/nll``, ``train/kl``, ``train/error``).
+    - Prediction: a Bayes ensemble over S weight draws (and S structures for VOGN-FBN), one forward
+      per member, as for `shared_noise` weights. Evaluation rebuilds a method from its checkpoint's
+      ``state_dict`` only (no optimiser state), so what prediction needs is kept in buffers of the
+      ``posterior`` submodule: VOGN the posterior std σ of every network parameter (one flat vector
+      in ``net.named_parameters()`` order; 0 for point estimates); NEK-FAC per Linear/Conv2d layer
+      the eigenbases U_A, U_S and the eigenbasis std Σ. They are copied from the optimiser
+      (`sync_posterior`) before validation, when a checkpoint is written (the checkpoint's
+      ``state_dict`` is patched, since Lightning collects it before the hook) and at the end of
+      fit. Until the first sync they are zero: predictions at the posterior mean.
 
     Args (keyword, the rest go to the method class):
         lr_milestones: fractions of ``max_epochs`` at which the lr is multiplied by ``lr_gamma``.

@@ -2,28 +2,22 @@
 
 The network transform (`dbsn.nets.rank1`) gives every convolution and linear layer random rank-1
 factors r, s around its shared weight, their posterior a mixture of M components; this method
-trains and predicts with them. It follows the authors' CIFAR code (uncertainty-baselines,
-`baselines/cifar/rank1_bnn.py`, `models/wide_resnet_rank1.py`, `models/rank1_bnn_utils.py`;
-edward2's `Conv2DRank1` / `DenseRank1`, its initializers and regularizers):
+trains and predicts with them, following the authors' CIFAR code (uncertainty-baselines
+`baselines/cifar/rank1_bnn.py`, `models/rank1_bnn_utils.py`; edward2's `Conv2DRank1` /
+`DenseRank1`):
 
-- batch repetition, as BatchEnsemble: every training batch is repeated M times (`tf.tile`), so
-  that each component sees every example, each row with its own draw of every factor; the NLL is
-  the mean over the M·b rows (the components' mean expected NLL, one draw each);
-- the KL of every factor entry of every component against the prior (normal: N(1, 0.1²),
-  closed form; Cauchy: a one-draw Monte Carlo estimate, `dbsn.bayes.rank1`), summed over the
-  entries, layers and components (their `sum(model.losses)`: each layer's regularizer covers its
-  (M, C) factors), divided by N and weighted by a factor that rises linearly with the steps to 1
-  at the fraction `kl_annealing` of training, then stays 1 (their `kl_annealing_epochs` 200 of 250);
-- the shared weights, BatchNorm and the components' biases are point estimates under SGD's weight
-  decay (their `compute_l2_loss`: kernels, BatchNorm and biases); the factors' locations and
-  scales get none, and take `fast_weight_lr_multiplier` times the lr (1 in their flags);
-- BatchNorm is shared and in training normalises over the whole repeated batch (a plain Keras
-  `BatchNormalization` over the tiled batch);
+- each training batch repeated M times (`tf.tile`), every row with its own draw of every factor;
+  the NLL is the mean over the M·b rows;
+- plus the KL of every factor entry of every component against the prior (normal N(1, 0.1²) in
+  closed form; Cauchy by a one-draw Monte Carlo estimate, `dbsn.bayes.rank1`), summed, divided by
+  N and weighted by a factor rising linearly to 1 at the fraction `kl_annealing` of training;
+- SGD's weight decay on the shared weights, BatchNorm and the components' biases, none on the
+  factors, which take `fast_weight_lr_multiplier` times the lr; BatchNorm shared, over the whole
+  repeated batch in training;
 - prediction: the Bayes ensemble of S = K·M members, member j a draw of component j mod M, every
-  example with its own draw (their `num_eval_samples` K: 1 for the Gaussian row, 4 for the Cauchy
-  one). The evaluation's members (`fixed_members`) are n networks drawn once.
+  example its own draw; the evaluation's members (`fixed_members`) are n networks drawn once.
 
-On DBSN's cell network every component uses MAP's point structure, as BatchEnsemble's members.
+On DBSN's cell network every component uses MAP's point structure. Details: docs/methods.md.
 """
 
 from __future__ import annotations

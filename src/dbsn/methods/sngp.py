@@ -1,29 +1,21 @@
 """SNGP, the spectral-normalised neural Gaussian process (Liu et al., NeurIPS 2020).
 
-A deterministic network made distance-aware in two steps (`sngp_network`):
+A deterministic network made distance-aware (`sngp_network`): every hidden convolution and linear
+layer spectrally normalised with a norm bound c (`dbsn.nets.spectral`), and the dense output layer
+`classifier` replaced by a random-feature Gaussian process
+(`dbsn.bayes.gp.RandomFeatureGaussianProcess`) whose output weights get a Laplace posterior.
 
-1. spectral normalisation of every hidden layer (every convolution and linear layer but the
-   output) with a norm bound c (`dbsn.nets.spectral`), so that distances between inputs are
-   approximately kept in the features;
-2. the dense output layer `classifier` replaced by a random-feature Gaussian process
-   (`dbsn.bayes.gp.RandomFeatureGaussianProcess`) whose output weights get a Laplace posterior.
+Training is MAP's; the GP layer sums its output weights' precision over the training examples and
+is reset at the start of every epoch, so after training it holds the final epoch's (the authors'
+`gp_cov_discount_factor=-1` in uncertainty-baselines' `baselines/cifar/sngp.py`). Prediction is one
+deterministic pass with the mean-field logits g / √(1 + λ var) (S = 1). Checkpoints hold the
+precision and covariance the run ended with; under data-parallel DDP the processes' parts are
+added (`sync_precision`) before validation and at each epoch's end.
 
-Training is MAP's (one pass, NLL of the GP's MAP logits, SGD on the weights); the GP layer sums the
-precision of its output weights over the training examples as it goes, and the method resets it at
-the start of every epoch, so after training it holds the final epoch's precision (the authors'
-`gp_cov_discount_factor=-1`, the covariance reset at step 0 of every epoch in
-uncertainty-baselines' `baselines/cifar/sngp.py`). Prediction is one deterministic pass: the
-mean-field logits g / √(1 + λ var) with the covariance of that precision (S = 1). Validation
-during training sees the covariance of the epoch just trained; checkpoints hold the precision and
-the covariance, so `evaluate.py` on a checkpoint predicts with the covariance the run ended with.
-Under data-parallel DDP every process sums its own batches and the method adds the processes'
-parts (`sync_precision`) before validation and at the end of each epoch.
-
-The settings are the authors' CIFAR defaults; `conf/model/sngp.yaml` says which source each
-follows. Where this differs from their code: spectral normalisation is a parametrisation with
-the gradient through σ̂ (theirs overwrites the kernel with its projection; the forward is the same),
-see `dbsn.nets.spectral`; the GP's output weights and LayerNorm get no weight decay, as theirs
-(their L2 is on the convolution kernels and BatchNorm only).
+Settings are the authors' CIFAR defaults (`conf/model/sngp.yaml` names each source). Where this
+differs from their code: spectral normalisation is a parametrisation with the gradient through σ̂
+(theirs overwrites the kernel with its projection; the forward is the same); the GP's output
+weights and LayerNorm get no weight decay, as theirs. Details: docs/field.md.
 """
 
 from __future__ import annotations
