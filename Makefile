@@ -7,11 +7,9 @@ STAMP  := $(VENV)/.installed
 .PHONY: env lint train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
-## (34 s against 83 s on a clean clone on the 2-core machine, 2026-11-28, before uv compiled the bytecode, which
-## added about 20 s); pip does it where uv cannot be had.
+## (docs/performance.md); pip does it where uv cannot be had.
 ## --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (as on the
-## development machine, and CI runs on one like it) every process then compiles torch, Lightning and SciPy again: 12 s to import the training
-## code instead of 5 (measured, 2026-11-28).
+## development machine and CI) every process would compile torch, Lightning and SciPy again at import.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	( $(PY) -m pip install --quiet uv && $(PY) -m uv pip install --quiet --compile-bytecode --python $(PY) -c constraints.txt -e ".[dev]" ) \
@@ -35,15 +33,15 @@ evaluate: $(STAMP)
 	$(PY) evaluate.py ckpt_path=$${run}checkpoints/last.ckpt evaluations=[ood,adversarial] ood=photos evaluations.ood.members=5 \
 		evaluations.adversarial.max_examples=100 evaluations.adversarial.attack_samples=10 evaluations.adversarial.eval_samples=10 n_samples=30
 
-## The test suite (CI runs this through .ci/run): two workers, one thread each (two torch processes
-## with default threads on two cores spin against each other), each test file on one worker (its
-## module fixtures, the SLURM cluster among them, are made once), the longest files first (tests/conftest.py).
-## compileall: the package's .pyc too, for the suite's many processes (it prints only a file that does not compile).
 ## The lint and format gate (ruff, settings in pyproject.toml); `make test` runs it first, so CI gates on it.
 ## After a merge: `$(PY) -m ruff check --fix . && $(PY) -m ruff format .`
 lint: $(STAMP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
+## The test suite (CI runs this through .ci/run): two workers, one thread each (two torch processes
+## with default threads on two cores spin against each other), each test file on one worker (its
+## module fixtures, the SLURM cluster among them, are made once), the longest files first (tests/conftest.py).
+## compileall: the package's .pyc too, for the suite's many processes (it prints only a file that does not compile).
 test: $(STAMP) lint
 	$(PY) -m compileall -q src
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
