@@ -1,27 +1,13 @@
 """Methods: LightningModules that join a network with a distribution and own loss and optimisers.
 
-| config        | class                         | structure            | weights                    |
-|---------------|-------------------------------|----------------------|----------------------------|
-| dbsn          | DBSN                          | q(α ∣ θ), sampled     | point                      |
-| fbn           | DBSN(weights=GaussianWeights) | q(α ∣ θ), sampled     | Gaussian (BBB)             |
-| map           | MAP(learn_structure=True)     | softmax(θ)            | point                      |
-| map_fixed     | MAP(learn_structure=False)    | uniform 1/K           | point                      |
-| mc_dropout    | MAP(weights=MCDropoutWeights) | softmax(θ)            | dropout 0.2, on at test    |
-| bbb           | MAP(weights=GaussianWeights)  | softmax(θ)            | Gaussian (BBB)             |
-| deep_ensemble | DeepEnsemble(members)         | each member's         | each member's              |
-| vogn          | VOGNMethod(structure="map")   | softmax(θ)            | VOGN (diagonal GGN)        |
-| vogn_fbn      | VOGNMethod(structure="dbsn")  | q(α ∣ θ), sampled     | VOGN (diagonal GGN)        |
-| nekfac        | NEKFACMethod (VGG16-BN)       | none                  | NEK-FAC (Kronecker eigenbasis) |
-| sngp          | SNGP (spectral norm, GP head) | softmax(θ)            | point; GP output layer (Laplace) |
-| mimo          | MIMO (M = 3, one pass)        | softmax(θ)            | point, M inputs and M heads |
-| batch_ensemble | BatchEnsemble (M = 4, one pass) | softmax(θ)          | point, rank-1 fast weights per member |
-| packed_ensemble | PackedEnsemble (M = 4, α = 2, γ = 2, one pass) | softmax(θ) | point, M narrow networks in grouped channels |
-| rank1_bnn     | Rank1BNN (M = 4, one pass of M) | softmax(θ)          | point; Gaussian rank-1 factors, a mixture of M |
-| ddu           | DDU (spectral norm, leaky ReLU) | softmax(θ)          | point; OOD score: the GDA density `gda` |
-| masksembles   | Masksembles (M = 4, one pass of M) | softmax(θ)       | point, M fixed channel masks   |
-
-Segmentation (`task: segmentation`): fcdensenet67 / fcdensenet67_mc_dropout (MAP on FCDenseNet) and
-dbsn_seg (DBSN on DBSNSegNet).
+Every `model=` config builds one of these classes: `DBSN` (q(α ∣ θ) sampled; FBN with
+`GaussianWeights`), `MAP` (softmax(θ) or a fixed uniform α; MC dropout and BBB with their weight
+posteriors), `DeepEnsemble`, the natural-gradient `VOGNMethod` and `NEKFACMethod`, `CSGMCMC` and
+`StructureCSGMCMC`, and the field's `SNGP`, `MIMO`, `BatchEnsemble`, `PackedEnsemble`, `Rank1BNN`,
+`DDU` and `Masksembles`. Segmentation (`task: segmentation`): fcdensenet67 /
+fcdensenet67_mc_dropout (MAP on FCDenseNet) and dbsn_seg (DBSN on DBSNSegNet). A method differs
+from DBSN only in how it treats the structure and the weights. Every config with its class,
+structure and weights: the table of docs/methods.md.
 """
 
 from dbsn.methods.base import Method

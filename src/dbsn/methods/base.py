@@ -1,25 +1,23 @@
 """What every classification method shares, so that a method differs only where it differs.
 
-A method is a LightningModule that joins a network (which takes the structure α as an input)
-with whatever distribution the method puts on structure or weights, and owns the loss and the
-optimisers. `Method` provides the common parts:
+A method is a LightningModule that joins a network (which takes the structure α as an input) with
+the method's distribution on structure or weights, and owns loss and optimisers. `Method` gives:
 
 - its settings (`Prediction`, `Execution`, `WeightOptimizer`, the task) and their names;
-- the loss (Eq. 3 per example), mean NLL + (structure KL + weight KL) / N, over T structures (Eq. 6-7) in one
-  grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}) or in chunks of
+- the loss (Eq. 3 per example), mean NLL + (structure KL + weight KL) / N, over T structures
+  (Eq. 6-7) in one grouped forward (`x.repeat_interleave(T)`: row r uses α_{r mod T}) or in chunks of
   `train_samples_per_forward` structures with accumulated gradients (a memory knob: BatchNorm is
   per structure, so the chunks give the grouped step's gradients and statistics);
 - two ways to use several devices (`parallel`): "data" (each rank its own batch and T structures)
   or "structure" (every rank the same batch and its share of the T structures, gradients and
   running statistics averaged: exactly one device's T-structure step);
-- the weight side through a `WeightPosterior` (point, MC dropout, Gaussian/BBB);
-- Bayes-ensemble prediction (`dbsn.methods.predictive.BayesEnsemble`) from `stochastic_forward`,
-  the test metrics `test/{error,nll,brier,ece}`, and the post-hoc temperature and calibrator.
+- the weight side through a `WeightPosterior` (point, MC dropout, Gaussian/BBB); Bayes-ensemble
+  prediction (`predictive.BayesEnsemble`) with the test metrics `test/{error,nll,brier,ece}`.
 
 How its step runs comes from `dbsn.methods.training.TrainingLoop`, what detection scores read from
-`dbsn.methods.features.MemberFeatures`. Subclasses say how structures are drawn:
-`training_structures(T) -> (α (T, E, K), each structure's KL (T,), or 0)` and
-`prediction_structures(n) -> α (n, E, K)`. That is all DBSN, MAP and MAP-fixed α differ in.
+`dbsn.methods.features.MemberFeatures`. Subclasses draw structures: `training_structures(T) -> (α
+(T, E, K), each one's KL (T,), or 0)`, `prediction_structures(n) -> α (n, E, K)`; that is all
+DBSN, MAP and MAP-fixed α differ in.
 """
 
 from __future__ import annotations

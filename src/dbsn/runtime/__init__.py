@@ -12,9 +12,8 @@
 - `checkpoint`: atomic checkpoints, the run config and random state inside them, clear errors;
 - `integrity`: the digest every checkpoint carries and the checks before one is used;
 - `signals`: SIGTERM, SIGINT, SIGHUP stop a run as `RunInterrupted` (exit 128 + signum);
-- `ddp`, `child`: single-node DDP whose extra ranks start from the run's saved config
-  (`ddp` launches them; each runs `python -m dbsn.runtime.child`);
-- `rank`: `is_rank_zero`, which rank this process is;
+- `ddp`, `child`, `rank`: single-node DDP whose extra ranks start from the run's saved config
+  (each runs `python -m dbsn.runtime.child`), and which rank this process is;
 - `cluster`: SLURM jobs (requeue, the job's facts, resume from the run folder);
 - `progress`: progress lines for logs without a terminal.
 

@@ -11,10 +11,9 @@ through `claim_run_folder`, before its data or network is built:
   checkpoints); any other start there is refused, as is a folder of files that are not a run's.
 - **Files that name their run.** `RunFolder.begin` writes `run.json`: the run's id (also in every
   checkpoint and in metrics.json), its status (running, finished, failed, interrupted), the digest
-  of `resolved_config.yaml` and the history of its starts, resumes and ends. Nothing in the folder
-  is written before the claim and the checks of the start have passed: Hydra's own `.hydra/` files
-  and the log file are written here (conf/train.yaml turns Hydra's off), so a refused start leaves
-  every byte of the folder as it was.
+  of `resolved_config.yaml` and the history of its starts, resumes and ends. Nothing (Hydra's
+  `.hydra/` files and the log included) is written before the claim and the start's checks pass,
+  so a refused start leaves every byte of the folder as it was.
 
 `check_run_folder` is the same decision without the lock, for a command line that has not made
 its folders yet: `RunFolderCheck` (a Hydra callback, conf/train.yaml) runs it before Hydra makes the

@@ -16,9 +16,8 @@ resamples of the test examples, or without per-example data a bound (`bounded_co
 **Degrees of freedom** are Welch–Satterthwaite's, with s² at its one-sided 75 % upper confidence
 bound s²(k − 1)/χ²_{k−1}(0.25): the plug-in version is liberal at few seeds (a small s² by chance
 gives many degrees of freedom and a short interval at once); this holds the level at k = 3 over
-every ratio of c to s²/k (coverage: docs/evaluation.md). **Holm at few seeds**: its first step
-needs p <= alpha/m, at three seeds' 2 degrees of freedom a t beyond reach (`holm_threshold`,
-`holm_reachable`, `holm_note`).
+every ratio of c to s²/k (coverage: docs/evaluation.md). **Holm at few seeds**: its first step (p <= alpha/m)
+can need a t beyond reach (`holm_threshold`, `holm_reachable`, `holm_note`).
 """
 
 from __future__ import annotations
