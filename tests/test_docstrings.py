@@ -1,0 +1,125 @@
+"""Docstrings and comments under src/ read like the code's anchors, not its lab notebook: no date in any
+docstring or comment (dated measurements belong in docs/performance.md or docs/results.md, history in
+CHANGELOG.md), and no module docstring longer than `MODULE_DOCSTRING_LINES` (reference detail belongs in
+docs/). Pure parsing, no import of dbsn: well under a second."""
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: a calendar date, YYYY-MM-DD
+DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
+#: the most lines a module docstring may have (opening line to closing quotes)
+MODULE_DOCSTRING_LINES = 20
+#: modules whose docstrings are still longer, each held to its present length so that it cannot grow;
+#: remove an entry once its module is shortened
+LONGER_FOR_NOW = {
+    "dbsn/bayes/gp.py": 42,
+    "dbsn/bayes/layers.py": 21,
+    "dbsn/data/camvid.py": 23,
+    "dbsn/data/ood_sets.py": 36,
+    "dbsn/extensions.py": 21,
+    "dbsn/methods/step.py": 21,
+    "dbsn/methods/training.py": 27,
+    "dbsn/metrics/calibration.py": 35,
+    "dbsn/metrics/ce2_inference.py": 33,
+    "dbsn/metrics/conformal.py": 71,
+    "dbsn/metrics/ensemble_equivalent.py": 46,
+    "dbsn/metrics/segmentation.py": 22,
+    "dbsn/metrics/selective.py": 46,
+    "dbsn/natgrad/nekfac.py": 81,
+    "dbsn/natgrad/per_example.py": 39,
+    "dbsn/natgrad/vogn.py": 51,
+    "dbsn/nets/batch_ensemble.py": 26,
+    "dbsn/nets/conv_forms.py": 32,
+    "dbsn/nets/fused_cell.py": 27,
+    "dbsn/nets/masksembles.py": 40,
+    "dbsn/nets/mimo.py": 26,
+    "dbsn/nets/packed.py": 35,
+    "dbsn/nets/rank1.py": 26,
+    "dbsn/nets/resnet.py": 23,
+    "dbsn/nets/spectral.py": 37,
+    "dbsn/nets/wideresnet.py": 26,
+    "dbsn/posthoc/base.py": 25,
+    "dbsn/posthoc/calibrators/base.py": 24,
+    "dbsn/posthoc/calibrators/dirichlet.py": 28,
+    "dbsn/posthoc/laplace.py": 70,
+    "dbsn/posthoc/snapshot_ensemble.py": 41,
+    "dbsn/posthoc/swag.py": 43,
+    "dbsn/sampling/schedule.py": 22,
+    "dbsn/sampling/sgmcmc.py": 23,
+}
+
+
+def _docstrings(tree: ast.Module):
+    """(line, text) of the module's, every class's and every function's docstring."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=False)
+            if text is not None:
+                yield (node.body[0].lineno, text)
+
+
+def dated_lines(path: Path) -> list[str]:
+    """`path:line: text` of every docstring or comment in `path` that holds a date."""
+    source = path.read_text(encoding="utf-8")
+    found = [(line, text) for line, text in _docstrings(ast.parse(source)) if DATE.search(text)]
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT and DATE.search(token.string):
+            found.append((token.start[0], token.string))
+    return [f"{path}:{line}: {DATE.search(text).group()}" for line, text in sorted(found)]
+
+
+def module_docstring_lines(path: Path) -> int:
+    """How many lines `path`'s module docstring has (0 without one)."""
+    text = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+    return len(text.splitlines()) if text else 0
+
+
+def too_long(root: Path, limit: int = MODULE_DOCSTRING_LINES, allowed: dict[str, int] | None = None) -> list[str]:
+    """`module: lines > limit` of every module under `root` whose docstring is over its limit."""
+    allowed = LONGER_FOR_NOW if allowed is None else allowed
+    over = []
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        lines, most = module_docstring_lines(path), allowed.get(name, limit)
+        if lines > most:
+            over.append(f"{name}: {lines} lines > {most}")
+    return over
+
+
+def test_no_date_in_a_docstring_or_comment():
+    dated = [line for path in sorted(SRC.rglob("*.py")) for line in dated_lines(path)]
+    assert not dated, (
+        "a date in a docstring or comment: move the dated figure to docs/performance.md or docs/results.md "
+        "and the history to CHANGELOG.md:\n" + "\n".join(dated)
+    )
+
+
+def test_module_docstrings_are_short():
+    over = too_long(SRC)
+    assert not over, (
+        f"module docstrings over {MODULE_DOCSTRING_LINES} lines (or over their LONGER_FOR_NOW length): say what "
+        "and why, and move reference detail to docs/:\n" + "\n".join(over)
+    )
+
+
+def test_the_checks_catch_a_bad_module(tmp_path):
+    bad = tmp_path / "pkg" / "bad.py"
+    bad.parent.mkdir()
+    long_doc = "\n".join(f"line {i}" for i in range(MODULE_DOCSTRING_LINES + 1))
+    bad.write_text(
+        f'"""A module.\n{long_doc}\n"""\n\n'
+        "x = 1  # measured 2026-11-28 on the development machine\n\n\n"
+        'def f():\n    """Took 3 s before 2026-11-27."""\n'
+    )
+    assert [line.split(": ")[-1] for line in dated_lines(bad)] == ["2026-11-28", "2026-11-27"]
+    assert too_long(tmp_path, allowed={}) == [f"pkg/bad.py: {MODULE_DOCSTRING_LINES + 2} lines > 20"]
+    assert too_long(tmp_path, allowed={"pkg/bad.py": MODULE_DOCSTRING_LINES + 2}) == []
+    good = tmp_path / "pkg" / "bad.py"
+    good.write_text('"""A module.\n\nWhat and why (Eq. 3).\n"""\n\nx = 1  # a comment\n')
+    assert dated_lines(good) == [] and too_long(tmp_path, allowed={}) == []
