@@ -283,6 +283,13 @@ class StructureCSGMCMC(ChainMembers, Method):
     """T chains of cSGHMC on the Gumbel logits of DBSN's structure, the weights trained by SGD (see
     the module docstring).
 
+    DBSN's prior is α = softmax(u / τ), u_ek ~ Gumbel(0, 1) (q(α | θ) at θ = 0, β = 1). The chains
+    sample p(u | D, w) ∝ p(D | softmax(u / τ), w) Π Gumbel(u_ek), whose image under softmax(· / τ) is
+    the posterior p(α | D, w) itself (the likelihood sees u only through α). The T chains' states
+    are the step's T structures; the weights are trained by SGD on their mean NLL, as DBSN trains
+    them (a Monte Carlo EM); each kept u_s is one member α_s = softmax(u_s / τ), predicting with the
+    final weights and BatchNorm's running statistics.
+
     Args:
         net: a structure network (`num_edges > 0`, DBSN's cells).
         sampler: the chains' sampler (`CyclicalSampler`); its weight decay must be 0 (the prior on
