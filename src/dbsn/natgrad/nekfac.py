@@ -1,14 +1,13 @@
-"""Noisy eigenvalue-corrected K-FAC (NEK-FAC; Bae, Zhang & Grosse 2018, "Eigenvalue Corrected
-Noisy Natural Gradient", arXiv:1811.12565), the paper's NEK-FAC baseline (Tables 1-2).
+"""Noisy eigenvalue-corrected K-FAC (NEK-FAC; Bae, Zhang & Grosse 2018, arXiv:1811.12565), the
+paper's NEK-FAC baseline (Tables 1-2).
 
-Noisy natural gradient (Zhang et al. 2018): each Linear/Conv2d layer has a Gaussian posterior
-over W̄ = [W, b] with mean M (the layer's parameters) and a covariance diagonal in the layer's
-Kronecker eigenbasis, the diagonal being the eigenvalue-corrected s* (George et al. 2018) of the
-*true* Fisher (labels sampled from the model: `sampled_fisher_loss`). The mean moves by the
-damped natural gradient with the prior term and KL clipping; the damping γ enters the update
-only, never the noise. Convolutions follow KFC (Grosse & Martens 2016); a grouped conv is one
-W̄ per group. Every other trainable parameter (BatchNorm, ...) is a point estimate: SGD with the
-prior as weight decay. The equations, as implemented: docs/methods.md ("NEK-FAC as implemented").
+Noisy natural gradient (Zhang et al. 2018): each Linear/Conv2d layer has a Gaussian posterior over
+W̄ = [W, b] with mean M (the layer's parameters) and a covariance diagonal in its Kronecker
+eigenbasis: the eigenvalue-corrected s* (George et al. 2018) of the *true* Fisher (labels sampled
+from the model, `sampled_fisher_loss`). The mean moves by the damped natural gradient with the
+prior term and KL clipping; the damping γ enters the update, never the noise. Convolutions follow
+KFC (Grosse & Martens 2016). Every other trainable parameter is a point estimate: SGD with the
+prior as weight decay. The equations: docs/methods.md ("NEK-FAC as implemented").
 
 Usage::
 
@@ -20,10 +19,9 @@ Usage::
     with opt.sample_weights():         # one posterior draw for prediction
         probs = model(x_test).softmax(-1)
 
-The closure only runs the forward pass and returns ``(loss, fisher_loss)``: ``loss`` the MEAN
-NLL of the minibatch at the observed labels, ``fisher_loss`` the SUM over examples of the NLL at
-labels sampled from the model (so the captured output gradients are per-example gradients); the
-optimiser does the backward passes itself. Each layer must be applied once per forward.
+The closure only runs the forward and returns ``(loss, fisher_loss)``: the MEAN NLL at the
+observed labels and the SUM of the NLL at sampled labels (so captured output gradients are
+per-example); the optimiser runs the backward passes. Each layer is applied once per forward.
 """
 
 from __future__ import annotations

@@ -1,26 +1,24 @@
 """Variational Online Gauss-Newton (VOGN): a natural-gradient optimiser of a Gaussian posterior.
 
 Khan et al. 2018, "Fast and Scalable Bayesian Deep Learning by Weight-Perturbation in Adam";
-Osawa et al. 2019, "Practical Deep Learning with Bayesian Principles"; the paper's VOGN baseline
-(Table 5). The posterior over the optimised parameters is q(w) = N(μ, diag(σ²)): μ is the
-parameter tensor itself, the optimiser state holds the scaled precision s and the momentum m.
-Each step draws K weight samples, takes ĥ from the squared per-example gradients (a
-`LayerCapture`; at the observed targets by default, as the papers do) and updates m (no
-(1 − β1) factor, as the CIFAR recipes) and s (β2 weighs the NEW estimate). The update rules, the
-KL warm-up and the fixed point that equals exact Bayesian linear regression: docs/methods.md
-("VOGN as implemented").
+Osawa et al. 2019, "Practical Deep Learning with Bayesian Principles"; the paper's Table 5
+baseline. The posterior is q(w) = N(μ, diag(σ²)): μ is the parameter tensor itself, the state
+holds the scaled precision s and the momentum m. Each step draws K weight samples, takes ĥ from
+the squared per-example gradients (a `LayerCapture`, at the observed targets as the papers do)
+and updates m (no (1 − β1) factor, as the CIFAR recipes) and s (β2 weighs the NEW estimate). The
+update rules, the KL warm-up and the fixed point that equals exact Bayesian linear regression:
+docs/methods.md ("VOGN as implemented").
 
-The closure contract: ``closure()`` computes the SUM over the minibatch of per-example losses
-(or the mean, with ``loss_reduction="mean"``), calls ``backward()`` and returns the loss; the
-optimiser sets the parameters to w_k and zeroes their ``.grad`` before each call. Each captured
-layer must be applied once per forward to the whole batch. ĥ uses the output gradients of the
-LAST backward pass, so a second ``torch.autograd.grad`` pass may change the curvature estimate.
+The closure computes the SUM over the minibatch of per-example losses (the mean with
+``loss_reduction="mean"``), calls ``backward()`` and returns the loss; the optimiser sets the
+parameters to w_k and zeroes ``.grad`` before each call. Each captured layer is applied once per
+forward to the whole batch. ĥ uses the LAST backward pass's output gradients, so a second
+``torch.autograd.grad`` pass can change the curvature estimate (e.g. to an MC Fisher).
 
-BatchNorm affine parameters are supported at fixed batch statistics (`dbsn.natgrad.per_example`);
-the K forwards per step each update BN running statistics. A param group with
-``point_estimate=True`` gets no weight noise and no prior term, but is still preconditioned by
-1 / (s + γ). Parameters outside Linear, Conv2d and BatchNorm layers are rejected at
-construction. Sampling uses the global torch RNG.
+BatchNorm affine parameters are supported at fixed batch statistics; the K forwards each update
+the running statistics. A group with ``point_estimate=True`` gets no noise and no prior but is
+still preconditioned by 1 / (s + γ). Parameters outside Linear, Conv2d and BatchNorm layers are
+refused at construction. Sampling uses the global torch RNG.
 """
 
 from __future__ import annotations
