@@ -100,7 +100,7 @@ def test_areas_and_risk_at_coverage_match_brute_force_with_ties(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_without_ties_aurc_is_close_to_the_mean_selective_risk(seed):
     # Geifman & El-Yaniv's AURC is the mean of r(k/n) over k; ours integrates between the
-    # same points and may differ by at most (H_n - 1)/n (module docstring).
+    # same points and may differ by at most (H_n - 1)/n (module docstring; docs/evaluation.md).
     gen = torch.Generator().manual_seed(seed)
     n = 300
     errors = (torch.rand(n, generator=gen) < 0.2).double()

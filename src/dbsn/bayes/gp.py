@@ -5,41 +5,19 @@ finite with random Fourier features (Rahimi & Recht 2007) and given a Laplace po
 
     φ(h) = cos(W_φ LayerNorm(P h) + b_φ),      logits g(h) = βᵀ φ(h),
 
-- P: a fixed random projection of the features to `input_dim` dimensions (N(0, 0.05²) entries,
-  Keras' `random_normal`; none with `input_dim=None`), which preserves distances
-  (Johnson-Lindenstrauss);
-- LayerNorm with a learned scale and offset (ε = 1e-3, Keras' default), SNGP's
-  `gp_input_normalization` (an automatic-relevance-determination-like rescaling);
-  without it, the inputs are scaled by 1 / √`kernel_scale` instead (edward2: the kernel's
-  length-scale parameter, used only then);
-- W_φ, b_φ: fixed orthogonal random features (Yu et al. 2016), `feature_std` · an orthogonal
-  matrix whose columns have χ-distributed norms (the norms of Gaussian columns), b_φ ~ U(0, 2π);
-  `hidden_dim` of them. No √(2 / hidden_dim) scaling (edward2's `scale_random_features=False`,
-  which the authors recommend for an output layer);
-- β: the trainable output weights (Glorot-uniform, Keras' Dense default), no bias (edward2's
-  `gp_output_bias` is a fixed 0).
+P a fixed random projection (Johnson-Lindenstrauss), LayerNorm with learned scale and offset (or,
+without it, inputs scaled by 1 / √`kernel_scale`), W_φ, b_φ fixed orthogonal random features (Yu
+et al. 2016, χ-distributed column norms, b_φ ~ U(0, 2π), no √(2 / hidden_dim) scaling) and β the
+trainable weights (no bias). Initialisers and defaults follow edward2 / uncertainty-baselines
+(docs/field.md, "Settings and their sources").
 
-In training mode the layer returns the MAP logits g(h) and accumulates the posterior precision of β
-from the detached features of every training example (a Gaussian likelihood's Laplace
-approximation, edward2's `LaplaceRandomFeatureCovariance` with `gp_cov_discount_factor=-1`: an
-exact sum, no moving average):
-
-    P_β = s I + Σ_n φ_n φ_nᵀ,      s = `ridge_penalty`,
-
-and `reset_precision()` (called at the start of every training epoch) sets P_β back to s I, so
-that it sums the final epoch's features. The covariance used at prediction is Σ = s P_β⁻¹ (edward2:
-`ridge_penalty * inv(precision)`), the predictive variance of an example var(h) = φ(h)ᵀ Σ φ(h),
-and in eval mode the layer returns the mean-field logits (Lu et al. 2020)
-
-    g(h) / √(1 + λ var(h)),      λ = `mean_field_factor`
-
-(λ < 0: the MAP logits; π/8 is the probit approximation, the authors tune λ: 25 on CIFAR-10).
-`precision` and `covariance` are buffers, so a checkpoint predicts with the covariance it was saved
-with; the covariance is recomputed (Cholesky, float64) the first time the layer predicts or is
-saved after the precision changed.
-
-Several processes (DDP) each accumulate their own batches; `sync_precision(reduce)` sums their
-parts (what the method calls before it predicts).
+In training mode the layer returns the MAP logits and sums the exact precision of β over the
+detached features, P_β = s I + Σ_n φ_n φ_nᵀ (edward2's `gp_cov_discount_factor=-1`);
+`reset_precision()` at every epoch's start keeps the final epoch's sum. In eval mode it returns
+the mean-field logits g(h) / √(1 + λ var(h)) (Lu et al. 2020), var(h) = φ(h)ᵀ Σ φ(h),
+Σ = s P_β⁻¹ (λ < 0: the MAP logits). `precision` and `covariance` are buffers; the covariance is
+recomputed (Cholesky, float64) when first needed after the precision changed. Under DDP
+`sync_precision(reduce)` sums the processes' parts before prediction.
 """
 
 from __future__ import annotations

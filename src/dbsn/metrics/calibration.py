@@ -1,38 +1,21 @@
 """Calibration beyond the equal-width ECE: equal-mass (adaptive) ECE and classwise ECE.
 
-The equal-width, top-label ECE of :func:`dbsn.metrics.classification.expected_calibration_error`
-(logged as ``ece``) has two known blind spots. Its bins follow the confidence axis, not the
-data, so with a confident network most examples share the top one or two bins and the
-estimate rests on few bins. And it looks only at the top label's probability. Two
-complements:
+The equal-width, top-label ECE (`dbsn.metrics.classification.expected_calibration_error`, logged
+as ``ece``) follows the confidence axis, so a confident network's examples share one or two bins,
+and it sees the top label only. Two complements:
 
-* :func:`adaptive_expected_calibration_error`: the same top-label ECE over bins that hold
-  equal numbers of examples (equal-mass bins; "AdaECE" of Mukhoti et al., 2020,
-  "Calibrating Deep Neural Networks using Focal Loss", NeurIPS; "ECE_EM" of Roelofs et al.,
-  2022, "Mitigating Bias in Calibration Error Estimation", AISTATS);
-* :func:`classwise_expected_calibration_error`: the calibration of every class probability,
-  not only the top one (classwise-ECE of Kull et al., 2019, "Beyond temperature scaling",
-  NeurIPS).
+* `adaptive_expected_calibration_error`: the same ECE over bins of equal numbers of examples
+  ("AdaECE", Mukhoti et al. 2020; "ECE_EM", Roelofs et al. 2022). The example of rank r of N goes
+  to bin ⌊r M / N⌋ (sizes differ by at most one; with N < M some bins are empty). A tie group
+  that straddles a bin edge first takes the group's mean correctness, so the value never depends
+  on the order examples are stored in.
+* `classwise_expected_calibration_error`: the calibration of every class probability
+  (classwise-ECE, Kull et al. 2019).
 
-Equal-mass bins. Sort the ``N`` top-label confidences; the example of rank ``r``
-(``0..N-1``) goes to bin ``⌊r M / N⌋``, so bin ``b`` holds ranks ``⌈bN/M⌉ .. ⌈(b+1)N/M⌉ - 1``
-and the bin sizes differ by at most one when ``M`` does not divide ``N`` (with ``N < M``
-some bins are empty and count for nothing). Ties: a group of examples with the same
-confidence may straddle a bin edge, and which of them falls on which side would then
-depend on the order they are stored in. So every example of a tie group first takes the
-group's mean correctness; the group's share on each side of the edge then contributes in
-proportion to its size, whatever the order. A tie group that lies within one bin is not
-changed by this (the bin's sum of correctness stays the same).
-
-Libraries. torchmetrics (1.9) has only equal-width bins. TorchUncertainty 0.13
-(``torch-uncertainty``) has an ``AdaptiveCalibrationError``, but it splits the sorted
-confidences with ``tensor_split`` after a sort, so which of the tied examples go to which
-bin, and the value, depend on the order they are stored in; it casts to float32; and installing it would
-add seaborn, pandas and einops to the environment. The equal-mass ECE is therefore
-implemented here (sort + ``index_add``). The classwise ECE and the CE² use the bins of the
-logged ``ece`` (`dbsn.metrics.binning`: ``[b/M, (b+1)/M)``, the last bin closed so that a
-probability of exactly 1 falls in it); torchmetrics' ``binary_calibration_error`` would give a
-probability of exactly 1 a bin of its own.
+Both are implemented here (sort + ``index_add``) because the libraries' versions depend on storage
+order or give a probability of exactly 1 a bin of its own (docs/evaluation.md, "Calibration and
+selective prediction"). The classwise ECE and CE² use the logged ``ece``'s bins
+(`dbsn.metrics.binning`).
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """How sure an unbiased squared calibration error is: its variance, a per-run interval, a paired test.
 
-CE² (`calibration.squared_calibration_error`) of a predictor on n test examples, with
-``d_i = correct_i − confidence_i`` in the examples' equal-width confidence bins b (n_b examples,
-w_b = n_b / n), is a U-statistic over pairs of distinct examples:
-
-    U = Σ_{i≠j} K_ij d_i d_j,   K_ij = 1[b(i) = b(j)] / (n (n_b − 1))   (0 in a bin of one example),
-
-unbiased for θ = Σ_b P(b) μ_b², μ_b = E[d | b]. Its variance, Hoeffding's for a U-statistic:
-
-    Var U ≈ (4/n) (E[μ_b² d²] − θ²)            first order, the projection h_1(z) = μ_{b(z)} d
-          + 2 Σ_{i≠j} K_ij² σ_i² σ_j²          second order, σ_i² = Var(d | b(i)).
-
-Where θ = 0 only the second order is left, and n U ≈ Σ_b σ_b² (Z_b² − 1) is skewed to the right. A
-percentile bootstrap, or a Wald interval whose first-order term is estimated from the same data
-(x̄_b² has mean μ_b² + σ_b² / n_b), widens with the statistic and is too wide there. So here the
-first-order term is never estimated at the estimate: it is the variance the data would have if the
-truth were a hypothesised level (`score_interval`), or the level of a null hypothesis estimated
-independently of the tested contrast (`paired_test`). The second order is estimated with the raw
-gaps, Σ_{i≠j} K_ij² d_i² d_j²: unbiased where the μ_b are 0, larger by (1 + μ²/σ²)² (negligible) elsewhere.
-
-Several predictors on the same examples (two methods; both over k seeds): a linear combination
-Σ_p a_p U_p has variance aᵀ Σ a with the bilinear forms
-
-    Σ1[p, q] = (4/n) (√(θ_p θ_q) G_pq − θ_p θ_q),   G_pq = (1/n) Σ_i g^p_i d^p_i g^q_i d^q_i,
-    Σ2[p, q] = 2 Σ_{i≠j} K^p_ij K^q_ij (d^p_i d^q_i) (d^p_j d^q_j),
-
-where μ^p_b = √θ_p g^p_b: predictor p's gaps at level θ_p have the shape g^p (Σ_b w_b (g^p_b)² = 1)
-of a weighted least-squares line through its observed x̄_b against the bin centre. A line, not the
-x̄_b themselves: at the levels that matter (θ ≈ 1e-3, n_b ≈ 200) a bin's x̄_b is mostly noise,
-which would decorrelate two predictors' projections and overstate a difference's variance. Σ2 is
-computed in O(n) by grouping the examples by their pair of bins (b_p(i), b_q(i)), inside which
-K^p K^q is one number: Σ_{i≠j in a group} x_i x_j = (Σ x)² − Σ x² (tested against the double loop).
+CE² (`calibration.squared_calibration_error`) on n test examples, with gaps
+``d_i = correct_i − confidence_i`` in equal-width confidence bins b, is a U-statistic over pairs of
+distinct examples, U = Σ_{i≠j} K_ij d_i d_j with K_ij = 1[b(i) = b(j)] / (n (n_b − 1)), unbiased for
+θ = Σ_b P(b) μ_b². Its variance is Hoeffding's: a first-order term (4/n) (E[μ_b² d²] − θ²) and a
+second-order term 2 Σ_{i≠j} K_ij² σ_i² σ_j², the only one left where θ = 0, where n U is skewed to
+the right and a percentile bootstrap or a plug-in Wald interval is too wide. So the first-order
+term is never taken at the estimate: at a hypothesised level (`score_interval`) or at a null level
+estimated independently of the tested contrast (`paired_test`), with each predictor's gaps in the
+shape of a weighted least-squares line through its bins' mean gaps (a bin's own mean is mostly
+noise at θ ≈ 1e-3). The second order uses the raw gaps, Σ_{i≠j} K_ij² d_i² d_j² (unbiased where
+the μ_b are 0). Several predictors on the same examples (two methods, k seeds) get a covariance
+Σ1 + Σ2, Σ2 in O(n) by grouping examples by their pair of bins. The formulas and the coverage in
+simulation: docs/evaluation.md ("How sure the numbers are").
 """
 
 from __future__ import annotations

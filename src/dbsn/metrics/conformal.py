@@ -1,74 +1,23 @@
 """Conformal prediction sets for a classifier: conformity scores, the conformal quantile, and what
 the sets achieve (coverage, size, coverage by set size and by class).
 
-Split conformal prediction (Vovk et al. 2005; Angelopoulos & Bates 2023, "Conformal prediction: a
-gentle introduction", sec. 1). A score s(x, y) says how badly label y conforms to the prediction
-at x (higher = worse). On n calibration examples (x_i, y_i),
+Split conformal prediction (Vovk et al. 2005; Angelopoulos & Bates 2023, sec. 1): a score s(x, y)
+says how badly label y conforms to the prediction at x (higher = worse); on n calibration examples
+q̂ is the ⌈(n + 1)(1 − α)⌉-th smallest of s(x_i, y_i) (+inf when that rank exceeds n) and
+C(x) = {y : s(x, y) ≤ q̂}. For exchangeable examples P(y ∈ C(x)) ≥ 1 − α, and at most
+1 − α + 1 / (n + 1) where scores do not tie (appendix D; tested by simulation). Scores: `thr`
+(1 − p_y, Sadinle et al. 2019), `aps` (Romano et al. 2020), `raps` (Angelopoulos et al. 2021) and
+the randomised `aps_randomized`, `raps_randomized` (u·p_y for p_y). Labels are ranked by
+decreasing probability, ties by class index.
 
-    q̂ = the ⌈(n + 1)(1 − α)⌉-th smallest of s(x_i, y_i)     (+inf when that rank exceeds n)
-    C(x) = {y : s(x, y) ≤ q̂}
-
-and for a test example exchangeable with the calibration examples P(y ∈ C(x)) ≥ 1 − α. Where the
-scores have no ties the coverage is exactly ⌈(n + 1)(1 − α)⌉ / (n + 1) in expectation over the
-calibration set, so at most 1 − α + 1 / (n + 1) (Angelopoulos & Bates, appendix D; tested by
-simulation). Nothing else is assumed: not that the probabilities are calibrated, only that the
-examples are exchangeable, which dataset shift breaks (`dbsn.evaluation.conformal` measures how much).
-
-Scores, for every label at once ((N, C) from probabilities (N, C)):
-
-- `thr` (Sadinle, Lei & Wasserman 2019, "Least ambiguous set-valued classifiers with bounded error
-  levels", JASA; also called LAC): 1 − p_y. The smallest sets on average, but they adapt little to
-  how hard an example is.
-- `aps` (Romano, Sesia & Candès 2020, "Classification with valid and adaptive coverage", NeurIPS):
-  the probability mass of the labels ranked before y plus p_y, i.e. the mass a set needs to reach y
-  when labels enter from the most probable down. `aps_randomized` adds only u·p_y of y's own mass,
-  with one u ~ U(0, 1) per example: the scores are then continuous even where probabilities tie,
-  and the coverage is exactly ⌈(n + 1)(1 − α)⌉ / (n + 1) in expectation (= 1 − α where
-  (n + 1)(1 − α) is an integer).
-- `raps` (Angelopoulos, Bates, Malik & Jordan 2021, "Uncertainty sets for image classifiers using
-  conformal prediction", ICLR): APS + λ·max(0, rank_y − k_reg), rank 1-based. The penalty keeps
-  long tails of small probabilities out of the sets; `raps_randomized` as APS.
-
-Labels are ranked by decreasing probability, ties by increasing class index (a stable sort), so
-every score is a deterministic function of the probabilities (and of u). APS and RAPS sets are the
-top labels in that order; THR sets are too, up to labels of equal probability.
-
-Empty sets. The bare rule s ≤ q̂ leaves a set empty where even the top label's score exceeds q̂:
-for THR where 1 − p_max > q̂, for non-randomised APS / RAPS where p_max > q̂ (a confident model at
-a low level 1 − α), for the randomised scores where u·p_max > q̂. By default (`allow_empty_sets=False`)
-such a set gets the top label alone (the first of `label_ranks`' order) and every other set stays
-as it is: the field's convention, that of the authors' model class (aangelopoulos/conformal_classification,
-`ConformalModel(allow_zero_sets=False)`: `gcq` sets a size of 0 to 1) and of lightning-uq-box's
-RAPS. It changes no score and no q̂ (tuned RAPS aside, whose λ is chosen on sets of the same
-convention), only adds a label to sets that had none, so coverage can only rise: the guarantee
-P(y ∈ C(x)) ≥ 1 − α still holds; the upper bound 1 − α + 1 / (n + 1) and the exact coverage of
-the randomised scores hold for the bare rule only. `allow_empty_sets=True` keeps
-the bare rule, empty sets included (counted by `empty`; an empty set never covers). The setting
-applies to every score here; the authors' `LAC` option never adds a label, and their
-non-randomised APS / RAPS sets are never empty anyway, as they keep the label at which the
-probability mass crosses q̂ (`sizes_base` = the count of labels at or below q̂, + 1).
-
-RAPS's k_reg and λ are set as the authors' code does (repository aangelopoulos/conformal_classification,
-`conformal.py`: `pick_parameters`, `pick_kreg`, `pick_lamda_size`): a random `TUNING_FRACTION` =
-30 % (`pct_paramtune`, rounded up) of the calibration examples tunes them, the rest gives q̂, so
-tuning does not break exchangeability. k_reg is the 'higher' (1 − α) quantile of the true labels'
-1-based ranks on the tuning part (`pick_kreg`: np.quantile(rank − 1, 1 − α, 'higher') + 1); λ is the
-value of `LAMBDA_GRID` = (0.001, 0.01, 0.1, 0.2, 0.5) whose sets, calibrated and measured on the
-tuning part, are smallest on average (`pick_lamda_size`, the default `lamda_criterion='size'`; the
-first on ties). Where this differs from that code: no Platt temperature is fitted first (the sets
-are of the method's own predictive), q̂ is the finite-sample rank above instead of
-np.quantile(·, 1 − α, 'higher'), the calibration scores are of the same variant as the sets (the
-code always randomises them), and non-randomised sets are exactly {y : s ≤ q̂} (plus the top label
-where that is empty, by default). λ's sizes are measured under the same empty-set convention as
-the sets, as the authors' `pick_lamda_size` passes `allow_zero_sets` on.
-
-Set metrics (`set_metrics`; `weighted_set_metrics` at every row of a bootstrap count matrix, as
-`dbsn.metrics.intervals`): `coverage` (the share of examples whose set holds the label), `size`
-(the mean set size), `empty` (the share of empty sets), size-stratified coverage (Angelopoulos et al.
-2021: the coverage among examples whose sets have sizes in a stratum; `ssc` is the smallest
-over strata with at least one example; far below 1 − α where some set sizes are given to examples
-the sets fail, i.e. the sets do not adapt to difficulty) and classwise coverage (per class;
-`class_coverage_min` the smallest over classes present).
+Conventions: a set the bare rule leaves empty gets its top label by default
+(`allow_empty_sets=False`, the authors' `ConformalModel(allow_zero_sets=False)`): coverage can only
+rise, and the upper bound holds for the bare rule only. RAPS's k_reg and λ are tuned as the
+authors' `pick_kreg` / `pick_lamda_size` on a random `TUNING_FRACTION` of the calibration
+examples, the rest giving q̂; unlike their code no temperature is fitted first, q̂ is the
+finite-sample rank, and the calibration scores are of the same variant as the sets. The scores,
+the empty-set rule and the set metrics (`set_metrics`, `weighted_set_metrics`): docs/evaluation.md
+("Conformal prediction sets").
 """
 
 from __future__ import annotations
@@ -248,7 +197,7 @@ def pick_lambda(
     grid: tuple[float, ...] = LAMBDA_GRID,
     allow_empty_sets: bool = False,
 ) -> float:
-    """The authors' `pick_lamda_size`: the λ of `grid` whose RAPS sets, calibrated and measured on
+    """The authors' `pick_lamda_size`: the λ of `grid` whose RAPS sets, calibrated and evaluated on
     these (tuning) examples, are smallest on average; the first on ties. The sets follow
     `allow_empty_sets` (`prediction_sets`), as the authors' pass `allow_zero_sets` on."""
     score = "raps_randomized" if randomized else "raps"

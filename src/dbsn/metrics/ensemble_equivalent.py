@@ -2,48 +2,23 @@
 uncertainty estimation and ensembling in deep learning", sec. 4).
 
 The DEE of a method m is the number of members a deep ensemble needs to match m's calibrated
-log-likelihood. In NLL terms (lower is better):
+log-likelihood, DEE(m) = min{k >= 1 : CNLL_DE(k) <= CNLL(m)}, made real-valued by joining the
+evaluated ensemble sizes with straight lines. Both NLLs must be calibrated the same way
+(temperature fitted on held-out data), or the DEE mixes quality with over-confidence.
 
-    DEE(m) = min{k >= 1 : CNLL_DE(k) <= CNLL(m)},
+Conventions (the paper leaves the ends open): the curve is made monotone by its running minimum
+(no bump credits a method with more members than an ensemble needed) and the DEE is its first
+crossing, the start of a flat part; a method no better than one network gets 1.0; one better than
+the largest ensemble available (size M) gets ``math.inf``, no extrapolation. So the result is 1.0,
+a float in [1, M] or inf, never nan, and non-increasing in the NLL.
 
-made real-valued by joining the measured ensemble sizes with straight lines. Both NLLs should be
-*calibrated* the same way (temperature scaling fitted on held-out data, never the test set):
-uncalibrated NLLs mix how good the predictions are with how over-confident they are, which is
-the comparison the DEE is meant to avoid.
-
-Conventions (the paper leaves the ends open):
-
-- The curve is made monotone by its running minimum: the NLL at size k is the best NLL measured
-  at any size <= k. A real ensemble's NLL falls with its size up to noise; the running minimum
-  never lets a bump in the curve credit a method with more members than an ensemble needed to
-  reach its NLL. The DEE is then the first crossing of the running minimum, interpolated
-  linearly; where the running minimum is flat, the crossing is the start of the flat part.
-- A method at least as bad as one network (NLL >= the 1-member NLL) gets 1.0: "at most one
-  network". The DEE is never below 1.
-- A method better than the largest ensemble measured (NLL < the running minimum at the largest
-  size M) gets ``math.inf``: "beyond the largest ensemble measured (> M)"; no extrapolation.
-
-So the result is 1.0, a float in [1, M], or inf, never nan, and non-increasing in the NLL.
-
-**Its interval** (`equivalent_interval`) carries the noise of both sides: the method's NLL (its
-seeds and the test examples) and the ensemble's curve (the members each ensemble run drew, its
-seeds, and the test examples), the test examples jointly, since both sides are measured on the
-same ones. It inverts a test: a size d belongs to the interval unless the hypothesis "the curve at
-d equals the method's NLL" is rejected at the interval's level. The statistic is
-Δ(d) = mean_j c_j(d) − mean_l m_l over r ensemble runs (c_j: run j's curve, interpolated
-linearly between sizes) and k method runs (m_l); its variance
-
-    Var Δ(d) = σ_c²(d) / r + σ_m² / k + wᵀ Σ(d) w
-
-adds the spread of the runs' population values (σ_c², σ_m²: members and seeds, estimated by the
-runs' sample variances less the part the test examples explain, never below 0) and the test set's
-noise, which the runs share (Σ(d): the covariance of every run's mean over the test examples,
-from the per-example NLLs; w: the weights of Δ). The critical value is Student's t on the
-Welch–Satterthwaite degrees of freedom of the two seed terms. The interval is the smallest one
-holding every size not rejected; it holds 1 where the method may be no better than one network,
-inf where it may beat the largest ensemble. Where one side has a single run its spread over
-runs cannot be estimated and is left out: that interval is a lower bound on the uncertainty,
-and says so (`EquivalentInterval.leaves_out`).
+Its interval (`equivalent_interval`) inverts a test of "the curve at d equals the method's NLL",
+Δ(d) = mean_j c_j(d) − mean_l m_l over r ensemble runs and k method runs, with
+Var Δ(d) = σ_c²(d) / r + σ_m² / k + wᵀ Σ(d) w: the spread of each side's runs less what the
+shared test examples explain, plus the test set's noise (Σ(d), from per-example NLLs), on
+Welch–Satterthwaite degrees of freedom. A side with one run has no spread to estimate: that
+interval is a lower bound on the uncertainty, and says so (`EquivalentInterval.leaves_out`).
+Its coverage in simulation: docs/evaluation.md ("How sure the numbers are").
 """
 
 from __future__ import annotations
@@ -89,7 +64,7 @@ def deep_ensemble_equivalent(nll: float, sizes: Sequence[int], ensemble_nll: Seq
     (calibrated) NLL at `sizes[i]` members is `ensemble_nll[i]`.
 
     `sizes` are strictly increasing whole numbers starting at 1, at least two of them. Returns
-    1.0 if `nll` is no better than one network, inf if it beats the largest ensemble measured,
+    1.0 if `nll` is no better than one network, inf if it beats the largest ensemble evaluated,
     else the linearly interpolated first crossing of the curve's running minimum (see the
     module docstring). A k-member ensemble's own NLL gives exactly k on a decreasing curve.
     """
@@ -160,7 +135,7 @@ def equivalent_interval(
     curve = ensemble_nll.mean((0, 2))  # (sizes,)
     method = float(method_nll.mean())
     value = deep_ensemble_equivalent(method, sizes, curve.tolist())
-    # the grid of sizes d and each one's weights on the measured sizes (linear interpolation)
+    # the grid of sizes d and each one's weights on the given sizes (linear interpolation)
     segment = torch.arange(count - 1).repeat_interleave(steps)
     fraction = torch.arange(steps, dtype=torch.float64).repeat(count - 1) / steps
     segment, fraction = torch.cat([segment, torch.tensor([count - 2])]), torch.cat([fraction, torch.tensor([1.0])])
@@ -197,7 +172,7 @@ def equivalent_interval(
     kept = grid[difference.abs() <= reach].tolist()
     if difference[0] <= reach[0]:  # the method may be no better than one network
         kept.append(1.0)
-    if difference[-1] >= -reach[-1]:  # it may beat the largest ensemble measured
+    if difference[-1] >= -reach[-1]:  # it may beat the largest ensemble evaluated
         kept.append(math.inf)
     low, high = (min(kept), max(kept)) if kept else (value, value)  # (none kept: the grid is too coarse for its width)
     return EquivalentInterval(value, low, high, tuple(leaves_out))

@@ -1,49 +1,22 @@
 """Selective prediction: how well an uncertainty score ranks a classifier's errors.
 
-A selective classifier accepts the examples it is most certain about and abstains on the
-rest. For per-example ``errors`` (1 where the prediction is wrong, 0 where it is right) and a
-per-example ``uncertainty`` (HIGHER = LESS certain), accepting every example whose
-uncertainty is at most a threshold ``τ`` gives
+A selective classifier accepts the examples whose ``uncertainty`` (HIGHER = LESS certain) is at
+most a threshold τ and abstains on the rest. With per-example ``errors`` (1 = wrong): the coverage
+``κ(τ)`` (the share accepted), the selective risk ``r(τ)`` (the error rate among the accepted;
+Geifman & El-Yaniv 2017) and the generalized risk ``g(τ) = κ(τ) r(τ)`` (accepted and wrong; Traub
+et al. 2024, NeurIPS).
 
-* the coverage ``κ(τ) = #{u_i ≤ τ} / n``, the share of examples accepted;
-* the selective risk ``r(τ) = #{errors with u_i ≤ τ} / #{u_i ≤ τ}``, the error rate among
-  the accepted examples (Geifman & El-Yaniv, 2017);
-* the generalized risk ``g(τ) = #{errors with u_i ≤ τ} / n = κ(τ) r(τ)``, the probability
-  that an example is both accepted and wrong (Traub et al., 2024, "Overcoming Common Flaws
-  in the Evaluation of Selective Classification Systems", NeurIPS).
+Ties are accepted together: the curve has one point per DISTINCT uncertainty, and the accepted
+errors grow linearly between points, so every number is its expectation over random tie-breaking
+(as Traub et al.'s ``fd-shifts`` ``RiskCoverageStats``). AURC ``= ∫_0^1 r(κ) dκ`` is integrated
+exactly on each segment (a logarithm, see `aurc`); without ties it differs from Geifman &
+El-Yaniv's mean ``1/n Σ_k r(k/n)`` by at most ``(H_n - 1) / n ≤ ln(n) / n``, and in exchange the
+oracle scores exactly `optimal_aurc` whether or not its scores tie. AUGRC ``= ∫_0^1 g(κ) dκ``,
+the trapezoid rule, exact for the linear ``g``.
 
-Ties. Examples with the same uncertainty are accepted or rejected together: the
-risk–coverage curve has one point per DISTINCT uncertainty value (the thresholds), so no
-result depends on the order in which tied examples are stored. Between two consecutive
-threshold points the number of accepted errors is taken to grow linearly with coverage;
-that is what accepting the tied examples one at a time in a random order gives in
-expectation, so every number below is the expectation, over random tie-breaking, of the
-same number computed with all ties broken (exactly so, since each is linear in the path of
-the error count). Without ties the points are simply ``κ = k/n``, ``k = 1..n``.
-Traub et al.'s reference implementation (``fd-shifts``, ``RiskCoverageStats``) also puts
-one point per distinct threshold and takes the same trapezoids for the AUGRC; for the AURC
-it takes trapezoids of the selective risk by default, and the exact integral below is its
-"non-linear" interpolation.
-
-Integration (both over coverage in [0, 1], from the threshold points):
-
-* AURC ``= ∫_0^1 r(κ) dκ`` with ``r(κ) = g(κ) / κ`` and ``g`` linear between the points and
-  ``g(0) = 0``; each segment is integrated exactly (a logarithm, see :func:`aurc`). On
-  ``[0, κ_1]`` the risk is the constant ``r_1``. Without ties this differs from Geifman &
-  El-Yaniv's mean ``1/n Σ_k r(k/n)`` (the right Riemann sum of the same steps) by at most
-  ``(H_n - 1) / n ≤ ln(n) / n``, ``H_n`` the n-th harmonic number: 0.0009 at n = 10 000.
-  The gain: the oracle scores exactly the closed form of :func:`optimal_aurc` whether or not
-  its scores tie (``uncertainty = errors`` is an oracle; a Riemann sum over its two
-  threshold points would give ``e^2`` instead), and no ranking scores below it.
-* AUGRC ``= ∫_0^1 g(κ) dκ``: the trapezoid rule over the points and ``(0, 0)``, which is
-  exact for the linear ``g``. The oracle's AUGRC is ``e^2 / 2`` for error rate ``e``.
-
-Scores of this project (:func:`dbsn.metrics.uncertainty.uncertainty_decomposition`):
-``predictive_entropy`` and ``mutual_information`` are uncertainties, ``max_probability`` is a
-confidence (higher = more certain), which :func:`selective_metrics` negates. Negating, not
-``1 - p``, keeps every distinct float32 confidence distinct. NB: the ``max_probability`` of
-:func:`~dbsn.metrics.uncertainty.detection_scores` is already ``1 - p``; do not pass that
-dict here.
+``max_probability`` is a confidence, which `selective_metrics` negates (not ``1 - p``, which can
+merge distinct float32 confidences). The ``max_probability`` of
+`dbsn.metrics.uncertainty.detection_scores` is already ``1 - p``: do not pass that dict here.
 """
 
 from __future__ import annotations

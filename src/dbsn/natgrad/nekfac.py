@@ -1,67 +1,13 @@
-"""Noisy eigenvalue-corrected K-FAC (NEK-FAC; Bae, Zhang & Grosse 2018, "Eigenvalue Corrected
-Noisy Natural Gradient", arXiv:1811.12565).
+"""Noisy eigenvalue-corrected K-FAC (NEK-FAC; Bae, Zhang & Grosse 2018, arXiv:1811.12565), the
+paper's NEK-FAC baseline (Tables 1-2).
 
-Variational inference by noisy natural gradient (Zhang et al. 2018): each Linear/Conv2d layer
-has a Gaussian posterior q(W̄) with mean M (the layer's parameters) and a covariance diagonal in
-the layer's Kronecker eigenbasis, over W̄ = [W, b] (shape (out, in+1); a conv weight is
-flattened to (out, in·kh·kw), the bias is the column that multiplies the homogeneous input
-coordinate 1; a layer without bias has no such column). The objective per example is
-
-    E_q[ (1/N) Σ_i ℓ_i(W̄) ] + (λ/N) KL(q || p),     p = N(0, η I),
-
-with ℓ_i the NLL of example i, N the dataset size, λ the KL weight (λ = 1: the exact posterior;
-the CIFAR recipe tempers with λ = 0.1) and η the prior variance.
-
-Fisher and its eigenbasis (column-major vec, so vec(G) for G (out, in+1) has the input index
-outer and vec(U_S X U_Aᵀ) = (U_A ⊗ U_S) vec(X)):
-
-    F = E[vec(∇W̄_i) vec(∇W̄_i)ᵀ] ≈ A ⊗ S,   A = E[ā āᵀ],  S = E[g gᵀ],
-    A = U_A diag(λ_A) U_Aᵀ,  S = U_S diag(λ_S) U_Sᵀ,
-
-with ā the layer input (conv patches) with the homogeneous coordinate and g the gradient of ℓ_i
-w.r.t. the layer output at labels *sampled from the model's predictive* (the true Fisher, not the
-empirical one; ``sampled_fisher_loss``). K-FAC's eigenvalues λ_S ⊗ λ_A are replaced by the
-eigenvalue-corrected diagonal (George et al. 2018)
-
-    s* = E_i[ (U_Sᵀ ∇W̄_i U_A)² ]   (out, in+1),
-
-the second moment of the per-example gradients projected into the Kronecker eigenbasis, which
-is the best diagonal in that basis. A, S and s* are exponential moving averages (decay 0.99;
-the first estimate of A and S initialises theirs) refreshed every ``cov_update_every`` steps
-from the statistics step's minibatch; A and S are eigendecomposed every
-``eigen_update_every`` steps (``torch.linalg.eigh`` in float64, negative round-off eigenvalues
-clipped to 0), and s* is then reset to λ_S ⊗ λ_A (``λ_S[:, None] * λ_A[None, :]``) because the
-old s* belongs to the old basis.
-
-Posterior, in the eigenbasis (independent coordinates):
-
-    precision  = (N/λ) (s* + λ/(N η)),     Σ = sqrt((λ/N) / (s* + λ/(N η))),
-    W̄ = M + U_S (ε ⊙ Σ) U_Aᵀ,   ε ~ N(0, I),
-
-so with λ = 1 the precision over vec(W̄) is (U_A ⊗ U_S) diag(N s* + 1/η) (U_A ⊗ U_S)ᵀ ≈
-N F + I/η, the Laplace/Gauss-Newton posterior precision (exact for a linear-Gaussian model).
-
-Mean update (one weight sample per step, as in the paper):
-
-    G = ∇ (1/B) Σ_i ℓ_i |_{W̄ sampled} + (λ/(N η)) M               (data term + prior term)
-    V = U_S [ (U_Sᵀ G U_A) / (s* + λ/(N η) + γ) ] U_Aᵀ              (natural gradient)
-    ν = min(1, sqrt(κ / (lr² Σ_layers Σ V ⊙ G)))                     (KL clipping, Ba et al. 2017)
-    m ← μ m + ν V,   M ← M − lr m                                    (momentum μ = 0.9)
-
-The preconditioner is the damped posterior precision × λ/N: the prior's "intrinsic damping"
-λ/(N η) plus an extrinsic damping γ (``damping``) in the update only, never in the noise
-(Zhang et al. 2018, Sec. 3.2). With γ = 0 and an exact Fisher, lr = 1 is a Newton step onto the
-posterior mean. The prior term uses the mean M (its exact expectation under q).
-
-Convolutions (KFC, Grosse & Martens 2016): ā runs over the unfolded input patches of the
-H'W' = T output positions and ∇W̄_i sums over them. ``per_example.kfac_factors`` returns A and
-S as means over all (example, position) pairs, for which the per-example Fisher is ≈ T (A ⊗ S);
-T is folded into S here so that λ_S ⊗ λ_A and s* estimate the same quantity. A grouped conv is
-block diagonal: each of its G groups is a W̄ of its own, and every per-layer tensor carries a
-leading group dim (G = 1 otherwise). Each layer must be applied once per forward.
-
-Every other trainable parameter (BatchNorm, embeddings, ...) is a point estimate: SGD with the
-same momentum and lr, weight decay λ/(N η) (the same Gaussian prior as a MAP term), no noise.
+Noisy natural gradient (Zhang et al. 2018): each Linear/Conv2d layer has a Gaussian posterior over
+W̄ = [W, b] with mean M (the layer's parameters) and a covariance diagonal in its Kronecker
+eigenbasis: the eigenvalue-corrected s* (George et al. 2018) of the *true* Fisher (labels sampled
+from the model, `sampled_fisher_loss`). The mean moves by the damped natural gradient with the
+prior term and KL clipping; the damping γ enters the update, never the noise. Convolutions follow
+KFC (Grosse & Martens 2016). Every other trainable parameter is a point estimate: SGD with the
+prior as weight decay. The equations: docs/methods.md ("NEK-FAC as implemented").
 
 Usage::
 
@@ -73,12 +19,9 @@ Usage::
     with opt.sample_weights():         # one posterior draw for prediction
         probs = model(x_test).softmax(-1)
 
-The closure only runs the forward pass and returns ``(loss, fisher_loss)``: ``loss`` the MEAN
-NLL of the minibatch at the observed labels (its gradient drives the mean), ``fisher_loss`` the
-SUM over examples of the NLL at labels sampled from the model (so the captured output gradients
-are per-example gradients); the optimizer does the backward passes itself and backpropagates
-``fisher_loss`` only on statistics steps. Per-layer capture and the per-example algebra come
-from ``dbsn.natgrad.per_example``.
+The closure only runs the forward and returns ``(loss, fisher_loss)``: the MEAN NLL at the
+observed labels and the SUM of the NLL at sampled labels (so captured output gradients are
+per-example); the optimiser runs the backward passes. Each layer is applied once per forward.
 """
 
 from __future__ import annotations

@@ -1,42 +1,23 @@
 """Per-example gradient statistics of Linear, Conv2d and BatchNorm layers from saved tensors.
 
-For a layer with output ``z = W a (+ b)`` the gradient of example i's loss L_i is a function
-of two tensors that backpropagation already computes: the layer input a_i and the gradient
-g_i = dL_i/dz_i of the output. :class:`LayerCapture` saves both with module hooks; the
-functions below turn them into
+A layer's per-example gradient is a function of two tensors backpropagation already computes:
+the layer input a_i and the output gradient g_i = dL_i/dz_i, which `LayerCapture` saves with
+module hooks. From them: ``per_example_grads`` (one (B, *param.shape) tensor per parameter,
+summed over a convolution's output positions, KFC: Grosse & Martens 2016), ``sum_squared_grads``
+(the diagonal VOGN needs, Khan et al. 2018; without per-example gradients for one position per
+example, Goodfellow 2015, else ``chunk_size`` examples at a time) and ``kfac_factors`` (K-FAC's
+A and S, Martens & Grosse 2015, for NEK-FAC). The formulas: docs/methods.md ("Per-example
+gradient statistics").
 
-- ``per_example_grads``: dL_i/dW = sum_t g_{i,t} a_{i,t}^T and dL_i/db = sum_t g_{i,t}, one
-  tensor (B, *param.shape) per parameter. The sum runs over the positions t of example i: the
-  T positions of a Linear applied to (B, T, in), the H'W' output pixels of a convolution,
-  whose a_{i,t} is the unfolded input patch (``torch.nn.functional.unfold``; Grosse & Martens
-  2016, "A Kronecker-factored approximate Fisher matrix for convolution layers").
-- ``sum_squared_grads``: sum_i (dL_i/dθ)^2 elementwise, the diagonal that VOGN needs (Khan et
-  al. 2018; Osawa et al. 2019). With one position per example it is (g^2)^T (a^2) (Goodfellow
-  2015, "Efficient per-example gradient computations") and never forms per-example gradients;
-  otherwise per-example gradients are formed ``chunk_size`` examples at a time and squared
-  and summed at once, so the extra memory is about chunk_size * P floats for P weights
-  (plus the chunk's unfolded patches) instead of B * P.
-- ``kfac_factors``: the Kronecker factors A and S of K-FAC / KFC (Martens & Grosse 2015;
-  Grosse & Martens 2016), used by NEK-FAC (Bae et al. 2018).
+Convention: the caller backpropagates the SUM over examples of the per-example losses, so the
+saved output gradient of example i is exactly g_i. With a MEAN over a batch of B the saved
+gradients are g_i / B: set ``LayerCapture(..., scale=B)`` (or ``cap.scale = B``, or
+``cap.output_grad(layer, scale=B)``) to convert.
 
-Convention. The caller backpropagates the SUM over examples of the per-example losses, so the
-saved output gradient of example i is exactly g_i = dL_i/dz_i. With a MEAN over a batch of B
-the saved gradients are g_i / B: set ``LayerCapture(..., scale=B)`` (or ``cap.scale = B``, or
-``cap.output_grad(layer, scale=B)``) to convert. All functions take the output gradients as
-per-example gradients.
-
-BatchNorm. Its affine parameters get ordinary gradients from autograd. For their per-example
-gradients :class:`LayerCapture` saves, in place of the raw input, the normalised input
-x̂ = (x - mean) / sqrt(var + eps) computed with the statistics the forward used (batch
-statistics in training mode or without running statistics, running statistics otherwise;
-per interleaved group for ``dbsn.nets.ops.GroupBatchNorm2d(x, groups)``). Since
-y = γ x̂ + β, the per-example gradients are dL_i/dγ = sum_positions g_i x̂_i and
-dL_i/dβ = sum_positions g_i. In training mode this treats x̂_i as fixed: it ignores that the
-batch statistics, hence every x̂_j, depend on all examples of the batch. That is what every
-practical VOGN implementation does; the sum over examples is still exactly the batch gradient,
-because γ and β do not enter the statistics. (``torch.func.vmap`` would instead normalise each
-example by its own statistics, a different model.) ``SyncBatchNorm``'s cross-process
-statistics are not reproduced: x̂ uses the local batch.
+BatchNorm: the capture saves the normalised input x̂ computed with the statistics the forward
+used, and the per-example gradients treat x̂ as fixed (ignoring the batch statistics' dependence
+on every example), as every practical VOGN does; their sum is still the exact batch gradient.
+``SyncBatchNorm``'s cross-process statistics are not reproduced: x̂ uses the local batch.
 """
 
 from __future__ import annotations

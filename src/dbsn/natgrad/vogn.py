@@ -1,54 +1,24 @@
 """Variational Online Gauss-Newton (VOGN): a natural-gradient optimiser of a Gaussian posterior.
 
 Khan et al. 2018, "Fast and Scalable Bayesian Deep Learning by Weight-Perturbation in Adam";
-Osawa et al. 2019, "Practical Deep Learning with Bayesian Principles". The posterior over the
-optimised parameters is q(w) = N(μ, diag(σ²)); μ is the parameter tensor itself, the
-optimiser state holds s (a scaled precision) and the momentum m.
+Osawa et al. 2019, "Practical Deep Learning with Bayesian Principles"; the paper's Table 5
+baseline. The posterior is q(w) = N(μ, diag(σ²)): μ is the parameter tensor itself, the state
+holds the scaled precision s and the momentum m. Each step draws K weight samples, takes ĥ from
+the squared per-example gradients (a `LayerCapture`, at the observed targets as the papers do)
+and updates m (no (1 − β1) factor, as the CIFAR recipes) and s (β2 weighs the NEW estimate). The
+update rules, the KL warm-up and the fixed point that equals exact Bayesian linear regression:
+docs/methods.md ("VOGN as implemented").
 
-Notation: N_eff = ρ N (N the dataset size, ρ the data-augmentation factor), δ = 1 / prior
-variance, τ the KL weight (tempering), δ̃ = τ δ / N_eff, γ the damping, K MC samples. τ may be
-warmed up linearly from ``kl_warmup_start`` * τ to τ over ``kl_warmup_steps`` steps: step t
-(counted from 0) uses τ_t = τ (c + (1 - c) min(1, t / steps)), c = ``kl_warmup_start``. One
-``step(closure)``:
+The closure computes the SUM over the minibatch of per-example losses (the mean with
+``loss_reduction="mean"``), calls ``backward()`` and returns the loss; the optimiser sets the
+parameters to w_k and zeroes ``.grad`` before each call. Each captured layer is applied once per
+forward to the whole batch. ĥ uses the LAST backward pass's output gradients, so a second
+``torch.autograd.grad`` pass can change the curvature estimate (e.g. to an MC Fisher).
 
-1. for k = 1..K: w_k = μ + sqrt(τ / N_eff) ε_k / sqrt(s + δ̃ + γ), ε_k ~ N(0, I), is written
-   into the parameters; ``closure()`` runs forward/backward of the minibatch loss at w_k.
-   ĝ = mean over k of the minibatch-mean gradient (1/B) sum_i ∇ℓ_i(w_k), from ``.grad``;
-   ĥ = mean over k of (1/B) sum_i ∇ℓ_i(w_k)², the mean squared per-example gradient, from
-   the layer inputs and output gradients saved by a :class:`LayerCapture` (no per-example
-   gradients are materialised for Linear layers). Then μ is restored.
-2. g̃ = ĝ + δ̃ μ;  m ← β1 m + g̃   (no (1 - β1) factor, as in the CIFAR recipes).
-3. s ← β2 ĥ + (1 - β2) s          (β2 is the weight of the NEW estimate).
-4. μ ← μ - lr m / (s + δ̃ + γ).
-
-The posterior standard deviation is σ = 1 / sqrt(N_eff (s + δ̃ + γ) / τ): the precision is
-N_eff (s + δ̃ + γ) / τ = N_eff (s + γ) / τ + δ.
-
-Correspondence with exact Bayes. At a fixed point with β2 = 1, γ = 0, τ = 1: s = E_q[ĥ] and
-E_q[ĝ] + δ̃ μ = 0, i.e. N_eff E_q[ĝ] + δ μ = 0. For Bayesian linear regression
-y = Xw + noise(σ_y²) with prior N(0, I / δ), full batch (B = N = N_eff), and ĥ the diagonal
-Gauss-Newton (1/N) sum_i x_i² / σ_y², this gives N_eff (s + δ̃) = diag(XᵀX) / σ_y² + δ,
-the diagonal of the posterior precision Σ⁻¹ = XᵀX / σ_y² + δ I, and, when XᵀX is diagonal,
-μ = Σ Xᵀy / σ_y², the posterior mean (``tests/natgrad/test_vogn.py`` checks both).
-
-The closure contract: ``closure()`` computes the SUM over the minibatch of per-example losses
-(or the mean, with ``loss_reduction="mean"``), calls ``backward()`` and returns the loss; the
-optimiser sets the parameters to w_k and zeroes their ``.grad`` before each call, so the
-closure needs no ``zero_grad()``. Each captured layer must be applied once per forward to the
-whole batch (one row per example). By default ĥ squares the per-example gradients at the
-observed targets, as in the papers (which call this the Gauss-Newton approximation). ĥ uses
-the output gradients of the LAST backward pass through the model, so a closure may change
-the curvature estimate with a second pass that leaves ``.grad`` alone: after
-``loss.backward(retain_graph=True)``, ``torch.autograd.grad(other.sum(), params,
-allow_unused=True)``, with ``other`` e.g. the loss at targets sampled from the model (an MC
-Fisher) or, for a Gaussian likelihood, z / σ_y of the outputs z (the exact GGN).
-
-BatchNorm affine parameters are supported (per-example gradients at fixed batch statistics,
-see :mod:`dbsn.natgrad.per_example`); the K forwards per step each update BN running
-statistics. A param group with ``point_estimate=True`` (e.g. BN parameters) gets no weight
-noise and no prior term, but is still preconditioned by 1 / (s + γ). Parameters outside
-Linear, Conv2d and BatchNorm layers are rejected at construction; optimise them with another
-optimiser (``params=`` selects what VOGN optimises). Sampling uses the global torch RNG.
+BatchNorm affine parameters are supported at fixed batch statistics; the K forwards each update
+the running statistics. A group with ``point_estimate=True`` gets no noise and no prior but is
+still preconditioned by 1 / (s + γ). Parameters outside Linear, Conv2d and BatchNorm layers are
+refused at construction. Sampling uses the global torch RNG.
 """
 
 from __future__ import annotations
@@ -78,7 +48,7 @@ _GLOBAL_OPTIONS = (
 
 
 class VOGN(Optimizer):
-    """VOGN (see the module docstring for the exact update).
+    """VOGN (the exact update: docs/methods.md, "VOGN as implemented").
 
     ``VOGN(model, lr=..., dataset_size=N, ...)`` optimises ``params`` (default: every trainable
     parameter of ``model``; or parameters / param-group dicts, all of them weights or biases

@@ -1,29 +1,18 @@
 """BatchEnsemble layers (Wen, Tran & Ba, ICLR 2020): M members that share one slow weight.
 
 Member m's weight is the shared ("slow") weight W times a rank-1 "fast" weight, W ∘ s_m r_mᵀ
-(paper, Eq. 1), which is computed without forming it (Eq. 2):
+(paper, Eq. 1), computed without forming it (Eq. 2): y = (W (x ∘ r_m)) ∘ s_m + b_m for a linear
+layer, the same per channel for a convolution. b_m is the member's own bias (where the layer
+has one, as edward2's layers). A batch holds the members' rows *interleaved*: row r belongs to
+member r mod M, so `x.repeat_interleave(M, 0)` evaluates every example under every member.
 
-    y = (W (x ∘ r_m)) ∘ s_m + b_m
-
-for a linear layer, and the same per channel for a convolution: r_m scales the input channels,
-s_m the output channels. b_m is the member's own bias (edward2's layers give every member one
-where the layer has a bias, none where it has not). A batch holds the M members' rows
-*interleaved*, as every grouped batch here: row r belongs to member r mod M, so
-`x.repeat_interleave(M, 0)` evaluates every example under every member (the paper's batch
-repetition) and `.view(b, M, ...)` separates them again.
-
-`batch_ensemble(net, M)` swaps every `nn.Conv2d` and `nn.Linear` of a network for these layers
-in place, keeping their weights as the slow weights, so any network built from them becomes a
-BatchEnsemble: ResNet-18, WideResNet and DBSN's cell network, whose depthwise convolutions
-become BatchEnsemble depthwise convolutions as edward2's `DepthwiseConv2DBatchEnsemble` (r_m and
-s_m per channel). BatchNorm stays shared; the method decides which rows its statistics cover
-(`dbsn.methods.BatchEnsemble`: the whole repeated batch, as the authors).
-
-Initialisation of the fast weights, the authors' `random_sign_init` (uncertainty-baselines,
-`baselines/cifar/batchensemble.py` and `models/wide_resnet_batchensemble.py`): a value p > 0
-draws random signs, +1 with probability p and -1 otherwise (edward2's `RandomSign`); a value
-≤ 0 draws N(1, p²) (their CIFAR default -0.5: N(1, 0.25)); 0 sets every fast weight to 1, which
-makes every member the slow network. Member biases start as copies of the slow bias.
+`batch_ensemble(net, M)` swaps every `nn.Conv2d` and `nn.Linear` of a network for these layers in
+place, keeping their weights as the slow weights (depthwise convolutions become edward2's
+`DepthwiseConv2DBatchEnsemble`). BatchNorm stays shared; `dbsn.methods.BatchEnsemble` decides
+which rows its statistics cover. The fast weights start as the authors' `random_sign_init`
+(uncertainty-baselines): p > 0 draws random signs, +1 with probability p; p ≤ 0 draws N(1, p²)
+(their CIFAR default −0.5); 0 sets them to 1, every member the slow network. Member biases start
+as copies of the slow bias.
 """
 
 from __future__ import annotations

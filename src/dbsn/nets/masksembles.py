@@ -2,42 +2,21 @@
 masks on the channels of one network.
 
 Member m multiplies the input channels of every masked layer by its own 0/1 mask, drawn once when
-the network is built and never redrawn (a buffer: checkpoints keep it), so that the M members are
-M fixed subnetworks with shared weights. A batch holds the members' rows *interleaved*, as every
-grouped batch here: row r belongs to member r mod M, so `x.repeat_interleave(M, 0)` evaluates every
-example under every member and `.view(b, M, ...)` separates them again (the authors' layers cut the
-batch into M consecutive blocks instead; only the order of the rows differs).
+the network is built (a buffer: checkpoints keep it), so the M members are M fixed subnetworks
+with shared weights. A batch holds the members' rows *interleaved*: row r belongs to member
+r mod M (the authors cut it into M consecutive blocks; only the row order differs).
 
-The masks of one layer are generated as the authors' code does (nikitadurasov/masksembles,
-`masksembles/common.py`; torch-uncertainty copies it in `torch_uncertainty/layers/masksembles.py`):
+The masks follow the authors' code (nikitadurasov/masksembles `common.py`, as torch-uncertainty):
+`draw_masks` (their `generate_masks_`), `generate_masks` (redrawn until the union keeps its
+expected size) and `masks_for_channels` (their `generation_wrapper`), whose bisection for the
+scale that makes the union exactly c channels uses torch-uncertainty's bounds, since the
+authors' hold no solution for some small layers. The scale s sets the overlap: two masks'
+intersection over union is about 1/(2s − 1) (s = 1: the plain network M times). Refused, as
+theirs: fewer than 10 channels, a scale above 6 or below 1.
 
-- `draw_masks(m, n, s)` (their `generate_masks_`): n masks, each an m-subset of ⌊m·s⌋ positions
-  drawn uniformly at random, then the positions that no mask uses dropped;
-- `generate_masks(m, n, s)`: `draw_masks` again until the masks keep exactly
-  ⌊m·s·(1 − (1 − 1/s)ⁿ)⌋ positions, the expected size of their union (each position is unused by
-  all n masks with probability (1 − 1/s)ⁿ; their Supplementary material);
-- `masks_for_channels(c, n, scale)` (their `generation_wrapper`): m = ⌊c / (scale·(1 − (1 −
-  1/scale)ⁿ))⌋ ones per mask (the inverse of that formula), and the s that makes the union exactly
-  c channels found by bisection over [max(0.2·scale, 1), 4·scale] (torch-uncertainty's bounds: the
-  authors' [0.8·scale, 1.2·scale] holds no such s for some small layers, e.g. 12 channels at
-  M = 3, where their code raises). The union's size is a function of s alone, so the bisection
-  runs on that function and the masks are drawn once, at the s it finds: the authors draw at every
-  step of the bisection and keep the last draw, which has the same law. Every channel is then
-  used by at least one member and every member uses m channels.
-
-The scale sets the overlap: two masks of m ones among N = ⌊m·s⌋ positions share m²/N = m/s
-positions in expectation, so their intersection over union is about (m/s) / (2m − m/s) =
-1/(2s − 1): s = 1 gives M masks of ones (the plain network M times), a large s nearly disjoint
-masks (M separate narrow networks). The authors refuse fewer than 10 channels and a scale above 6;
-torch-uncertainty a scale below 1; so does `masks_for_channels`.
-
-`masksembles(net, M, scale)` puts a mask on the input of every `nn.Conv2d` but the stem (the
-network's first convolution, which reads the image) and of every `nn.Linear` (the head
-`classifier`), in place, as torch-uncertainty's masked ResNet and WideResNet do (their
-`MaskedConv2d` masks a convolution's input: every block's convolutions and the 1×1 shortcut; their
-`MaskedLinear` the head's input; the stem stays a plain convolution). BatchNorm stays shared; the
-method decides which rows its statistics cover (`dbsn.methods.Masksembles`: the whole repeated
-batch, as the authors' plain BatchNorm over the repeated batch).
+`masksembles(net, M, scale)` masks the input of every `nn.Conv2d` but the stem and of the head,
+in place, as torch-uncertainty's masked ResNet and WideResNet; BatchNorm stays shared. Formulas
+and sources: docs/field.md ("Settings and their sources").
 """
 
 from __future__ import annotations

@@ -2,28 +2,18 @@
 one network, each with an input and a head of its own.
 
 `mimo(net, size)` turns any network that follows dbsn's conventions into its MIMO version, in
-place:
+place: the stem (the first ``nn.Conv2d`` of ``net.modules()``; `StructureNet`'s ``stem``) takes
+the M images concatenated on the channel axis, channel ``m · C_in + c`` holding channel c of
+member m's image (the authors' Keras model interleaves them, ``c · M + m``: a permutation of
+the stem's input channels that the i.i.d. initialisation does not see); ``classifier`` gives M
+heads, head m in columns ``m · C .. (m + 1) · C - 1`` (the authors' ``DenseMultihead``);
+everything between is shared. The network still reports ``num_classes`` = C; its forward returns
+(b, M · C), and `dbsn.methods.MIMO` builds the inputs and splits the heads.
 
-- the stem, the first ``nn.Conv2d`` of ``net.modules()``, takes M images concatenated on the
-  channel axis: ``M · C_in`` input channels, channel ``m · C_in + c`` holding channel c of
-  member m's image (the authors' Keras model interleaves them, ``c · M + m``; the two differ by
-  a permutation of the stem's input channels, which the i.i.d. initialisation does not see);
-- ``classifier``, the last ``nn.Linear``, gives M heads: ``M · C`` outputs, head m in columns
-  ``m · C .. (m + 1) · C - 1`` (the authors' ``DenseMultihead``: one Dense layer of M · C units
-  reshaped to (b, M, C));
-- everything between is shared, as in the paper: the subnetworks emerge in training.
-
-On ResNet-18, WideResNet-28-10 and VGG16-BN the stem is the first convolution, on DBSN's cell
-network (`StructureNet`) its ``stem`` 3x3 convolution; all have ``classifier``. The network
-still reports ``num_classes`` = C; its forward now returns (b, M · C), and `dbsn.methods.MIMO`
-builds the inputs and splits the heads.
-
-Initialisation. The new stem's weights are drawn N(0, s² / M), s the standard deviation of
-the replaced stem's weights (the network's own initialisation scheme, whatever it is): a
-fan-in initialisation over M · C_in input channels, as the authors' ``he_normal`` gives, so that
-the stem's output keeps the scale it had on one image. The heads' weights are drawn N(0, s_h²),
-s_h that of the replaced classifier (the fan-in, the features, is unchanged). Biases start at
-zero (the Keras layers' default). A network with M = 1 keeps its layers untouched.
+Initialisation: the new stem's weights are N(0, s² / M), s the standard deviation of the replaced
+stem's (a fan-in initialisation over M · C_in channels, as the authors' ``he_normal``, so the
+stem's output keeps its scale); the heads' N(0, s_h²), s_h that of the replaced classifier;
+biases zero. A network with M = 1 keeps its layers untouched.
 """
 
 from __future__ import annotations

@@ -2,37 +2,20 @@
 network, kept apart by grouped convolutions.
 
 `pack(net, alpha, gamma, size)` rebuilds a network in place: every layer gets α times its channels
-and as many groups as keep the M = `size` members from seeing each other's channels, so one
-forward pass of the packed network is M independent networks of α·c / M channels each, and its
-logits are (b, M·C), member m's at columns m·C .. (m + 1)·C - 1. Member m holds channels
-[m·α·c / M, (m + 1)·α·c / M) of every layer (member-contiguous). The rules follow the authors'
-code, torch-uncertainty (`torch_uncertainty/layers/packed.py`, `PackedConv2d` and `PackedLinear`,
-and its packed ResNet and WideResNet):
+and as many groups as keep the M = `size` members apart, so one forward is M independent networks
+of α·c / M channels each (member-contiguous), with logits (b, M·C), member m's at columns
+m·C .. (m + 1)·C − 1. The rules follow torch-uncertainty's `PackedConv2d` / `PackedLinear` and its
+packed ResNet and WideResNet: the stem keeps its input channels (one group), the head
+`classifier` is α·F -> M·C in M groups, every other convolution splits each member into γ
+subgroups, γ lowered until every group has `min_channels_per_group` input channels and the
+channels divide (here also the output channels, where theirs would raise; `WITHOUT_SUBGROUPS`
+keeps γ = 1), and BatchNorm is per channel, hence per member. Layers are initialised per group
+with PyTorch's defaults; no weights are copied.
 
-- the stem, the network's first `nn.Conv2d` (it reads the image): input channels unchanged, α·c
-  output channels, one group (`first=True`): each member its own α·c / M filters on the image;
-- the head, the network's `classifier` (an `nn.Linear` F -> C): α·F -> M·C in M groups
-  (`last=True`, no subgroups), a `PackedLinear`;
-- every other convolution: α·c_in -> α·c_out in g·M·γ groups (g its own groups): each member
-  split into γ subgroups. γ is lowered, as `PackedConv2d` lowers it, until every group has at
-  least `min_channels_per_group` (the authors' 64) input channels and they divide evenly (here
-  the output channels too, where `PackedConv2d` would raise instead); a
-  convolution `WITHOUT_SUBGROUPS` names for its network keeps γ = 1 (the authors' ResNet: the
-  first convolution of every block, "No subgroups for the first layer"; their WideResNet
-  subdivides every convolution). A depthwise convolution stays depthwise (α·c groups);
-- BatchNorm over α·c channels: per channel, hence per member.
-
-Anything else with parameters (another `nn.Linear`, GroupNorm, a transposed convolution) is
-refused, and so is a width that the groups do not divide, in one line naming the layer. The
-layers between (ReLU, pooling, dropout, residual sums) act per channel or elementwise and keep
-the layout; a concatenation along channels does not (it would put member 1 of its first input
-next to member 0 of its second): a module with a `channel_groups` attribute (DBSN's `Cell`) is
-told M and concatenates member by member.
-
-Initialisation: the authors' packed layers keep PyTorch's defaults, which are per group: a
-grouped convolution's Kaiming-uniform fan-in is one group's, and `PackedLinear` initialises each
-member's head as `nn.Linear` does. `pack` builds its layers that way (BatchNorm at the
-identity), whatever the network's own initialisation, and copies no weights.
+Anything else with parameters, or a width the groups do not divide, is refused in one line naming
+the layer. A concatenation along channels would mix members: a module with a `channel_groups`
+attribute (DBSN's `Cell`) is told M and concatenates member by member. Settings and sources:
+docs/field.md.
 """
 
 from __future__ import annotations

@@ -3,27 +3,18 @@
 Member m of a BatchEnsemble layer computes with W ∘ s_m r_mᵀ (`dbsn.nets.batch_ensemble`); the
 rank-1 BNN puts a posterior on the factors instead: a mixture of M components, component m with
 independent entries r_mi ~ q(r_m, softplus(ρ^r_m)) and s_mj ~ q(s_m, softplus(ρ^s_m)), normal or
-Cauchy (`dbsn.bayes.rank1.FactorDistribution`), around one shared weight W that stays a point
-estimate. The layer is edward2's `Conv2DRank1` / `DenseRank1` with multiplicative factors:
+Cauchy (`dbsn.bayes.rank1.FactorDistribution`), around one shared point-estimate weight W. As
+edward2's `Conv2DRank1` / `DenseRank1` with multiplicative factors: the batch holds the
+components' rows interleaved (row r is component r mod M), every row draws its own r and s
+(reparameterised), the draws are clipped to [−10, 10], and a component's bias is a point
+estimate. `r`, `s` are the locations (initialised by `random_sign_init`), `r_rho`, `s_rho` the
+raw scales, started at softplus⁻¹(σ₀), σ₀ = sqrt(p / (1 − p)) for the authors' `dropout_rate` p
+(jittered by a truncated N(0, 0.1²) for the normal family; uncertainty-baselines'
+`make_initializer`; values in docs/methods.md, "Rank-1 BNN").
 
-- the batch holds the M components' rows interleaved, as BatchEnsemble's (row r is component
-  r mod M), and every row draws its own r and s (reparameterised): the authors'
-  `distribution.sample(examples_per_model)`, an independent draw per example and component;
-- the draws are clipped to [−10, 10] (edward2's `min_perturbation_value`,
-  `max_perturbation_value`);
-- the component's bias b_m (where the layer has one) is a point estimate, as BatchEnsemble's.
-
-`r` and `s` are the components' locations (BatchEnsemble's fast weights, initialised by
-`random_sign_init`: the authors' CIFAR flag 0.5 draws random signs), `r_rho` and `s_rho` their
-raw scales. A scale starts at σ₀ = sqrt(p / (1 − p)) for the authors' `dropout_rate` p (1e-3:
-σ₀ = 0.0316): ρ ~ N(softplus⁻¹(σ₀), 0.1²) truncated at two standard deviations for the normal
-family (`TruncatedNormal(mean=stddev_init, stddev=0.1)`), ρ = softplus⁻¹(σ₀) for the Cauchy
-(`Constant(stddev_init)`; uncertainty-baselines, `models/rank1_bnn_utils.make_initializer`).
-
-With ρ → −∞ (scales 0) a layer is the BatchEnsemble layer of its locations. The evaluation's
-members (`dbsn.methods.Rank1BNN.fixed_members`) are networks drawn once: `draw_members` draws one
-(r, s) per member for every layer and `holding` makes the layers use them, row i·n + k being
-member k, for every example alike.
+With scales 0 a layer is the BatchEnsemble layer of its locations. The evaluation's members
+(`dbsn.methods.Rank1BNN.fixed_members`) are drawn once: `draw_members` draws one (r, s) per member
+for every layer and `holding` makes the layers use them, row i·n + k being member k.
 """
 
 from __future__ import annotations

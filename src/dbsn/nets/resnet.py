@@ -1,26 +1,19 @@
 """ResNet-18 for 32x32 images (He et al. 2016, CIFAR variant): the field's first backbone.
 
 The uncertainty literature's ResNet-18 on CIFAR (TorchUncertainty, the SNGP and DUQ PyTorch
-code, and most tables since) is the one of kuangliu/pytorch-cifar, which this follows layer
-for layer:
+code) is the one of kuangliu/pytorch-cifar, which this follows layer for layer:
 
-- stem: conv3x3(3 -> w, stride 1, no bias)-BN-ReLU, and no max pooling (the ImageNet stem's
-  7x7 stride-2 convolution and max pooling would leave a 8x8 map after the stem);
-- four stages of two ``BasicBlock`` s, w, 2w, 4w, 8w channels, strides 1, 2, 2, 2 (maps 32, 16,
-  8, 4): conv3x3(stride)-BN-ReLU-conv3x3-BN plus the shortcut, then ReLU; the shortcut is
-  conv1x1(stride, no bias)-BN where the shape changes (option B of He et al.), the identity
-  elsewhere;
+- stem: conv3x3(3 -> w, stride 1, no bias)-BN-ReLU, no max pooling;
+- four stages of two ``BasicBlock`` s, w, 2w, 4w, 8w channels, strides 1, 2, 2, 2:
+  conv3x3(stride)-BN-ReLU-conv3x3-BN plus the shortcut, then ReLU; the shortcut is
+  conv1x1(stride, no bias)-BN where the shape changes (option B of He et al.), else the identity;
 - global average pooling and ``classifier``, a Linear(8w, C) with bias.
 
-At ``width=64`` and 10 classes this is 11,173,962 parameters (11.17 M, the published count);
-``width`` scales every stage (``width=8``: 176 K parameters, for tests and CPUs; below 8, the
-1x1 stride-2 shortcut of the second stage has fewer than 8 input channels, whose channels-last
-backward crashes PyTorch 2.14's CPU convolution: there set ``model.execution.channels_last=false``).
-
-Initialisation: PyTorch's defaults, as in kuangliu/pytorch-cifar (which sets none): Kaiming
-uniform (a = sqrt(5)) for convolutions and the Linear weight, uniform Linear bias, BatchNorm at
-the identity. A `Backbone` (``num_edges = num_ops = 0``); every BatchNorm is `GroupBatchNorm2d`,
-so a grouped forward in training mode equals G separate forwards.
+At ``width=64`` and 10 classes: 11,173,962 parameters (the published count); ``width=8``: 176 K,
+for tests and CPUs (narrower needs ``model.execution.channels_last=false`` on a CPU: see
+docs/methods.md, "Networks"). Initialisation: PyTorch's defaults, as kuangliu/pytorch-cifar;
+BatchNorm at the identity. A `Backbone` whose BatchNorms are `GroupBatchNorm2d`, so a grouped
+forward in training mode equals G separate forwards.
 """
 
 from __future__ import annotations

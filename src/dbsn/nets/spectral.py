@@ -1,40 +1,21 @@
 """Spectral normalisation with a norm bound: the hidden layers of SNGP (Liu et al., NeurIPS 2020).
 
-SNGP keeps the feature extractor distance-preserving by bounding the spectral norm of every hidden
-layer. Each convolution and linear layer computes with
+Every convolution and linear layer computes with W̄ = W · min(1, c / σ̂(W)), c the norm bound
+(`bound`) and σ̂(W) the largest singular value of the layer's *linear operator*, by power
+iteration with persistent vectors u, v (buffers). A convolution's operator is x ↦ conv(x, W) on
+inputs of the size the layer sees (edward2's `SpectralNormalizationConv2D`, Gouk et al. 2021: the
+Lipschitz bound, not Miyato et al.'s reshaped kernel); its input size comes from one eval-mode
+forward of a zero image of `input_size`. A linear layer is its matrix (Miyato et al. 2018).
 
-    W̄ = W · min(1, c / σ̂(W)),
-
-where c is the norm bound (`bound`; 6 for the authors' WideResNet-28-10 on CIFAR) and σ̂(W) the
-largest singular value of the layer's *linear operator*, estimated by power iteration with
-persistent vectors u, v (buffers, saved in checkpoints):
-
-- a convolution is the operator x ↦ conv(x, W) on inputs of the size the layer sees in the
-  network (C, H, W), with its own stride, padding, dilation and groups: v has the input's shape,
-  u the output's, and the adjoint is the transposed convolution. This is edward2's
-  `SpectralNormalizationConv2D` (Gouk et al. 2021), the norm that bounds the layer's Lipschitz
-  constant, not Miyato et al.'s norm of the kernel reshaped to a (C_out, C_in k²) matrix;
-- a linear layer is its weight matrix (edward2's `SpectralNormalization`, Miyato et al. 2018).
-
-`iterations` power-iteration steps (the authors: 1) run at every forward in training mode and none
-in eval mode, so a prediction uses the vectors of the last training step and is deterministic.
-Power iteration approaches σ from below, so the bound holds up to the estimate's error. The first
-training forward runs `warmup` iterations more (50: σ̂ within about 1 % of σ on the residual
-networks at 32x32; PyTorch's `spectral_norm` does 15 at construction, edward2 none), so that σ̂
-is accurate from the first step, and one iteration a step keeps it there. At the first forward,
-not at construction: a WideResNet-28-10's 50 iterations take a minute on a CPU, a moment on the
-GPU that trains it, and a network rebuilt from a checkpoint (which says the warm-up ran) never
-pays them.
-
-Where this differs from edward2: there the layer overwrites its kernel variable with W̄ at every
-call (a projection: the gradient is taken at W̄, with σ̂ held fixed); here W̄ is a
-parametrisation of W (`torch.nn.utils.parametrize`), the gradient flowing through σ̂ = uᵀ W v as in
-Miyato et al. and PyTorch's `spectral_norm`. The forward values are the same.
+`iterations` steps run at every training forward and none in eval mode (a prediction is
+deterministic). The first training forward runs `warmup` more, so σ̂ is accurate from the first
+step; at the first forward, not at construction, so a network rebuilt from a checkpoint never pays
+them (their cost: docs/performance.md). Unlike edward2, which overwrites its kernel with W̄, W̄ is
+a parametrisation of W (`torch.nn.utils.parametrize`), the gradient flowing through σ̂ = uᵀ W v as
+in PyTorch's `spectral_norm`; forward values are the same (docs/field.md).
 
 `spectral_normalize(net, bound, ...)` applies it to every `nn.Conv2d` and `nn.Linear` of a network
-(any network called `net(x, alpha)`: StructureNet, ResNet18, WideResNet, VGG16BN), skipping
-the modules named in `skip` (SNGP's Gaussian-process output layer). A convolution's input size
-comes from one forward of a zero image of `input_size` through the network in eval mode.
+called `net(x, alpha)`, skipping the modules named in `skip` (SNGP's output layer).
 """
 
 from __future__ import annotations

@@ -6,24 +6,16 @@ dropout, deep ensembles, BatchEnsemble, MIMO, SNGP). This follows the authors' c
 
 - stem: conv3x3(3 -> 16, no bias), no BatchNorm after it (the blocks are pre-activation);
 - three stages of n = (depth - 4) / 6 ``WideBlock`` s with 16k, 32k, 64k channels and strides
-  1, 2, 2 (maps 32, 16, 8). A block is BN-ReLU-conv3x3(stride)-BN-ReLU-[dropout]-conv3x3
-  plus the shortcut; where the shape changes the shortcut is conv1x1(stride, no bias) of the
-  *pre-activated* input (BN-ReLU shared with the residual branch), elsewhere the identity;
+  1, 2, 2: BN-ReLU-conv3x3(stride)-BN-ReLU-[dropout]-conv3x3 plus the shortcut, conv1x1(stride,
+  no bias) of the *pre-activated* input where the shape changes, the identity elsewhere;
 - BN-ReLU, global average pooling and ``classifier``, a Linear(64k, C) with bias.
 
-``dropout`` is the paper's option (Sec. 2.4, "dropout between convolutions", rate 0.3 on CIFAR
-in the paper), an ``nn.Dropout`` after the block's second ReLU, before its second
-convolution. The layers are there at every rate (at 0 they are the identity), so MC dropout's
-``placement=existing`` finds them and sets their rate.
-
-Convolutions have no bias. WRN-28-10 at 10 classes is 36,479,194 parameters (36.5 M, the
-published count); ``depth=10, widen_factor=1`` is a 77 K-parameter version for tests.
-
-Initialisation as the authors' code (``MSRinit``, ``FCinit``): He normal with fan-out,
-N(0, 2 / (k² c_out)), for every convolution, zero Linear bias, Linear weight at the
-framework's default, BatchNorm at the identity (``research_init_``, the same as DBSN's cell
-network). A `Backbone` (``num_edges = num_ops = 0``) with `GroupBatchNorm2d` everywhere, so a
-grouped forward in training mode equals G separate forwards.
+``dropout`` is the paper's (Sec. 2.4, rate 0.3 on CIFAR there); its layers exist at every rate,
+so MC dropout's ``placement=existing`` finds them. WRN-28-10 at 10 classes has 36,479,194
+parameters (the published count); ``depth=10, widen_factor=1`` is a 77 K version for tests.
+Initialisation as the authors' (``MSRinit``, ``FCinit``): He normal with fan-out for every
+convolution, zero Linear bias, BatchNorm at the identity (``research_init_``). A `Backbone` with
+`GroupBatchNorm2d` everywhere, so a grouped forward in training mode equals G separate forwards.
 """
 
 from __future__ import annotations

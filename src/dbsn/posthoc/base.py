@@ -3,26 +3,20 @@
 A post-hoc posterior turns a trained method into a new method without training it again: a
 last-layer Laplace approximation (`laplace`), SWAG (`swag`), a calibrator (`temperature`,
 `histogram_binning`, `isotonic`, `dirichlet`: `dbsn.posthoc.calibrators`, whose door is smaller),
-or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it on the run
-(`conf/posthoc/<name>.yaml`, whose `_target_` builds it) and evaluates what `fit` returns with the
-same test pass and evaluations as every other method, into `<run>/posthoc/<name>/`, where the
-report and the W&B dashboard read it as method `<run's method>+<name>`.
+or one of your own. `evaluate.py ckpt_path=<run> posthoc=<name>` fits it (`conf/posthoc/<name>.yaml`
+builds it) and evaluates what `fit` returns as every other method, into `<run>/posthoc/<name>/`,
+reported as method `<run's method>+<name>`. A posterior says three things:
 
-A posterior says three things:
+- `why_not(method, checkpoint)`: None where it applies, else the reason (shown, or the run
+  skipped in a sweep);
+- `check(method, datamodule, checkpoint, n_samples)`: every input it needs, before anything is
+  fitted (a validation split, collected moments, settings, an S where it `draws_members`); raise
+  `PosthocError`;
+- `fit(method, datamodule, checkpoint, n_samples)`: a `dbsn.methods.Method` that predicts with
+  exactly `n_samples` members (None: the method's own S, for a posterior that keeps its members).
 
-- `why_not(method, checkpoint)`: which methods it applies to (None: this one; else the reason,
-  shown to the user, or the run skipped in a sweep);
-- `check(method, datamodule, checkpoint, n_samples)`: every input it needs (a validation split,
-  moments the run collected, valid settings, an S where it draws members of its own:
-  `draws_members`), before anything is fitted; raise `PosthocError`;
-- `fit(method, datamodule, checkpoint, n_samples)`: the fitted posterior, a `dbsn.methods.Method`
-  that predicts with exactly `n_samples` members (None, for a posterior that keeps the method's
-  members: the method's own S; one that `draws_members` takes S as a required argument).
-
-S is resolved once, by the runtime (`dbsn.runtime.evaluation.evaluation_samples`: `evaluate.py
-n_samples=`, else the posterior's own `n_samples`), and given to `check` and `fit` as it is.
-
-`docs/extending.md` shows a complete one.
+S is resolved once by the runtime (`dbsn.runtime.evaluation.evaluation_samples`) and given to
+`check` and `fit` as it is. `docs/extending.md` shows a complete one.
 """
 
 from __future__ import annotations

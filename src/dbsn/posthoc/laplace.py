@@ -1,73 +1,23 @@
 """Post-hoc last-layer Laplace approximation of a finished point-estimate run (MacKay 1992;
-Ritter et al. 2018; Kristiadi et al. 2020; Daxberger et al. 2021, "Laplace Redux").
+Ritter et al. 2018; Kristiadi et al. 2020; Daxberger et al. 2021, "Laplace Redux", whose library
+laplace-torch computes the curvature, the posterior samples and the evidence).
 
-What it is. A MAP network f(x) = W φ(x) + b (map, map_fixed, or one deep-ensemble member, with
-its one structure α held fixed) gets a Gaussian posterior on its last layer θ = (W, b) only,
-centred at the trained weights θ*:
+A MAP network f(x) = W φ(x) + b (map, map_fixed, or one deep-ensemble member, its structure α
+held fixed by `FixedStructureNetwork`) gets a Gaussian on its last layer θ = (W, b) only:
+q(θ) = N(θ*, P⁻¹), P = Σ_n J_nᵀ Λ_n J_n + λ I, the generalised Gauss-Newton summed over every
+training image once (unaugmented, eval mode), kept `full`, `kron` or `diag`. φ stays at the MAP
+and is computed once, so laplace-torch gets the head alone on the features
+(`last_layer_laplace`; the same posterior, tested). The last layer enters f linearly, so S drawn
+last layers (`sample_last_layers`, seeded, kept) sample the GLM predictive exactly, and
+`LaplaceMethod` predicts with their softmax average, like every other Bayes ensemble here.
+The probit approximation is not used: it sees only each logit's variance, including the shift
+common to every class that the softmax ignores, so it can rank the prior precisions λ unlike
+the predictor evaluated (docs/evaluation.md, "Post-hoc posteriors").
 
-    q(θ) = N(θ*, Σ),    Σ⁻¹ = P = Σ_n J_nᵀ Λ_n J_n + λ I,
-
-where J_n = ∂f(x_n)/∂θ (which is φ(x_n) ⊗ I for a linear head), Λ_n = ∂²(−log p(y_n | f))/∂f²
-(for softmax: diag(p_n) − p_n p_nᵀ, the generalised Gauss-Newton), and λ the prior precision
-of θ ~ N(0, λ⁻¹ I). The curvature sum runs over the *training* set; it is either kept whole
-(`hessian_structure="full"`, (CD + C)² entries), Kronecker-factored per layer (`"kron"`,
-KFAC: Σ_n φ_nφ_nᵀ ⊗ Σ_n Λ_n / N for W, with the bias its own factor) or diagonal (`"diag"`). The feature map φ (the
-network below the head, BatchNorm in eval mode) stays at the MAP.
-
-The GLM predictive. The linearised network f_lin(x, θ) = f(x, θ*) + J(x)(θ − θ*) gives the
-logits a Gaussian N(f(x, θ*), J(x) Σ J(x)ᵀ). The last layer enters f linearly, so f_lin = f:
-drawing θ_s ~ q(θ) and computing W_s φ(x) + b_s *is* sampling the GLM predictive, exactly (no
-linearisation error). `LaplaceMethod` draws S such last layers once (seeded) and keeps them,
-so that every test batch sees the same S members; its prediction is the Monte Carlo GLM
-predictive p(y | x) ≈ 1/S Σ_s softmax(W_s φ(x) + b_s), the same Bayes-ensemble average that
-every other method here uses, so `predict_log_probs`, the test metrics, the uncertainty
-decomposition and the sample ablation all come from the same S members. The S last layers come
-from one function, `sample_last_layers(la, S, seed)` (laplace-torch's `la.sample` with a
-generator seeded `seed`), which the prior search below calls too. laplace-torch's probit
-approximation, softmax(f / √(1 + π/8 · diag(JΣJᵀ))), is not used anywhere. It sees only each
-logit's variance, and the GGN has no curvature along the softmax-invariant directions (one
-shift added to every class's logit), so at a small λ the prior alone bounds them: every
-logit's variance is large, but that shift cancels in the softmax. The probit predictive goes
-flat where the S-member average does not (a MAP-fixed α digits run with the README's
-settings, kron, λ = 0.01: 99 % of the logits' variance is the common shift, and the validation
-NLL is 1.72 probit against 0.31 with S = 30 members), so a λ chosen with it can be wrong for the
-predictor that is evaluated.
-
-What is fitted on what. θ* comes from training. P's curvature is summed over every training
-image once, unaugmented, through the network in eval mode (`fit_laplace_on`). The prior
-precision λ is chosen on the *validation* split: `prior_precision="gridsearch"` (default)
-scores every λ of the grid 10^[-4, 4] (100 log-spaced points) with the validation NLL of
-exactly the predictive `LaplaceMethod` will predict with: the S last layers
-`sample_last_layers(la, S, seed)` draws at that λ (the same S and seed as the members the
-method keeps), their softmax averaged, −mean log p(y | x) over the validation features. laplace-
-torch draws θ_s = θ* + P(λ)^(-1/2) z_s, and the seeded generator gives the same z_s at every
-grid point (common random numbers), so the λs are compared on the same noise rather than on
-fresh Monte Carlo error, and the selected λ's score is the validation NLL of the method
-returned, before any temperature (its members are those very draws). The λ with the smallest
-NLL is kept (the first, on ties; a λ whose draw fails counts as infinitely bad).
-"gridsearch" is the default because it optimises what is evaluated (held-out NLL) and does not
-depend on how well the Laplace evidence of a network trained with augmentation and BatchNorm
-describes its predictive quality (Daxberger et al. 2021 report both ways);
-`prior_precision="marglik"` maximises the Laplace evidence on the training data instead
-(Adam on log λ, a scalar λ), and a number fixes λ. The test set is never touched. For
-reference, SGD's weight decay wd on the mean loss is the prior precision λ = N · wd.
-
-How the network is seen. laplace-torch wants f(x); the networks here take (x, α).
-`FixedStructureNetwork` closes over the method's structure (map_fixed: uniform α; map:
-softmax(θ), exactly what `MAP.prediction_structures` predicts with). Because φ is fixed, the
-fit computes φ(x) once per training and validation image and hands laplace-torch the head
-alone on those features (`last_layer_laplace`): the same posterior as laplace-torch's
-last-layer Laplace on f(x) (tested), without a pass through the whole network for every
-grid point of the prior search. A grid point costs one `la.sample` at that λ (for "kron" and
-"diag" the curvature's decomposition is reused; "full" takes a Cholesky factor of the
-(CD + C)² precision) and S products of the validation features with a last layer.
-
-References: MacKay, "A practical Bayesian framework for backpropagation networks" (1992);
-Ritter, Botev & Barber, "A scalable Laplace approximation for neural networks" (ICLR 2018);
-Kristiadi, Hein & Hennig, "Being Bayesian, even just a bit, fixes overconfidence in ReLU
-networks" (ICML 2020); Daxberger et al., "Laplace Redux: effortless Bayesian deep learning"
-(NeurIPS 2021), whose library laplace-torch computes the curvature, the posterior samples and the
-evidence.
+λ: `"gridsearch"` (default) takes the λ of 10^[-4, 4] (100 points; the first on ties, a failed
+draw counts as infinitely bad) with the smallest validation NLL of exactly the S members the
+method then keeps (common random numbers across λ); `"marglik"` maximises the Laplace evidence
+on the training data (Adam on log λ); a number fixes λ. The test set is never touched.
 """
 
 from __future__ import annotations

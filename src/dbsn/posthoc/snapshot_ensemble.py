@@ -2,43 +2,17 @@
 for free", ICLR 2017): one run whose learning rate restarts M times, and the model at the end of every
 cycle kept as a member.
 
-What is trained. The run of B epochs is cut into M cycles. Within a cycle the weights' learning rate
-follows a cosine from α₀ down to nearly 0, step by step (Eq. 2):
+`SnapshotCollector` (a Lightning callback) cuts the run of B epochs into M cycles of ⌊B / M⌋ epochs
+(the last the rest, as the authors' code, so every cycle ends where a checkpoint is written) and sets
+the weights' lr before each step along Eq. 2, α(t) = α₀ / 2 · (cos(π · t / L) + 1): step for step
+cSG-MCMC's cyclical step size without its noise (`dbsn.sampling.CyclicalSchedule`,
+`exploration=1`, tested). At each cycle's end it keeps the method's whole state on the CPU; the
+snapshots live in every checkpoint, and a run resumed mid-cycle ends as the uninterrupted one.
+Refused: a method whose weights move by a step size of its own (cSG-MCMC) and a warm-up.
 
-    α(t) = α₀ / 2 · (cos(π · t / L) + 1),
-
-t the optimiser steps done in the cycle before this one, L the cycle's steps. The cycles follow the
-authors' code (gaohuang/SnapshotEnsemble, `train.lua` `learningRateCosine` and the ensemble of
-`main_snapshot_ensemble.lua`): ⌊B / M⌋ epochs each, the last cycle the rest, so that every cycle ends
-at an epoch's end, where a checkpoint is written. When M divides B this is the paper's schedule of
-⌈T / M⌉ steps per cycle, and step for step cSG-MCMC's cyclical step size without its noise
-(`dbsn.sampling.CyclicalSchedule` with `exploration=1`, tested). (The authors' Lua code takes t one
-step later, from α₀ / 2 · (cos(π / L) + 1) down to exactly 0; Eq. 2, followed here, starts at α₀.)
-α₀ is the callback's `lr` (the authors' README command: 0.2; their Table 1 has 0.1 and 0.2); a
-group whose lr is a multiple of the method's (BatchEnsemble's fast weights) keeps that multiple.
-
-What is collected when. `SnapshotCollector` is a Lightning callback: it sets the lr of every weight
-optimiser before each training step and, at the end of every cycle's last epoch, keeps a copy of
-the whole method's state (weights, BatchNorm's running statistics, θ: what `Method.state_dict`
-holds) on the CPU. Its state (the snapshots and their epochs) is the callback's `state_dict`, so
-it lives in every checkpoint Lightning writes, under ``checkpoint["callbacks"]["SnapshotCollector"]``
-(`load_snapshot_state` reads it back), and the checkpoint of a cycle's last epoch already holds that
-cycle's snapshot (Lightning runs checkpointing callbacks after the others). A run resumed mid-cycle
-keeps the snapshots it had and ends with those of the uninterrupted run (tested bit for bit): the
-lr is a function of the epoch and the step alone.
-
-Any method whose weights train under an epoch schedule (`Method.configure_optimizers`: the
-optimisers before the structure's, one per weight group) can be collected; one whose weights move
-by a step size of its own (cSG-MCMC's sampler) is refused, and so is a warm-up
-(`model.optim.warmup_epochs`), which would scale the step's lr again.
-
-Prediction. `evaluate.py ckpt_path=<run> posthoc=snapshot_ensemble` (`SnapshotEnsemble`) rebuilds
-one method per snapshot, each with its own weights and BatchNorm statistics, and predicts with
-p(y | x) = 1/M Σ_m p_m(y | x), each p_m that snapshot's own predictive (its own S members for a
-stochastic method), as a deep ensemble of the snapshots (`SnapshotEnsembleMethod`); `last` keeps the
-last m snapshots (the paper's m ≤ M). The training run's own test pass stays that of its final model,
-which is the last snapshot: the ensemble is a post-hoc posterior of the run, as SWAG is, reported as
-`<method>+snapshot_ensemble` beside the run.
+`SnapshotEnsemble` (`posthoc=snapshot_ensemble`) rebuilds one method per snapshot and predicts with
+the mean of their predictives, as a deep ensemble (`SnapshotEnsembleMethod`); the run's own test
+pass stays its final model's. Settings and sources: docs/methods.md ("Snapshot ensembles").
 """
 
 from __future__ import annotations

@@ -1,46 +1,21 @@
-"""SWAG: a Gaussian over the weights from the SGD iterates of a training run (Maddox, Izmailov,
+r"""SWAG: a Gaussian over the weights from the SGD iterates of a training run (Maddox, Izmailov,
 Garipov, Vetrov & Wilson, "A Simple Baseline for Bayesian Uncertainty in Deep Learning",
 NeurIPS 2019, Algorithm 1).
 
-What it is. Over the last epochs of a point-estimate run (map, map_fixed), after each collected
-epoch i = 1..n the flattened network weights w_i (every parameter of the network: convolutions,
-BatchNorm's affine γ and β, the head; *not* BatchNorm's running statistics, which are buffers,
-and *not* the structure logits θ, which are not the network's) update
+Over the last epochs of a point-estimate run (map, map_fixed), `SWAGCollector` (a Lightning
+callback; its state lives in every checkpoint and a resumed run continues it) keeps, in float64,
+the running mean w̄ and second moment of the flattened network weights (BatchNorm's γ and β
+included; not its running statistics, not the structure logits θ) and the last K ≤ `max_rank`
+deviations D̂. The posterior is
 
-    w̄ = 1/n Σ_i w_i,    \\overline{w²} = 1/n Σ_i w_i²,    σ² = \\overline{w²} − w̄²  (≥ 1e-30),
+    q(w) = N(w̄, ½ (diag(σ²) + D̂ D̂ᵀ / (K − 1))),    σ² = \overline{w²} − w̄² (≥ 1e-30),
 
-(`SWAGMoments.update`: running means, in float64) and the deviation matrix D keeps the last
-K ≤ `max_rank` (default 20) deviations w_i − w̄_i from the running mean *after* the update
-(stored as K rows, oldest first; the paper's D̂ is its transpose). The posterior is
-
-    q(w) = N(w̄, ½ (diag(σ²) + D̂ D̂ᵀ / (K − 1))),
-
-sampled as w = w̄ + (1/√2) σ ∘ z₁ + (1/√(2(K − 1))) D̂ z₂ with z₁ ~ N(0, I_P), z₂ ~ N(0, I_K)
-(`scale` = ½ in `SWAGMoments.sample`; at least two collected snapshots). The structure α is the
-run's final one (map_fixed: uniform; map: softmax(θ) of the last iterate).
-
-What is collected when. `SWAGCollector` is a Lightning callback: from epoch `start` (a fraction
-of `max_epochs`, default the last quarter, or an epoch index) it collects at the end of every
-training epoch (`collect="epoch"`, the paper's choice) or after every optimiser step
-(`collect="step"`). Its state (the moments, D, the parameter names and the collected epochs)
-is the callback's `state_dict`, so it lives in every checkpoint Lightning writes under
-``checkpoint["callbacks"]["SWAGCollector"]`` (`load_swag_state` reads it back) and a resumed
-run continues it. The collection of an epoch is in the checkpoint written at the end of that
-epoch: Lightning runs checkpointing callbacks after the others (tested).
-Maddox et al. collect under a constant (SWA) learning rate; collected under a decayed schedule,
-the iterates move less and the posterior is narrower.
-
-BatchNorm. The running statistics belong to the last iterate's weights, not to a sample's:
-SWAG recomputes them for each sample w_s (their ``bn_update``, a pass over the training data).
-Here, as DBSN does for its structures (`BatchNormRecalibration`), each member's statistics are
-the mean over batches of its batch means and unbiased variances on a fixed, seeded set of
-`bn_recalibration.images` training images (default 1,024 in batches of 256, unaugmented):
-exactly what ``nn.BatchNorm2d`` with ``momentum=None`` accumulates after a reset.
-
-Prediction. `SWAGMethod` wraps the finished method and the collected state: S members
-(`posthoc.n_samples`; `SWAG`'s default is the paper's S), member s drawn from a generator seeded by (`seed`, s), so every test
-batch (and every call) sees the same S members, each with its own BatchNorm statistics computed
-once; p(y | x) ≈ 1/S Σ_s softmax(f(x; w_s)), the Bayes ensemble every method here predicts with.
+sampled as w̄ + σ ∘ z₁ / √2 + D̂ z₂ / √(2(K − 1)) (`SWAGMoments.sample`; at least two snapshots).
+`SWAGMethod` draws S members once, member s seeded by (`seed`, s), recomputes each one's
+BatchNorm statistics on a fixed set of training images (as DBSN does for its structures, instead
+of SWAG's ``bn_update`` pass) and predicts with their softmax average. The structure α is the
+run's final one. Collected under a decayed schedule instead of the paper's constant SWA rate,
+the posterior is narrower (docs/evaluation.md, "Post-hoc posteriors").
 """
 
 from __future__ import annotations

@@ -239,8 +239,7 @@ def _imagemagick_8bit(blurred: np.ndarray) -> np.ndarray:
     held as a 16-bit quantum (value x 257, rounded), then brought to 8 bits by TRUNCATION.
 
     The original script blurs through Wand (ImageMagick's MotionBlurImage) and keeps the PNG it
-    writes. Rounding (generator version 1) put about half of the blurred values one grey level
-    high. This is a floor of the value, clipped to [0, 255], except within 0.5/257 below the next
+    writes. This is a floor of the value, clipped to [0, 255], except within 0.5/257 below the next
     level, which the 16-bit quantum carries up to it: a value that is an integer in exact
     arithmetic (a flat region: 255 comes out of the float sum as 254.99999999999994) keeps it,
     where a plain floor would take a level off. Checked against Wand's motion_blur (ImageMagick

@@ -1,31 +1,20 @@
 """Dirichlet calibration (Kull et al., NeurIPS 2019, "Beyond temperature scaling"), `posthoc=dirichlet`.
 
-q = softmax(W log p + b), fitted from the identity (W = I, b = 0) on the mean NLL plus the paper's
-ODIR (off-diagonal and intercept) regulariser λ / (C(C−1)) Σ_{i≠j} W_ij² + μ / C Σ_j b_j², by
-L-BFGS with the exact gradient (scipy's L-BFGS-B without bounds, line searches of up to 128 steps,
-as the authors' `fmin_l_bfgs_b` call for more than 36 classes; `max_iter` iterations at most: log p
-as an input is badly conditioned, and near λ = 0 the last 10⁻⁴ nats take hundreds of iterations).
+q = softmax(W log p + b), fitted from the identity on the mean NLL plus the paper's ODIR regulariser
+λ / (C(C−1)) Σ_{i≠j} W_ij² + μ / C Σ_j b_j², by L-BFGS with the exact gradient (scipy's L-BFGS-B,
+line searches of up to 128 steps as the authors' `fmin_l_bfgs_b`; `max_iter` iterations at most:
+log p as an input is badly conditioned, and near λ = 0 the last 10⁻⁴ nats take hundreds of
+iterations). Maps: `full`, `diagonal` (vector scaling on log p) and `fixed_diagonal` (W = wI,
+b = 0, w = exp(s) > 0: never moves the argmax). The normalisation is the authors' `reg_norm=True`,
+on W itself as their Keras `Dirichlet_NN` (not dirichlet_python's `ref_row` reparametrisation,
+which penalises the identity's last column); p is clipped at the float64 machine epsilon before
+the log (their `_logFunc`), so log p ≥ −36.04.
 
-The maps: `full` (W, b free), `diagonal` (W diagonal: Guo et al.'s vector scaling applied to
-log p) and `fixed_diagonal` (W = wI, b = 0: a temperature 1/w on log p, fitted as w = exp(s) > 0
-so that it never moves the argmax); `full` and `diagonal` may change the predicted class.
-
-The regulariser's normalisation is the authors' `reg_norm=True` (λ / (k(k−1)), μ / k) in
-dirichletcal/dirichlet_python dirichletcal/calib/multinomial.py, `_objective`, on the matrix
-itself as in their Keras implementation for the neural-network experiments (`Dirichlet_NN` with
-`L2_offdiag` in dirichletcal/experiments_dnn scripts/calibration/cal_methods.py), not on
-dirichlet_python's reference-row reparametrisation (`ref_row`, which penalises the identity's last
-column). p is clipped at the float64 machine epsilon before the log (that Keras code's
-`_logFunc`), so log p ≥ −36.04 and a vanishing probability cannot dominate W log p.
-
-λ and μ: given, or (λ = None, full) chosen by `folds`-fold cross-validation on the validation
-split over the decade grid 10^-5 … 10^6 with μ = λ (the authors tuned both by 5-fold
-cross-validation over decade grids, tune_cal_odir.py and tune_dirichlet_nn_slim.py in
-experiments_dnn; `Dirichlet_NN` sets μ = λ when μ is not given), selected by the mean held-out
-NLL, then refitted on the whole split (12 × `folds` fits: for many classes, give λ and μ). The
-package's own defaults (`FullDirichletCalibrator`: reg_lambda = 0, no μ) regularise nothing, which
-for C = 100 classes leaves C(C+1) = 10,100 free parameters on a validation split of a few thousand
-images.
+λ and μ: given, or (λ = None, full) chosen with μ = λ by `folds`-fold cross-validation on the
+validation split over 10^-5 … 10^6 by the held-out NLL, then refitted on the whole split (12 ×
+`folds` fits: for many classes, give λ and μ). The package's own default regularises nothing,
+which for C = 100 leaves 10,100 free parameters on a few thousand validation images. Sources:
+docs/evaluation.md ("Calibrators").
 """
 
 from __future__ import annotations
