@@ -14,44 +14,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: a calendar date, YYYY-MM-DD
 DATE = re.compile(r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b")
 #: the most lines a module docstring may have (opening line to closing quotes)
-MODULE_DOCSTRING_LINES = 20
+MODULE_DOCSTRING_LINES = 25
 #: modules whose docstrings are still longer, each held to its present length so that it cannot grow;
 #: remove an entry once its module is shortened
 LONGER_FOR_NOW = {
-    "dbsn/bayes/gp.py": 42,
-    "dbsn/bayes/layers.py": 21,
-    "dbsn/data/camvid.py": 23,
-    "dbsn/data/ood_sets.py": 36,
-    "dbsn/extensions.py": 21,
-    "dbsn/methods/step.py": 21,
     "dbsn/methods/training.py": 27,
-    "dbsn/metrics/calibration.py": 35,
-    "dbsn/metrics/ce2_inference.py": 33,
-    "dbsn/metrics/conformal.py": 71,
-    "dbsn/metrics/ensemble_equivalent.py": 46,
-    "dbsn/metrics/segmentation.py": 22,
-    "dbsn/metrics/selective.py": 46,
-    "dbsn/natgrad/nekfac.py": 81,
-    "dbsn/natgrad/per_example.py": 39,
-    "dbsn/natgrad/vogn.py": 51,
-    "dbsn/nets/batch_ensemble.py": 26,
     "dbsn/nets/conv_forms.py": 32,
     "dbsn/nets/fused_cell.py": 27,
-    "dbsn/nets/masksembles.py": 40,
-    "dbsn/nets/mimo.py": 26,
-    "dbsn/nets/packed.py": 35,
-    "dbsn/nets/rank1.py": 26,
-    "dbsn/nets/resnet.py": 23,
-    "dbsn/nets/spectral.py": 37,
-    "dbsn/nets/wideresnet.py": 26,
-    "dbsn/posthoc/base.py": 25,
-    "dbsn/posthoc/calibrators/base.py": 24,
-    "dbsn/posthoc/calibrators/dirichlet.py": 28,
-    "dbsn/posthoc/laplace.py": 70,
-    "dbsn/posthoc/snapshot_ensemble.py": 41,
-    "dbsn/posthoc/swag.py": 43,
-    "dbsn/sampling/schedule.py": 22,
-    "dbsn/sampling/sgmcmc.py": 23,
 }
 
 
@@ -118,7 +87,7 @@ def test_the_checks_catch_a_bad_module(tmp_path):
         'def f():\n    """Took 3 s before 2026-11-27."""\n'
     )
     assert [line.split(": ")[-1] for line in dated_lines(bad)] == ["2026-11-28", "2026-11-27"]
-    assert too_long(tmp_path, allowed={}) == [f"pkg/bad.py: {MODULE_DOCSTRING_LINES + 2} lines > 20"]
+    assert too_long(tmp_path, allowed={}) == [f"pkg/bad.py: {MODULE_DOCSTRING_LINES + 2} lines > {MODULE_DOCSTRING_LINES}"]
     assert too_long(tmp_path, allowed={"pkg/bad.py": MODULE_DOCSTRING_LINES + 2}) == []
     good = tmp_path / "pkg" / "bad.py"
     good.write_text('"""A module.\n\nWhat and why (Eq. 3).\n"""\n\nx = 1  # a comment\n')
