@@ -72,6 +72,7 @@ from dbsn.runtime.evaluation_folder import (
     identify,
 )
 from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
+from dbsn.runtime.group import turn_callbacks
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.preflight import check_run_length, check_trained
 from dbsn.runtime.rank import is_rank_zero
@@ -207,6 +208,7 @@ def _train(
         *resume_callbacks(resume_changes),
         *current_watch(),
         *compile_cache_callbacks(model, output_dir),
+        *turn_callbacks(),  # in a group of runs in one process (dbsn.runtime.group): the next run's turn
     ]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)

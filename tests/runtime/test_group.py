@@ -1,0 +1,140 @@
+"""Several runs in one process (dbsn.runtime.group): each equals its solo run, bit for bit on the CPU
+(the stand-in for a GPU's streams), in its own folder; a run that fails leaves the others alone; a
+sweep asks for it with `hydra.launcher.runs_per_process`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dbsn.runtime.config import ConfigError
+from dbsn.runtime.group import check_group, runs_per_process, train_group
+from dbsn.runtime.run import train
+from tests.support.configs import ROOT, TINY, compose_config
+from tests.support.scripts import run_python
+
+pytestmark = pytest.mark.slow
+
+# 64 digits in 2 batches, 2 epochs: 4 steps, an epoch-end checkpoint in the middle; S = 2 at the test
+RUN = [
+    "data=digits",
+    "data.train_subset=64",
+    "data.batch_size=32",
+    *TINY,
+    "model.prediction.n_samples=2",
+    "trainer.max_epochs=2",
+    "callbacks.structure_posterior.save_figures=false",
+    "callbacks.structure_posterior.n_samples=10",
+    "statistics.resamples=20",
+]
+
+
+class Boom(pl.Callback):
+    """Fails its run at the end of its second training batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.current_epoch == 0 and batch_idx == 1:
+            raise RuntimeError("boom at the second batch")
+
+
+def _cfg(folder, *extra):
+    return compose_config("train", [*RUN, *extra], folder)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Seeds 0 and 1 alone, then together with a run that fails between them, in one process."""
+    root = tmp_path_factory.mktemp("group")
+    with pytest.MonkeyPatch.context() as patch:  # the test's figures unrendered (2 s a run): numbers only
+        patch.setattr("dbsn.evaluation.results.save_figure", lambda fig, path: path.touch() or path)
+        solo = {seed: train(_cfg(root / f"solo{seed}", f"seed={seed}"), root / f"solo{seed}") for seed in (0, 1)}
+        folders = [root / "g0", root / "boom", root / "g1"]
+        cfgs = [_cfg(folders[0], "seed=0"), _cfg(folders[1], "seed=5", f"+callbacks.boom._target_={__name__}.Boom")]
+        cfgs.append(_cfg(folders[2], "seed=1"))
+        turns: list[int] = []
+        with pytest.raises(RuntimeError, match="boom at the second batch") as raised:
+            train_group(cfgs, folders, turns=turns)
+    return root, solo, turns, raised.value
+
+
+def _state(folder) -> dict:
+    return torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+
+
+def _equal_states(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _metrics(folder) -> str:
+    """metrics.json's numbers, as text (NaN equals NaN)."""
+    return json.dumps(json.loads((folder / "metrics.json").read_text())["metrics"], sort_keys=True)
+
+
+def test_two_runs_in_one_process_equal_their_solo_runs_each_in_its_own_folder(runs):
+    root, solo, turns, _ = runs
+    for seed in (0, 1):
+        grouped = root / f"g{seed}"
+        assert _metrics(grouped) == _metrics(root / f"solo{seed}")
+        assert json.loads(_metrics(grouped)) == pytest.approx(solo[seed], abs=0)
+        assert _equal_states(_state(grouped), _state(root / f"solo{seed}"))
+        record = json.loads((grouped / "run.json").read_text())
+        assert record["status"] == "finished" and json.loads((grouped / "metrics.json").read_text())["seed"] == seed
+    assert not _equal_states(_state(root / "g0"), _state(root / "g1"))  # two seeds, two runs
+    # the runs took turns, a batch each: 0, the failing run, 1, 0, the failing run's last; then 1 and 0 alternate
+    assert turns[:5] == [0, 1, 2, 0, 1], turns
+    assert turns[5:9] == [2, 0, 2, 0], turns
+
+
+def test_a_run_that_fails_does_not_stop_or_change_the_others(runs):
+    root, _, turns, error = runs
+    assert str(error) == "boom at the second batch"
+    record = json.loads((root / "boom" / "run.json").read_text())
+    assert record["status"] == "failed" and "boom at the second batch" in record["history"][-1]["error"]
+    assert not (root / "boom" / "metrics.json").exists()
+    assert turns.count(1) == 2  # its two batches' turns, then out of the rotation
+    assert all((root / f"g{seed}" / "metrics.json").is_file() for seed in (0, 1))  # equal to solo: above
+
+
+def test_a_sweep_trains_its_jobs_together_with_runs_per_process(runs, tmp_path):
+    """`-m seed=0,1 hydra.launcher.runs_per_process=2` through train.py: two run folders, each with its
+    own Hydra files and log, whose training ended where the solo runs' did (test=false: the fit only)."""
+    root = runs[0]
+    sweep = tmp_path / "sweep"
+    run_python(
+        ROOT / "train.py",
+        "-m",
+        *RUN,
+        "test=false",
+        "seed=0,1",
+        "hydra.launcher.runs_per_process=2",
+        f"hydra.sweep.dir={sweep}",
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    for seed in (0, 1):
+        job = sweep / str(seed)
+        assert _equal_states(_state(job), _state(root / f"solo{seed}"))
+        assert OmegaConf.load(job / ".hydra" / "overrides.yaml")[-1] == f"seed={seed}"
+        assert OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.job.num == seed
+        log = (job / "train.log").read_text()
+        assert f"Seed set to {seed}" in log and f"Seed set to {1 - seed}" not in log, log
+        assert json.loads((job / "run.json").read_text())["status"] == "finished"
+
+
+def test_a_group_is_refused_in_one_line_where_it_cannot_run(tmp_path):
+    for value in (0, -1, 1.5, "4", True):
+        with pytest.raises(ConfigError, match=r"runs_per_process=.*whole number of at least 1") as raised:
+            runs_per_process(value)
+        assert "\n" not in str(raised.value)
+    assert runs_per_process(3) == 3
+    one = _cfg(tmp_path / "a", "seed=0")
+    ddp = _cfg(tmp_path / "b", "trainer.devices=2")
+    with pytest.raises(ConfigError, match=r"run #1 of the group: trainer.devices=2.*DDP runs one per process"):
+        check_group([one, ddp], [tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(ConfigError, match="would both run in"):
+        check_group([one, one], [tmp_path / "a", tmp_path / "a"])
