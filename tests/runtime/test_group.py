@@ -20,11 +20,12 @@ from tests.support.scripts import run_python
 
 pytestmark = pytest.mark.slow
 
-# 64 digits in 2 batches, 2 epochs: 4 steps, an epoch-end checkpoint in the middle; S = 2 at the test
+# 32 digits in 2 batches, 2 epochs: 4 steps, an epoch-end checkpoint in the middle; S = 2 at the test
 RUN = [
     "data=digits",
-    "data.train_subset=64",
-    "data.batch_size=32",
+    "data.train_subset=32",
+    "data.batch_size=16",
+    "data.eval_batch_size=150",
     *TINY,
     "model.prediction.n_samples=2",
     "trainer.max_epochs=2",
@@ -42,20 +43,24 @@ class Boom(pl.Callback):
             raise RuntimeError("boom at the second batch")
 
 
+SEED = {0: ["seed=0"], 1: ["seed=1", "test=false"]}
+
+
 def _cfg(folder, *extra):
     return compose_config("train", [*RUN, *extra], folder)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Seeds 0 and 1 alone, then together with a run that fails between them, in one process."""
+    """Seeds 0 and 1 alone, then together with a run that fails between them, in one process. Seed 1
+    trains only (test=false): the runs of a group need not share their settings."""
     root = tmp_path_factory.mktemp("group")
     with pytest.MonkeyPatch.context() as patch:  # the test's figures unrendered (2 s a run): numbers only
         patch.setattr("dbsn.evaluation.results.save_figure", lambda fig, path: path.touch() or path)
-        solo = {seed: train(_cfg(root / f"solo{seed}", f"seed={seed}"), root / f"solo{seed}") for seed in (0, 1)}
+        solo = {seed: train(_cfg(root / f"solo{seed}", *SEED[seed]), root / f"solo{seed}") for seed in (0, 1)}
         folders = [root / "g0", root / "boom", root / "g1"]
-        cfgs = [_cfg(folders[0], "seed=0"), _cfg(folders[1], "seed=5", f"+callbacks.boom._target_={__name__}.Boom")]
-        cfgs.append(_cfg(folders[2], "seed=1"))
+        cfgs = [_cfg(folders[0], *SEED[0]), _cfg(folders[1], "seed=5", f"+callbacks.boom._target_={__name__}.Boom")]
+        cfgs.append(_cfg(folders[2], *SEED[1]))
         turns: list[int] = []
         with pytest.raises(RuntimeError, match="boom at the second batch") as raised:
             train_group(cfgs, folders, turns=turns)
@@ -77,13 +82,13 @@ def _metrics(folder) -> str:
 
 def test_two_runs_in_one_process_equal_their_solo_runs_each_in_its_own_folder(runs):
     root, solo, turns, _ = runs
+    assert _metrics(root / "g0") == _metrics(root / "solo0")
+    assert json.loads(_metrics(root / "g0")) == pytest.approx(solo[0], abs=0)
+    assert json.loads((root / "g0" / "metrics.json").read_text())["seed"] == 0
     for seed in (0, 1):
         grouped = root / f"g{seed}"
-        assert _metrics(grouped) == _metrics(root / f"solo{seed}")
-        assert json.loads(_metrics(grouped)) == pytest.approx(solo[seed], abs=0)
         assert _equal_states(_state(grouped), _state(root / f"solo{seed}"))
-        record = json.loads((grouped / "run.json").read_text())
-        assert record["status"] == "finished" and json.loads((grouped / "metrics.json").read_text())["seed"] == seed
+        assert json.loads((grouped / "run.json").read_text())["status"] == "finished"
     assert not _equal_states(_state(root / "g0"), _state(root / "g1"))  # two seeds, two runs
     # the runs took turns, a batch each: 0, the failing run, 1, 0, the failing run's last; then 1 and 0 alternate
     assert turns[:5] == [0, 1, 2, 0, 1], turns
@@ -97,7 +102,7 @@ def test_a_run_that_fails_does_not_stop_or_change_the_others(runs):
     assert record["status"] == "failed" and "boom at the second batch" in record["history"][-1]["error"]
     assert not (root / "boom" / "metrics.json").exists()
     assert turns.count(1) == 2  # its two batches' turns, then out of the rotation
-    assert all((root / f"g{seed}" / "metrics.json").is_file() for seed in (0, 1))  # equal to solo: above
+    assert all(json.loads((root / f"g{s}" / "run.json").read_text())["status"] == "finished" for s in (0, 1))
 
 
 def test_a_sweep_trains_its_jobs_together_with_runs_per_process(runs, tmp_path):
@@ -138,3 +143,47 @@ def test_a_group_is_refused_in_one_line_where_it_cannot_run(tmp_path):
         check_group([one, ddp], [tmp_path / "a", tmp_path / "b"])
     with pytest.raises(ConfigError, match="would both run in"):
         check_group([one, one], [tmp_path / "a", tmp_path / "a"])
+    # on SLURM: not yet, refused before anything is composed or submitted
+    from types import SimpleNamespace
+
+    from dbsn.runtime.cluster import submit_sweep
+
+    slurm = SimpleNamespace(config=None, params={"runs_per_process": 2})
+    with pytest.raises(ConfigError, match=r"runs_per_process=2: .*local launcher only.*Nothing was submitted"):
+        submit_sweep(slurm, [["seed=0"], ["seed=1"]], 0)
+
+
+def test_a_signal_reaches_every_run_of_the_group(tmp_path, capfd):
+    """SIGTERM to the process of a group: the main thread's handler asks every run under way to stop
+    (each leaves as `RunInterrupted`, resumable alone), and the handlers are put back afterwards."""
+    import os
+    import signal
+    import time
+
+    from dbsn.runtime.errors import RunInterrupted
+    from dbsn.runtime.group import run_group, turn_callbacks
+    from dbsn.runtime.signals import current_watch, interruptible
+
+    asked: dict[int, int | None] = {}
+
+    @interruptible
+    def run(index, folder):
+        watch = current_watch()[0]
+        turn_callbacks()[0].on_train_batch_end(None, None, None, None, 0)  # both runs are under way now
+        if index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while watch.interruptions.signum is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        asked[index] = watch.interruptions.signum
+        raise watch.interruptions.interrupted()
+
+    before = signal.getsignal(signal.SIGTERM)
+    outcomes = run_group([lambda i=i: run(i, tmp_path / str(i)) for i in range(2)])
+    assert asked == {0: signal.SIGTERM, 1: signal.SIGTERM}
+    assert [type(o.error) for o in outcomes] == [RunInterrupted, RunInterrupted]
+    assert all(
+        o.error.signum == signal.SIGTERM and o.error.run_dir == tmp_path / str(i) for i, o in enumerate(outcomes)
+    )
+    assert "SIGTERM received: every run of the group stops after its batch" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

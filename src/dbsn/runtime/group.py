@@ -315,7 +315,9 @@ def check_group(cfgs: Sequence[DictConfig], output_dirs: Sequence[Path], names: 
 
     names = list(names) if names is not None else [f"run #{i} of the group" for i in range(len(cfgs))]
     if len(cfgs) != len(output_dirs):
-        raise ConfigError(f"a group of runs needs one folder per config: {len(cfgs)} configs, {len(output_dirs)} folders.")
+        raise ConfigError(
+            f"a group of runs needs one folder per config: {len(cfgs)} configs, {len(output_dirs)} folders."
+        )
     seen: dict[Path, str] = {}
     for cfg, folder, name in zip(cfgs, output_dirs, names):
         trainer = cfg.get("trainer") or {}
@@ -412,4 +414,3 @@ def launch_groups(
             raise stop
         returns.extend(outcome.value for outcome in outcomes)
     return returns
-
