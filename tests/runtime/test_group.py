@@ -13,8 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dbsn.runtime.config import ConfigError
-from dbsn.runtime.group import check_group, runs_per_process, train_group
+from dbsn.runtime.group import train_group
 from dbsn.runtime.run import train
+from dbsn.runtime.turns import check_group, runs_per_process
 from tests.support.configs import ROOT, TINY, compose_config
 from tests.support.scripts import run_python
 
@@ -161,8 +162,8 @@ def test_a_signal_reaches_every_run_of_the_group(tmp_path, capfd):
     import time
 
     from dbsn.runtime.errors import RunInterrupted
-    from dbsn.runtime.group import run_group, turn_callbacks
     from dbsn.runtime.signals import current_watch, interruptible
+    from dbsn.runtime.turns import run_group, turn_callbacks
 
     asked: dict[int, int | None] = {}
 

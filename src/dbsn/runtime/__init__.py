@@ -16,6 +16,7 @@
   (`ddp` launches them; each runs `python -m dbsn.runtime.child`);
 - `rank`: `is_rank_zero`, which rank this process is;
 - `cluster`: SLURM jobs (requeue, the job's facts, resume from the run folder);
+- `group`, `turns`: several runs in one process, each equal to its solo run (off by default);
 - `progress`: progress lines for logs without a terminal.
 
 The names of a run folder's files live below, in `dbsn.evaluation.runs` (the report reads them too).

@@ -322,8 +322,8 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     from hydra.core.singleton import Singleton
     from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
-    from dbsn.runtime.group import runs_per_process
     from dbsn.runtime.sweep import check_jobs, compose_jobs
+    from dbsn.runtime.turns import runs_per_process
 
     config = launcher.config
     size = runs_per_process(launcher.params.get("runs_per_process", 1))

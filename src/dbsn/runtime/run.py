@@ -72,12 +72,12 @@ from dbsn.runtime.evaluation_folder import (
     identify,
 )
 from dbsn.runtime.folder import RunFolder, claim_run_folder, write_hydra_files
-from dbsn.runtime.group import turn_callbacks
 from dbsn.runtime.memory import keep_freed_memory
 from dbsn.runtime.preflight import check_run_length, check_trained
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.signals import current_watch, interruptible
+from dbsn.runtime.turns import turn_callbacks
 from dbsn.runtime.wandb_run import (
     close_loggers,
     evaluation_loggers,

@@ -9,6 +9,9 @@ What each signal does while `train` (or `evaluate`) runs under `interruptible`:
   else at once. A second signal stops at once. `RunInterrupted` then leaves `train`; the entry
   points print its one line and exit with 128 + the signal's number (143, 130, 129), so shell
   `&&` chains, job arrays and schedulers see a run that did not finish.
+- Several runs in one process (`dbsn.runtime.group`), a thread each: handlers belong to the main
+  thread, so the group installs its own there and asks every run under way (`live_runs`) to stop
+  the same way (`Interruptions.request`); each thread knows its own run (`current_watch`).
 - SIGUSR1 is left to Lightning (its SLURM auto-requeue, when SLURM sends it) or to its default.
 - SIGUSR2 is submitit's preemption signal: `dbsn.runtime.cluster.PreemptionRequeue` finishes the
   epoch and requeues; the SIGTERM that SLURM then sends is expected (`requeueing`), not an

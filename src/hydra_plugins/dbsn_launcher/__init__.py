@@ -34,8 +34,9 @@ class DBSNLocalLauncher(BasicLauncher):
 
         from dbsn.runtime.config import ConfigError
         from dbsn.runtime.folder import remove_new_sweep_folder
-        from dbsn.runtime.group import check_group, launch_groups, runs_per_process
+        from dbsn.runtime.group import launch_groups
         from dbsn.runtime.sweep import check_jobs, compose_jobs, job_name, refuse
+        from dbsn.runtime.turns import check_group, runs_per_process
 
         try:
             size = runs_per_process(self.runs_per_process)
