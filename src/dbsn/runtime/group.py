@@ -9,10 +9,10 @@ stream of its own, so its kernels (and its CUDA graph's replays) go there and ma
 the other runs' while the host moves on. docs/performance.md has what this gained on a GPU.
 
 **Each run equals its solo run.** The runs take turns: exactly one run's Python runs at a time,
-and a run hands the turn to the next at the end of each training batch (`TurnCallback`, in
-every run's trainer through `turn_callbacks`), or when it ends, error or not. At every hand-over
+and a run hands the turn to the next at the end of each training batch (`dbsn.runtime.turns`:
+`TurnCallback`, in every run's trainer), or when it ends, error or not. At every hand-over
 the process-wide state a run reads is saved for the run that leaves and put back for the one
-that arrives (`ProcessState`): the random generators (torch's CPU generator, NumPy's, Python's
+that arrives (`turns.ProcessState`): the random generators (torch's CPU generator, NumPy's, Python's
 `random`, and on CUDA each device's default generator), the environment variables (Lightning's
 `PL_GLOBAL_SEED`, Hydra's `env_set`), the working directory, Hydra's config singleton (`.hydra/`
 files, `origin_of`, the log file's name) and the root logger's handlers (each run's `train.log`).
@@ -22,14 +22,18 @@ weights). Which run signals reach: `dbsn.runtime.signals` keeps the run under wa
 
 On CUDA the default generator is switched by its state object (`graphsafe_set_state`), not by
 copying seed and offset: a CUDA graph captured by a run then holds that run's own generator
-state, and its replays advance that run's offset only. Not covered, and not testable on a CPU:
+state, and its replays advance that run's offset only. (A replay writes the seed and offset into
+tensors of the state it was captured with, on its stream: runs sharing one state would race on
+them.) Not covered, and not testable on a CPU:
 whether a run's graph replays on its own stream overlap in a real training (a run that
 synchronises its stream while it holds the turn, to read its loss, lets the others launch only
 after), and whether the graph-safe generator states give each run its solo random numbers on a
-GPU (they should; a GPU test must compare one run of a group with its solo run). The peak memory a
-run reports (`reset_peak_memory`) is the group's, the device's.
+GPU (they should; a GPU test must compare one run of a group with its solo run). Untested in a
+group: `torch.compile` (compiled on several threads) and data-loader worker processes (forked from
+a process with several threads). The peak memory a run reports (`reset_peak_memory`) is the
+group's, the device's.
 
-Signals: handlers belong to the main thread, so a group installs its own there (`_Relay`):
+Signals: handlers belong to the main thread, so a group installs its own there (`turns._Relay`):
 SIGTERM, SIGINT or SIGHUP asks every run to stop at the end of its batch in progress (or at the
 start of its next Lightning loop), as a signal stops a run alone (`dbsn.runtime.signals`); each
 leaves as `RunInterrupted`, resumable from its last epoch-end checkpoint. A second signal ends
