@@ -87,7 +87,9 @@ def test_the_checks_catch_a_bad_module(tmp_path):
         'def f():\n    """Took 3 s before 2026-11-27."""\n'
     )
     assert [line.split(": ")[-1] for line in dated_lines(bad)] == ["2026-11-28", "2026-11-27"]
-    assert too_long(tmp_path, allowed={}) == [f"pkg/bad.py: {MODULE_DOCSTRING_LINES + 2} lines > {MODULE_DOCSTRING_LINES}"]
+    assert too_long(tmp_path, allowed={}) == [
+        f"pkg/bad.py: {MODULE_DOCSTRING_LINES + 2} lines > {MODULE_DOCSTRING_LINES}"
+    ]
     assert too_long(tmp_path, allowed={"pkg/bad.py": MODULE_DOCSTRING_LINES + 2}) == []
     good = tmp_path / "pkg" / "bad.py"
     good.write_text('"""A module.\n\nWhat and why (Eq. 3).\n"""\n\nx = 1  # a comment\n')

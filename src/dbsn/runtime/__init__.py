@@ -15,6 +15,7 @@
 - `ddp`, `child`, `rank`: single-node DDP whose extra ranks start from the run's saved config
   (each runs `python -m dbsn.runtime.child`), and which rank this process is;
 - `cluster`: SLURM jobs (requeue, the job's facts, resume from the run folder);
+- `group`, `turns`: several runs in one process, each equal to its solo run (off by default);
 - `progress`: progress lines for logs without a terminal.
 
 The names of a run folder's files live below, in `dbsn.evaluation.runs` (the report reads them too).

@@ -315,8 +315,15 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
     from dbsn.runtime.sweep import check_jobs, compose_jobs
+    from dbsn.runtime.turns import runs_per_process
 
     config = launcher.config
+    size = runs_per_process(launcher.params.get("runs_per_process", 1))
+    if size > 1:
+        raise ConfigError(
+            f"hydra.launcher.runs_per_process={size}: several runs per process are run by the local launcher "
+            "only, not yet as SLURM jobs; leave it at 1 with hydra/launcher=slurm. Nothing was submitted."
+        )
     sweep_dir = Path(str(config.hydra.sweep.dir))
     configs, run_dirs = compose_jobs(launcher, job_overrides, initial_job_idx)
     from dbsn.evaluation.report import ReportError, check_sweep_report_folder
@@ -327,6 +334,7 @@ def submit_sweep(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     except (ConfigError, ReportError) as err:
         raise ConfigError(f"{err} Nothing was submitted.") from err
     params = dict(launcher.params)
+    params.pop("runs_per_process", None)  # 1: what submitit runs anyway
     params.update(check_sweep(configs, params))
     poll_s = params.pop("poll_s", None)
     poll_s = 30.0 if poll_s is None else max(float(poll_s), 0.1)

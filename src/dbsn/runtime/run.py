@@ -77,6 +77,7 @@ from dbsn.runtime.preflight import check_run_length, check_trained
 from dbsn.runtime.rank import is_rank_zero
 from dbsn.runtime.resume import check_resume, resume_callbacks
 from dbsn.runtime.signals import current_watch, interruptible
+from dbsn.runtime.turns import turn_callbacks
 from dbsn.runtime.wandb_run import (
     close_loggers,
     evaluation_loggers,
@@ -207,6 +208,7 @@ def _train(
         *resume_callbacks(resume_changes),
         *current_watch(),
         *compile_cache_callbacks(model, output_dir),
+        *turn_callbacks(),  # in a group of runs in one process (dbsn.runtime.group): the next run's turn
     ]
     if PreemptionRequeue.active is not None:  # a submitit job on SLURM: requeue at an epoch end when preempted
         callbacks.append(PreemptionRequeue.active)

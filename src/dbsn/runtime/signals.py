@@ -8,6 +8,9 @@ What each signal does while `train` (or `evaluate`) runs under `interruptible`:
   Lightning's SIGTERM flag that rank 0 broadcasts each step), anywhere else at once. A second
   signal stops at once. `RunInterrupted` then leaves `train`; the entry points print its one line
   and exit with 128 + the signal's number (143, 130, 129).
+- Several runs in one process (`dbsn.runtime.group`), a thread each: handlers belong to the main
+  thread, so the group installs its own there and asks every run under way (`live_runs`) to stop
+  the same way (`Interruptions.request`); each thread knows its own run (`current_watch`).
 - SIGUSR1 is left to Lightning (its SLURM auto-requeue) or to its default.
 - SIGUSR2 is submitit's preemption signal: `dbsn.runtime.cluster.PreemptionRequeue` finishes the
   epoch and requeues; the SIGTERM that SLURM then sends is expected, not an interruption.
@@ -35,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from dbsn.evaluation.runs import last_checkpoint
 from dbsn.runtime.errors import RunInterrupted
 
-__all__ = ["INTERRUPTING", "RunInterrupted", "SignalWatch", "interruptible", "requeueing"]
+__all__ = ["INTERRUPTING", "RunInterrupted", "SignalWatch", "interruptible", "live_runs", "requeueing"]
 
 #: the signals that stop a run, with what usually sends them
 INTERRUPTING = {signal.SIGTERM: "a scheduler or kill", signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}
@@ -168,6 +171,17 @@ class Interruptions:
         except OSError:  # the terminal is gone (SIGHUP)
             pass
 
+    def request(self, signum: int) -> None:
+        """Ask the run to stop without raising here: from another thread (the signal handler of a group of
+        runs in one process, `dbsn.runtime.group`). It stops at the end of the batch in progress, or at
+        the start of its next Lightning loop, as a first signal does."""
+        self.signum = self.signum or signum
+        trainer = self.watch.trainer
+        if self.epoch is None and trainer is not None and trainer.training:
+            self.epoch = trainer.current_epoch + 1
+        if trainer is not None and hasattr(trainer, "_signal_connector"):
+            trainer._signal_connector.received_sigterm = True
+
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if _STATE.leaving:
             return
@@ -220,22 +234,34 @@ def interruptible(task=None, *, resumable: bool = True):
 
     @functools.wraps(task)
     def run(cfg, output_dir, *args, **kwargs):
-        global _CURRENT
         interruptions = Interruptions(Path(output_dir) if resumable else None)
-        outer, _CURRENT = _CURRENT, interruptions
+        outer = getattr(_CURRENT, "run", None)
+        _CURRENT.run = interruptions
+        _LIVE.append(interruptions)
         try:
             with interruptions:
                 return task(cfg, output_dir, *args, **kwargs)
         finally:
-            _CURRENT = outer
+            _CURRENT.run = outer
+            _LIVE.remove(interruptions)
 
     return run
 
 
-_CURRENT: Interruptions | None = None
+#: the run under way in each thread (several runs of a group share one process, a thread each)
+_CURRENT = threading.local()
+#: every run under way in this process, in the order they started
+_LIVE: list[Interruptions] = []
 
 
 def current_watch() -> list[pl.Callback]:
-    """The callback of the run under way (`interruptible`), as a list to add to a trainer's callbacks
-    ([] outside one)."""
-    return [] if _CURRENT is None else [_CURRENT.watch]
+    """The callback of this thread's run under way (`interruptible`), as a list to add to a trainer's
+    callbacks ([] outside one)."""
+    current = getattr(_CURRENT, "run", None)
+    return [] if current is None else [current.watch]
+
+
+def live_runs() -> list[Interruptions]:
+    """The runs under way in this process (`interruptible`), each thread's; a group's signal handler asks
+    each of them to stop (`Interruptions.request`)."""
+    return list(_LIVE)

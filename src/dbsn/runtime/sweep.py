@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dbsn.runtime.config import ConfigError
 
-__all__ = ["check_jobs", "compose_jobs", "refuse"]
+__all__ = ["check_jobs", "compose_jobs", "job_name", "refuse"]
 
 
 def compose_jobs(
@@ -46,7 +46,7 @@ def compose_jobs(
     return configs, run_dirs
 
 
-def _job_name(num: int, job: DictConfig) -> str:
+def job_name(num: int, job: DictConfig) -> str:
     overrides = " ".join(job.hydra.overrides.task) if "hydra" in job else ""
     return f"sweep job #{num} ({overrides or 'no overrides'})"
 
@@ -77,13 +77,13 @@ def check_jobs(configs: Sequence[DictConfig], run_dirs: Sequence[Path], initial_
                     where=f"the job's folder hydra.sweep.dir/{Path(run_dir).name}",
                 )
         except ConfigError as err:
-            raise ConfigError(f"{_job_name(num, job)}: {err}") from err
+            raise ConfigError(f"{job_name(num, job)}: {err}") from err
         except Exception as err:  # a user error of another kind (a checkpoint, a data set): the same line
             from dbsn.runtime.errors import user_errors
 
             if not isinstance(err, user_errors()):
                 raise
-            raise ConfigError(f"{_job_name(num, job)}: {err}") from err
+            raise ConfigError(f"{job_name(num, job)}: {err}") from err
 
 
 def refuse(err: BaseException, what: str) -> None:

@@ -21,21 +21,34 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 class DBSNLocalLauncher(BasicLauncher):
     """Hydra's basic launcher (the jobs one after another in this process), after every job's
     config and run folder were checked (`dbsn.runtime.sweep.check_jobs`): one bad job refuses the
-    sweep before job 0 trains, and a sweep folder this start made is removed."""
+    sweep before job 0 trains, and a sweep folder this start made is removed. With
+    `runs_per_process` R > 1, consecutive jobs train R at a time, together in this process
+    (`dbsn.runtime.group`), each in its own run folder as alone."""
+
+    def __init__(self, runs_per_process: int = 1) -> None:
+        super().__init__()
+        self.runs_per_process = runs_per_process
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         from pathlib import Path
 
         from dbsn.runtime.config import ConfigError
         from dbsn.runtime.folder import remove_new_sweep_folder
-        from dbsn.runtime.sweep import check_jobs, compose_jobs, refuse
+        from dbsn.runtime.group import launch_groups
+        from dbsn.runtime.sweep import check_jobs, compose_jobs, job_name, refuse
+        from dbsn.runtime.turns import check_group, runs_per_process
 
-        configs, run_dirs = compose_jobs(self, job_overrides, initial_job_idx)
         try:
+            size = runs_per_process(self.runs_per_process)
+            configs, run_dirs = compose_jobs(self, job_overrides, initial_job_idx)
             check_jobs(configs, run_dirs, initial_job_idx)
+            if size > 1:
+                check_group(configs, run_dirs, [job_name(initial_job_idx + i, c) for i, c in enumerate(configs)])
         except ConfigError as err:
             remove_new_sweep_folder(Path(str(self.config.hydra.sweep.dir)))
             refuse(err, "No job was started.")
+        if size > 1:
+            return launch_groups(self, job_overrides, initial_job_idx, size, configs)
         return super().launch(job_overrides, initial_job_idx)
 
 
