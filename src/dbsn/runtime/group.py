@@ -1,45 +1,20 @@
 """Several training runs in one process: `train_group(cfgs, output_dirs)`, and a sweep's jobs in
 groups of R with `python train.py -m seed=0,1,2,3 hydra.launcher.runs_per_process=4`.
 
-Off by default (`hydra.launcher.runs_per_process: 1`): one run per process, as before. What a group
-is for: on one GPU, the paper's step leaves the device mostly idle between small kernels, and R
-independent runs (the paper's seeds) can fill it together. Each run is `dbsn.runtime.run.train`
-as it is, on its own thread, in its own run folder; on CUDA each thread's current stream is a
-stream of its own, so its kernels (and its CUDA graph's replays) go there and may overlap with
-the other runs' while the host moves on. docs/performance.md has what this gained on a GPU.
+Off by default (R = 1). What a group is for: on one GPU the paper's step leaves the device mostly
+idle between small kernels, and R independent runs (the paper's seeds) can fill it together. Each
+run is `dbsn.runtime.run.train` as it is, on its own thread, in its own run folder, on CUDA with a
+stream of its own, so its kernels and CUDA-graph replays may overlap with the other runs'.
 
-**Each run equals its solo run.** The runs take turns: exactly one run's Python runs at a time,
-and a run hands the turn to the next at the end of each training batch (`dbsn.runtime.turns`:
-`TurnCallback`, in every run's trainer), or when it ends, error or not. At every hand-over
-the process-wide state a run reads is saved for the run that leaves and put back for the one
-that arrives (`turns.ProcessState`): the random generators (torch's CPU generator, NumPy's, Python's
-`random`, and on CUDA each device's default generator), the environment variables (Lightning's
-`PL_GLOBAL_SEED`, Hydra's `env_set`), the working directory, Hydra's config singleton (`.hydra/`
-files, `origin_of`, the log file's name) and the root logger's handlers (each run's `train.log`).
-So every run draws exactly its own random stream and does the same operations as alone, and on
-the CPU it ends bit for bit where its solo run ends (a test compares the metrics and the final
-weights). Which run signals reach: `dbsn.runtime.signals` keeps the run under way per thread.
-
-On CUDA the default generator is switched by its state object (`graphsafe_set_state`), not by
-copying seed and offset: a CUDA graph captured by a run then holds that run's own generator
-state, and its replays advance that run's offset only. (A replay writes the seed and offset into
-tensors of the state it was captured with, on its stream: runs sharing one state would race on
-them.) Not covered, and not testable on a CPU:
-whether a run's graph replays on its own stream overlap in a real training (a run that
-synchronises its stream while it holds the turn, to read its loss, lets the others launch only
-after), and whether the graph-safe generator states give each run its solo random numbers on a
-GPU (they should; a GPU test must compare one run of a group with its solo run). Untested in a
-group: `torch.compile` (compiled on several threads) and data-loader worker processes (forked from
-a process with several threads). The peak memory a run reports (`reset_peak_memory`) is the
-group's, the device's.
-
-Signals: handlers belong to the main thread, so a group installs its own there (`turns._Relay`):
-SIGTERM, SIGINT or SIGHUP asks every run to stop at the end of its batch in progress (or at the
-start of its next Lightning loop), as a signal stops a run alone (`dbsn.runtime.signals`); each
-leaves as `RunInterrupted`, resumable from its last epoch-end checkpoint. A second signal ends
-the process at once (exit 128 + the signal's number): every run folder is then as after a
-`kill -9`, which `resume=true` continues exactly. Refused in a group, in one line: DDP or several
-nodes (`trainer.devices` > 1, `trainer.num_nodes` > 1, a `ddp` strategy), two runs in one folder.
+Each run equals its solo run: the runs take turns, one training batch each (`dbsn.runtime.turns`),
+and at every hand-over the process-wide state a run reads (the random generators, on CUDA each
+device's generator state object; environment variables; the working directory; Hydra's config
+singleton; the root logger's handlers) is saved for the run that leaves and restored for the one
+that arrives. On the CPU a grouped run ends bit for bit where its solo run ends (tested). Signals
+reach every run of the group through the main thread (`turns._Relay`). Refused in one line: DDP
+or several nodes in a group, two runs in one folder. What a GPU must still show (overlap in a real
+training, each graphed run's random numbers) and the figures: docs/training.md ("Several runs in
+one process").
 """
 
 from __future__ import annotations
