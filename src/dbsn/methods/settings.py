@@ -243,18 +243,28 @@ class Execution:
             (`dbsn.methods.step.GraphedForward`), where the members use the modules' own BatchNorm
             statistics; on a GPU, without gradients. Off by default: on an H200 it predicted 3 % more
             images/s than eager prediction (docs/performance.md).
+        weight_copies: under mixed precision, the convolution weights cast to the autocast dtype
+            once at the start of each training step, in one concatenation and one cast, instead of
+            one cast per convolution (and one per weight gradient back): the same values
+            (`dbsn.methods.weight_copies`). Refused without mixed precision, with channels-last
+            weights and with compilation (not yet tested under a compiler). Off by default until a
+            GPU measures it.
     """
 
     channels_last: bool | Literal["auto"] = False
     compile: Compilation = field(default_factory=Compilation)
     cuda_graph: bool | Literal["auto"] = False
     cuda_graph_prediction: bool = False
+    weight_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):
             raise ValueError(f"execution.channels_last must be true, false or auto, got {self.channels_last!r}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"execution.cuda_graph must be true, false or auto, got {self.cuda_graph!r}")
+        if self.weight_copies and self.compile.enabled:
+            raise ValueError("execution.weight_copies is not yet tested under compilation: set model.execution."
+                             "weight_copies=false or model.execution.compile.enabled=false")
 
     @property
     def uses_channels_last(self) -> bool:
