@@ -196,3 +196,40 @@ def test_fused_cell_step_keeps_edge_affine_in_bfloat16_and_casts_less(monkeypatc
     assert torch.equal(out, out_before)
     for name, gradient in gradients.items():
         assert torch.equal(gradient, gradients_before[name]), name
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_weight_copies_make_the_same_step_with_fewer_casts(chunk):
+    """`execution.weight_copies`: a DBSN step (quick network, T = 2, grouped or one structure per
+    forward) under CPU autocast with its cast cache off, as in a CUDA-graph capture: the same logs,
+    gradients (float32) and updated parameters bit for bit, and fewer casts."""
+    from dbsn.methods import DBSN, Execution, Prediction
+    from dbsn.nets import StructureNet
+    from dbsn.tools.bench.common import NETS
+
+    def step(copies: bool):
+        torch.manual_seed(0)
+        method = DBSN(
+            StructureNet(num_classes=10, **NETS["quick"]),
+            train_samples=2,
+            dataset_size=1000,
+            train_samples_per_forward=chunk,
+            prediction=Prediction(n_samples=4, samples_per_forward=2),
+            execution=Execution(channels_last=False, weight_copies=copies),
+        )
+        torch.manual_seed(1)
+        x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+        weights = [method.optim.build(method.weight_parameters(), 100)[0]]
+        opts = [*weights, method.structure_optimizer().build(method.structure_parameters())]
+        method.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), Trace() as trace:
+            logs = method.step_body(x, y, opts, weights, lambda loss, last: loss.backward())
+        params = dict(method.named_parameters())
+        return trace, logs, {n: p.grad for n, p in params.items()}, {n: p.detach() for n, p in params.items()}
+
+    plain, copied = step(False), step(True)
+    assert copied[0].count("cast") < plain[0].count("cast") // 2
+    assert all(torch.equal(plain[1][k], copied[1][k]) for k in plain[1])
+    for name, grad in plain[2].items():
+        assert grad is not None and copied[2][name].dtype == grad.dtype and torch.equal(copied[2][name], grad), name
+        assert torch.equal(copied[3][name], plain[3][name]), name
