@@ -12,14 +12,34 @@ which stay the parameters: the optimisers, the state dict and ``parameters()`` s
 
 The values are autocast's: the copies are the weights rounded once to the autocast dtype, the
 gradients the 16-bit weight gradients of the convolutions, cast to float32 and accumulated into
-the float32 ``.grad`` as before, so the step is the same bit for bit (tested).
+the float32 ``.grad`` as before, so the step is the same bit for bit (tested for DBSN on the
+fused cell in every convolution form). A weight that a backward does not reach keeps no gradient
+(``.grad`` None, as without the copies), so an optimiser skips it as before: its weight decay and
+momentum do not move it. One difference remains where a weight is used more than once in one
+backward (not in the networks here: each convolution runs once per forward): its 16-bit
+gradients are then summed in the 16-bit dtype before the one cast, as with autocast's cast cache
+on (Lightning's eager step), where with the cache off (a CUDA-graph capture) each use's gradient
+is cast on its own and the sum is float32.
 
-Scope: modules of type exactly ``nn.Conv2d`` (subclasses may read their weight differently)
-with NCHW-contiguous weights; every such weight should be used by the step (one that is not
-gets a zero gradient instead of none, which changes weight decay's update). The copy is
-installed by an instance attribute ``weight`` that shadows the parameter for attribute access
-(``nn.Module`` looks parameters up only when ordinary attribute lookup fails) and is removed
-when the block ends.
+Which layers (`copied_layers`): those whose forward reads ``self.weight`` as the parameter and
+hands it to the convolution unchanged, with the parameter itself at ``weight``:
+
+- `nn.Conv2d` (type exactly: a subclass may read its weight differently; a parametrised one,
+  such as a spectrally normalised layer, is of another type);
+- the fused cell's `dbsn.nets.conv_forms.StackedConv2d`, in every form (``conv``: `F.conv2d`,
+  which autocast no longer casts; ``bmm``, ``mulsum``, ``stencil``: `convolve` casts the operands
+  to the autocast dtype, which leaves the copy as it is, and the float32 forms widen it exactly);
+- the convolutions inside wrappers that call them (Masksembles, BatchEnsemble, rank-1 layers
+  hold an `nn.Conv2d` as ``layer``), which are found as the modules they are.
+
+Not the Bayesian twins (`dbsn.bayes.BayesConv2d`): their forward draws the weight, μ + σ·ε
+(or μ with sampling off), from parameters that are not a convolution's weight, so there is no
+weight to copy, and their μ and ρ get their gradients through that arithmetic.
+
+The copy is installed by an instance attribute ``weight`` that shadows the parameter for
+attribute access (``nn.Module`` looks parameters up only when ordinary attribute lookup fails)
+and is removed when the block ends. Weights in a channels-last layout are refused (the copies
+are contiguous views), and so is compilation (`dbsn.methods.Execution`).
 """
 
 from __future__ import annotations
@@ -28,16 +48,58 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["WeightCopies"]
+from dbsn.nets.conv_forms import StackedConv2d
+
+__all__ = ["COPIED_TYPES", "WeightCopies", "copied_layers"]
+
+#: the layer types whose forward hands ``self.weight`` to the convolution as it is
+COPIED_TYPES = (nn.Conv2d, StackedConv2d)
+
+
+def copied_layers(net: nn.Module) -> list[nn.Module]:
+    """The layers of `net` whose weights `WeightCopies` copies (see the module docstring): of a type
+    in `COPIED_TYPES` exactly, with their parameter at ``weight``."""
+    return [
+        m
+        for m in net.modules()
+        if type(m) in COPIED_TYPES
+        and isinstance(m._parameters.get("weight"), nn.Parameter)
+        and "weight" not in m.__dict__
+    ]
+
+
+class _Copies(torch.autograd.Function):
+    """The weights cast to ``dtype`` in one concatenation and one cast, as one view per weight;
+    back, the gradients that arrived in one concatenation and one cast, None for a weight that got
+    none (so its ``.grad`` stays as it was)."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *weights: Tensor) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.shapes = [w.shape for w in weights]
+        ctx.dtypes = [w.dtype for w in weights]
+        flat = torch.cat([w.reshape(-1) for w in weights]).to(dtype)
+        return tuple(part.view(shape) for part, shape in zip(flat.split([w.numel() for w in weights]), ctx.shapes))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        arrived = [k for k, g in enumerate(grads) if g is not None and ctx.needs_input_grad[k + 1]]
+        out: list[Tensor | None] = [None] * len(grads)
+        if arrived:
+            flat = torch.cat([grads[k].reshape(-1) for k in arrived]).to(ctx.dtypes[arrived[0]])
+            sizes = [grads[k].numel() for k in arrived]
+            for k, part in zip(arrived, flat.split(sizes)):
+                out[k] = part.view(ctx.shapes[k])
+        return (None, *out)
 
 
 class WeightCopies:
     """The 16-bit copies of `net`'s convolution weights for one step (see the module docstring)."""
 
     def __init__(self, net: nn.Module) -> None:
-        self.convs = [m for m in net.modules() if type(m) is nn.Conv2d]
+        self.convs = copied_layers(net)
 
     @contextmanager
     def applied(self, dtype: torch.dtype) -> Iterator[int]:
@@ -53,11 +115,15 @@ class WeightCopies:
                 "model.execution.weight_copies needs NCHW-contiguous convolution weights; "
                 "set model.execution.channels_last=false"
             )
-        flat = torch.cat([w.reshape(-1) for w in masters]).to(dtype)
-        copies = flat.split([w.numel() for w in masters])
+        if len({w.dtype for w in masters}) > 1:
+            raise ValueError(
+                "model.execution.weight_copies casts weights of one dtype; this network's convolutions "
+                f"have {sorted({str(w.dtype) for w in masters})}: set model.execution.weight_copies=false"
+            )
+        copies = _Copies.apply(dtype, *masters)
         try:
-            for conv, copy, master in zip(convs, copies, masters):
-                conv.__dict__["weight"] = copy.view(master.shape)
+            for conv, copy in zip(convs, copies):
+                conv.__dict__["weight"] = copy
             yield len(convs)
         finally:
             for conv in convs:
