@@ -332,12 +332,16 @@ class Execution:
             elementwise work a compiler fuses). Refused like `conv_1x1`. "auto" (either): the form
             measured fastest where the layer runs (`dbsn.nets.conv_forms.AUTO_FORMS`: the 1×1s as
             a batched matmul on a GPU, `F.conv2d` elsewhere), never refused (`speed=fast` sets it).
-        weight_copies: under mixed precision, the convolution weights cast to the autocast dtype
-            once at the start of each training step, in one concatenation and one cast, instead of
-            one cast per convolution (and one per weight gradient back): the same values
-            (`dbsn.methods.weight_copies`). Refused without mixed precision, with channels-last
-            weights and with compilation (not yet tested under a compiler). Off by default until a
-            GPU measures it.
+        weight_copies: under mixed precision, the convolution weights (`nn.Conv2d` and the fused
+            cell's stacked convolutions in every form; not Gaussian layers, whose weights are
+            drawn) cast to the autocast dtype once per training step, in one concatenation and one
+            cast, instead of one cast per convolution and one per weight gradient back
+            (`dbsn.methods.weight_copies`): the same step bit for bit, and a weight that a step does
+            not use keeps no gradient, as without. It composes with `cuda_graph` (the copies are
+            made inside the captured step) and with `compile` (the compiled regions take the copies
+            as inputs; nothing recompiles from step to step). Refused at the first training step
+            without mixed precision. Off by default: it saves small kernels, whose cost only a GPU
+            can measure.
     """
 
     channels_last: bool | Literal["auto"] = False
@@ -357,11 +361,6 @@ class Execution:
             raise ValueError(f"execution.conv_1x1 must be one of {list(CONV_1X1_FORMS)}, got {self.conv_1x1!r}")
         if self.depthwise not in DEPTHWISE_FORMS:
             raise ValueError(f"execution.depthwise must be one of {list(DEPTHWISE_FORMS)}, got {self.depthwise!r}")
-        if self.weight_copies and self.compile.enabled:
-            raise ValueError(
-                "execution.weight_copies is not yet tested under compilation: set model.execution."
-                "weight_copies=false or model.execution.compile.enabled=false"
-            )
 
     def apply_conv_forms(self, net: nn.Module) -> int:
         """Set the forms of `net`'s fused-cell convolutions (`dbsn.nets.conv_forms.set_conv_forms`:

@@ -38,8 +38,9 @@ weight to copy, and their μ and ρ get their gradients through that arithmetic.
 
 The copy is installed by an instance attribute ``weight`` that shadows the parameter for
 attribute access (``nn.Module`` looks parameters up only when ordinary attribute lookup fails)
-and is removed when the block ends. Weights in a channels-last layout are refused (the copies
-are contiguous views), and so is compilation (`dbsn.methods.Execution`).
+and is removed when the block ends. Each copy has its weight's layout, contiguous or
+channels-last (the buffer holds each weight in its memory order), so a convolution sees the
+strides it would see after autocast's cast.
 """
 
 from __future__ import annotations
@@ -79,20 +80,46 @@ class _Copies(torch.autograd.Function):
     def forward(ctx, dtype: torch.dtype, *weights: Tensor) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.shapes = [w.shape for w in weights]
-        ctx.dtypes = [w.dtype for w in weights]
-        flat = torch.cat([w.reshape(-1) for w in weights]).to(dtype)
-        return tuple(part.view(shape) for part, shape in zip(flat.split([w.numel() for w in weights]), ctx.shapes))
+        ctx.dtype = weights[0].dtype
+        ctx.layouts = [_layout(w) for w in weights]
+        flat = torch.cat([_flat(w, last) for w, last in zip(weights, ctx.layouts)]).to(dtype)
+        parts = flat.split([w.numel() for w in weights])
+        return tuple(_unflat(part, shape, last) for part, shape, last in zip(parts, ctx.shapes, ctx.layouts))
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         arrived = [k for k, g in enumerate(grads) if g is not None and ctx.needs_input_grad[k + 1]]
         out: list[Tensor | None] = [None] * len(grads)
         if arrived:
-            flat = torch.cat([grads[k].reshape(-1) for k in arrived]).to(ctx.dtypes[arrived[0]])
-            sizes = [grads[k].numel() for k in arrived]
-            for k, part in zip(arrived, flat.split(sizes)):
-                out[k] = part.view(ctx.shapes[k])
+            flat = torch.cat([_flat(grads[k], ctx.layouts[k]) for k in arrived]).to(ctx.dtype)
+            for k, part in zip(arrived, flat.split([grads[k].numel() for k in arrived])):
+                out[k] = _unflat(part, ctx.shapes[k], ctx.layouts[k])
         return (None, *out)
+
+
+def _layout(weight: Tensor) -> bool:
+    """Whether `weight` is channels-last (True) or contiguous (False); refused in one line otherwise."""
+    if weight.is_contiguous():
+        return False
+    if weight.dim() == 4 and weight.is_contiguous(memory_format=torch.channels_last):
+        return True
+    raise ValueError(
+        f"model.execution.weight_copies: a convolution weight of shape {tuple(weight.shape)} and strides "
+        f"{weight.stride()} is neither contiguous nor channels-last; set model.execution.weight_copies=false"
+    )
+
+
+def _flat(t: Tensor, channels_last: bool) -> Tensor:
+    """`t`'s elements in the order of its layout's memory (a view of a tensor in that layout)."""
+    return (t.permute(0, 2, 3, 1) if channels_last else t).reshape(-1)
+
+
+def _unflat(part: Tensor, shape: torch.Size, channels_last: bool) -> Tensor:
+    """`_flat`'s inverse: a view of `part` as `shape`, in the layout."""
+    if not channels_last:
+        return part.view(shape)
+    o, i, h, w = shape
+    return part.view(o, h, w, i).permute(0, 3, 1, 2)
 
 
 class WeightCopies:
@@ -110,11 +137,6 @@ class WeightCopies:
             yield 0
             return
         masters = [m.weight for m in convs]
-        if not all(w.is_contiguous() for w in masters):
-            raise ValueError(
-                "model.execution.weight_copies needs NCHW-contiguous convolution weights; "
-                "set model.execution.channels_last=false"
-            )
         if len({w.dtype for w in masters}) > 1:
             raise ValueError(
                 "model.execution.weight_copies casts weights of one dtype; this network's convolutions "
