@@ -196,3 +196,14 @@ def test_weight_copies_without_mixed_precision_are_refused_in_one_line():
     opts = [method.optim.build(method.weight_parameters(), 100)[0]]
     with pytest.raises(ValueError, match=r"^model.execution.weight_copies=true .*trainer.precision=bf16-mixed"):
         method.step_body(torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,)), opts, opts)
+
+
+def test_the_config_check_refuses_weight_copies_without_bf16_mixed(tmp_path):
+    """Before anything is built, in one line naming both settings; with bf16-mixed it passes."""
+    from dbsn.runtime.config import ConfigError, validate_config
+    from tests.support.configs import compose_config
+
+    base = ["data=digits", "trainer=cpu", "model.execution.weight_copies=true", "model.execution.channels_last=false"]
+    with pytest.raises(ConfigError, match=r"^model.execution.weight_copies=true .*trainer.precision=bf16-mixed or "):
+        validate_config(compose_config("train", base, tmp_path))
+    validate_config(compose_config("train", [*base, "trainer.precision=bf16-mixed"], tmp_path))

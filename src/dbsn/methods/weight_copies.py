@@ -2,13 +2,17 @@
 
 Under mixed precision autocast casts each convolution's float32 weight to bfloat16 where the
 convolution runs, and the backward casts each weight gradient back: two small operations per
-convolution and step (in the paper network's step 449 casts each way, one per weight, since each
-weight is used once by a grouped T = 4 forward; T separate forwards cast T times where autocast's
-cast cache is off, as inside a CUDA-graph capture). `WeightCopies` makes all of them at the start
-of the step instead, as one concatenation and one cast, and shows each convolution a view of
-that buffer as its ``weight`` for the step; the backward goes through the same two operations
-the other way (one concatenation of the 16-bit gradients, one cast) into the float32 weights,
-which stay the parameters: the optimisers, the state dict and ``parameters()`` see only them.
+convolution and step (one per weight each way where a grouped forward uses each weight once; T
+separate forwards cast T times where autocast's cast cache is off, as inside a CUDA-graph
+capture). `WeightCopies` makes all of them at the start of the step instead, as one
+concatenation and one cast, and shows each convolution a view of that buffer as its ``weight``
+for the step; the backward goes through the same two operations the other way (one
+concatenation of the 16-bit gradients, one cast) into the float32 weights, which stay the
+parameters: the optimisers, the state dict and ``parameters()`` see only them. It is
+`dbsn.methods.Execution`'s ``weight_copies`` (off by default), applied around the gradients of
+`dbsn.methods.training.TrainingLoop.step_body`, so a CUDA graph captures the copies with the
+step, and a compiled region takes them as inputs like the weights (nothing recompiles between
+steps: tested).
 
 The values are autocast's: the copies are the weights rounded once to the autocast dtype, the
 gradients the 16-bit weight gradients of the convolutions, cast to float32 and accumulated into
@@ -38,9 +42,11 @@ weight to copy, and their μ and ρ get their gradients through that arithmetic.
 
 The copy is installed by an instance attribute ``weight`` that shadows the parameter for
 attribute access (``nn.Module`` looks parameters up only when ordinary attribute lookup fails)
-and is removed when the block ends. Each copy has its weight's layout, contiguous or
-channels-last (the buffer holds each weight in its memory order), so a convolution sees the
-strides it would see after autocast's cast.
+and is removed when the block ends; code that reads a convolution's ``weight`` during the step
+sees the copy (the methods' weight decay and KL terms read the parameters, which it leaves as
+they are). Each copy has its weight's layout, contiguous or channels-last (the buffer holds each
+weight in its memory order), so a convolution sees the strides it would see after autocast's
+cast.
 """
 
 from __future__ import annotations
