@@ -181,8 +181,10 @@ class TrainingLoop:
         return logs
 
     def _weight_copies(self):
-        """`execution.weight_copies`: the convolutions' 16-bit weights for this step, cast in one
-        operation (`WeightCopies`); refused outside autocast, where there is nothing to cast."""
+        """`execution.weight_copies`: the 16-bit weights of this method's convolutions for this step,
+        cast in one operation (`WeightCopies`; the layers found again each step, so a network
+        replaced between steps is the one copied); refused outside autocast, where there is nothing
+        to cast."""
         if not self.execution.weight_copies:
             return nullcontext()
         device = self.device.type
@@ -191,9 +193,7 @@ class TrainingLoop:
                 "model.execution.weight_copies=true casts the weights for mixed precision: set "
                 "trainer.precision=bf16-mixed or model.execution.weight_copies=false"
             )
-        if getattr(self, "_copies", None) is None:
-            self._copies = WeightCopies(self.net)
-        return self._copies.applied(torch.get_autocast_dtype(device))
+        return WeightCopies(self).applied(torch.get_autocast_dtype(device))
 
     def attach_guard(self, optimizers: list) -> None:
         """Give the NaN/inf guard the optimisers (their own objects, not Lightning's wrappers)."""
