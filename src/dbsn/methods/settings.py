@@ -332,6 +332,16 @@ class Execution:
             elementwise work a compiler fuses). Refused like `conv_1x1`. "auto" (either): the form
             measured fastest where the layer runs (`dbsn.nets.conv_forms.AUTO_FORMS`: the 1×1s as
             a batched matmul on a GPU, `F.conv2d` elsewhere), never refused (`speed=fast` sets it).
+        weight_copies: under mixed precision, the convolution weights (`nn.Conv2d` and the fused
+            cell's stacked convolutions in every form; not Gaussian layers, whose weights are
+            drawn) cast to the autocast dtype once per training step, in one concatenation and one
+            cast, instead of one cast per convolution and one per weight gradient back
+            (`dbsn.methods.weight_copies`): the same step bit for bit, and a weight that a step does
+            not use keeps no gradient, as without. It composes with `cuda_graph` (the copies are
+            made inside the captured step) and with `compile` (the compiled regions take the copies
+            as inputs; nothing recompiles from step to step). Refused at the first training step
+            without mixed precision. Off by default: it saves small kernels, whose cost only a GPU
+            can measure.
     """
 
     channels_last: bool | Literal["auto"] = False
@@ -340,6 +350,7 @@ class Execution:
     cuda_graph_prediction: bool = False
     conv_1x1: str = "conv"
     depthwise: str = "conv"
+    weight_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.channels_last not in (True, False, "auto"):

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from dbsn.methods.step import FiniteGuard, GraphedStep, NonFiniteLossError
 from dbsn.methods.temperature import require_validation
+from dbsn.methods.weight_copies import WeightCopies
 from dbsn.nets.batchnorm import RunningStatistics, accumulated_running_statistics
 
 
@@ -169,7 +170,8 @@ class TrainingLoop:
         optimisers `weight_opts`, one per weight group) and every optimiser's update; the detached
         logs. Nothing in it reads a device value on the host, so a CUDA graph can capture it
         (`GraphedStep`)."""
-        logs = self.accumulate_gradients(x, y, backward or self._backward, batch_idx)
+        with self._weight_copies():
+            logs = self.accumulate_gradients(x, y, backward or self._backward, batch_idx)
         if self.optim.grad_clip_norm:
             for opt in weight_opts:
                 params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
@@ -177,6 +179,21 @@ class TrainingLoop:
         for opt in opts:
             opt.step()
         return logs
+
+    def _weight_copies(self):
+        """`execution.weight_copies`: the 16-bit weights of this method's convolutions for this step,
+        cast in one operation (`WeightCopies`; the layers found again each step, so a network
+        replaced between steps is the one copied); refused outside autocast, where there is nothing
+        to cast."""
+        if not self.execution.weight_copies:
+            return nullcontext()
+        device = self.device.type
+        if not torch.is_autocast_enabled(device):
+            raise ValueError(
+                "model.execution.weight_copies=true casts the weights for mixed precision: set "
+                "trainer.precision=bf16-mixed or model.execution.weight_copies=false"
+            )
+        return WeightCopies(self).applied(torch.get_autocast_dtype(device))
 
     def attach_guard(self, optimizers: list) -> None:
         """Give the NaN/inf guard the optimisers (their own objects, not Lightning's wrappers)."""

@@ -367,6 +367,23 @@ def check_cuda_graph(cfg: DictConfig, on_this_machine: bool = True) -> None:
             )
 
 
+def check_weight_copies(cfg: DictConfig) -> None:
+    """Refuse `model.execution.weight_copies=true` without bf16-mixed before anything is built: it
+    casts the convolution weights for autocast (`dbsn.methods.weight_copies`), and a step without
+    autocast would refuse it at its first step."""
+    trainer = cfg.get("trainer") or {}
+    precision = _PRECISION_ALIASES.get(str(trainer.get("precision")), str(trainer.get("precision")))
+    if precision == "bf16-mixed":
+        return
+    for where, node in (("model", cfg.get("model")), ("model.member", (cfg.get("model") or {}).get("member"))):
+        if ((node or {}).get("execution") or {}).get("weight_copies") is True:
+            raise ConfigError(
+                f"{where}.execution.weight_copies=true casts the weights for mixed precision, and this run has "
+                f"trainer.precision={trainer.get('precision')}: set trainer.precision=bf16-mixed or "
+                f"{where}.execution.weight_copies=false."
+            )
+
+
 def _on_cpu(trainer) -> bool:
     """Whether a trainer config trains on the CPU (explicitly, or "auto" without CUDA)."""
     accelerator = str((trainer or {}).get("accelerator", "auto"))
@@ -666,6 +683,7 @@ def validate_config(cfg: DictConfig, on_this_machine: bool = True) -> None:
             _check_settings(node, section)
     check_trainer(cfg.get("trainer"))
     check_trainer_settings(cfg)
+    check_weight_copies(cfg)
     if on_this_machine:
         check_devices(cfg)
         check_compile(cfg)

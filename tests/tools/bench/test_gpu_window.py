@@ -39,6 +39,8 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     if available:
         used = steps["conv_1x1=bmm depthwise=stencil"]["forms"]  # every stacked 1x1 has its depthwise
         assert set(used) == {"bmm", "stencil"} and used["bmm"] == used["stencil"] > 0
+    copies = forms["copies"]  # the graphed step with weight_copies, in the default forms and speed=fast's
+    assert len(copies) == len(window.COPIES_FORMS) and copies["conv_1x1=conv depthwise=conv"]["ms_per_step"] > 0
     compiled = results["compile"]
     if window.nodes_compile_available() is None:
         assert compiled["graphs"] >= 1 and compiled["recompiles"] == 0 and compiled["ms_per_step"] > 0
@@ -48,6 +50,7 @@ def test_each_part_runs_on_a_cpu_and_the_summary_holds_its_tables(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     for heading in ("## Profile", "## Convolution forms", "## Nodes-only compile", "## CUDA graphs on streams"):
         assert heading in text
+    assert "| whole step with weight_copies=true |" in text
     assert "| 1x1 bmm |" in text and "| conv_1x1=conv depthwise=conv |" in text and "skipped: no CUDA" in text
 
 

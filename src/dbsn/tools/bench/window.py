@@ -8,7 +8,8 @@ keeps what it had (``tools/gpu_window.sh`` runs them all, each under its own ``t
 profile   the graphed step's ms per step and kernels of one replay; the eager step's kernels by
           what launched them (`dbsn.tools.bench.categories`); the graphed step with ``cudnn.benchmark``.
 forms     each convolution form (`dbsn.nets.conv_forms`) at the first stage's shapes, eager, in
-          the graphed step for every ``conv_1x1`` × ``depthwise``, and under ``torch.compile``.
+          the graphed step for every ``conv_1x1`` × ``depthwise``, under ``torch.compile``, and with
+          ``model.execution.weight_copies`` (`dbsn.methods.weight_copies`) in ``COPIES_FORMS``.
 compile   the nodes-only regional compile (``compile.scope=nodes``) inside the CUDA graph with the
           fastest compiled forms: warm-up seconds, graphs, recompiles, ms and kernels per step; its
           cache saved to ``DIR/compile_cache.bin`` (``--cache FILE``: a warm start from it).
@@ -49,6 +50,8 @@ STEP_FORMS = (
     ("mulsum", "stencil"),
     ("mulsum", "conv"),
 )
+#: the form pairs of the graphed step measured with the convolution weights cast once per step
+COPIES_FORMS = (("conv", "conv"), ("bmm", "conv"))
 #: kernel names to categories, first match wins (a graph replay's kernels have only their names)
 KERNEL_NAMES = [
     ("triton (inductor)", r"^triton_"),
@@ -205,7 +208,13 @@ def setting(tiny: bool) -> dict:
 
 
 def build(
-    part: Part, conv_1x1: str = "conv", depthwise: str = "conv", compile=None, graph: bool | None = None, seed: int = 0
+    part: Part,
+    conv_1x1: str = "conv",
+    depthwise: str = "conv",
+    compile=None,
+    graph: bool | None = None,
+    seed: int = 0,
+    weight_copies: bool = False,
 ):
     """(method, step): DBSN on the part's network with these execution options, and a zero-argument
     training step (`dbsn.tools.bench.gpu.training_step`, bf16; in a CUDA graph on a GPU)."""
@@ -220,6 +229,8 @@ def build(
         if reason:
             raise RuntimeError(f"model.execution.conv_1x1/depthwise {reason}")
         options = {"conv_1x1": conv_1x1, "depthwise": depthwise}
+    if weight_copies:  # only where asked: an Execution without the field builds the other rows
+        options["weight_copies"] = True
     torch.manual_seed(seed)
     size = setting(part.tiny)
     method = DBSN(
@@ -433,6 +444,13 @@ def part_forms(part: Part, args) -> None:
         part.row("steps", key, lambda: form_step(part, conv_1x1, depthwise))
     for name, (fn, shape, layout) in cases.items():
         part.row("compiled", name, lambda: micro(part, fn, shape, layout, rows, n * c, hw, True, args.compile_backend))
+    for conv_1x1, depthwise in COPIES_FORMS:
+        key = f"conv_1x1={conv_1x1} depthwise={depthwise}"
+        if available and (conv_1x1, depthwise) != ("conv", "conv"):
+            part.result.setdefault("copies", {})[key] = {"error": available}
+            part.save()
+            continue
+        part.row("copies", key, lambda: form_step(part, conv_1x1, depthwise, weight_copies=True))
 
 
 def forms_in(method) -> dict[str, int]:
@@ -444,8 +462,8 @@ def forms_in(method) -> dict[str, int]:
     return counts
 
 
-def form_step(part: Part, conv_1x1: str, depthwise: str) -> dict:
-    method, step = build(part, conv_1x1, depthwise)
+def form_step(part: Part, conv_1x1: str, depthwise: str, weight_copies: bool = False) -> dict:
+    method, step = build(part, conv_1x1, depthwise, weight_copies=weight_copies)
     row = {
         "ms_per_step": median_ms(step, part.device, reps=3 if part.tiny else 10, warm=2 if part.tiny else 5),
         "graphed": part.cuda,
@@ -809,6 +827,16 @@ def summary(out: Path) -> str:
         lines += ["| whole step (forms eager in the graph) | ms per step | kernels |", "|---|---|---|"]
         for name, row in forms["steps"].items():
             lines.append(_row(name, row, [_cell(row, "ms_per_step", "{:.1f}"), _cell(row, "kernels", "{:,}")]))
+        lines.append("")
+    if forms.get("copies"):
+        lines += [
+            "| whole step with weight_copies=true | ms per step | kernels | without: ms per step |",
+            "|---|---|---|---|",
+        ]
+        for name, row in forms["copies"].items():
+            plain = forms.get("steps", {}).get(name, {})
+            cells = [_cell(row, "ms_per_step", "{:.1f}"), _cell(row, "kernels", "{:,}")]
+            lines.append(_row(name, row, [*cells, _cell(plain, "ms_per_step", "{:.1f}")]))
         lines.append("")
     lines += ["## Nodes-only compile inside the graph", ""]
     rows = [("cold", parts["compile"]), ("warm (cache loaded)", parts["compile_warm"])]
