@@ -1,52 +1,22 @@
 """16-bit copies of the convolution weights, made once per training step in a few operations.
 
-Under mixed precision autocast casts each convolution's float32 weight to bfloat16 where the
-convolution runs, and the backward casts each weight gradient back: two small operations per
-convolution and step (one per weight each way where a grouped forward uses each weight once; T
-separate forwards cast T times where autocast's cast cache is off, as inside a CUDA-graph
-capture). `WeightCopies` makes all of them at the start of the step instead, as one
-concatenation and one cast, and shows each convolution a view of that buffer as its ``weight``
-for the step; the backward goes through the same two operations the other way (one
-concatenation of the 16-bit gradients, one cast) into the float32 weights, which stay the
-parameters: the optimisers, the state dict and ``parameters()`` see only them. It is
-`dbsn.methods.Execution`'s ``weight_copies`` (off by default), applied around the gradients of
-`dbsn.methods.training.TrainingLoop.step_body`, so a CUDA graph captures the copies with the
-step, and a compiled region takes them as inputs like the weights (nothing recompiles between
-steps: tested).
+Under mixed precision autocast casts each convolution's float32 weight to bfloat16 where it runs,
+and the backward casts each weight gradient back: two small operations per convolution and step.
+`WeightCopies` (`Execution.weight_copies`, off by default) makes the forward casts at the start of
+the step as one concatenation and one cast, shows each convolution its view of that buffer as its
+``weight`` (an instance attribute that shadows the parameter, removed when the block ends), and
+casts back only the gradients that arrive. The float32 weights stay the parameters: the optimisers,
+the state dict and the methods' weight decay and KL terms see only them. Applied around the
+gradients of `TrainingLoop.step_body`, so a CUDA graph captures it and a compiled region takes the
+copies as inputs.
 
-The values are autocast's: the copies are the weights rounded once to the autocast dtype, the
-gradients the 16-bit weight gradients of the convolutions, cast to float32 and accumulated into
-the float32 ``.grad`` as before, so the step is the same bit for bit (tested for DBSN on the
-fused cell in every convolution form). A weight that a backward does not reach keeps no gradient
-(``.grad`` None, as without the copies), so an optimiser skips it as before: its weight decay and
-momentum do not move it. One difference remains where a weight is used more than once in one
-backward (not in the networks here: each convolution runs once per forward): its 16-bit
-gradients are then summed in the 16-bit dtype before the one cast, as with autocast's cast cache
-on (Lightning's eager step), where with the cache off (a CUDA-graph capture) each use's gradient
-is cast on its own and the sum is float32.
-
-Which layers (`copied_layers`): those whose forward reads ``self.weight`` as the parameter and
-hands it to the convolution unchanged, with the parameter itself at ``weight``:
-
-- `nn.Conv2d` (type exactly: a subclass may read its weight differently; a parametrised one,
-  such as a spectrally normalised layer, is of another type);
-- the fused cell's `dbsn.nets.conv_forms.StackedConv2d`, in every form (``conv``: `F.conv2d`,
-  which autocast no longer casts; ``bmm``, ``mulsum``, ``stencil``: `convolve` casts the operands
-  to the autocast dtype, which leaves the copy as it is, and the float32 forms widen it exactly);
-- the convolutions inside wrappers that call them (Masksembles, BatchEnsemble, rank-1 layers
-  hold an `nn.Conv2d` as ``layer``), which are found as the modules they are.
-
-Not the Bayesian twins (`dbsn.bayes.BayesConv2d`): their forward draws the weight, μ + σ·ε
-(or μ with sampling off), from parameters that are not a convolution's weight, so there is no
-weight to copy, and their μ and ρ get their gradients through that arithmetic.
-
-The copy is installed by an instance attribute ``weight`` that shadows the parameter for
-attribute access (``nn.Module`` looks parameters up only when ordinary attribute lookup fails)
-and is removed when the block ends; code that reads a convolution's ``weight`` during the step
-sees the copy (the methods' weight decay and KL terms read the parameters, which it leaves as
-they are). Each copy has its weight's layout, contiguous or channels-last (the buffer holds each
-weight in its memory order), so a convolution sees the strides it would see after autocast's
-cast.
+The values are autocast's, so the step is the same bit for bit (tested for DBSN on the fused cell
+in every convolution form, both layouts, compiled). A weight a backward does not reach keeps no
+gradient, as without. One difference: a weight used twice in one backward (none here) would have
+its 16-bit gradients summed before the cast. Copied (`copied_layers`): `nn.Conv2d` (type exactly)
+and `dbsn.nets.conv_forms.StackedConv2d` in every form, wrapped ones included; not the Bayesian
+twins, whose weight is drawn, nor parametrised layers, whose weight is computed. Each copy keeps
+its weight's memory layout. What it should gain, and what a GPU must measure: docs/performance.md.
 """
 
 from __future__ import annotations
