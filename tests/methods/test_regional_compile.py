@@ -14,7 +14,7 @@ from tests.support.steputil import assert_same, step_state
 
 def _method(scope: str) -> DBSN:
     torch.manual_seed(0)
-    net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=3, num_stages=2, growth=4, stem_channels=8)
+    net = StructureNet(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=1, growth=4, stem_channels=8)
     compile = Compilation(enabled=True, scope=scope, backend="eager")
     return DBSN(net, train_samples=2, dataset_size=10, execution=Execution(compile=compile))
 
@@ -63,7 +63,7 @@ def _nodes_method(net_kwargs: dict, backend: str = "eager", dtype=torch.float32,
     return DBSN(net, dataset_size=10, execution=Execution(compile=compile), **kwargs).to(dtype)
 
 
-TINY = dict(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=2, growth=4, stem_channels=8)
+TINY = dict(num_classes=5, num_nodes=3, cells_per_stage=2, num_stages=1, growth=4, stem_channels=8)
 
 
 def test_nodes_compile_of_the_paper_network_makes_4_graphs_and_none_in_a_second_step():
