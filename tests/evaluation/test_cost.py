@@ -335,6 +335,10 @@ def test_a_model_the_test_pass_left_on_the_cpu_is_counted_on_the_run_s_gpu():
     assert all(p.device.type == "cpu" for p in method.parameters())
 
 
+#: the methods whose S members are samples (the ensembles predict with their own M members)
+SAMPLING = ("dbsn", "fbn", "mc_dropout", "bbb", "vogn", "vogn_fbn", "nekfac")
+
+
 @pytest.mark.parametrize(
     "model",
     [
@@ -368,7 +372,9 @@ def test_every_method_is_measured_on_inference_tensors_without_channels_last(mod
         overrides = small_model(model, "model/net=structure_net")
     else:
         overrides = small_model(model)
-    cfg = compose_config("train", [*overrides, f"{prefix}.execution.channels_last=false"], tmp_path)
+    # S = 3 where a method samples its members (a count, not a cost); the ensembles keep their M
+    samples = ["model.prediction.n_samples=3"] if model in SAMPLING else []
+    cfg = compose_config("train", [*overrides, *samples, f"{prefix}.execution.channels_last=false"], tmp_path)
     method = build_model(cfg.model, num_classes=10)
     x, y = _inference_copies(torch.rand(2, 3, 32, 32), torch.randint(0, 10, (2,)))
     cost = measure_cost(method, x, y)

@@ -32,6 +32,7 @@ def test_refinement_trains_both_ensembles_and_reports_them(tmp_path):
     common = [
         "data=digits",
         "data.batch_size=128",
+        "data.train_subset=256",
         "trainer.max_epochs=1",
         *[o for o in TINY if not o.startswith("model.")],
     ]
