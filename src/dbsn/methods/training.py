@@ -2,24 +2,16 @@
 CUDA-graphed), the non-finite guard, warm-up, running BatchNorm statistics.
 
 `TrainingLoop` is the part of `dbsn.methods.base.Method` that Lightning's fit calls (manual
-optimisation); the method proper (its loss, `training_losses`, and its prediction) stays in
-`dbsn.methods.base`. It provides:
-
-- SGD with momentum and weight decay on the network weights (none on the scales ρ of Gaussian
-  weights, which only their KL regularises), lr ÷ `gamma` at fractions of training, a linear
-  warm-up over `optim.warmup_epochs`, gradient-norm clipping on the weights only (the paper's
-  CIFAR recipe);
-- an optional second optimiser for structure parameters (Adam on θ), via `structure_parameters`;
-- one step: the gradients of the method's loss part by part (one grouped forward over the T
-  structures, or chunks of `train_samples_per_forward`) with one BatchNorm running-statistics
-  update for the step, averaged over the ranks under structure-parallel DDP;
-- a NaN/inf guard that stops the run at the first bad loss and names the step, without a host
-  synchronisation per step (`dbsn.methods.step.FiniteGuard`);
-- a training step that synchronises with the host nowhere (BatchNorm running statistics moved
-  once per step, τ, β and the learning rates in device tensors, fused optimisers), so that
-  `execution.cuda_graph` can capture it whole (`dbsn.methods.step.GraphedStep`);
-- under data-parallel DDP, different random streams per rank, so each rank draws its own
-  structures/masks; under structure-parallel DDP one stream (see `Method`'s `parallel`).
+optimisation); the method proper (its loss, `training_losses`, Eq. 3, and its prediction) stays in
+`dbsn.methods.base`. It provides the paper's CIFAR recipe (SGD with momentum and weight decay on the
+weights, none on the scales ρ of Gaussian weights; lr ÷ `gamma` at fractions of training; a linear
+warm-up; gradient-norm clipping on the weights only), an optional second optimiser for structure
+parameters (Adam on θ), and one step: the gradients of the loss part by part (one grouped forward
+over the T structures, or chunks of `train_samples_per_forward`) with one BatchNorm
+running-statistics update, averaged over the ranks under structure-parallel DDP. The step reads
+nothing on the host (τ, β and the learning rates in device tensors, fused optimisers, a NaN/inf
+guard without a synchronisation: `dbsn.methods.step.FiniteGuard`), so `execution.cuda_graph` can
+capture it whole (`GraphedStep`). Under data-parallel DDP each rank draws its own structures.
 
 It reads of the method: `training_losses`, `structure_parameters` and `structure_optimizer`,
 `optim`, `execution`, `weights`, `task`, `parallel`, `dataset_size`, `check_world_size` and

@@ -2,34 +2,20 @@
 summed in another order.
 
 `dbsn.nets.fused_cell` stacks the convolutions of a node's n out-edges into one layer each: a
-depthwise 3×3 (dilation 1 or 2) with n·C groups and a 1×1 with n groups. `F.conv2d` runs them
-through the convolution library (cuDNN on a GPU), which launches several kernels of its own for
-each grouped convolution, forward and backward, and which a compiler (inductor) calls as they
-are, without fusing them with the elementwise work around them. The same arithmetic written
-as tensor operations is something a compiler fuses:
+depthwise 3×3 (dilation 1 or 2) with n·C groups and a 1×1 with n groups. `F.conv2d` (``"conv"``,
+the default) runs them through the convolution library, several kernels per grouped convolution,
+which a compiler calls as they are. The same arithmetic as tensor operations, which it fuses:
+``conv_1x1="bmm"``, the 1×1 as a batched matmul W_g X_bg per (example, group); ``"mulsum"``, a
+multiply and a sum over the C_in input channels; ``depthwise="stencil"``, the 3×3 as 9 shifted
+multiply-adds on the zero-padded input (padding = dilation).
 
-- ``conv_1x1="bmm"``: the n-group 1×1 as a batched matrix product, W_g (C_out × C_in) times
-  X_bg (C_in × HW) for every (example, group); one matmul, forward and backward;
-- ``conv_1x1="mulsum"``: the same as a multiply and a sum over the C_in input channels, an
-  elementwise product and a reduction (eagerly it materialises C_in times the output; a
-  compiler fuses it into one reduction kernel);
-- ``depthwise="stencil"``: the depthwise 3×3 as 9 shifted multiply-adds on the zero-padded
-  input (padding = dilation, the fused cell's "same" padding), each tap one channel-wise
-  weight: elementwise work a compiler fuses with the ReLU before it and the 1×1 after it.
-
-``"conv"`` (the default) is `F.conv2d`. Under autocast the forms take their operands in
-autocast's dtype, as `F.conv2d` does; the multiply-adds accumulate in float32 at least (as a
-convolution does) and store the result in the operands' dtype. Each form keeps the input's
-memory layout (contiguous or channels-last) in its output, as `F.conv2d` does, and equals it in
-float64 to round-off, outputs and every gradient (tests/nets/test_conv_forms.py). They are
-meant for a compiled step; which form is fastest is for a measurement on the device to say (the
-bench).
-
-`StackedConv2d` is the fused cell's `nn.Conv2d` with a ``form`` that its forward dispatches on
-(the weight stays the same `nn.Parameter` under the same state-dict key, so checkpoints and
-`dbsn.nets.fused_cell.unfuse` do not see the form); `set_conv_forms` sets the forms of a
-network's stacked convolutions (the one way to set them: it checks that each layer can take its
-form). A Bayesian twin of a stacked convolution (`dbsn.bayes.BayesConv2d`) keeps its form.
+Under autocast the forms take their operands in autocast's dtype, as `F.conv2d` does, accumulate
+in float32 at least and keep the input's memory layout; each equals `F.conv2d` in float64 to
+round-off, outputs and every gradient (tests/nets/test_conv_forms.py). Which is fastest is the
+bench's to say (docs/performance.md). `StackedConv2d` is the fused cell's `nn.Conv2d` with a
+``form`` its forward dispatches on (the weight keeps its state-dict key, so checkpoints and
+`unfuse` do not see the form); `set_conv_forms` is the one way to set the forms, and checks that
+each layer can take its own. A Bayesian twin (`dbsn.bayes.BayesConv2d`) keeps its layer's form.
 """
 
 from __future__ import annotations

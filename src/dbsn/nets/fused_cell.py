@@ -1,30 +1,22 @@
 """The fused cell: the same function as `dbsn.nets.cell.Cell`, in about a fifth of the operations.
 
-In a DARTS-style cell every out-edge (i, j), j > i, of node i applies the same candidate ops
-to the same input N^i, each with its own weights. `FusedCell` runs them together, source node by
+In a DARTS-style cell every out-edge (i, j), j > i, of node i applies the same candidate ops to
+the same input N^i, each with its own weights. `FusedCell` runs them together, source node by
 source node (`SourceOps`):
 
-- one normalisation of N^i serves the ``identity`` op of every out-edge and the first
-  BatchNorm of every other op: they all normalise the same input with the same batch
-  statistics, so their running statistics are always equal and are kept once (``norm``);
-  each op's first affine transform is then an `EdgeAffine` on the normalised input;
+- one normalisation of N^i serves the ``identity`` op of every out-edge and the first BatchNorm of
+  every other op (the same input and batch statistics, so one set of running statistics,
+  ``norm``); each op's first affine transform is then an `EdgeAffine`;
 - each op's chain (ReLU, depthwise and 1×1 convolutions, BatchNorm) runs once on the n_i
-  out-edges' n_i·C channels: depthwise convolutions with n_i·C groups, 1×1 convolutions with
-  n_i groups (edge t's block of channels is edge t's own convolution), one BatchNorm over all
-  of them; each convolution computes in a form of its own (`dbsn.nets.conv_forms`, the
-  ``model.execution`` settings ``conv_1x1`` and ``depthwise``): `F.conv2d` (cuDNN on a GPU,
-  several kernels per grouped convolution, which a compiler calls as they are), or the same sums
-  as tensor arithmetic a compiler fuses with the work around them: the 1×1 as a batched matmul
-  (``bmm``) or a multiply and a sum over the input channels (``mulsum``), the depthwise 3×3 as
-  9 shifted multiply-adds (``stencil``);
-- the α-weighted sum of the ops of all out-edges is one multiply-add per op on a
+  out-edges' n_i·C channels: grouped convolutions (edge t's block of channels is edge t's own
+  convolution, in a form of `dbsn.nets.conv_forms`), one BatchNorm over all of them;
+- the α-weighted sum of Eq. 1 over all out-edges is one multiply-add per op on a
   (b, G, n_i, C, H, W) view, and node j gathers its incoming edges with ``unbind``.
 
 Parameters are stacked per source node (edge t = (i, i + 1 + t) is slot t); the state dict
-converts both ways, so a checkpoint written with one cell loads into the other
-(`fused_state`, `per_edge_state`). The reference `Cell` stays for the tests that hold this one
-to it (float64, every gradient and running statistic) and for the methods that transform the
-cell's layers in ways that need an op per edge (`refuse_fused`).
+converts both ways, so a checkpoint written with one cell loads into the other (`fused_state`,
+`per_edge_state`). The reference `Cell` stays for the tests that hold this one to it (float64,
+every gradient and running statistic) and for methods that need an op per edge (`refuse_fused`).
 """
 
 from __future__ import annotations
