@@ -1,0 +1,541 @@
+"""`dbsn-compare --tune` on several backbones, its methods spread over P processes at once, within one
+wall-clock budget, joined into one comparison per backbone.
+
+    python -m dbsn.tools.compare_parallel --out DIR --budget 300 [--processes 16] [--cores N]
+        [--backbones structure_net,resnet18] [--methods dbsn,map,...] [--device auto|cpu|gpu|BACKBONE=DEVICE,...]
+        [--data digits] [--epochs 50] [--lr-grid 0.025,...] [--batch-size 64] [--samples 100]
+        [--join-seconds 60] [--keep-checkpoints] [--dry-run] [overrides ...]
+
+Each process is one `python -m dbsn.tools.compare` (`dbsn.tools.compare`) with `--tune` on a group of
+methods (a deep ensemble with the method its members are, as one comparison would tune it), into its
+own folder `DIR/parts/<backbone>/<group>`, with `OMP_NUM_THREADS` = cores / P. Every process gets the
+same shared settings (the data, epochs, batch, grid, S, the validation split `--tune` adds, the seed,
+the trainer and the overrides): only `--methods` and `--out` differ, so that each method's run is the
+run one comparison of every method would make (a method's learning-rate search does not depend on
+the others'). The methods that train DBSN's cell network whatever the backbone (`Method.networks`
+"cells") run once and are shared by every backbone of the same device.
+
+At `--budget` seconds less `--join-seconds` the processes still running are stopped (SIGTERM: each
+run saves where it is; its epoch-end checkpoint continues it). Then, per backbone, every method whose
+run finished is copied (without checkpoints) into the comparison folder `DIR/<backbone>`, and
+`dbsn-compare --resume` over those methods with the same settings writes its comparison.md,
+comparison.json and report/ without training: it keeps a run only if it finished with exactly the
+settings this comparison gives it, so the join also checks that the processes shared them.
+`DIR/summary.md` has each backbone's table, the methods whose runs had not converged (the training
+loss over the last tenth; `dbsn.evaluation.convergence`), and what did not finish; `DIR/status.json`
+every process's state and exit status; `DIR/logs/` their output.
+
+Called again with the same `DIR` and settings, it keeps the finished methods and continues the others
+(`--resume` in their folders). The checkpoints of finished runs are deleted unless `--keep-checkpoints`
+(the comparison needs none, and `DIR` stays small enough to copy between machines).
+
+Exit status: 0 when every method finished and every backbone's comparison was written; 124 when the
+budget stopped some (the finished ones are in the comparisons); 1 when a process or a join failed.
+`--dry-run` prints the processes and joins it would run, and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dbsn.evaluation.runs import METRICS_FILE, read_run_record
+from dbsn.methods.registry import method_config
+from dbsn.tools.compare import LR_GRID, TUNING_FILE, backbone_choices, compared_methods, data_choices, names
+
+#: The epochs of every run. The CPU comparisons of docs/results.md stopped at 162-210 steps, too few
+#: for several methods (DBSN's NLL still falling; BatchEnsemble's fast weights need about 600 steps on
+#: the cell network); 50 epochs of the 17 steps `--tune` leaves on digits (1,145 images, batch 64) are
+#: 850 steps, every schedule compressed into them as in any comparison.
+EPOCHS = 50
+#: The backbones compared, each a comparison of its own (the cell network, and a ResNet-18 of width 16).
+BACKBONES = ("structure_net", "resnet18")
+#: Shared by every process: no per-epoch structure heatmaps (hundreds of figures, time and space, which
+#: no table reads), no progress bars in the logs.
+QUIET = (
+    "callbacks.structure_posterior.save_figures=false",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+)
+#: Seconds between SIGTERM (a run saves where it is and exits) and SIGKILL.
+GRACE = 10
+#: Exit status when the budget stopped a process (as `timeout`'s).
+STOPPED = 124
+
+
+@dataclass
+class Job:
+    """One process: `methods` (in the comparison's order) on `backbone`, on `device`."""
+
+    backbone: str
+    methods: tuple[str, ...]
+    device: str
+    part: Path
+    log: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    state: str = "not started"
+    rc: int | None = None
+    seconds: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.backbone}/{'+'.join(self.methods)}"
+
+
+def parse_devices(text: str, backbones) -> dict[str, str]:
+    """`--device`'s value by backbone: one of auto/cpu/gpu for all, or `BACKBONE=DEVICE,...` (the rest
+    auto); auto is the GPU when CUDA is available. Tiny digits networks still run tens of times faster
+    a step on a GPU than on one CPU core (a few kernels' launch time against a core's arithmetic), so
+    even P processes sharing one GPU by time slices train faster than P cores: auto chooses it for both
+    backbones. `--device structure_net=cpu` moves a backbone to the cores where a GPU shared by many
+    processes turns out slower."""
+    chosen = {b: "auto" for b in backbones}
+    for item in names(text):
+        backbone, _, device = item.rpartition("=")
+        if device not in ("auto", "cpu", "gpu") or (backbone and backbone not in chosen):
+            raise SystemExit(
+                f"--device {text}: {item!r} is not auto, cpu, gpu or BACKBONE=DEVICE with a backbone of "
+                f"--backbones ({', '.join(backbones)})"
+            )
+        for b in [backbone] if backbone else list(chosen):
+            chosen[b] = device
+    if "auto" in chosen.values():
+        import torch
+
+        found = "gpu" if torch.cuda.is_available() else "cpu"
+        chosen = {b: found if d == "auto" else d for b, d in chosen.items()}
+    return chosen
+
+
+def groups(methods) -> list[tuple[str, ...]]:
+    """The methods as the processes take them, in the comparison's order: a deep ensemble after the
+    method its members are, in one process (one comparison tunes it by its members' search)."""
+    methods = list(methods)
+    out, placed = [], set()
+    for method in methods:
+        if method in placed:
+            continue
+        group = [method, *(m for m in methods if (member := method_config(m).member) and member.name == method)]
+        placed.update(group)
+        out.append(tuple(group))
+    return out
+
+
+def shared_arguments(args) -> list[str]:
+    """dbsn-compare's options and overrides that every process and join gets (not --methods, --out,
+    --backbone, --resume, nor the trainer)."""
+    grid = ",".join(f"{v:g}" for v in args.lr_grid)
+    subset = ["--subset", str(args.subset)] if args.subset else []
+    return [
+        "--data",
+        args.data,
+        *subset,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--samples",
+        str(args.samples),
+        "--tune",
+        "--lr-grid",
+        grid,
+    ]
+
+
+def compare_argv(args, backbone: str, methods, device: str, out: Path, resume: bool) -> list[str]:
+    """One dbsn-compare command line of this comparison."""
+    return [
+        sys.executable,
+        "-m",
+        "dbsn.tools.compare",
+        *shared_arguments(args),
+        "--backbone",
+        backbone,
+        "--methods",
+        ",".join(methods),
+        "--out",
+        str(out),
+        *(["--resume"] if resume else []),
+        *QUIET,
+        f"trainer={device}",
+        *args.overrides,
+    ]
+
+
+def plan(args, devices: dict[str, str]) -> tuple[list[Job], dict[str, list[str]]]:
+    """(the processes in the order they start, the methods of each backbone's comparison). The queue
+    goes method by method in the comparison's order (DBSN first, the reference of the paired
+    differences), each on every backbone; a method on DBSN's cells runs once per device."""
+    out = Path(args.out)
+    threads = max(1, args.cores // args.processes)
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    comparison = {b: list(args.methods) for b in args.backbones}
+    owner: dict[tuple[str, str], str] = {}  # (cell method, device) -> the backbone that trains it
+    jobs = []
+    for group in groups(args.methods):
+        for backbone in args.backbones:
+            device = devices[backbone]
+            if method_config(group[0]).networks == "cells":
+                if owner.setdefault((group[0], device), backbone) != backbone:
+                    continue
+            part = out / "parts" / backbone / group[0]
+            if all(finished(part / m) for m in group):
+                continue  # finished in an earlier call
+            resume = part.is_dir() and any(part.iterdir())
+            jobs.append(
+                Job(
+                    backbone,
+                    group,
+                    device,
+                    part,
+                    out / "logs" / f"{backbone}-{group[0]}.log",
+                    compare_argv(args, backbone, group, device, part, resume),
+                    dict(env),
+                )
+            )
+    return jobs, comparison
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` finished (run.json says so and metrics.json is there)."""
+    record = read_run_record(run_dir) if Path(run_dir).is_dir() else None
+    return record is not None and record.get("status") == "finished" and (Path(run_dir) / METRICS_FILE).is_file()
+
+
+def run_jobs(jobs: list[Job], processes: int, deadline: float, poll: float = 0.5) -> None:
+    """Run `jobs`, at most `processes` at once, in order; at `deadline` (time.monotonic()) stop the
+    ones running (SIGTERM to the process group, SIGKILL after `GRACE` s) and start no more. Sets each
+    job's state: finished (exit 0), failed (another status), stopped (by the budget), not started."""
+    queue, running = list(jobs), {}
+    try:
+        while queue or running:
+            while queue and len(running) < processes and time.monotonic() < deadline:
+                job = queue.pop(0)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                job.part.parent.mkdir(parents=True, exist_ok=True)
+                with job.log.open("w") as log:
+                    log.write("$ " + shlex.join(job.argv) + "\n")
+                    log.flush()
+                    proc = subprocess.Popen(
+                        job.argv,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, **job.env},
+                        start_new_session=True,
+                    )
+                running[proc] = (job, time.monotonic())
+                job.state = "running"
+            for proc, (job, start) in list(running.items()):
+                if proc.poll() is not None:
+                    job.rc, job.seconds = proc.returncode, time.monotonic() - start
+                    job.state = "finished" if proc.returncode == 0 else "failed"
+                    del running[proc]
+            if time.monotonic() >= deadline:
+                stop(running)
+                break
+            time.sleep(poll)
+    finally:
+        stop(running)
+
+
+def stop(running: dict) -> None:
+    """Stop every running process group, SIGTERM then SIGKILL, and mark its job stopped."""
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + GRACE
+    for proc, (job, start) in list(running.items()):
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        job.rc, job.seconds, job.state = proc.returncode, time.monotonic() - start, "stopped"
+        del running[proc]
+
+
+def finished_runs(out: Path, devices: dict[str, str], comparison: dict[str, list[str]]) -> dict[str, dict[str, Path]]:
+    """The finished run of each backbone's methods, by method in the comparison's order, from the
+    processes' folders `out/parts/<backbone>/<group>/<method>`; a method on DBSN's cells trained
+    under another backbone of the same device is that backbone's run."""
+    found = {}  # (backbone, method) -> its finished run
+    for part in sorted((out / "parts").glob("*/*")):
+        for run in sorted(part.iterdir()):
+            if finished(run):
+                found[(part.parent.name, run.name)] = run
+    runs = {}
+    for backbone, methods in comparison.items():
+        runs[backbone] = {}
+        for method in methods:
+            run = found.get((backbone, method))
+            if run is None and method_config(method).networks == "cells":
+                run = next(
+                    (r for (b, m), r in found.items() if m == method and devices.get(b) == devices[backbone]), None
+                )
+            if run is not None:
+                runs[backbone][method] = run
+    return runs
+
+
+#: The settings every run of a comparison must share (the method's own, `model.*`, differ by design).
+SHARED_KEYS = ("data", "trainer", "seed", "callbacks", "statistics")
+
+
+def check_shared(runs: dict[str, Path], out: Path, lr_grid) -> None:
+    """Refuse (`ConfigError`, one line) runs that did not share the comparison's settings: their
+    resolved configs differ under `SHARED_KEYS` (values naming a run's own folder under `out` aside),
+    or a learning-rate search was not over `lr_grid`."""
+    from dbsn.evaluation.runs import flatten_config, load_run_config
+    from dbsn.runtime.config import ConfigError
+
+    first, reference = None, {}
+    for method, run in runs.items():
+        config = {
+            k: v
+            for k, v in flatten_config(load_run_config(run)).items()
+            if k.split(".", 1)[0] in SHARED_KEYS and not (isinstance(v, str) and str(out) in v)
+        }
+        if first is None:
+            first, reference = method, config
+        for key in sorted(reference.keys() | config.keys()):
+            if reference.get(key, "<absent>") != config.get(key, "<absent>"):
+                raise ConfigError(
+                    f"{run} ran with {key}={config.get(key, '<absent>')}, {runs[first]} with "
+                    f"{reference.get(key, '<absent>')}: the runs of one comparison share it; run them again into a new --out"
+                )
+        tuning = run / TUNING_FILE
+        grid = json.loads(tuning.read_text())["grid"] if tuning.is_file() else None
+        if grid != [float(v) for v in lr_grid]:
+            raise ConfigError(f"{run}'s learning-rate search was over {grid}, not --lr-grid {list(lr_grid)}")
+
+
+def join(out: Path, args, backbone: str, runs: dict[str, Path]) -> None:
+    """One comparison of `runs` (method -> finished run) in `out/<backbone>`, as dbsn-compare writes
+    it: comparison.md and comparison.json (`write_table`), and with more than one method the report
+    of the processes' folders in report/ with the paired differences against DBSN
+    (`reference_name`)."""
+    from dbsn.evaluation.report import build_report
+    from dbsn.tools.compare import print_paired, reference_name, write_table
+
+    check_shared(runs, out, args.lr_grid)
+    results = {}
+    for method, run in runs.items():
+        record = json.loads((run / METRICS_FILE).read_text())
+        results[method] = {
+            **record["metrics"],
+            "train_seconds": record["train_seconds"],
+            "intervals": record.get("intervals", {}),
+            "cost": record.get("cost", {}),
+        }
+    subset = (record.get("budget") or {}).get("train_images") if args.subset else None
+    folder = out / backbone
+    write_table(results, folder, args.epochs, args.batch_size, args.data, subset)
+    if len(runs) > 1:
+        reference = reference_name(list(runs), backbone)
+        report = build_report(sorted({run.parent for run in runs.values()}), folder / "report", reference)
+        print_paired(report, reference)
+
+
+def prune(out: Path) -> None:
+    """Delete the checkpoints of finished runs under the processes' folders (an unfinished run keeps
+    its last one: `--resume` continues from it)."""
+    for record in (out / "parts").glob("**/run.json"):
+        if finished(record.parent):
+            for ckpt in (record.parent / "checkpoints").glob("*.ckpt"):
+                ckpt.unlink()
+
+
+def convergence_rows(runs: dict[str, Path]) -> list[dict]:
+    """Each run's convergence record (metrics.json's "convergence") with its training loss at the
+    first learning-rate decay (half the run) and at the end, and its chosen learning rate."""
+    rows = []
+    for method, run in runs.items():
+        record = json.loads((run / METRICS_FILE).read_text()).get("convergence") or {}
+        losses = record.get("epoch_losses") or []
+        tuning = run / TUNING_FILE
+        rows.append(
+            {
+                "method": method,
+                "lr": json.loads(tuning.read_text()).get("chosen") if tuning.is_file() else None,
+                "converged": record.get("converged"),
+                "last_tenth_drop": record.get("last_tenth_drop"),
+                "loss_half": losses[len(losses) // 2 - 1] if len(losses) >= 2 else None,
+                "loss_end": losses[-1] if losses else None,
+            }
+        )
+    return rows
+
+
+CONVERGED = {True: "yes", False: "**no**", None: "unknown"}
+
+
+def _num(value, digits=4) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def summary(out: Path, args, devices, jobs, runs, why) -> str:
+    """summary.md: the settings, each backbone's table and its runs' convergence, what did not finish."""
+    lines = [
+        "# Every method on every backbone (dbsn.tools.compare_parallel)",
+        "",
+        f"Settings shared by every run: `{shlex.join(shared_arguments(args) + list(QUIET) + list(args.overrides))}`; "
+        f"{args.processes} processes of {max(1, args.cores // args.processes)} thread(s); devices: "
+        + ", ".join(f"{b} {d}" for b, d in devices.items())
+        + f"; budget {args.budget:g} s.",
+        "",
+    ]
+    states = {(job.backbone, m): job.state for job in jobs for m in job.methods}
+    for backbone, done in runs.items():
+        folder = out / backbone
+        lines += [f"## {backbone}", ""]
+        if backbone in why:
+            lines += [f"No comparison written: {why[backbone]}.", ""]
+        else:
+            report = f"; report: `{folder / 'report' / 'report.md'}`" if len(done) > 1 else ""
+            lines += [(folder / "comparison.md").read_text().rstrip(), "", f"`{folder / 'comparison.md'}`{report}", ""]
+        if done:
+            rows = convergence_rows(done)
+            lines += [
+                "| method | chosen lr | converged | last-tenth drop | loss at half | final loss |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| {r['method']} | {'–' if r['lr'] is None else format(r['lr'], 'g')} | "
+                    f"{CONVERGED[r['converged']]} | {_num(r['last_tenth_drop'], 3)} | {_num(r['loss_half'])} | "
+                    f"{_num(r['loss_end'])} |"
+                    for r in rows
+                ),
+                "",
+            ]
+            bad = [r["method"] for r in rows if r["converged"] is not True]
+            lines += [
+                f"**Not converged, or too few epochs to judge: {', '.join(bad)}.**" if bad else "Every run converged.",
+                "",
+            ]
+        missing = [m for m in args.methods if m not in done]
+        if missing:
+            shown = ", ".join(f"{m} ({states.get((backbone, m), 'under another backbone')})" for m in missing)
+            lines += [f"**Not finished:** {shown}.", ""]
+    text = "\n".join(lines)
+    (out / "summary.md").write_text(text + "\n")
+    return text
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="the folder of the comparisons (see above)")
+    parser.add_argument("--budget", type=float, required=True, help="wall-clock seconds for everything, joins included")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="processes at once (default: cores)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores shared by the processes")
+    parser.add_argument("--backbones", type=names, default=list(BACKBONES))
+    parser.add_argument("--methods", type=names, default=compared_methods())
+    parser.add_argument("--device", default="auto", help="auto, cpu, gpu, or BACKBONE=DEVICE,... (see parse_devices)")
+    parser.add_argument("--data", default="digits")
+    parser.add_argument("--subset", default=None)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--lr-grid", type=lambda t: [float(v) for v in names(t)], default=list(LR_GRID))
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--join-seconds", type=float, default=60, help="of the budget, kept for the joins")
+    parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="print the processes and joins, run nothing")
+    parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. seed=1)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.methods) - set(compared_methods()))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {', '.join(compared_methods())}")
+    unknown = sorted(set(args.backbones) - set(backbone_choices()))
+    if unknown:
+        parser.error(f"unknown backbone(s) {unknown}; choose from {', '.join(backbone_choices())}")
+    if args.data not in data_choices():
+        parser.error(f"unknown dataset {args.data!r}; choose from {', '.join(data_choices())}")
+    if any(o.split("=", 1)[0].lstrip("+~") == "trainer" for o in args.overrides):
+        parser.error("choose the device with --device, not a trainer=... override")
+    if args.processes < 1 or args.cores < 1 or args.budget <= args.join_seconds:
+        parser.error(
+            f"--processes {args.processes} and --cores {args.cores} must be at least 1, and --budget "
+            f"{args.budget:g} more than --join-seconds {args.join_seconds:g}"
+        )
+    order = compared_methods()
+    args.methods = sorted(args.methods, key=order.index)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    start = time.monotonic()
+    out = Path(args.out).resolve()
+    args.out = out
+    devices = parse_devices(args.device, args.backbones)
+    jobs, comparison = plan(args, devices)
+    if args.dry_run:
+        threads = max(1, args.cores // args.processes)
+        print(f"{len(jobs)} processes, {args.processes} at once, OMP_NUM_THREADS={threads}; devices: {devices}")
+        for job in jobs:
+            print(f"[{job.name}] OMP_NUM_THREADS={threads} {shlex.join(job.argv)} > {job.log}")
+        for backbone in args.backbones:
+            print(f"[join {backbone}] the finished runs of {', '.join(comparison[backbone])} into {out / backbone}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    run_jobs(jobs, args.processes, start + args.budget - args.join_seconds)
+    runs = finished_runs(out, devices, comparison)
+    why = {}
+    for backbone, done in runs.items():
+        if not done:
+            why[backbone] = "no method finished"
+            continue
+        try:
+            join(out, args, backbone, done)
+        except Exception as err:  # noqa: BLE001 - one backbone's failure leaves the other's comparison
+            traceback.print_exc()
+            why[backbone] = f"{type(err).__name__}: {err}"
+    if not args.keep_checkpoints:
+        prune(out)
+    (out / "status.json").write_text(
+        json.dumps(
+            {
+                "devices": devices,
+                "jobs": [
+                    {
+                        "name": j.name,
+                        "device": j.device,
+                        "state": j.state,
+                        "rc": j.rc,
+                        "seconds": j.seconds,
+                        "log": str(j.log),
+                    }
+                    for j in jobs
+                ],
+                "finished": {b: {m: str(r) for m, r in done.items()} for b, done in runs.items()},
+                "not_joined": why,
+                "seconds": time.monotonic() - start,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(summary(out, args, devices, jobs, runs, why))
+    if any(j.state == "failed" for j in jobs) or any(b in why for b, done in runs.items() if done):
+        return 1
+    if any(m not in runs[b] for b in comparison for m in comparison[b]):
+        return STOPPED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
