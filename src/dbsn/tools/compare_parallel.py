@@ -352,10 +352,10 @@ def join(out: Path, args, backbone: str, runs: dict[str, Path]) -> None:
 
 
 def prune(out: Path) -> None:
-    """Delete the checkpoints of finished runs under the processes' folders (an unfinished run keeps
-    its last one: `--resume` continues from it)."""
+    """Delete the checkpoints of finished runs (the methods' and their searches') under the processes'
+    folders; an unfinished run keeps its last one, which `--resume` continues from."""
     for record in (out / "parts").glob("**/run.json"):
-        if finished(record.parent):
+        if (read_run_record(record.parent) or {}).get("status") == "finished":
             for ckpt in (record.parent / "checkpoints").glob("*.ckpt"):
                 ckpt.unlink()
 
@@ -475,6 +475,10 @@ def parse(argv=None):
     return args
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     start = time.monotonic()
@@ -492,7 +496,15 @@ def main(argv=None) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
-    run_jobs(jobs, args.processes, start + args.budget - args.join_seconds)
+    handler = signal.signal(signal.SIGTERM, _interrupt)  # a timeout around this process stops its processes too
+    try:
+        run_jobs(jobs, args.processes, start + args.budget - args.join_seconds)
+    except KeyboardInterrupt:
+        print(
+            "compare_parallel: interrupted; its processes were stopped, the finished runs are joined", file=sys.stderr
+        )
+    finally:
+        signal.signal(signal.SIGTERM, handler)
     runs = finished_runs(out, devices, comparison)
     why = {}
     for backbone, done in runs.items():
