@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -168,27 +170,36 @@ def test_the_summary_names_unconverged_and_unfinished_methods(tmp_path):
     assert (tmp_path / "summary.md").read_text().strip() == text.strip()
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(out: Path, budget: int, *argv: str) -> subprocess.CompletedProcess:
+    """tools/gpu_compare.sh with this interpreter, results under `out`."""
+    env = {**os.environ, "OUT": str(out), "BUDGET": str(budget), "PY": sys.executable}
+    return subprocess.run(
+        ["bash", str(ROOT / "tools" / "gpu_compare.sh"), *argv], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
 @pytest.mark.slow
-def test_end_to_end_on_the_cpu_and_a_budget_that_runs_out_keeps_what_finished(tmp_path, capsys):
-    """Two methods in two processes at once, a tiny run of each (one epoch, a one-rate grid): the
-    joined comparison and report; then a third method in the same folder under a budget that stops
-    it: the first two are kept (not trained again), the third is named, exit status 124."""
+def test_the_script_end_to_end_on_a_cpu_and_a_budget_that_runs_out_keeps_what_finished(tmp_path):
+    """tools/gpu_compare.sh, two methods in two processes at once, a tiny run of each (one epoch, a
+    one-rate grid): the joined comparison and report; then a third method in the same folder under a
+    budget that stops it: the first two are kept (not trained again), the third is named, 124."""
     out = tmp_path / "out"
-    common = ["--out", str(out), "--device", "cpu", "--cores", "2", "--backbones", "structure_net", "--epochs", "1"]
-    common += ["--lr-grid", "0.1", "--samples", "2", "--subset", "128", "statistics.resamples=20"]
+    common = ["--device", "cpu", "--cores", "2", "--backbones", "structure_net", "--epochs", "1", "--lr-grid", "0.1"]
+    common += ["--samples", "2", "--subset", "128", "statistics.resamples=20"]
     common += ["model.net.num_nodes=3", "model.net.growth=4", "model.net.stem_channels=8"]
-    assert cp.main([*common, "--methods", "map,mc_dropout", "--processes", "2", "--budget", "300"]) == 0
+    done = _script(out, 300, *common, "--methods", "map,mc_dropout", "--processes", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = (out / "structure_net" / "comparison.md").read_text()
     assert "| map |" in table and "| mc_dropout |" in table
     assert (out / "structure_net" / "report" / "report.md").is_file()
     assert "too few epochs to judge: map, mc_dropout" in (out / "summary.md").read_text()
     assert not list((out / "parts").glob("**/*.ckpt"))  # every run finished: no checkpoint kept
-    capsys.readouterr()
 
-    rc = cp.main(
-        [*common, "--methods", "map,mc_dropout,bbb", "--processes", "1", "--budget", "33", "--join-seconds", "30"]
-    )
-    assert rc == cp.STOPPED
+    more = [*common, "--methods", "map,mc_dropout,bbb", "--processes", "1", "--budget", "33", "--join-seconds", "30"]
+    assert cp.main(["--out", str(out), *more]) == cp.STOPPED  # in this process: one interpreter start less
     status = json.loads((out / "status.json").read_text())
     assert [(j["name"], j["state"]) for j in status["jobs"]] == [("structure_net/bbb", "stopped")]
     assert list(status["finished"]["structure_net"]) == ["map", "mc_dropout"]
