@@ -94,11 +94,11 @@ class Job:
 
 def parse_devices(text: str, backbones) -> dict[str, str]:
     """`--device`'s value by backbone: one of auto/cpu/gpu for all, or `BACKBONE=DEVICE,...` (the rest
-    auto); auto is the GPU when CUDA is available. Tiny digits networks still run tens of times faster
-    a step on a GPU than on one CPU core (a few kernels' launch time against a core's arithmetic), so
-    even P processes sharing one GPU by time slices train faster than P cores: auto chooses it for both
-    backbones. `--device structure_net=cpu` moves a backbone to the cores where a GPU shared by many
-    processes turns out slower."""
+    auto); auto is the GPU when CUDA is available. A step of these small networks is a CPU core's
+    arithmetic, or a few hundred small kernels that a GPU runs in far less time, so P processes
+    sharing one GPU by time slices should still train faster than P cores: auto chooses the GPU for
+    every backbone. `--device structure_net=cpu` moves a backbone to the cores where a GPU shared by
+    many processes turns out slower."""
     chosen = {b: "auto" for b in backbones}
     for item in names(text):
         backbone, _, device = item.rpartition("=")
