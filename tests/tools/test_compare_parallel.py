@@ -70,6 +70,17 @@ def test_each_backbone_on_its_own_device_trains_its_own_cell_runs(tmp_path):
     assert {j.backbone: j.argv[-1] for j in jobs} == {"structure_net": "trainer=cpu", "resnet18": "trainer=gpu"}
 
 
+def test_a_method_whose_config_does_not_compose_on_a_backbone_is_left_out_before_anything_runs(tmp_path):
+    """The cell network's settings on every method: ResNet-18 has no `num_nodes`, so MAP is left out
+    there and named; DBSN (always on cells) and MAP on the cell network run."""
+    args = cp.parse(["--out", str(tmp_path), "--budget", "100", "--methods", "dbsn,map", "model.net.num_nodes=3"])
+    refused = cp.refused_configs(args)
+    assert list(refused) == [("resnet18", "map")] and "num_nodes" in refused[("resnet18", "map")]
+    jobs, comparison = cp.plan(args, {"structure_net": "cpu", "resnet18": "cpu"}, refused)
+    assert comparison == {"structure_net": ["dbsn", "map"], "resnet18": ["dbsn"]}
+    assert [j.name for j in jobs] == ["structure_net/dbsn", "structure_net/map"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -163,10 +174,12 @@ def test_the_summary_names_unconverged_and_unfinished_methods(tmp_path):
     runs = {"resnet18": {"dbsn": _run(tmp_path / "dbsn", converged=False)}}
     job = _job(tmp_path, "map", "pass")
     job.backbone, job.state = "resnet18", "stopped"
-    text = cp.summary(tmp_path, args, {"resnet18": "gpu"}, [job], runs, {"resnet18": "its join failed"})
+    why = {"resnet18": "its join failed"}
+    text = cp.summary(tmp_path, args, {"resnet18": "gpu"}, [job], runs, why, {("resnet18", "vogn"): "Err: x"})
     assert "| dbsn | 0.1 | **no** | – | 1.0000 | 0.1000 |" in text
     assert "Not converged, or too few epochs to judge: dbsn" in text
     assert "**Not finished:** map (stopped)." in text and "No comparison written: its join failed" in text
+    assert "**Left out, their configs do not compose here:** vogn (Err: x)." in text
     assert (tmp_path / "summary.md").read_text().strip() == text.strip()
 
 

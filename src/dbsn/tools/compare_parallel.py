@@ -172,19 +172,53 @@ def compare_argv(args, backbone: str, methods, device: str, out: Path, resume: b
     ]
 
 
-def plan(args, devices: dict[str, str]) -> tuple[list[Job], dict[str, list[str]]]:
-    """(the processes in the order they start, the methods of each backbone's comparison). The queue
-    goes method by method in the comparison's order (DBSN first, the reference of the paired
-    differences), each on every backbone; a method on DBSN's cells runs once per device."""
+def refused_configs(args) -> dict[tuple[str, str], str]:
+    """(backbone, method) -> the first line of the error, for each method whose training config does not
+    compose or validate on a backbone with these settings (dbsn-compare would stop on it): it is left out
+    of the plan and named, before any process starts."""
+    from hydra import compose, initialize_config_dir
+
+    from dbsn.runtime.config import CONF_DIR
+    from dbsn.tools.compare import TUNE_VAL_SIZE, method_overrides, shared_overrides
+    from dbsn.tools.comparison_folder import validated
+
+    refused = {}
+    for backbone in args.backbones:
+        for method in args.methods:
+            model = method_overrides(
+                method, args.epochs, 1, args.samples, (), args.batch_size, backbone, "fair", args.lr_grid[0]
+            )
+            shared = [*shared_overrides(args.data, args.batch_size, args.subset), *QUIET, *args.overrides]
+            try:
+                with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                    cfg = compose(
+                        "train",
+                        overrides=[*model, *shared, f"data.val_size={TUNE_VAL_SIZE}", f"paths.output_dir={args.out}"],
+                    )
+                validated(cfg)
+            except Exception as err:  # noqa: BLE001 - whatever stops its composition, named in the summary
+                refused[(backbone, method)] = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    return refused
+
+
+def plan(args, devices: dict[str, str], refused=None) -> tuple[list[Job], dict[str, list[str]]]:
+    """(the processes in the order they start, the methods of each backbone's comparison, without those
+    `refused` by `refused_configs`). The queue goes method by method in the comparison's order (DBSN
+    first, the reference of the paired differences), each on every backbone; a method on DBSN's cells
+    runs once per device."""
     out = Path(args.out)
+    refused = refused or {}
     threads = max(1, args.cores // args.processes)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    comparison = {b: list(args.methods) for b in args.backbones}
+    comparison = {b: [m for m in args.methods if (b, m) not in refused] for b in args.backbones}
     owner: dict[tuple[str, str], str] = {}  # (cell method, device) -> the backbone that trains it
     jobs = []
-    for group in groups(args.methods):
+    for whole in groups(args.methods):
         for backbone in args.backbones:
+            group = tuple(m for m in whole if m in comparison[backbone])
             device = devices[backbone]
+            if not group:
+                continue
             if method_config(group[0]).networks == "cells":
                 if owner.setdefault((group[0], device), backbone) != backbone:
                     continue
@@ -388,7 +422,7 @@ def _num(value, digits=4) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def summary(out: Path, args, devices, jobs, runs, why) -> str:
+def summary(out: Path, args, devices, jobs, runs, why, refused=None) -> str:
     """summary.md: the settings, each backbone's table and its runs' convergence, what did not finish."""
     lines = [
         "# Every method on every backbone (dbsn.tools.compare_parallel)",
@@ -426,7 +460,10 @@ def summary(out: Path, args, devices, jobs, runs, why) -> str:
                 f"**Not converged, or too few epochs to judge: {', '.join(bad)}.**" if bad else "Every run converged.",
                 "",
             ]
-        missing = [m for m in args.methods if m not in done]
+        left_out = [f"{m} ({line})" for (b, m), line in (refused or {}).items() if b == backbone]
+        if left_out:
+            lines += [f"**Left out, their configs do not compose here:** {'; '.join(left_out)}.", ""]
+        missing = [m for m in args.methods if m not in done and (backbone, m) not in (refused or {})]
         if missing:
             shown = ", ".join(f"{m} ({states.get((backbone, m), 'under another backbone')})" for m in missing)
             lines += [f"**Not finished:** {shown}.", ""]
@@ -485,7 +522,10 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     args.out = out
     devices = parse_devices(args.device, args.backbones)
-    jobs, comparison = plan(args, devices)
+    refused = refused_configs(args)
+    for (backbone, method), why_not in refused.items():
+        print(f"compare_parallel: {method} on {backbone} left out, its config does not compose: {why_not}")
+    jobs, comparison = plan(args, devices, refused)
     if args.dry_run:
         threads = max(1, args.cores // args.processes)
         print(f"{len(jobs)} processes, {args.processes} at once, OMP_NUM_THREADS={threads}; devices: {devices}")
@@ -535,13 +575,14 @@ def main(argv=None) -> int:
                 ],
                 "finished": {b: {m: str(r) for m, r in done.items()} for b, done in runs.items()},
                 "not_joined": why,
+                "left_out": {f"{b}/{m}": line for (b, m), line in refused.items()},
                 "seconds": time.monotonic() - start,
             },
             indent=2,
         )
         + "\n"
     )
-    print(summary(out, args, devices, jobs, runs, why))
+    print(summary(out, args, devices, jobs, runs, why, refused))
     if any(j.state == "failed" for j in jobs) or any(b in why for b, done in runs.items() if done):
         return 1
     if any(m not in runs[b] for b in comparison for m in comparison[b]):
