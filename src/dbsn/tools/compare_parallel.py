@@ -6,32 +6,33 @@ wall-clock budget, joined into one comparison per backbone.
         [--data digits] [--epochs 50] [--lr-grid 0.025,...] [--batch-size 64] [--samples 100]
         [--join-seconds 60] [--keep-checkpoints] [--dry-run] [overrides ...]
 
-Each process is one `python -m dbsn.tools.compare` (`dbsn.tools.compare`) with `--tune` on a group of
-methods (a deep ensemble with the method its members are, as one comparison would tune it), into its
-own folder `DIR/parts/<backbone>/<group>`, with `OMP_NUM_THREADS` = cores / P. Every process gets the
-same shared settings (the data, epochs, batch, grid, S, the validation split `--tune` adds, the seed,
-the trainer and the overrides): only `--methods` and `--out` differ, so that each method's run is the
-run one comparison of every method would make (a method's learning-rate search does not depend on
-the others'). The methods that train DBSN's cell network whatever the backbone (`Method.networks`
-"cells") run once and are shared by every backbone of the same device.
+Each process is one `python -m dbsn.tools.compare --tune` (`dbsn.tools.compare`) on a group of methods
+(a deep ensemble with the method its members are, as one comparison tunes it by its members' search),
+into its own folder `DIR/parts/<backbone>/<first method>`, with `OMP_NUM_THREADS` = cores / P. Every
+process gets the same settings (the data, epochs, batch, grid, S, the validation split `--tune` adds,
+the seed, the trainer and the overrides); only `--methods` and `--out` differ, so each method's run is
+the one a single comparison of every method would make (a method's search does not depend on the
+others'). The methods that train DBSN's cell network whatever the backbone (`Method.networks`
+"cells") run once, shared by every backbone of the same device. A method whose training config does
+not compose on a backbone with these settings is left out before anything starts, and named.
 
-At `--budget` seconds less `--join-seconds` the processes still running are stopped (SIGTERM: each
-run saves where it is; its epoch-end checkpoint continues it). Then, per backbone, every method whose
-run finished is copied (without checkpoints) into the comparison folder `DIR/<backbone>`, and
-`dbsn-compare --resume` over those methods with the same settings writes its comparison.md,
-comparison.json and report/ without training: it keeps a run only if it finished with exactly the
-settings this comparison gives it, so the join also checks that the processes shared them.
-`DIR/summary.md` has each backbone's table, the methods whose runs had not converged (the training
-loss over the last tenth; `dbsn.evaluation.convergence`), and what did not finish; `DIR/status.json`
-every process's state and exit status; `DIR/logs/` their output.
+At `--budget` seconds less `--join-seconds` the processes still running are stopped (SIGTERM; a
+stopped run continues from its last epoch-end checkpoint, `dbsn.runtime.signals`) and no more start.
+Then each backbone's finished runs are joined in `DIR/<backbone>`: comparison.md and comparison.json
+as dbsn-compare writes them, and report/ (`dbsn.evaluation.report`, read from the processes' folders)
+with the paired differences against DBSN, once `check_shared` has found that the runs shared the
+data, trainer, seed and learning-rate grid. `DIR/summary.md` has each backbone's table, each run's
+chosen rate and convergence (the training loss over the last tenth; `dbsn.evaluation.convergence`),
+the unconverged methods, and what did not finish; `DIR/status.json` every process's state and exit
+status; `DIR/logs/` their output.
 
 Called again with the same `DIR` and settings, it keeps the finished methods and continues the others
 (`--resume` in their folders). The checkpoints of finished runs are deleted unless `--keep-checkpoints`
-(the comparison needs none, and `DIR` stays small enough to copy between machines).
+(the comparison reads none, and `DIR` stays small enough to copy between machines).
 
 Exit status: 0 when every method finished and every backbone's comparison was written; 124 when the
 budget stopped some (the finished ones are in the comparisons); 1 when a process or a join failed.
-`--dry-run` prints the processes and joins it would run, and runs nothing.
+`--dry-run` prints the processes it would run, and runs nothing.
 """
 
 from __future__ import annotations
