@@ -3,19 +3,23 @@
 # method on both backbones (structure_net, resnet18), P processes at once on the machine's cores, within
 # BUDGET seconds all told (joins included), by `python -m dbsn.tools.compare_parallel` (see its --help).
 #   OUT=gpu_compare BUDGET=300 tools/gpu_compare.sh [compare_parallel options ...]
-# Results under $OUT (default ./compare_out):
+# The comparison's folder is $WORK (default ./compare_out, in the checkout): <backbone>/ each backbone's
+# comparison (comparison.md, comparison.json, report/), parts/ the processes' runs, logs/, summary.md,
+# status.json. What comes back from a machine that sends only a few files goes to $OUT (default $WORK):
 #   summary.md          each backbone's table, the unconverged methods, what did not finish
-#   <backbone>/         each backbone's comparison (comparison.md, comparison.json, report/, a folder per method)
-#   status.json, logs/  every process's state, exit status and output; parts/ the processes' own folders
+#   status.json         every process's state and exit status
+#   compare.tar.gz      $WORK's comparisons, logs and finished runs, without checkpoints or run figures
 #   environment.txt, nvidia_smi.txt
 # Exit status: 0 all finished; 124 the budget stopped some (the finished ones are in the tables); 1 a failure.
-# Run again with the same $OUT (and settings) to continue: finished methods are kept, the others resume.
-# On a CPU, the same in a minute: tools/gpu_compare.sh --device cpu --processes 2 --methods map,mc_dropout
-#   --epochs 1 --lr-grid 0.1 --samples 2 --subset 128 --join-seconds 40 (BUDGET=120).
+# To continue in a later window: unpack compare.tar.gz into ./compare_out, carry compare_out, run again.
+# On a CPU, in a minute: BUDGET=120 tools/gpu_compare.sh --device cpu --processes 2 --backbones structure_net
+#   --methods map,mc_dropout --epochs 1 --lr-grid 0.1 --samples 2 --subset 128 --join-seconds 40
 set -u
-OUT=${OUT:-./compare_out}
+WORK=${WORK:-./compare_out}
+OUT=${OUT:-$WORK}
 BUDGET=${BUDGET:-300}
-mkdir -p "$OUT"
+mkdir -p "$WORK" "$OUT"
+WORK=$(cd "$WORK" && pwd)
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -39,4 +43,10 @@ if command -v nvidia-smi > /dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 fi
 # the budget counts from here; the interpreter's start above is outside it
-exec "$PY" -m dbsn.tools.compare_parallel --out "$OUT" --budget "$BUDGET" "$@"
+"$PY" -m dbsn.tools.compare_parallel --out "$WORK" --budget "$BUDGET" --pack "$OUT/compare.tar.gz" "$@"
+rc=$?
+if [ "$OUT" != "$WORK" ]; then
+  cp "$WORK/summary.md" "$WORK/status.json" "$OUT/" 2> /dev/null
+fi
+echo "gpu_compare.sh: exit status $rc (0: all finished; 124: the budget stopped some; 1: a failure); $OUT/summary.md"
+exit $rc

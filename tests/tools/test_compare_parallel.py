@@ -161,12 +161,35 @@ def test_the_finished_runs_of_each_backbone_and_the_shared_cell_runs(tmp_path):
 
 def test_runs_that_did_not_share_the_settings_are_refused(tmp_path):
     a, b = _run(tmp_path / "a"), _run(tmp_path / "b", model={"lr": 9})
-    cp.check_shared({"x": a, "y": b}, tmp_path, [0.1])  # own folders and the method's settings differ
+    cp.check_shared({"x": a, "y": b}, [0.1])  # own folders and the method's settings differ
     c = _run(tmp_path / "c", trainer={"max_epochs": 5})
     with pytest.raises(ConfigError, match="trainer.max_epochs=5"):
-        cp.check_shared({"x": a, "z": c}, tmp_path, [0.1])
+        cp.check_shared({"x": a, "z": c}, [0.1])
     with pytest.raises(ConfigError, match="search was over"):
-        cp.check_shared({"x": a}, tmp_path, [0.1, 0.4])
+        cp.check_shared({"x": a}, [0.1, 0.4])
+
+
+def test_the_pack_holds_the_finished_runs_without_checkpoints_and_a_later_call_finds_them(tmp_path):
+    import tarfile
+
+    out = tmp_path / "out"
+    run = _run(out / "parts" / "structure_net" / "map" / "map")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    (run / "reliability_diagram.png").write_bytes(b"x")
+    _run(out / "parts" / "structure_net" / "map" / "tune" / "map" / "lr_0.1", status="running")
+    (out / "structure_net").mkdir()
+    (out / "structure_net" / "comparison.md").write_text("| map |")
+    (out / "summary.md").write_text("s")
+    cp.pack(out, out / "compare.tar.gz")  # written into the folder it packs: not packed into itself
+    with tarfile.open(out / "compare.tar.gz") as tar:
+        names = sorted(tar.getnames())
+        tar.extractall(tmp_path / "back", filter="data")
+    assert "summary.md" in names and "structure_net/comparison.md" in names and "compare.tar.gz" not in names
+    assert "parts/structure_net/map/map/metrics.json" in names
+    assert not [n for n in names if n.endswith((".ckpt", ".png")) or "/tune/" in n]
+    runs = cp.finished_runs(tmp_path / "back", {"structure_net": "cpu"}, {"structure_net": ["map"]})
+    assert runs == {"structure_net": {"map": tmp_path / "back" / "parts" / "structure_net" / "map" / "map"}}
 
 
 def test_the_summary_names_unconverged_and_unfinished_methods(tmp_path):
@@ -186,9 +209,9 @@ def test_the_summary_names_unconverged_and_unfinished_methods(tmp_path):
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script(out: Path, budget: int, *argv: str) -> subprocess.CompletedProcess:
-    """tools/gpu_compare.sh with this interpreter, results under `out`."""
-    env = {**os.environ, "OUT": str(out), "BUDGET": str(budget), "PY": sys.executable}
+def _script(work: Path, out: Path, budget: int, *argv: str) -> subprocess.CompletedProcess:
+    """tools/gpu_compare.sh with this interpreter, the comparison in `work`, what comes back in `out`."""
+    env = {**os.environ, "WORK": str(work), "OUT": str(out), "BUDGET": str(budget), "PY": sys.executable}
     return subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_compare.sh"), *argv], env=env, capture_output=True, text=True, timeout=600
     )
@@ -197,20 +220,27 @@ def _script(out: Path, budget: int, *argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_script_end_to_end_on_a_cpu_and_a_budget_that_runs_out_keeps_what_finished(tmp_path):
     """tools/gpu_compare.sh, two methods in two processes at once, a tiny run of each (one epoch, a
-    one-rate grid): the joined comparison and report; then a third method in the same folder under a
-    budget that stops it: the first two are kept (not trained again), the third is named, 124."""
-    out = tmp_path / "out"
+    one-rate grid): the joined comparison and report, and the pack that comes back; then, in a folder
+    unpacked from it, a third method under a budget that stops it: the first two are kept (not trained
+    again), the third is named, 124."""
+    out, back = tmp_path / "work", tmp_path / "back"
     common = ["--device", "cpu", "--cores", "2", "--backbones", "structure_net", "--epochs", "1", "--lr-grid", "0.1"]
     common += ["--samples", "2", "--subset", "128", "statistics.resamples=20"]
     common += ["model.net.num_nodes=3", "model.net.growth=4", "model.net.stem_channels=8"]
-    done = _script(out, 300, *common, "--methods", "map,mc_dropout", "--processes", "2")
+    done = _script(out, back, 300, *common, "--methods", "map,mc_dropout", "--processes", "2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in back.iterdir()) == ["compare.tar.gz", "environment.txt", "status.json", "summary.md"]
     table = (out / "structure_net" / "comparison.md").read_text()
     assert "| map |" in table and "| mc_dropout |" in table
     assert (out / "structure_net" / "report" / "report.md").is_file()
     assert "too few epochs to judge: map, mc_dropout" in (out / "summary.md").read_text()
     assert not list((out / "parts").glob("**/*.ckpt"))  # every run finished: no checkpoint kept
 
+    import tarfile
+
+    with tarfile.open(back / "compare.tar.gz") as tar:  # the next machine continues from what came back
+        tar.extractall(tmp_path / "again", filter="data")
+    out = tmp_path / "again"
     more = [*common, "--methods", "map,mc_dropout,bbb", "--processes", "1", "--budget", "33", "--join-seconds", "30"]
     assert cp.main(["--out", str(out), *more]) == cp.STOPPED  # in this process: one interpreter start less
     status = json.loads((out / "status.json").read_text())

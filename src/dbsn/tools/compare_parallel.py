@@ -331,9 +331,9 @@ def finished_runs(out: Path, devices: dict[str, str], comparison: dict[str, list
 SHARED_KEYS = ("data", "trainer", "seed", "callbacks", "statistics")
 
 
-def check_shared(runs: dict[str, Path], out: Path, lr_grid) -> None:
+def check_shared(runs: dict[str, Path], lr_grid) -> None:
     """Refuse (`ConfigError`, one line) runs that did not share the comparison's settings: their
-    resolved configs differ under `SHARED_KEYS` (values naming a run's own folder under `out` aside),
+    resolved configs differ under `SHARED_KEYS` (absolute paths aside: a run's own folders),
     or a learning-rate search was not over `lr_grid`."""
     from dbsn.evaluation.runs import flatten_config, load_run_config
     from dbsn.runtime.config import ConfigError
@@ -343,7 +343,7 @@ def check_shared(runs: dict[str, Path], out: Path, lr_grid) -> None:
         config = {
             k: v
             for k, v in flatten_config(load_run_config(run)).items()
-            if k.split(".", 1)[0] in SHARED_KEYS and not (isinstance(v, str) and str(out) in v)
+            if k.split(".", 1)[0] in SHARED_KEYS and not (isinstance(v, str) and v.startswith("/"))
         }
         if first is None:
             first, reference = method, config
@@ -367,7 +367,7 @@ def join(out: Path, args, backbone: str, runs: dict[str, Path]) -> None:
     from dbsn.evaluation.report import build_report
     from dbsn.tools.compare import print_paired, reference_name, write_table
 
-    check_shared(runs, out, args.lr_grid)
+    check_shared(runs, args.lr_grid)
     results = {}
     for method, run in runs.items():
         record = json.loads((run / METRICS_FILE).read_text())
@@ -393,6 +393,33 @@ def prune(out: Path) -> None:
         if (read_run_record(record.parent) or {}).get("status") == "finished":
             for ckpt in (record.parent / "checkpoints").glob("*.ckpt"):
                 ckpt.unlink()
+
+
+#: Not packed (`pack`): checkpoints, figures a run draws for itself (the report draws its own from the
+#: runs' files), locks.
+UNPACKED = ("*.ckpt", "*.png", ".dbsn.lock")
+
+
+def pack(out: Path, path: Path) -> int:
+    """A gzipped tar of what the comparison is read and continued from, paths relative to `out`: the
+    summary, status and logs, each backbone's comparison and report, and every finished run (the
+    methods' and their searches') without `UNPACKED` files; unfinished runs are left out (a later
+    call starts them again). For machines that send back only a few files. Returns its size in bytes."""
+    import fnmatch
+    import tarfile
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if any(fnmatch.fnmatch(Path(info.name).name, p) for p in UNPACKED) else info
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name in sorted(p.name for p in out.iterdir() if p.name != "parts"):
+            if (out / name).exists() and (out / name).resolve() != Path(path).resolve():
+                tar.add(out / name, arcname=name, filter=keep)
+        for record in sorted((out / "parts").glob("**/run.json")):
+            run = record.parent
+            if (read_run_record(run) or {}).get("status") == "finished":
+                tar.add(run, arcname=str(run.relative_to(out)), filter=keep)
+    return Path(path).stat().st_size
 
 
 def convergence_rows(runs: dict[str, Path]) -> list[dict]:
@@ -490,6 +517,13 @@ def parse(argv=None):
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--join-seconds", type=float, default=60, help="of the budget, kept for the joins")
     parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument(
+        "--pack",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the comparison as one .tar.gz (finished runs, no checkpoints or run figures)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the processes and joins, run nothing")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. seed=1)")
     args = parser.parse_args(argv)
@@ -584,6 +618,9 @@ def main(argv=None) -> int:
         + "\n"
     )
     print(summary(out, args, devices, jobs, runs, why, refused))
+    if args.pack is not None:
+        size = pack(out, args.pack)
+        print(f"packed into {args.pack} ({size / 2**20:.1f} MiB)")
     if any(j.state == "failed" for j in jobs) or any(b in why for b, done in runs.items() if done):
         return 1
     if any(m not in runs[b] for b in comparison for m in comparison[b]):
