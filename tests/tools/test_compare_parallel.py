@@ -178,8 +178,9 @@ def test_the_pack_holds_the_finished_runs_without_checkpoints_and_a_later_call_f
     (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
     (run / "reliability_diagram.png").write_bytes(b"x")
     _run(out / "parts" / "structure_net" / "map" / "tune" / "map" / "lr_0.1", status="running")
-    (out / "structure_net").mkdir()
+    (out / "structure_net" / "report").mkdir(parents=True)
     (out / "structure_net" / "comparison.md").write_text("| map |")
+    (out / "structure_net" / "report" / "pareto_digits.png").write_bytes(b"x")
     (out / "summary.md").write_text("s")
     cp.pack(out, out / "compare.tar.gz")  # written into the folder it packs: not packed into itself
     with tarfile.open(out / "compare.tar.gz") as tar:
@@ -187,7 +188,8 @@ def test_the_pack_holds_the_finished_runs_without_checkpoints_and_a_later_call_f
         tar.extractall(tmp_path / "back", filter="data")
     assert "summary.md" in names and "structure_net/comparison.md" in names and "compare.tar.gz" not in names
     assert "parts/structure_net/map/map/metrics.json" in names
-    assert not [n for n in names if n.endswith((".ckpt", ".png")) or "/tune/" in n]
+    assert not [n for n in names if n.endswith((".ckpt", ".png")) and n != "structure_net/report/pareto_digits.png"]
+    assert "structure_net/report/pareto_digits.png" in names and not [n for n in names if "/tune/" in n]
     runs = cp.finished_runs(tmp_path / "back", {"structure_net": "cpu"}, {"structure_net": ["map"]})
     assert runs == {"structure_net": {"map": tmp_path / "back" / "parts" / "structure_net" / "map" / "map"}}
 

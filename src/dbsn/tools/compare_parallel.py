@@ -4,7 +4,7 @@ wall-clock budget, joined into one comparison per backbone.
     python -m dbsn.tools.compare_parallel --out DIR --budget 300 [--processes 16] [--cores N]
         [--backbones structure_net,resnet18] [--methods dbsn,map,...] [--device auto|cpu|gpu|BACKBONE=DEVICE,...]
         [--data digits] [--epochs 50] [--lr-grid 0.025,...] [--batch-size 64] [--samples 100]
-        [--join-seconds 60] [--keep-checkpoints] [--dry-run] [overrides ...]
+        [--join-seconds 60] [--keep-checkpoints] [--pack FILE] [--dry-run] [overrides ...]
 
 Each process is one `python -m dbsn.tools.compare --tune` (`dbsn.tools.compare`) on a group of methods
 (a deep ensemble with the method its members are, as one comparison tunes it by its members' search),
@@ -28,7 +28,8 @@ status; `DIR/logs/` their output.
 
 Called again with the same `DIR` and settings, it keeps the finished methods and continues the others
 (`--resume` in their folders). The checkpoints of finished runs are deleted unless `--keep-checkpoints`
-(the comparison reads none, and `DIR` stays small enough to copy between machines).
+(the comparison reads none). `--pack FILE` also writes one .tar.gz of the comparisons, logs and finished
+runs (`pack`), for a machine that sends back only a few files; unpacked into a `DIR`, it is continued.
 
 Exit status: 0 when every method finished and every backbone's comparison was written; 124 when the
 budget stopped some (the finished ones are in the comparisons); 1 when a process or a join failed.
@@ -395,9 +396,9 @@ def prune(out: Path) -> None:
                 ckpt.unlink()
 
 
-#: Not packed (`pack`): checkpoints, figures a run draws for itself (the report draws its own from the
-#: runs' files), locks.
-UNPACKED = ("*.ckpt", "*.png", ".dbsn.lock")
+#: Not packed (`pack`): checkpoints and locks, and in the runs the figures each draws for itself (the
+#: report draws its own from the runs' files, and they are packed).
+UNPACKED, UNPACKED_IN_RUNS = ("*.ckpt", ".dbsn.lock"), ("*.png",)
 
 
 def pack(out: Path, path: Path) -> int:
@@ -408,17 +409,20 @@ def pack(out: Path, path: Path) -> int:
     import fnmatch
     import tarfile
 
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if any(fnmatch.fnmatch(Path(info.name).name, p) for p in UNPACKED) else info
+    def without(patterns):
+        def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+            return None if any(fnmatch.fnmatch(Path(info.name).name, p) for p in patterns) else info
+
+        return keep
 
     with tarfile.open(path, "w:gz") as tar:
         for name in sorted(p.name for p in out.iterdir() if p.name != "parts"):
-            if (out / name).exists() and (out / name).resolve() != Path(path).resolve():
-                tar.add(out / name, arcname=name, filter=keep)
+            if (out / name).resolve() != Path(path).resolve():
+                tar.add(out / name, arcname=name, filter=without(UNPACKED))
         for record in sorted((out / "parts").glob("**/run.json")):
             run = record.parent
             if (read_run_record(run) or {}).get("status") == "finished":
-                tar.add(run, arcname=str(run.relative_to(out)), filter=keep)
+                tar.add(run, arcname=str(run.relative_to(out)), filter=without(UNPACKED + UNPACKED_IN_RUNS))
     return Path(path).stat().st_size
 
 
@@ -468,8 +472,8 @@ def summary(out: Path, args, devices, jobs, runs, why, refused=None) -> str:
         if backbone in why:
             lines += [f"No comparison written: {why[backbone]}.", ""]
         else:
-            report = f"; report: `{folder / 'report' / 'report.md'}`" if len(done) > 1 else ""
-            lines += [(folder / "comparison.md").read_text().rstrip(), "", f"`{folder / 'comparison.md'}`{report}", ""]
+            report = f"; report: `{backbone}/report/report.md`" if len(done) > 1 else ""
+            lines += [(folder / "comparison.md").read_text().rstrip(), "", f"`{backbone}/comparison.md`{report}", ""]
         if done:
             rows = convergence_rows(done)
             lines += [
