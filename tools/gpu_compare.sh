@@ -33,7 +33,7 @@ if ! "$PY" -c "import hydra, omegaconf" > /dev/null 2>&1 && ls .whl/*.whl > /dev
 elif [ -d /tmp/site ]; then
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-if ! timeout 60 "$PY" -c "import dbsn.tools.compare, torch; print('dbsn from', dbsn.__file__, '| torch',
+if ! timeout 90 "$PY" -c "import dbsn.tools.compare, torch, matplotlib.font_manager; print('dbsn from', dbsn.__file__, '| torch',
   torch.__version__, '| CUDA', torch.cuda.is_available())" > "$OUT/environment.txt" 2>&1; then
   echo "gpu_compare.sh: dbsn does not import with $PY (see $OUT/environment.txt): carry .whl/ for Hydra" >&2
   cat "$OUT/environment.txt" >&2
@@ -42,7 +42,7 @@ fi
 if command -v nvidia-smi > /dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv > "$OUT/nvidia_smi.txt" 2>&1
 fi
-# the budget counts from here; the interpreter's start above is outside it
+# the budget counts from here: the start above (matplotlib's font cache built once, not by 16 processes) is outside it
 "$PY" -m dbsn.tools.compare_parallel --out "$WORK" --budget "$BUDGET" --pack "$OUT/compare.tar.gz" "$@"
 rc=$?
 if [ "$OUT" != "$WORK" ]; then

@@ -54,10 +54,10 @@ from dbsn.evaluation.runs import METRICS_FILE, read_run_record
 from dbsn.methods.registry import method_config
 from dbsn.tools.compare import LR_GRID, TUNING_FILE, backbone_choices, compared_methods, data_choices, names
 
-#: The epochs of every run. The CPU comparisons of docs/results.md stopped at 162-210 steps, too few
-#: for several methods (DBSN's NLL still falling; BatchEnsemble's fast weights need about 600 steps on
-#: the cell network); 50 epochs of the 17 steps `--tune` leaves on digits (1,145 images, batch 64) are
-#: 850 steps, every schedule compressed into them as in any comparison.
+#: The epochs of every run: 50 epochs of the 17 steps `--tune` leaves on digits (1,145 images, batch 64)
+#: are 850 steps, every schedule compressed into them as in any comparison: more than the 600 steps that
+#: BatchEnsemble at its authors' initialisation needs to catch up on the cell network (docs/field.md), where
+#: the shorter CPU comparisons of docs/results.md left several methods short of convergence.
 EPOCHS = 50
 #: The backbones compared, each a comparison of its own (the cell network, and a ResNet-18 of width 16).
 BACKBONES = ("structure_net", "resnet18")
@@ -68,7 +68,7 @@ QUIET = (
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
 )
-#: Seconds between SIGTERM (a run saves where it is and exits) and SIGKILL.
+#: Seconds between SIGTERM (a run stops at the end of its batch) and SIGKILL.
 GRACE = 10
 #: Exit status when the budget stopped a process (as `timeout`'s).
 STOPPED = 124
@@ -301,7 +301,8 @@ def stop(running: dict) -> None:
             except ProcessLookupError:
                 pass
             proc.wait()
-        job.rc, job.seconds, job.state = proc.returncode, time.monotonic() - start, "stopped"
+        job.rc, job.seconds = proc.returncode, time.monotonic() - start
+        job.state = "finished" if proc.returncode == 0 else "stopped"  # 0: it ended before the signal
         del running[proc]
 
 
@@ -585,16 +586,18 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, handler)
     runs = finished_runs(out, devices, comparison)
-    why = {}
+    why, joins = {}, {}
     for backbone, done in runs.items():
         if not done:
             why[backbone] = "no method finished"
             continue
+        began = time.monotonic()
         try:
             join(out, args, backbone, done)
         except Exception as err:  # noqa: BLE001 - one backbone's failure leaves the other's comparison
             traceback.print_exc()
             why[backbone] = f"{type(err).__name__}: {err}"
+        joins[backbone] = time.monotonic() - began
     if not args.keep_checkpoints:
         prune(out)
     (out / "status.json").write_text(
@@ -614,6 +617,7 @@ def main(argv=None) -> int:
                 ],
                 "finished": {b: {m: str(r) for m, r in done.items()} for b, done in runs.items()},
                 "not_joined": why,
+                "join_seconds": joins,
                 "left_out": {f"{b}/{m}": line for (b, m), line in refused.items()},
                 "seconds": time.monotonic() - start,
             },
