@@ -74,6 +74,19 @@ GRACE = 10
 STOPPED = 124
 
 
+def available_cores() -> int:
+    """The cores this process may use: its CPU affinity, and a cgroup v2 quota (`cpu.max`) below it (a
+    container may see every core of its host)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 @dataclass
 class Job:
     """One process: `methods` (in the comparison's order) on `backbone`, on `device`."""
@@ -509,8 +522,10 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the folder of the comparisons (see above)")
     parser.add_argument("--budget", type=float, required=True, help="wall-clock seconds for everything, joins included")
-    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="processes at once (default: cores)")
-    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores shared by the processes")
+    parser.add_argument("--processes", type=int, default=None, help="processes at once (default: --cores)")
+    parser.add_argument(
+        "--cores", type=int, default=None, help="cores shared by the processes (default: those this process may use)"
+    )
     parser.add_argument("--backbones", type=names, default=list(BACKBONES))
     parser.add_argument("--methods", type=names, default=compared_methods())
     parser.add_argument("--device", default="auto", help="auto, cpu, gpu, or BACKBONE=DEVICE,... (see parse_devices)")
@@ -532,6 +547,8 @@ def parse(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="print the processes and joins, run nothing")
     parser.add_argument("overrides", nargs="*", help="train.py overrides for every run (e.g. seed=1)")
     args = parser.parse_args(argv)
+    args.cores = available_cores() if args.cores is None else args.cores
+    args.processes = args.cores if args.processes is None else args.processes
     unknown = sorted(set(args.methods) - set(compared_methods()))
     if unknown:
         parser.error(f"unknown method(s) {unknown}; choose from {', '.join(compared_methods())}")
