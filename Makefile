@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: env lint train evaluate test test-fast bench bench-gpu bench-gpu-smoke docs clean
+.PHONY: env lint train evaluate test test-fast bench bench-gpu bench-gpu-smoke compare-gpu docs clean
 
 ## uv installs the same pinned versions as pip (compared package by package) in a fraction of the time
 ## (docs/performance.md); pip does it where uv cannot be had.
@@ -64,6 +64,11 @@ bench-gpu: $(STAMP)
 
 bench-gpu-smoke: $(STAMP)
 	PY=$(PY) tools/gpu_window.sh --device cpu --tiny --compile-backend eager
+
+## The digits comparison at convergence on a GPU machine's cores: dbsn-compare --tune, every method, both
+## backbones, one process per core, within $$BUDGET seconds (default 300), results under $$OUT (compare_out).
+compare-gpu: $(STAMP)
+	PY=$(PY) tools/gpu_compare.sh
 
 ## The documentation site into site/: the docs/ pages and the API reference from the docstrings (mkdocs.yml),
 ## offline; --strict: a warning (a broken link or anchor, a docstring that does not parse) fails the build.
