@@ -6,34 +6,19 @@ wall-clock budget, joined into one comparison per backbone.
         [--data digits] [--epochs 50] [--lr-grid 0.025,...] [--batch-size 64] [--samples 100]
         [--join-seconds 60] [--keep-checkpoints] [--pack FILE] [--dry-run] [overrides ...]
 
-Each process is one `python -m dbsn.tools.compare --tune` (`dbsn.tools.compare`) on a group of methods
-(a deep ensemble with the method its members are, as one comparison tunes it by its members' search),
-into its own folder `DIR/parts/<backbone>/<first method>`, with `OMP_NUM_THREADS` = cores / P. Every
-process gets the same settings (the data, epochs, batch, grid, S, the validation split `--tune` adds,
-the seed, the trainer and the overrides); only `--methods` and `--out` differ, so each method's run is
-the one a single comparison of every method would make (a method's search does not depend on the
-others'). The methods that train DBSN's cell network whatever the backbone (`Method.networks`
-"cells") run once, shared by every backbone of the same device. A method whose training config does
-not compose on a backbone with these settings is left out before anything starts, and named.
-
-At `--budget` seconds less `--join-seconds` the processes still running are stopped (SIGTERM; a
-stopped run continues from its last epoch-end checkpoint, `dbsn.runtime.signals`) and no more start.
-Then each backbone's finished runs are joined in `DIR/<backbone>`: comparison.md and comparison.json
-as dbsn-compare writes them, and report/ (`dbsn.evaluation.report`, read from the processes' folders)
-with the paired differences against DBSN, once `check_shared` has found that the runs shared the
-data, trainer, seed and learning-rate grid. `DIR/summary.md` has each backbone's table, each run's
-chosen rate and convergence (the training loss over the last tenth; `dbsn.evaluation.convergence`),
-the unconverged methods, and what did not finish; `DIR/status.json` every process's state and exit
-status; `DIR/logs/` their output.
-
-Called again with the same `DIR` and settings, it keeps the finished methods and continues the others
-(`--resume` in their folders). The checkpoints of finished runs are deleted unless `--keep-checkpoints`
-(the comparison reads none). `--pack FILE` also writes one .tar.gz of the comparisons, logs and finished
-runs (`pack`), for a machine that sends back only a few files; unpacked into a `DIR`, it is continued.
-
-Exit status: 0 when every method finished and every backbone's comparison was written; 124 when the
-budget stopped some (the finished ones are in the comparisons); 1 when a process or a join failed.
-`--dry-run` prints the processes it would run, and runs nothing.
+Each process is one `dbsn.tools.compare --tune` on a group of methods (a deep ensemble with the
+method its members are) in its own folder, with `OMP_NUM_THREADS` = cores / P and the same settings
+as every other (data, epochs, batch, grid, S, validation split, seed, trainer, overrides): only
+`--methods` and `--out` differ, so each method's run is the one a single comparison of every method
+would make. Methods that train DBSN's cell network whatever the backbone run once for every backbone
+on the same device; a method whose config does not compose is left out before anything starts, and
+named. At the budget less `--join-seconds` the processes still running are stopped (each resumable
+from its last epoch-end checkpoint), then each backbone's finished runs are joined (comparison.md,
+comparison.json and the report, once `check_shared` has found the runs shared their settings), and
+`DIR/summary.md` names each run's chosen rate, whether it converged and what did not finish. Called
+again with the same `DIR`, it continues; `--pack FILE` writes one .tar.gz that a later call continues
+from. Exit status 0 when all finished, 124 when the budget stopped some, 1 on a failure. The prepared
+GPU command (`tools/gpu_compare.sh`) and its budget: docs/performance.md.
 """
 
 from __future__ import annotations
