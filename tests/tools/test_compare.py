@@ -491,3 +491,16 @@ def test_tune_end_to_end_the_deep_ensemble_takes_its_members_search(tmp_path, ca
     text = (tmp_path / "report" / "tuning.md").read_text()
     assert "| map_fixed | digits |" in text and "deep_ensemble seed 0" in text
     assert not [r for r in caplog.records if "Tip" in str(r.msg)]  # five trainings in one process, no product tip
+
+
+def test_a_method_whose_file_sizes_its_cell_network_composes_on_a_residual_backbone(tmp_path):
+    """VOGN's file sets the small cell network's B = 4 and one cell per stage; on ResNet-18 those
+    keys are removed (train.py refuses them there and says so), on the cell network they stay."""
+    assert compare.own_net_keys("vogn") == ["num_nodes", "cells_per_stage"] and compare.own_net_keys("map") == []
+    overrides = compare.method_overrides("vogn", epochs=1, steps_per_epoch=1, backbone="resnet18")
+    assert "~model.net.num_nodes" in overrides and "~model.net.cells_per_stage" in overrides
+    cfg = compose_config("train", overrides, tmp_path)
+    validate_config(cfg)
+    assert cfg.model.net._target_ == "dbsn.nets.ResNet18" and "num_nodes" not in cfg.model.net
+    cells = compose_config("train", compare.method_overrides("vogn", 1, 1, backbone="structure_net"), tmp_path)
+    assert cells.model.net.num_nodes == 4 and cells.model.net.cells_per_stage == 1

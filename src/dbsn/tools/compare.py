@@ -271,6 +271,27 @@ def lr_key(method: str) -> str:
     return f"model.{method_config(method).optimizer_key}.lr"
 
 
+def own_net_keys(method: str) -> list[str]:
+    """The `net` keys that the method's own file in conf/model/ (and the model files it extends) sets
+    for its cell network, e.g. VOGN's small B = 4 network: on a residual backbone they are removed, as
+    train.py's refusal of them tells a user to (`~model.net.num_nodes`)."""
+    from dbsn.extensions import config_dirs
+
+    keys, names, seen = [], [method], set()
+    while names:
+        name = names.pop()
+        seen.add(name)
+        for folder in config_dirs():
+            path = Path(folder) / "model" / f"{name}.yaml"
+            if path.is_file():
+                raw = OmegaConf.load(path)
+                keys += [key for key in (raw.get("net") or {}) if key not in keys]
+                parents = [d for d in raw.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+                names += [d for d in parents if d not in seen]
+                break
+    return keys
+
+
 def method_overrides(
     method: str,
     epochs: int,
@@ -296,6 +317,7 @@ def method_overrides(
         f"{choice}={net}",
         f"trainer.max_epochs={epochs}",
         "trainer.log_every_n_steps=10",
+        *[f"~{model}.net.{key}" for key in own_net_keys(method) if net != "structure_net"],
         *[f"{model}.net.{o}" for o in BACKBONES.get(net, ())],
         *[f"{model}.net.{o}" for o in net_overrides],
     ]
