@@ -243,7 +243,7 @@ def test_the_script_end_to_end_on_a_cpu_and_a_budget_that_runs_out_keeps_what_fi
     with tarfile.open(back / "compare.tar.gz") as tar:  # the next machine continues from what came back
         tar.extractall(tmp_path / "again", filter="data")
     out = tmp_path / "again"
-    more = [*common, "--methods", "map,mc_dropout,bbb", "--processes", "1", "--budget", "33", "--join-seconds", "30"]
+    more = [*common, "--methods", "map,mc_dropout,bbb", "--processes", "1", "--budget", "20", "--join-seconds", "17"]
     assert cp.main(["--out", str(out), *more]) == cp.STOPPED  # in this process: one interpreter start less
     status = json.loads((out / "status.json").read_text())
     assert [(j["name"], j["state"]) for j in status["jobs"]] == [("structure_net/bbb", "stopped")]
