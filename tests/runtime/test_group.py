@@ -144,6 +144,12 @@ def test_a_group_is_refused_in_one_line_where_it_cannot_run(tmp_path):
         check_group([one, ddp], [tmp_path / "a", tmp_path / "b"])
     with pytest.raises(ConfigError, match="would both run in"):
         check_group([one, one], [tmp_path / "a", tmp_path / "a"])
+    wandb = _cfg(tmp_path / "c", "logger=wandb")
+    with pytest.raises(
+        ConfigError, match=r"run #1 of the group: logger=wandb: W&B keeps one run per process"
+    ) as raised:
+        check_group([one, wandb], [tmp_path / "a", tmp_path / "c"])
+    assert "\n" not in str(raised.value)
     # on SLURM: not yet, refused before anything is composed or submitted
     from types import SimpleNamespace
 
@@ -152,6 +158,30 @@ def test_a_group_is_refused_in_one_line_where_it_cannot_run(tmp_path):
     slurm = SimpleNamespace(config=None, params={"runs_per_process": 2})
     with pytest.raises(ConfigError, match=r"runs_per_process=2: .*local launcher only.*Nothing was submitted"):
         submit_sweep(slurm, [["seed=0"], ["seed=1"]], 0)
+
+
+def test_a_hand_over_puts_back_the_switches_a_trainer_sets():
+    """cuDNN's benchmark, deterministic algorithms, the matmul precision, the default dtype and the
+    warning filters are one per process: each run gets back its own at its turn."""
+    import warnings
+
+    from dbsn.runtime.turns import ProcessState
+
+    mine = ProcessState.capture()
+    try:
+        torch.backends.cudnn.benchmark = not mine.switches[0]
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("medium")
+        torch.set_default_dtype(torch.float64)
+        warnings.simplefilter("ignore", UserWarning)
+        theirs = ProcessState.capture()
+        assert theirs.switches != mine.switches and theirs.warning_filters != mine.warning_filters
+        mine.restore()
+        assert ProcessState.capture().switches == mine.switches and warnings.filters == mine.warning_filters
+        theirs.restore()
+        assert torch.get_default_dtype() == torch.float64 and torch.are_deterministic_algorithms_enabled()
+    finally:
+        mine.restore()
 
 
 def test_a_signal_reaches_every_run_of_the_group(tmp_path, capfd):

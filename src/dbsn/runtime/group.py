@@ -9,12 +9,12 @@ stream of its own, so its kernels and CUDA-graph replays may overlap with the ot
 Each run equals its solo run: the runs take turns, one training batch each (`dbsn.runtime.turns`),
 and at every hand-over the process-wide state a run reads (the random generators, on CUDA each
 device's generator state object; environment variables; the working directory; Hydra's config
-singleton; the root logger's handlers) is saved for the run that leaves and restored for the one
-that arrives. On the CPU a grouped run ends bit for bit where its solo run ends (tested). Signals
+singleton; the root logger's handlers; torch's global switches) is saved for the run that leaves
+and restored for the one that arrives. On the CPU a grouped run ends bit for bit where its solo run ends (tested). Signals
 reach every run of the group through the main thread (`turns._Relay`). Refused in one line: DDP
-or several nodes in a group, two runs in one folder. What a GPU must still show (overlap in a real
-training, each graphed run's random numbers) and the figures: docs/training.md ("Several runs in
-one process").
+or several nodes in a group, W&B logging, two runs in one folder. What a GPU must still show
+(overlap in a real training, each graphed run's random numbers) and the figures: docs/training.md
+("Several runs in one process").
 """
 
 from __future__ import annotations

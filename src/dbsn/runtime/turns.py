@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -45,6 +46,29 @@ def _cuda_generators() -> list[torch.Generator]:
     return list(torch.cuda.default_generators) if torch.cuda.is_initialized() else []
 
 
+def _switches() -> tuple:
+    """torch's process-wide switches that a run's Trainer (``benchmark``, ``deterministic``), its
+    precision or its method may set: cuDNN's benchmark and determinism, deterministic algorithms
+    (and warn-only), the float32 matmul precision, the default dtype."""
+    return (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.get_default_dtype(),
+    )
+
+
+def _set_switches(switches: tuple) -> None:
+    benchmark, cudnn_deterministic, deterministic, warn_only, matmul, dtype = switches
+    torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.deterministic = cudnn_deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_float32_matmul_precision(matmul)
+    torch.set_default_dtype(dtype)
+
+
 @dataclass
 class ProcessState:
     """The process-wide state a run reads, saved for a run when it hands over its turn and put back
@@ -59,6 +83,8 @@ class ProcessState:
     hydra: Any
     log_handlers: list[logging.Handler]
     log_level: int
+    switches: tuple  # torch's global switches a Trainer or a method sets (`_switches`)
+    warning_filters: list
 
     @classmethod
     def capture(cls) -> ProcessState:
@@ -75,6 +101,8 @@ class ProcessState:
             hydra=HydraConfig.instance().cfg,
             log_handlers=list(root.handlers),
             log_level=root.level,
+            switches=_switches(),
+            warning_filters=list(warnings.filters),
         )
 
     def for_a_run(self) -> ProcessState:
@@ -103,6 +131,8 @@ class ProcessState:
         root = logging.getLogger()
         root.handlers[:] = self.log_handlers
         root.setLevel(self.log_level)
+        _set_switches(self.switches)
+        warnings.filters[:] = self.warning_filters
 
 
 # ---------------------------------------------------------------------- taking turns
@@ -298,6 +328,13 @@ def check_group(cfgs: Sequence[DictConfig], output_dirs: Sequence[Path], names: 
                 f"{name}: trainer.devices={trainer.get('devices', 1)}, trainer.num_nodes={nodes}, "
                 f"trainer.strategy={strategy}: several runs in one process train on one device each; DDP runs "
                 "one per process (leave hydra.launcher.runs_per_process=1, or trainer.devices=1)."
+            )
+        logger = str((cfg.get("logger") or {}).get("wandb", {}).get("_target_", "")) if cfg.get("logger") else ""
+        if "Wandb" in logger:
+            raise ConfigError(
+                f"{name}: logger=wandb: W&B keeps one run per process (a second wandb.init finishes the first), so "
+                "grouped runs cannot each log to their own; use logger=csv (the default) in a group, or leave "
+                "hydra.launcher.runs_per_process=1."
             )
         key = Path(folder).absolute()
         if key in seen:
