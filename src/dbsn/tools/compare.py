@@ -182,6 +182,14 @@ def evaluation_passes(
     return passes
 
 
+def compose_train(overrides: list[str]) -> DictConfig:
+    """train.py's config with `overrides`, composed in this process from dbsn's config folder."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
 def compose_evaluate(overrides: list[str], ckpt: Path, output_dir: Path) -> DictConfig:
     """evaluate.py's config for `ckpt`, composed in this process (Hydra's errors as ConfigError)."""
     from hydra import compose, initialize_config_dir

@@ -176,10 +176,7 @@ def refused_configs(args) -> dict[tuple[str, str], str]:
     """(backbone, method) -> the first line of the error, for each method whose training config does not
     compose or validate on a backbone with these settings (dbsn-compare would stop on it): it is left out
     of the plan and named, before any process starts."""
-    from hydra import compose, initialize_config_dir
-
-    from dbsn.runtime.config import CONF_DIR
-    from dbsn.tools.compare import TUNE_VAL_SIZE, method_overrides, shared_overrides
+    from dbsn.tools.compare import TUNE_VAL_SIZE, compose_train, method_overrides, shared_overrides
     from dbsn.tools.comparison_folder import validated
 
     refused = {}
@@ -190,11 +187,7 @@ def refused_configs(args) -> dict[tuple[str, str], str]:
             )
             shared = [*shared_overrides(args.data, args.batch_size, args.subset), *QUIET, *args.overrides]
             try:
-                with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                    cfg = compose(
-                        "train",
-                        overrides=[*model, *shared, f"data.val_size={TUNE_VAL_SIZE}", f"paths.output_dir={args.out}"],
-                    )
+                cfg = compose_train([*model, *shared, f"data.val_size={TUNE_VAL_SIZE}", f"paths.output_dir={args.out}"])
                 validated(cfg)
             except Exception as err:  # noqa: BLE001 - whatever stops its composition, named in the summary
                 refused[(backbone, method)] = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
